@@ -1,0 +1,32 @@
+# The project's front door. `make demo` runs the demo trainer on an embedded store;
+# `make test` runs ruff then pytest. Both create .venv and install the project first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlplane demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+# Benchmarks need the `bench` extra (matplotlib, transferqueue==0.1.11 for side-by-side runs).
+bench: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/rlplane bench all
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,53 @@
+"""Shared fixtures: one Ray session for the whole pytest session.
+
+The session runs on a ``ray.cluster_utils.Cluster`` head with a logical ``num_cpus=8``
+(the CI machine has 2 real cores), so tests that need a second "node" add one to the
+same cluster with ``ray_cluster.add_node(...)`` instead of starting a second Ray.
+
+Tests that need Ray take the ``ray_cluster`` fixture (or ``ray_session`` when they only
+need ``ray`` initialised). Pure tests take neither and never start Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Keep Ray quiet and small on a 2-core machine; set before ray is imported anywhere.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RAY_NUM_CPUS = 8
+RAY_OBJECT_STORE_BYTES = 512 * 1024**2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A one-node Ray cluster shared by every test in the session, torn down at the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": RAY_NUM_CPUS,
+            "include_dashboard": False,
+            "object_store_memory": RAY_OBJECT_STORE_BYTES,
+        },
+    )
+    ray.init(address=cluster.address, log_to_driver=True)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """Ray initialised for this process (the session's cluster)."""
+    import ray
+
+    assert ray.is_initialized()
+    return ray_cluster
