@@ -1,0 +1,100 @@
+"""Typed errors of the data plane. Every error is a ``DataplaneError``.
+
+Each class also subclasses the built-in error a caller would naturally catch
+(``KeyError`` for a missing key, ``ValueError`` for bad input, ...), and every
+message names the culprit and, where there is one, the next step.
+
+    >>> try:
+    ...     dp.kv_batch_get(["nope"], partition_id="train")
+    ... except dp.KeyNotFoundError as e:
+    ...     print(e.key, e.partition_id)
+    nope train
+"""
+
+from __future__ import annotations
+
+
+class DataplaneError(Exception):
+    """Root of every error the data plane raises."""
+
+    def __str__(self) -> str:  # KeyError subclasses would otherwise repr() the message
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class StoreNotInitializedError(DataplaneError, RuntimeError):
+    """A KV call was made before ``dp.init()`` (or after ``dp.close()``)."""
+
+
+class KeyNotFoundError(DataplaneError, KeyError):
+    """A key is not stored in the partition. Attributes: ``key``, ``partition_id``."""
+
+    def __init__(self, key: str, partition_id: str, message: str | None = None) -> None:
+        self.key = key
+        self.partition_id = partition_id
+        super().__init__(message or f"key {key!r} is not stored in partition {partition_id!r}")
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.partition_id, self.args[0]))
+
+
+class PartitionNotFoundError(DataplaneError, KeyError):
+    """The partition does not exist (never written, or cleared). Attribute: ``partition_id``."""
+
+    def __init__(self, partition_id: str, message: str | None = None) -> None:
+        self.partition_id = partition_id
+        super().__init__(message or f"partition {partition_id!r} does not exist; write to it first")
+
+    def __reduce__(self):
+        return (type(self), (self.partition_id, self.args[0]))
+
+
+class SchemaError(DataplaneError, ValueError):
+    """A field's dtype, shape or kind does not match the column already stored. Attribute: ``field``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.args[0]))
+
+
+class BatchSizeError(DataplaneError, ValueError):
+    """The number of keys and the batch size of the fields (or tags) differ."""
+
+
+class SerializationError(DataplaneError, TypeError):
+    """A value cannot be stored without pickle, and pickle was not allowed for it."""
+
+
+class ShardUnavailableError(DataplaneError, ConnectionError):
+    """A shard did not answer within its deadline (dead or unreachable). Attribute: ``shard``."""
+
+    def __init__(self, shard: str, message: str) -> None:
+        self.shard = shard
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.shard, self.args[0]))
+
+
+class StoreFullError(DataplaneError, MemoryError):
+    """A put would exceed the store's byte capacity; nothing was written."""
+
+
+class SchedulingError(DataplaneError, TimeoutError):
+    """Ray could not schedule the store's actors within the deadline (not enough resources)."""
+
+
+__all__ = [
+    "BatchSizeError",
+    "DataplaneError",
+    "KeyNotFoundError",
+    "PartitionNotFoundError",
+    "SchedulingError",
+    "SchemaError",
+    "SerializationError",
+    "ShardUnavailableError",
+    "StoreFullError",
+    "StoreNotInitializedError",
+]
