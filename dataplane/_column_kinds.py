@@ -1,0 +1,298 @@
+"""Per-kind encoding and decoding of column values (the body of ``_columns`` encode / decode).
+
+Kinds: dense and jagged tensors (raw bytes of the tensor's storage), arrow (strings, binary, lists
+of numbers: an Arrow large_* data buffer plus int64 offsets), object (one pickle per row, opt-in).
+Pickle lives here and nowhere else in the data plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import warnings
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dataplane._column_types import Column, ColumnSpec, torch_dtype, u8_tensor
+from dataplane.errors import BatchSizeError, SchemaError, SerializationError
+
+logger = logging.getLogger(__name__)
+
+PICKLE_ENV = "DATAPLANE_ALLOW_PICKLE"
+_warned_pickle = False
+
+
+def _env_allows_pickle() -> bool:
+    return os.environ.get(PICKLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _u8_of_array(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _tensor_bytes(name: str, t: torch.Tensor) -> memoryview:
+    """Zero-copy uint8 view of a contiguous CPU tensor's elements."""
+    try:
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    except (RuntimeError, TypeError) as e:
+        raise SerializationError(f"field {name!r}: tensors of dtype {t.dtype} cannot be stored ({e})") from e
+
+
+def _is_nontensor(value: Any) -> bool:
+    return type(value).__name__ in ("NonTensorData", "NonTensorStack") and hasattr(value, "tolist")
+
+
+class ValueEncoder:
+    """Encodes the fields of one batch; ``finish()`` waits once for all CUDA -> pinned host copies."""
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle or _env_allows_pickle()
+        self._cuda_pending = False
+
+    def finish(self) -> None:
+        if self._cuda_pending:
+            torch.cuda.synchronize()
+            self._cuda_pending = False
+
+    def encode(self, name: str, value: Any, num_rows: int) -> Column:
+        if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                return self._nested(name, value, num_rows)
+            return self._dense(name, value, num_rows)
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind in "biufc":
+                return self._numpy(name, value, num_rows)
+            return self._list(name, value.tolist() if value.dtype.kind in "USa" else list(value), num_rows)
+        if _is_nontensor(value):
+            return self._list(name, list(value.tolist()), num_rows)
+        if isinstance(value, (pa.Array, pa.ChunkedArray)):
+            arr = value.combine_chunks() if isinstance(value, pa.ChunkedArray) else value
+            _check_rows(name, len(arr), num_rows)
+            col = _arrow_column(arr)
+            return col if col is not None else self._object(name, arr.to_pylist(), num_rows)
+        if isinstance(value, (list, tuple)):
+            return self._list(name, list(value), num_rows)
+        hint = " (flatten it with td.flatten_keys('.'))" if hasattr(value, "batch_size") else ""
+        raise SerializationError(
+            f"field {name!r} is a {type(value).__name__}, not a column of {num_rows} rows{hint}; give a "
+            "tensor / ndarray with the batch as first dim, or a list with one value per row"
+        )
+
+    # -- tensors --------------------------------------------------------------------------------
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy-or-view of ``t``: at most one copy; CUDA goes through pinned memory."""
+        t = t.detach().resolve_conj().resolve_neg()
+        if t.device.type == "cpu":
+            return t.contiguous()
+        if t.device.type == "cuda":
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            self._cuda_pending = True
+            return pinned
+        return t.to("cpu").contiguous()
+
+    def _dense(self, name: str, t: torch.Tensor, num_rows: int) -> Column:
+        if t.layout != torch.strided:
+            raise SerializationError(f"field {name!r}: {t.layout} tensors are not supported; use .to_dense()")
+        if t.dim() == 0:
+            raise BatchSizeError(f"field {name!r} is a 0-d tensor (no batch dim); expected {num_rows} rows")
+        _check_rows(name, t.shape[0], num_rows)
+        data = _tensor_bytes(name, self._host(t))
+        return Column(ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape[1:])), num_rows, data)
+
+    def _numpy(self, name: str, arr: np.ndarray, num_rows: int) -> Column:
+        if arr.ndim == 0:
+            raise BatchSizeError(f"field {name!r} is a 0-d array with no batch dim; expected {num_rows} rows")
+        _check_rows(name, arr.shape[0], num_rows)
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        try:
+            dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
+        except TypeError as e:
+            raise SerializationError(
+                f"field {name!r}: numpy dtype {arr.dtype} has no torch equivalent"
+            ) from e
+        spec = ColumnSpec("dense", dtype_name(dtype), tuple(arr.shape[1:]))
+        return Column(spec, num_rows, _u8_of_array(arr))
+
+    def _nested(self, name: str, t: torch.Tensor, num_rows: int) -> Column:
+        if t.layout != torch.jagged or t._ragged_idx != 1 or t.lengths() is not None:
+            # strided-layout nested tensors and jagged ones with holes: go through their rows
+            return self._tensor_list(name, list(t.unbind()), num_rows)
+        _check_rows(name, t.shape[0], num_rows)
+        return self._jagged(name, t.values(), t.offsets().cpu().numpy().astype(np.int64))
+
+    def _jagged(self, name: str, values: torch.Tensor, elem_offsets: np.ndarray) -> Column:
+        trailing = tuple(values.shape[1:])
+        row_bytes = values.dtype.itemsize * math.prod(trailing)
+        if row_bytes == 0:
+            raise SerializationError(f"field {name!r}: jagged rows with an empty trailing shape {trailing}")
+        data = _tensor_bytes(name, self._host(values))
+        begin, end = int(elem_offsets[0]), int(elem_offsets[-1])
+        offsets = (elem_offsets - begin) * row_bytes
+        spec = ColumnSpec("jagged", dtype_name(values.dtype), trailing)
+        return Column(spec, elem_offsets.size - 1, data[begin * row_bytes : end * row_bytes], offsets)
+
+    def _tensor_list(self, name: str, rows: list[torch.Tensor], num_rows: int) -> Column:
+        _check_rows(name, len(rows), num_rows)
+        if all(r.dim() == 0 for r in rows):
+            return self._dense(name, torch.stack(rows), num_rows)
+        first = rows[0]
+        for i, r in enumerate(rows):
+            if r.dim() == 0 or r.dtype != first.dtype or r.shape[1:] != first.shape[1:]:
+                raise SchemaError(
+                    name,
+                    f"field {name!r}: row {i} is {r.dtype} {tuple(r.shape)} but row 0 is {first.dtype} "
+                    f"{tuple(first.shape)}; jagged rows share dtype and all dims after the first",
+                )
+        lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = torch.cat([r.detach() for r in rows])  # the one copy; on the rows' device
+        return self._jagged(name, values, offsets)
+
+    # -- python values --------------------------------------------------------------------------
+
+    def _list(self, name: str, values: list, num_rows: int) -> Column:
+        _check_rows(name, len(values), num_rows)
+        if not values:
+            raise SerializationError(
+                f"field {name!r} is an empty list: its kind cannot be inferred; pass an empty tensor instead"
+            )
+        if all(isinstance(v, torch.Tensor) for v in values):
+            return self._tensor_list(name, values, num_rows)
+        if all(isinstance(v, np.ndarray) and v.dtype.kind in "biufc" for v in values):
+            rows = [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+            return self._tensor_list(name, rows, num_rows)
+        arr = None
+        if not any(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+            try:
+                arr = pa.array(values)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                arr = None
+        if arr is not None and arr.null_count == 0 and _is_number(arr.type):
+            # one number per row: a dense column ([B] int64 / float64 / bool)
+            return self._numpy(name, arr.to_numpy(zero_copy_only=False), num_rows)
+        col = None if arr is None else _arrow_column(arr)
+        return col if col is not None else self._object(name, values, num_rows)
+
+    def _object(self, name: str, values: list, num_rows: int) -> Column:
+        global _warned_pickle
+        if not self.allow_pickle:
+            culprit = next((v for v in values if type(v) not in (str, bytes, int, float, bool)), values[0])
+            raise SerializationError(
+                f"field {name!r} holds {type(culprit).__module__}.{type(culprit).__qualname__} values that "
+                f"need pickle; pass allow_pickle=True (or set {PICKLE_ENV}=1) to store them as an object "
+                "column, or convert them to tensors / str / bytes / lists of numbers"
+            )
+        if not _warned_pickle:
+            _warned_pickle = True
+            logger.warning("field %r is stored with pickle (allow_pickle is on): trusted data only", name)
+        blobs = [pickle.dumps(v, protocol=5) for v in values]
+        offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)), out=offsets[1:])
+        return Column(ColumnSpec("object", "pickle", ()), num_rows, memoryview(b"".join(blobs)), offsets)
+
+
+def _check_rows(name: str, got: int, num_rows: int) -> None:
+    if got != num_rows:
+        raise BatchSizeError(f"field {name!r} has {got} rows but the batch has {num_rows} (one per key)")
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+# -- arrow ----------------------------------------------------------------------------------------
+
+
+def _arrow_column(arr: pa.Array) -> Column | None:
+    """An arrow Column (zero-copy over ``arr``'s buffers), or None when the type is not supported."""
+    t = arr.type
+    if arr.null_count:
+        return None
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        arr, dtype = arr.cast(pa.large_string()), "large_string"
+    elif pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        arr, dtype = arr.cast(pa.large_binary()), "large_binary"
+    elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_number(t.value_type):
+        arr = arr.cast(pa.large_list(t.value_type))
+        dtype = f"large_list<{t.value_type}>"
+    else:
+        return None
+    n = len(arr)
+    buffers = arr.buffers()
+    offs = np.frombuffer(buffers[1], dtype=np.int64)[arr.offset : arr.offset + n + 1]
+    if dtype.startswith("large_list"):
+        child = arr.values
+        if child.null_count:
+            return None
+        items = child.to_numpy(zero_copy_only=False)  # accounts for the child's own offset
+        item_bytes = items.dtype.itemsize
+        raw = items.reshape(-1).view(np.uint8)
+    else:
+        item_bytes = 1
+        raw = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.empty(0, np.uint8)
+    begin, end = int(offs[0]) * item_bytes, int(offs[-1]) * item_bytes
+    offsets = offs * item_bytes - begin
+    return Column(ColumnSpec("arrow", dtype, ()), n, memoryview(raw[begin:end]), offsets)
+
+
+def _arrow_values(col: Column) -> list:
+    dtype = col.spec.dtype
+    data = pa.py_buffer(col.data)
+    if dtype in ("large_string", "large_binary"):
+        atype = pa.large_string() if dtype == "large_string" else pa.large_binary()
+        arr = pa.Array.from_buffers(atype, col.num_rows, [None, pa.py_buffer(col.offsets), data])
+        return arr.to_pylist()
+    if dtype.startswith("large_list<") and dtype.endswith(">"):
+        child_type = pa.type_for_alias(dtype[len("large_list<") : -1])
+        np_dtype = np.bool_ if pa.types.is_boolean(child_type) else child_type.to_pandas_dtype()
+        items = np.frombuffer(col.data, dtype=np_dtype) if col.data.nbytes else np.empty(0, np_dtype)
+        offsets = pa.array(col.offsets // np.dtype(np_dtype).itemsize)
+        return pa.LargeListArray.from_arrays(offsets, pa.array(items, type=child_type)).to_pylist()
+    raise SerializationError(f"unknown arrow column type {dtype!r}")
+
+
+# -- decode ---------------------------------------------------------------------------------------
+
+
+def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
+    """The TensorDict entry for one column (a tensor view over ``col.data`` when it holds tensors)."""
+    spec = col.spec
+    if spec.kind == "dense":
+        return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *spec.shape)
+    if spec.kind == "jagged":
+        dtype = torch_dtype(spec.dtype)
+        values = u8_tensor(col.data).view(dtype).view(-1, *spec.shape)
+        row_bytes = dtype.itemsize * math.prod(spec.shape)
+        elem_offsets = col.offsets // row_bytes
+        lengths = np.diff(elem_offsets)
+        bounds = {}
+        if lengths.size:
+            bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
+        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(elem_offsets), **bounds)
+    from tensordict import NonTensorStack
+
+    if spec.kind == "arrow":
+        return NonTensorStack.from_list(_arrow_values(col))
+    if spec.kind == "object":
+        if not allow_pickle:
+            raise SerializationError(f"field {name!r} is a pickled object column and allow_pickle=False")
+        offs = col.offsets.tolist()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = [pickle.loads(col.data[offs[i] : offs[i + 1]]) for i in range(col.num_rows)]
+        return NonTensorStack.from_list(rows)
+    raise SerializationError(f"field {name!r}: unknown column kind {spec.kind!r}")

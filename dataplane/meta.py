@@ -1,0 +1,335 @@
+"""Metadata types of the data plane: ``KVBatchMeta`` (which rows of the store) and ``StoreInfo``.
+
+A ``KVBatchMeta`` names rows in the store by key; it never carries the rows themselves. It is what
+the driver holds and what ``controlplane`` dispatch chunks and concatenates, so it must stay small
+and cheap to serialize: every value in it is a plain Python type (str, int, float, bool, None, and
+lists / tuples / dicts of those). Tensors and arrays are refused with ``TypeError``.
+
+    >>> meta = KVBatchMeta(["a", "b", "c"], partition_id="train", fields=["prompt"])
+    >>> [m.keys for m in meta.chunk(2)]
+    [['a', 'b'], ['c']]
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from dataplane.errors import KeyNotFoundError
+
+logger = logging.getLogger(__name__)
+
+_SCALARS = (str, int, float, bool, type(None))
+_MAX_DEPTH = 32
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """Return a private copy of ``value`` if it is made only of plain types, else raise TypeError.
+
+    Exact type checks on purpose: ``numpy.float64`` subclasses ``float`` but is not a plain value,
+    and a tensor must never slip in through a subclass.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if depth > _MAX_DEPTH:
+        raise TypeError(f"{where} is nested deeper than {_MAX_DEPTH} levels; KVBatchMeta is small metadata")
+    if kind is dict:
+        out = {}
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"{where} has a key of type {type(k).__name__}; dict keys must be str or int")
+            out[k] = _plain(v, f"{where}[{k!r}]", depth + 1)
+        return out
+    if kind is list or kind is tuple:
+        return kind(_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+    raise TypeError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}; KVBatchMeta carries only plain values "
+        "(str, int, float, bool, None, list, tuple, dict). Put tensors and arrays in the store with "
+        "kv_batch_put and pass their keys instead."
+    )
+
+
+def _unique(items: Iterable[str], what: str) -> None:
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            raise ValueError(f"duplicate {what} {item!r} in KVBatchMeta")
+        seen.add(item)
+
+
+@dataclass(eq=True)
+class KVBatchMeta:
+    """Which rows of the store a batch is made of: keys, their tags, a partition and field names.
+
+    Args:
+        keys: the row keys (str, unique), in batch order.
+        tags: one plain dict per key (default: an empty dict per key).
+        partition_id: the partition the keys live in (required).
+        fields: the field names the keys hold / that a reader should fetch; ``None`` means all.
+        extra_info: small plain side information passed to workers (e.g. a sampling temperature).
+
+    Raises:
+        ValueError: duplicate keys or fields, or ``len(tags) != len(keys)``.
+        TypeError: a key is not a str, or a tensor / array / other non-plain value appears anywhere
+            in ``keys``, ``tags``, ``fields`` or ``extra_info`` (the message says where).
+
+    It implements the batch protocol ``controlplane`` dispatch uses (``len``, ``chunk(n)`` and the
+    classmethod ``concat``) and allows uneven chunks. Instances are plain dataclasses: they pickle,
+    encode with ``msgspec`` as-is, and ``to_dict`` / ``from_dict`` give a msgpack-able dict.
+
+    Example:
+        >>> meta = KVBatchMeta(["k0", "k1", "k2"], partition_id="train", extra_info={"temperature": 1.0})
+        >>> len(meta), meta.size
+        (3, 3)
+        >>> parts = meta.chunk(2)
+        >>> KVBatchMeta.concat(parts) == meta
+        True
+        >>> meta.reorder([2, 0, 1]).keys
+        ['k2', 'k0', 'k1']
+    """
+
+    keys: list[str]
+    tags: list[dict] | None = None
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict | None = field(default=None)
+
+    allows_uneven_chunks: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keys, (str, bytes)) or not isinstance(self.keys, Sequence):
+            raise TypeError(f"KVBatchMeta keys must be a list of str, got {type(self.keys).__name__}")
+        keys = list(self.keys)
+        for i, key in enumerate(keys):
+            if type(key) is not str:
+                raise TypeError(f"KVBatchMeta keys[{i}] is a {type(key).__name__}; keys must be str")
+        _unique(keys, "key")
+        if type(self.partition_id) is not str:
+            raise TypeError(f"KVBatchMeta partition_id must be a str, got {type(self.partition_id).__name__}")
+        if self.tags is None:
+            tags = [{} for _ in keys]
+        else:
+            if isinstance(self.tags, dict) or not isinstance(self.tags, Sequence):
+                raise TypeError(f"KVBatchMeta tags must be a list of dicts, got {type(self.tags).__name__}")
+            if len(self.tags) != len(keys):
+                raise ValueError(f"KVBatchMeta has {len(keys)} keys but {len(self.tags)} tags; one per key")
+            tags = []
+            for i, tag in enumerate(self.tags):
+                if type(tag) is not dict:
+                    raise TypeError(f"KVBatchMeta tags[{i}] is a {type(tag).__name__}; a tag must be a dict")
+                tags.append(_plain(tag, f"KVBatchMeta tags[{i}] (key {keys[i]!r})"))
+        fields = None
+        if self.fields is not None:
+            if isinstance(self.fields, (str, bytes)) or not isinstance(self.fields, Sequence):
+                raise TypeError(f"KVBatchMeta fields must be a list of str, got {type(self.fields).__name__}")
+            fields = list(self.fields)
+            for i, name in enumerate(fields):
+                if type(name) is not str:
+                    raise TypeError(f"KVBatchMeta fields[{i}] is a {type(name).__name__}; names must be str")
+            _unique(fields, "field")
+        extra = {} if self.extra_info is None else self.extra_info
+        if type(extra) is not dict:
+            raise TypeError(f"KVBatchMeta extra_info must be a dict, got {type(extra).__name__}")
+        self.keys = keys
+        self.tags = tags
+        self.fields = fields
+        self.extra_info = _plain(extra, "KVBatchMeta extra_info")
+
+    # -- size ---------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Number of keys (rows) in the batch."""
+        return len(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def empty(cls, partition_id: str) -> KVBatchMeta:
+        """A batch of no keys in ``partition_id``.
+
+        Example:
+            >>> KVBatchMeta.empty("train").size
+            0
+        """
+        return cls([], None, partition_id)
+
+    # -- batch protocol -----------------------------------------------------------------------
+
+    def _derive(self, idx: Sequence[int], fields: list[str] | None) -> KVBatchMeta:
+        keys = [self.keys[i] for i in idx]
+        tags = [self.tags[i] for i in idx]
+        return KVBatchMeta(keys, tags, self.partition_id, fields, self.extra_info)
+
+    def chunk(self, n: int) -> list[KVBatchMeta]:
+        """Split into exactly ``n`` batches in order; sizes differ by at most one (larger ones first).
+
+        ``n`` may exceed the size: the last chunks are then empty. Every chunk keeps the partition,
+        fields and ``extra_info``.
+
+        Example:
+            >>> [c.size for c in KVBatchMeta(list("abcde"), partition_id="p").chunk(3)]
+            [2, 2, 1]
+        """
+        if type(n) is not int or n < 1:
+            raise ValueError(f"chunk(n) needs an int n >= 1, got {n!r}")
+        base, rest = divmod(self.size, n)
+        out, start = [], 0
+        for i in range(n):
+            stop = start + base + (1 if i < rest else 0)
+            out.append(self._derive(range(start, stop), self.fields))
+            start = stop
+        return out
+
+    @classmethod
+    def concat(cls, metas: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        """Join batches of one partition in order.
+
+        Fields become the union in first-seen order (``None`` if any batch has ``None``: all fields);
+        ``extra_info`` dicts are merged.
+
+        Raises:
+            ValueError: no batches, different partitions, a key in two batches, or an ``extra_info``
+                key with conflicting values.
+
+        Example:
+            >>> a = KVBatchMeta(["a"], partition_id="p", fields=["x"])
+            >>> b = KVBatchMeta(["b"], partition_id="p", fields=["y", "x"])
+            >>> KVBatchMeta.concat([a, b]).fields
+            ['x', 'y']
+        """
+        metas = list(metas)
+        if not metas:
+            raise ValueError("KVBatchMeta.concat needs at least one batch (else the partition is unknown)")
+        for i, m in enumerate(metas):
+            if not isinstance(m, KVBatchMeta):
+                raise TypeError(f"KVBatchMeta.concat: item {i} is a {type(m).__name__}, not a KVBatchMeta")
+        pid = metas[0].partition_id
+        for m in metas[1:]:
+            if m.partition_id != pid:
+                raise ValueError(
+                    f"KVBatchMeta.concat: partitions differ ({pid!r} and {m.partition_id!r}); "
+                    "concatenate batches of one partition only"
+                )
+        fields: list[str] | None = []
+        for m in metas:
+            if m.fields is None:
+                fields = None
+                break
+            fields.extend(f for f in m.fields if f not in fields)
+        extra: dict = {}
+        for m in metas:
+            for k, v in m.extra_info.items():
+                if k in extra and extra[k] != v:
+                    raise ValueError(
+                        f"KVBatchMeta.concat: extra_info[{k!r}] conflicts ({extra[k]!r} vs {v!r})"
+                    )
+                extra[k] = v
+        keys = [k for m in metas for k in m.keys]
+        tags = [t for m in metas for t in m.tags]
+        return cls(keys, tags, pid, fields, extra)
+
+    # -- selection ----------------------------------------------------------------------------
+
+    def select_keys(self, keys: Sequence[str]) -> KVBatchMeta:
+        """The batch of ``keys`` (a subset, in the given order) with their tags.
+
+        Raises:
+            KeyNotFoundError: a key is not in this batch (it names the key and partition).
+        """
+        if isinstance(keys, str):
+            keys = [keys]
+        pos = {k: i for i, k in enumerate(self.keys)}
+        idx = []
+        for k in keys:
+            if k not in pos:
+                msg = f"key {k!r} is not in this KVBatchMeta (partition {self.partition_id!r})"
+                raise KeyNotFoundError(k, self.partition_id, msg)
+            idx.append(pos[k])
+        return self._derive(idx, self.fields)
+
+    def select_fields(self, fields: Sequence[str]) -> KVBatchMeta:
+        """The same keys, restricted to ``fields`` (which must be a subset of ``self.fields`` if set).
+
+        Raises:
+            ValueError: a field is not among this batch's fields.
+        """
+        if isinstance(fields, str):
+            fields = [fields]
+        fields = list(fields)
+        if self.fields is not None:
+            missing = [f for f in fields if f not in self.fields]
+            if missing:
+                raise ValueError(f"fields {missing} are not in this KVBatchMeta's fields {self.fields}")
+        return self._derive(range(self.size), fields)
+
+    def reorder(self, indices: Sequence[int]) -> KVBatchMeta:
+        """The batch in a new order: row ``i`` of the result is row ``indices[i]`` of this one.
+
+        ``indices`` must be a permutation of ``range(size)`` (ints, numpy ints or an integer tensor).
+
+        Raises:
+            ValueError: ``indices`` is not a permutation of ``range(size)``.
+        """
+        idx = [operator.index(i) for i in indices]
+        if sorted(idx) != list(range(self.size)):
+            raise ValueError(f"reorder needs a permutation of range({self.size}), got {idx[:16]}")
+        return self._derive(idx, self.fields)
+
+    # -- serialization ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """A plain dict (msgpack / JSON friendly) that ``from_dict`` turns back into this batch."""
+        return {
+            "keys": list(self.keys),
+            "tags": [dict(t) for t in self.tags],
+            "partition_id": self.partition_id,
+            "fields": None if self.fields is None else list(self.fields),
+            "extra_info": dict(self.extra_info),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVBatchMeta:
+        """Inverse of ``to_dict`` (validates again)."""
+        return cls(d["keys"], d.get("tags"), d["partition_id"], d.get("fields"), d.get("extra_info"))
+
+    def __repr__(self) -> str:
+        keys = self.keys if self.size <= 4 else [*self.keys[:3], "...", self.keys[-1]]
+        return (
+            f"KVBatchMeta(size={self.size}, partition_id={self.partition_id!r}, keys={keys}, "
+            f"fields={self.fields}, extra_info={self.extra_info})"
+        )
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """What ``dp.init()`` connected to. Plain values only.
+
+    Attributes:
+        namespace: the Ray namespace of the service's named actors.
+        num_shards: how many storage shards the service runs.
+        shard_nodes: the Ray node id of each shard, in shard order.
+        owned: True when this process started the service (an embedded store it stops on close).
+        capacity_bytes: the store's total byte capacity (``None``: unbounded).
+        transport: the data path this client uses ("shm" same-node shared memory, or "zmq").
+
+    Example:
+        >>> StoreInfo("rlplane", 2, ("n1", "n1"), owned=True).num_shards
+        2
+    """
+
+    namespace: str
+    num_shards: int
+    shard_nodes: tuple[str, ...] = ()
+    owned: bool = False
+    capacity_bytes: int | None = None
+    transport: str = "shm"
+    extra: dict = field(default_factory=dict)
+
+
+__all__ = ["KVBatchMeta", "StoreInfo"]
