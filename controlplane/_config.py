@@ -1,0 +1,33 @@
+"""Configuration read from the environment, in one place.
+
+Read at call time (not import time) so a test or a launcher can flip a switch per process.
+"""
+
+from __future__ import annotations
+
+import os
+
+AUTO_PADDING_ENV = "CONTROLPLANE_AUTO_PADDING"
+FUTURE_TIMEOUT_ENV = "CONTROLPLANE_FUTURE_TIMEOUT_S"
+
+# How long a worker (or the driver) waits for the parts of a BatchFuture before giving up.
+DEFAULT_FUTURE_TIMEOUT_S = 600.0
+
+
+def auto_padding_enabled() -> bool:
+    """True when ``CONTROLPLANE_AUTO_PADDING`` is ``1``/``true``/``yes`` (any case)."""
+    return os.environ.get(AUTO_PADDING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def future_timeout_s() -> float:
+    """Deadline in seconds for resolving a ``BatchFuture`` (env ``CONTROLPLANE_FUTURE_TIMEOUT_S``)."""
+    raw = os.environ.get(FUTURE_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_FUTURE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{FUTURE_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from exc
+    if value <= 0:
+        raise ValueError(f"{FUTURE_TIMEOUT_ENV} must be positive, got {value}")
+    return value

@@ -1,0 +1,237 @@
+"""The batch protocol: what the PROTO dispatch modes can chunk, concatenate, pad and trim.
+
+A *batch* is a sequence of samples along dim 0. Supported, without this package knowing them:
+
+* ``TensorDict`` with at least one batch dimension (tensor, jagged and non-tensor entries);
+* ``list`` and ``tuple``;
+* any object whose class has a ``chunk(n)`` method and a ``concat`` classmethod and which
+  supports ``len()`` (for example ``dataplane.KVBatchMeta``). Optional extras such a class may
+  offer: ``allows_uneven_chunks = True`` (class attribute: chunks may differ in size, so it is
+  never padded), ``pad(k)`` / ``trim(k)`` (return a copy with ``k`` rows added / removed at the
+  end) and ``__getitem__`` with a slice.
+
+Nothing here mutates its input: chunks are views or new objects, padding builds a new batch.
+Padding repeats the last sample (whole samples, never partial rows).
+
+Example:
+    >>> from controlplane import batch
+    >>> batch.chunk([1, 2, 3, 4], 2)
+    [[1, 2], [3, 4]]
+    >>> batch.concat([[1, 2], [3]])
+    [1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from controlplane import _config
+
+logger = logging.getLogger(__name__)
+
+# Attribute set by enable_auto_padding on objects that take attributes (TensorDict, user classes).
+AUTO_PADDING_ATTR = "_controlplane_auto_padding"
+
+
+class AutoPadList(list):
+    """A ``list`` marked for auto padding; returned by ``enable_auto_padding`` for lists and tuples."""
+
+    _controlplane_auto_padding = True
+
+
+def enable_auto_padding(batch: Any) -> Any:
+    """Mark ``batch`` so the PROTO modes pad it when its size does not divide the ranks.
+
+    The mark lives on this Python object only (copies and slices do not inherit it). Lists
+    and tuples cannot carry a mark, so for them a marked copy is returned: use the return value.
+
+    Example:
+        >>> batch = enable_auto_padding(batch)
+        >>> out = wg.compute(batch)   # 10 rows on 4 ranks: padded to 12, 10 rows come back
+    """
+    if isinstance(batch, list | tuple) and not isinstance(batch, AutoPadList):
+        return AutoPadList(batch)
+    try:
+        object.__setattr__(batch, AUTO_PADDING_ATTR, True)
+    except (AttributeError, TypeError) as exc:
+        raise TypeError(f"cannot mark a {type(batch).__name__} for auto padding: {exc}") from exc
+    return batch
+
+
+def auto_padding_requested(batch: Any) -> bool:
+    """True if ``batch`` was marked with ``enable_auto_padding`` or ``CONTROLPLANE_AUTO_PADDING`` is on."""
+    return bool(getattr(batch, AUTO_PADDING_ATTR, False)) or _config.auto_padding_enabled()
+
+
+def _is_generic_batch(x: Any) -> bool:
+    cls = type(x)
+    return callable(getattr(cls, "chunk", None)) and callable(getattr(cls, "concat", None))
+
+
+def is_batch(x: Any) -> bool:
+    """True if ``x`` follows the batch protocol (can be chunked along its first dimension)."""
+    if isinstance(x, TensorDictBase):
+        return len(x.batch_size) > 0
+    return isinstance(x, list | tuple) or _is_generic_batch(x)
+
+
+def length(x: Any) -> int | None:
+    """Number of samples in ``x``; ``None`` when not known yet (an unresolved future)."""
+    if isinstance(x, TensorDictBase):
+        if not x.batch_size:
+            raise TypeError("a TensorDict with an empty batch_size has no samples to count")
+        return int(x.batch_size[0])
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
+def allows_uneven(x: Any) -> bool:
+    """True if ``x`` accepts chunks of different sizes (so it never needs padding)."""
+    if isinstance(x, TensorDictBase | list | tuple):
+        return False
+    return bool(getattr(x, "allows_uneven_chunks", False))
+
+
+def chunk_sizes(total: int, n: int) -> list[int]:
+    """Sizes of ``n`` consecutive chunks of ``total`` samples, the first ones larger by one if uneven."""
+    if n < 1:
+        raise ValueError(f"number of chunks must be >= 1, got {n}")
+    base, extra = divmod(total, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def take(x: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of ``x`` (a view where the type allows)."""
+    if isinstance(x, TensorDictBase | list | tuple):
+        return x[start:stop]
+    try:
+        return x[start:stop]
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot take samples {start}:{stop} of a {type(x).__name__}: it does not support "
+            "slicing (implement __getitem__ with a slice)"
+        ) from exc
+
+
+def chunk(x: Any, n: int, *, name: str = "batch") -> list[Any]:
+    """Split ``x`` into ``n`` consecutive chunks.
+
+    Args:
+        x: a batch (see the module docstring).
+        n: number of chunks.
+        name: how to call ``x`` in error messages (e.g. the argument name).
+
+    Returns:
+        A list of ``n`` batches of the same type.
+
+    Raises:
+        TypeError: ``x`` is not a batch.
+        ValueError: the size does not divide by ``n`` and the type does not allow uneven chunks.
+    """
+    if not is_batch(x):
+        raise TypeError(f"{name} of type {type(x).__name__} is not a batch: it cannot be chunked")
+    size = length(x)
+    uneven_ok = allows_uneven(x)
+    if size is not None and size % n and not uneven_ok:
+        raise ValueError(
+            f"{name} has {size} samples, which does not divide into {n} equal chunks; make the "
+            f"size a multiple of {n} or enable auto padding (enable_auto_padding(batch) or "
+            f"{_config.AUTO_PADDING_ENV}=1)"
+        )
+    if isinstance(x, TensorDictBase | list | tuple):
+        bounds = _bounds(chunk_sizes(size, n))
+        return [x[a:b] for a, b in bounds]
+    parts = list(x.chunk(n))
+    if len(parts) != n:
+        raise ValueError(f"{type(x).__name__}.chunk({n}) of {name} returned {len(parts)} chunks, not {n}")
+    return parts
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return out
+
+
+def concat(parts: Sequence[Any]) -> Any:
+    """Concatenate batches of one type, in order.
+
+    Raises:
+        ValueError: ``parts`` is empty.
+        TypeError: mixed types, or a type that cannot be concatenated.
+    """
+    if not parts:
+        raise ValueError("cannot concatenate an empty list of batches")
+    first = parts[0]
+    if isinstance(first, TensorDictBase):
+        for i, p in enumerate(parts):
+            if not isinstance(p, TensorDictBase):
+                raise TypeError(f"cannot concatenate TensorDict with {type(p).__name__} (part {i})")
+            if not p.batch_size:
+                raise TypeError(
+                    f"part {i} is a TensorDict with an empty batch_size (metrics?); it cannot be "
+                    "concatenated along samples: use Dispatch.DP_COMPUTE_METRIC to get one result per rank"
+                )
+        return torch.cat(list(parts), dim=0)
+    kinds = {type(p) for p in parts}
+    if isinstance(first, list | tuple):
+        if not all(isinstance(p, list | tuple) for p in parts):
+            raise TypeError(f"cannot concatenate sequences with {sorted(k.__name__ for k in kinds)}")
+        joined = [item for p in parts for item in p]
+        return tuple(joined) if isinstance(first, tuple) else joined
+    if len(kinds) > 1:
+        raise TypeError(f"cannot concatenate mixed types {sorted(k.__name__ for k in kinds)}")
+    concat_fn = getattr(type(first), "concat", None)
+    if not callable(concat_fn):
+        raise TypeError(f"{type(first).__name__} cannot be concatenated (it has no concat classmethod)")
+    return concat_fn(list(parts))
+
+
+def pad(x: Any, k: int, *, name: str = "batch") -> Any:
+    """A new batch: ``x`` followed by ``k`` copies of its last sample (``x`` is not modified)."""
+    if k < 0:
+        raise ValueError(f"padding count must be >= 0, got {k}")
+    if k == 0:
+        return x
+    if isinstance(x, TensorDictBase):
+        size = length(x)
+        if size == 0:
+            raise ValueError(f"cannot pad {name}: it has no samples to repeat")
+        index = torch.cat([torch.arange(size), torch.full((k,), size - 1, dtype=torch.long)])
+        return x[index]
+    if isinstance(x, list | tuple):
+        if not x:
+            raise ValueError(f"cannot pad {name}: it has no samples to repeat")
+        padded = list(x) + [x[-1]] * k
+        return tuple(padded) if isinstance(x, tuple) and not isinstance(x, list) else padded
+    pad_fn = getattr(x, "pad", None)
+    if callable(pad_fn):
+        return pad_fn(k)
+    raise TypeError(
+        f"{name} of type {type(x).__name__} cannot be padded (it has no pad(k)); make its size "
+        "divisible by the number of ranks"
+    )
+
+
+def trim(x: Any, k: int) -> Any:
+    """A batch without its last ``k`` samples (used to undo padding)."""
+    if k <= 0:
+        return x
+    trim_fn = getattr(x, "trim", None)
+    if not isinstance(x, TensorDictBase | list | tuple) and callable(trim_fn):
+        return trim_fn(k)
+    size = length(x)
+    if size is None:
+        raise TypeError(f"cannot remove padding from a {type(x).__name__} of unknown length")
+    if k > size:
+        raise ValueError(f"cannot remove {k} padded samples from a batch of {size}")
+    return take(x, 0, size - k)

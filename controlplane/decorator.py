@@ -1,0 +1,242 @@
+"""``@register``: how a worker method is dispatched, executed and collected by its group.
+
+``Dispatch`` and ``Execute`` are extensible enums (members keep their identity after a Ray
+round trip). The registry maps each ``Dispatch`` member to its ``{dispatch_fn, collect_fn}``;
+``register_dispatch_mode`` adds a mode and ``update_dispatch_mode`` replaces one. A custom
+``{"dispatch_fn": ..., "collect_fn": ...}`` dict may be given instead of a member. Everything
+is validated when the decorator is applied, not at the first call.
+
+Example:
+    >>> class Doubler(Worker):
+    ...     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    ...     def double(self, batch):
+    ...         return batch * 2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from controlplane import dispatch as _d
+from controlplane._enum import DynamicEnum
+from controlplane.future import BatchFuture, materialize, materialize_async
+
+logger = logging.getLogger(__name__)
+
+# Attribute under which @register stores its settings on the wrapper.
+MAGIC_ATTR = "_controlplane_register_attrs"
+
+
+class Dispatch(DynamicEnum):
+    """How arguments are split over ranks and outputs gathered (see ``controlplane.dispatch``)."""
+
+
+class Execute(DynamicEnum):
+    """Which ranks run the method: ``ALL`` or ``RANK_ZERO``."""
+
+
+for _name in (
+    "RANK_ZERO",
+    "ONE_TO_ALL",
+    "ALL_TO_ALL",
+    "DP_COMPUTE",
+    "DP_COMPUTE_PROTO",
+    "DP_COMPUTE_PROTO_WITH_FUNC",
+    "DP_COMPUTE_METRIC",
+):
+    Dispatch.register(_name)
+for _name in ("ALL", "RANK_ZERO"):
+    Execute.register(_name)
+
+_DISPATCH_KEYS = ("dispatch_fn", "collect_fn")
+
+_DISPATCH_REGISTRY: dict[Dispatch, dict[str, Callable[..., Any]]] = {
+    Dispatch.RANK_ZERO: {"dispatch_fn": _d.dispatch_rank_zero, "collect_fn": _d.collect_rank_zero},
+    Dispatch.ONE_TO_ALL: {"dispatch_fn": _d.dispatch_one_to_all, "collect_fn": _d.collect_all},
+    Dispatch.ALL_TO_ALL: {"dispatch_fn": _d.dispatch_all_to_all, "collect_fn": _d.collect_all},
+    Dispatch.DP_COMPUTE: {"dispatch_fn": _d.dispatch_dp_compute, "collect_fn": _d.collect_dp_compute},
+    Dispatch.DP_COMPUTE_PROTO: {
+        "dispatch_fn": _d.dispatch_dp_compute_proto,
+        "collect_fn": _d.collect_dp_compute_proto,
+    },
+    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: {
+        "dispatch_fn": _d.dispatch_dp_compute_proto_with_func,
+        "collect_fn": _d.collect_dp_compute_proto,
+    },
+    Dispatch.DP_COMPUTE_METRIC: {
+        "dispatch_fn": _d.dispatch_dp_compute_metric,
+        "collect_fn": _d.collect_dp_compute_metric,
+    },
+}
+
+_EXECUTE_FN_NAMES = {Execute.ALL: "execute_all_async", Execute.RANK_ZERO: "execute_rank_zero_async"}
+
+
+def _check_fns(dispatch_fn: Any, collect_fn: Any) -> None:
+    for key, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
+        if not callable(fn):
+            raise TypeError(f"{key} must be callable, got {type(fn).__name__}")
+
+
+def _validate_dispatch_mode(mode: Any) -> None:
+    if isinstance(mode, Dispatch):
+        if mode not in _DISPATCH_REGISTRY:
+            raise ValueError(
+                f"dispatch mode {mode.name} has no dispatch/collect functions; registered: "
+                f"{[m.name for m in _DISPATCH_REGISTRY]} (use register_dispatch_mode)"
+            )
+        return
+    if isinstance(mode, dict):
+        missing = [k for k in _DISPATCH_KEYS if k not in mode]
+        extra = sorted(set(mode) - set(_DISPATCH_KEYS))
+        if missing or extra:
+            raise ValueError(
+                f"a custom dispatch mode must be a dict with exactly the keys {list(_DISPATCH_KEYS)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        _check_fns(mode["dispatch_fn"], mode["collect_fn"])
+        return
+    raise TypeError(
+        "dispatch_mode must be a Dispatch member or a {dispatch_fn, collect_fn} dict, "
+        f"got {type(mode).__name__}"
+    )
+
+
+def get_dispatch_fn(mode: Dispatch | dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The ``{dispatch_fn, collect_fn}`` pair for a mode (a ``Dispatch`` member or a custom dict)."""
+    _validate_dispatch_mode(mode)
+    if isinstance(mode, dict):
+        return {k: mode[k] for k in _DISPATCH_KEYS}
+    return dict(_DISPATCH_REGISTRY[mode])
+
+
+def register_dispatch_mode(
+    name: str, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]
+) -> Dispatch:
+    """Add a new ``Dispatch`` member with its functions.
+
+    Raises:
+        ValueError: the name exists already. TypeError: a function is not callable.
+
+    Example:
+        >>> mode = register_dispatch_mode("TWO_TO_ALL", my_dispatch, my_collect)
+        >>> mode is Dispatch.TWO_TO_ALL
+        True
+    """
+    _check_fns(dispatch_fn, collect_fn)
+    member = Dispatch.register(name)
+    _DISPATCH_REGISTRY[member] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+    return member
+
+
+def update_dispatch_mode(
+    mode: Dispatch, dispatch_fn: Callable[..., Any], collect_fn: Callable[..., Any]
+) -> None:
+    """Replace the functions of an existing mode (methods bound afterwards use the new ones).
+
+    Raises:
+        ValueError: ``mode`` is not registered. TypeError: a function is not callable.
+    """
+    if not isinstance(mode, Dispatch) or mode not in _DISPATCH_REGISTRY:
+        raise ValueError(f"cannot update {mode!r}: not a registered dispatch mode")
+    _check_fns(dispatch_fn, collect_fn)
+    _DISPATCH_REGISTRY[mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+
+
+def get_execute_fn_name(mode: Execute) -> str:
+    """Name of the worker-group method that runs an ``Execute`` mode (returns ``ObjectRef``s)."""
+    if mode not in _EXECUTE_FN_NAMES:
+        raise ValueError(f"unknown execute mode {mode!r}; known: {Execute.names()}")
+    return _EXECUTE_FN_NAMES[mode]
+
+
+def _materialize_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(materialize(a) for a in args), {k: materialize(v) for k, v in kwargs.items()}
+
+
+def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """A sync method of an async actor runs on its event loop: waiting there for a future whose
+    producer is queued on the same actor would stall until the future's deadline."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: blocking is fine
+        return
+    if any(isinstance(v, BatchFuture) for v in (*args, *kwargs.values())):
+        logger.warning(
+            "%s is a sync method running on an event loop (an async actor) and resolves a BatchFuture "
+            "there, blocking the loop; declare it `async def` to await the future instead",
+            func.__qualname__,
+        )
+
+
+async def _materialize_args_async(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    args = tuple([await materialize_async(a) for a in args])
+    return args, {k: await materialize_async(v) for k, v in kwargs.items()}
+
+
+def register(
+    dispatch_mode: Dispatch | dict[str, Callable[..., Any]] = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a worker method for binding onto its worker group.
+
+    Args:
+        dispatch_mode: a ``Dispatch`` member or a ``{"dispatch_fn", "collect_fn"}`` dict.
+        execute_mode: ``Execute.ALL`` or ``Execute.RANK_ZERO`` (``Dispatch.RANK_ZERO`` implies it).
+        blocking: wait for the result (``False`` returns ``ObjectRef``s or a ``BatchFuture``).
+        materialize_futures: resolve ``BatchFuture`` arguments on the worker before the call.
+
+    Raises:
+        ValueError / TypeError: at decoration time, for an unknown mode or a malformed dict.
+
+    Example:
+        >>> @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        ... def init_model(self): ...
+    """
+    _validate_dispatch_mode(dispatch_mode)
+    if not isinstance(execute_mode, Execute) or execute_mode not in Execute:
+        raise TypeError(f"execute_mode must be an Execute member, got {execute_mode!r}")
+    for flag, value in (("blocking", blocking), ("materialize_futures", materialize_futures)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r}")
+    if dispatch_mode is Dispatch.RANK_ZERO:
+        execute_mode = Execute.RANK_ZERO
+    attrs = {
+        "dispatch_mode": dispatch_mode,
+        "execute_mode": execute_mode,
+        "blocking": blocking,
+        "materialize_futures": materialize_futures,
+    }
+
+    def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(func):
+            raise TypeError(f"@register must decorate a function, got {type(func).__name__}")
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if materialize_futures:
+                    args, kwargs = await _materialize_args_async(args, kwargs)
+                return await func(*args, **kwargs)
+
+            wrapper = async_wrapper
+        else:
+
+            @functools.wraps(func)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if materialize_futures:
+                    _warn_if_blocking_a_loop(func, args, kwargs)
+                    args, kwargs = _materialize_args(args, kwargs)
+                return func(*args, **kwargs)
+
+        setattr(wrapper, MAGIC_ATTR, dict(attrs))
+        return wrapper
+
+    return decorator

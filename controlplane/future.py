@@ -1,0 +1,284 @@
+"""``BatchFuture``: the lazy result of a non-blocking concat-collect call.
+
+A ``blocking=False`` call of a PROTO / nd-compute method returns a ``BatchFuture`` over the
+per-rank ``ObjectRef`` results instead of waiting. Passed to another group's method, it is
+chunked on the driver *without fetching anything*: each chunk records which rows of the
+logical batch it stands for (a list of row operations), and the worker that receives it
+fetches only the upstream parts that hold those rows (``materialize``). When the expected
+part sizes turn out wrong (a method returned a different number of rows than it received),
+the worker falls back to fetching every part, so the answer is always right.
+
+Example:
+    >>> fut = producer_wg.generate(batch)          # registered blocking=False
+    >>> out = consumer_wg.score(fut)               # each consumer rank pulls only its rows
+    >>> full = fut.get()                           # or resolve on the driver
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from tensordict import TensorDictBase
+
+from controlplane import _config, batch
+
+logger = logging.getLogger(__name__)
+
+# Row operations, applied in order to the concatenation of the parts:
+#   ("trim", k)          drop the last k rows (undo padding)
+#   ("pad", k)           append k copies of the last row
+#   ("window", a, b)     keep rows a:b
+#   ("frac", i, n)       keep the i-th of n chunks (used when the length is not known yet)
+_Op = tuple
+
+
+class BatchFuture:
+    """A batch that is the ordered concatenation of remote results, not fetched yet.
+
+    Args:
+        refs: one ``ray.ObjectRef`` per collected rank, in batch order.
+        part_sizes: expected number of samples behind each ref, when known (enables
+            fetching only the needed parts).
+        allows_uneven_chunks: whether chunks of this future may differ in size (true when
+            the producing call consumed an uneven-chunkable batch such as ``KVBatchMeta``).
+    """
+
+    def __init__(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        part_sizes: Sequence[int] | None = None,
+        *,
+        allows_uneven_chunks: bool = False,
+        ops: Sequence[_Op] = (),
+    ) -> None:
+        self.refs = list(refs)
+        if not self.refs:
+            raise ValueError("a BatchFuture needs at least one ObjectRef")
+        for i, ref in enumerate(self.refs):
+            if not isinstance(ref, ray.ObjectRef):
+                raise TypeError(f"BatchFuture part {i} is a {type(ref).__name__}, not a ray.ObjectRef")
+        if part_sizes is not None:
+            part_sizes = [int(s) for s in part_sizes]
+            if len(part_sizes) != len(self.refs):
+                raise ValueError(f"{len(part_sizes)} part sizes given for {len(self.refs)} refs")
+        self.part_sizes = part_sizes
+        self.allows_uneven_chunks = allows_uneven_chunks
+        self.ops: tuple[_Op, ...] = tuple(ops)
+        # Global ranks that produced the parts (set by the collect functions; informational).
+        self.source_ranks: list[int] | None = None
+
+    def __repr__(self) -> str:
+        size = self.known_length
+        shown = "?" if size is None else size
+        return f"BatchFuture(parts={len(self.refs)}, len={shown}, ops={list(self.ops)})"
+
+    # ------------------------------------------------------------------ lengths
+    @property
+    def known_length(self) -> int | None:
+        """Number of samples, or ``None`` while the part sizes are unknown."""
+        if self.part_sizes is None:
+            return None
+        return _apply_ops_len(sum(self.part_sizes), self.ops, self.allows_uneven_chunks)
+
+    def __len__(self) -> int:
+        size = self.known_length
+        if size is None:
+            raise TypeError("the length of this BatchFuture is unknown until it is resolved")
+        return size
+
+    # ----------------------------------------------------------- batch protocol
+    def _with(self, op: _Op) -> BatchFuture:
+        return BatchFuture(
+            self.refs, self.part_sizes, allows_uneven_chunks=self.allows_uneven_chunks, ops=(*self.ops, op)
+        )
+
+    def chunk(self, n: int) -> list[BatchFuture]:
+        """``n`` futures, each standing for consecutive rows; nothing is fetched."""
+        size = self.known_length
+        if size is None:
+            if any(op[0] == "frac" for op in self.ops):
+                raise NotImplementedError("cannot re-chunk a BatchFuture chunk of unknown size; call .get()")
+            return [self._with(("frac", i, n)) for i in range(n)]
+        if size % n and not self.allows_uneven_chunks:
+            raise ValueError(f"BatchFuture has {size} samples, which does not divide into {n} equal chunks")
+        if not self.ops and self.allows_uneven_chunks and n == len(self.refs):
+            sizes = list(self.part_sizes or [])  # one chunk per part: no slicing needed on the worker
+        else:
+            sizes = batch.chunk_sizes(size, n)
+        out, start = [], 0
+        for s in sizes:
+            out.append(self._with(("window", start, start + s)))
+            start += s
+        return out
+
+    @classmethod
+    def concat(cls, futures: Sequence[BatchFuture]) -> BatchFuture:
+        """Join futures that carry no row operations (plain collected results)."""
+        if not futures:
+            raise ValueError("cannot concatenate an empty list of BatchFutures")
+        if any(f.ops for f in futures):
+            raise NotImplementedError("cannot concatenate chunked/padded BatchFutures; call .get()")
+        sizes = None
+        if all(f.part_sizes is not None for f in futures):
+            sizes = [s for f in futures for s in f.part_sizes]
+        refs = [r for f in futures for r in f.refs]
+        return cls(refs, sizes, allows_uneven_chunks=all(f.allows_uneven_chunks for f in futures))
+
+    def pad(self, k: int) -> BatchFuture:
+        """A future with ``k`` copies of the last sample appended."""
+        return self if k <= 0 else self._with(("pad", k))
+
+    def trim(self, k: int) -> BatchFuture:
+        """A future without its last ``k`` samples."""
+        return self if k <= 0 else self._with(("trim", k))
+
+    # -------------------------------------------------------------- resolution
+    def get(self, timeout: float | None = None) -> Any:
+        """Fetch the needed parts and build the batch (driver or worker).
+
+        Args:
+            timeout: seconds to wait for the parts; default ``CONTROLPLANE_FUTURE_TIMEOUT_S`` (600).
+
+        Raises:
+            TimeoutError: the parts were not ready in time (names how many and how long).
+        """
+        timeout = _config.future_timeout_s() if timeout is None else timeout
+        which = self._needed()
+        if which is not None:
+            result = self._build_from(which, self._fetch(which, timeout))
+            if result is not _MISMATCH:
+                return result
+        every = list(range(len(self.refs)))
+        return self._build_from(every, self._fetch(every, timeout), trust_sizes=False)
+
+    async def get_async(self, timeout: float | None = None) -> Any:
+        """``get`` for coroutines: awaits the parts instead of blocking the event loop.
+
+        An async actor must use this (the ``@register`` wrapper does for ``async def``
+        methods): a blocking wait there could wait on a task queued behind it on the same actor.
+        """
+        timeout = _config.future_timeout_s() if timeout is None else timeout
+        which = self._needed()
+        if which is not None:
+            result = self._build_from(which, await self._fetch_async(which, timeout))
+            if result is not _MISMATCH:
+                return result
+        every = list(range(len(self.refs)))
+        return self._build_from(every, await self._fetch_async(every, timeout), trust_sizes=False)
+
+    def _needed(self) -> list[int] | None:
+        """Indices of the parts holding this future's rows, or ``None`` if sizes are unknown."""
+        if self.part_sizes is None:
+            return None
+        index = _row_index(sum(self.part_sizes), self.ops, self.allows_uneven_chunks)
+        first, last = _needed_parts(index, self.part_sizes)
+        return list(range(first, last + 1))
+
+    def _build_from(self, which: list[int], fetched: list[Any], trust_sizes: bool = True) -> Any:
+        actual = [batch.length(p) for p in fetched]
+        if trust_sizes:
+            expected = [self.part_sizes[i] for i in which]
+            if actual != expected:
+                logger.warning(
+                    "BatchFuture parts %s have %s samples, expected %s; fetching every part",
+                    which, actual, expected,
+                )
+                return _MISMATCH
+            offset = sum(self.part_sizes[: which[0]])
+            index = _row_index(sum(self.part_sizes), self.ops, self.allows_uneven_chunks) - offset
+        else:
+            index = _row_index(sum(actual), self.ops, self.allows_uneven_chunks)
+        return _select(batch.concat(fetched), index)
+
+    def _fetch(self, which: list[int], timeout: float) -> list[Any]:
+        try:
+            return ray.get([self.refs[i] for i in which], timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise self._timeout(which, timeout) from exc
+
+    async def _fetch_async(self, which: list[int], timeout: float) -> list[Any]:
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(self.refs[i] for i in which)), timeout)
+        except TimeoutError as exc:
+            raise self._timeout(which, timeout) from exc
+
+    def _timeout(self, which: list[int], timeout: float) -> TimeoutError:
+        return TimeoutError(f"BatchFuture: parts {which} of {len(self.refs)} not ready after {timeout}s")
+
+
+_MISMATCH = object()
+
+
+def _apply_ops_len(total: int, ops: Sequence[_Op], uneven: bool) -> int:
+    return len(_row_index(total, ops, uneven))
+
+
+def _row_index(total: int, ops: Sequence[_Op], uneven: bool) -> np.ndarray:
+    """Indices into the concatenated parts of the rows this future stands for, in order."""
+    index = np.arange(total, dtype=np.int64)
+    for op in ops:
+        kind = op[0]
+        if kind == "trim":
+            if op[1] > len(index):
+                raise ValueError(f"cannot trim {op[1]} samples from a batch of {len(index)}")
+            index = index[: len(index) - op[1]]
+        elif kind == "pad":
+            if len(index) == 0:
+                raise ValueError("cannot pad an empty batch")
+            index = np.concatenate([index, np.full(op[1], index[-1], dtype=np.int64)])
+        elif kind == "window":
+            index = index[op[1] : op[2]]
+        elif kind == "frac":
+            i, n = op[1], op[2]
+            if len(index) % n and not uneven:
+                raise ValueError(f"BatchFuture has {len(index)} samples, not divisible into {n} chunks")
+            sizes = batch.chunk_sizes(len(index), n)
+            start = sum(sizes[:i])
+            index = index[start : start + sizes[i]]
+        else:  # pragma: no cover - ops are built only by this module
+            raise AssertionError(f"unknown BatchFuture op {op!r}")
+    return index
+
+
+def _needed_parts(index: np.ndarray, sizes: Sequence[int]) -> tuple[int, int]:
+    """First and last part (inclusive) holding the rows in ``index``."""
+    bounds = np.cumsum(sizes)
+    if len(index) == 0:
+        return 0, 0
+    first = int(np.searchsorted(bounds, index.min(), side="right"))
+    last = int(np.searchsorted(bounds, index.max(), side="right"))
+    return first, last
+
+
+def _select(local: Any, index: np.ndarray) -> Any:
+    """Rows ``index`` of ``local``; a slice when the rows are contiguous."""
+    n = len(index)
+    if n == 0:
+        return batch.take(local, 0, 0)
+    start = int(index[0])
+    if np.array_equal(index, np.arange(start, start + n)):
+        if start == 0 and n == batch.length(local):
+            return local
+        return batch.take(local, start, start + n)
+    if isinstance(local, TensorDictBase):
+        return local[torch.as_tensor(index)]
+    if isinstance(local, list | tuple):
+        rows = [local[int(i)] for i in index]
+        return tuple(rows) if isinstance(local, tuple) else rows
+    raise TypeError(f"cannot pick padded/reordered rows of a {type(local).__name__}")
+
+
+def materialize(value: Any) -> Any:
+    """``value.get()`` if it is a ``BatchFuture``, else ``value`` (used by the register wrapper)."""
+    return value.get() if isinstance(value, BatchFuture) else value
+
+
+async def materialize_async(value: Any) -> Any:
+    """``await value.get_async()`` if it is a ``BatchFuture``, else ``value``."""
+    return await value.get_async() if isinstance(value, BatchFuture) else value
