@@ -145,8 +145,12 @@ def chunk(x: Any, n: int, *, name: str = "batch") -> list[Any]:
             f"size a multiple of {n} or enable auto padding (enable_auto_padding(batch) or "
             f"{_config.AUTO_PADDING_ENV}=1)"
         )
+    bounds = _bounds(chunk_sizes(size, n)) if size is not None else []
+    if isinstance(x, TensorDictBase) and n > 1:
+        # A slice of a tensor pickles its whole storage, so Ray would ship the entire batch to
+        # every rank; a compact copy per chunk ships each sample once.
+        return [x[a:b].clone() for a, b in bounds]
     if isinstance(x, TensorDictBase | list | tuple):
-        bounds = _bounds(chunk_sizes(size, n))
         return [x[a:b] for a, b in bounds]
     parts = list(x.chunk(n))
     if len(parts) != n:

@@ -1,0 +1,156 @@
+"""Deferred construction of workers: a class plus its constructor arguments.
+
+``ClassWithInitArgs`` builds a local object; ``RayClassWithInitArgs`` builds a Ray actor in a
+given placement-group bundle (or next to another actor with ``sharing_with``), with per-call
+options that never leak into the next worker.
+
+Example:
+    >>> spec = RayClassWithInitArgs(MyWorker, lr=1e-3)
+    >>> spec.update_options({"max_concurrency": 2})
+    >>> actor = spec(placement_group=pg, placement_group_bundle_idx=0, use_gpu=False)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_actor_class(cls: Any) -> type:
+    """The user's Python class behind ``ray.remote(cls)`` (or ``cls`` itself if not wrapped)."""
+    meta = getattr(cls, "__ray_metadata__", None)
+    if meta is None:
+        if not isinstance(cls, type):
+            raise TypeError(f"expected a class or a Ray actor class, got {cls!r}")
+        return cls
+    modified = meta.modified_class
+    # Ray wraps the class in a subclass; its first base is the user's class.
+    return modified.__bases__[0] if modified.__bases__ else modified
+
+
+class ClassWithInitArgs:
+    """A class and the arguments to build it with, called later.
+
+    Example:
+        >>> ClassWithInitArgs(dict, a=1)()
+        {'a': 1}
+    """
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.fused_worker_used = False
+
+    @property
+    def user_cls(self) -> type:
+        """The plain Python class (for method binding)."""
+        return unwrap_actor_class(self.cls)
+
+    def __call__(self) -> Any:
+        return self.user_cls(*self.args, **self.kwargs)
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """A Ray actor class (or plain class, wrapped with ``ray.remote``) with constructor args.
+
+    Options set with :meth:`update_options` and resources set with
+    :meth:`set_additional_resource` apply to every actor built; options passed to
+    ``__call__`` apply to that actor only.
+    """
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        import ray
+
+        if getattr(cls, "__ray_metadata__", None) is None:
+            cls = ray.remote(cls)
+        super().__init__(cls, *args, **kwargs)
+        self._options: dict[str, Any] = {}
+        self._additional_resource: dict[str, float] = {}
+        self.colocated_roles: dict[str, type] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        """Ray actor options for every actor built from now on."""
+        self._options.update(options)
+
+    def set_additional_resource(self, additional_resource: dict[str, float]) -> None:
+        """Extra custom resources every actor requests (any number of entries)."""
+        self._additional_resource = dict(additional_resource)
+
+    def __call__(
+        self,
+        placement_group: Any = None,
+        placement_group_bundle_idx: int = 0,
+        use_gpu: bool = True,
+        num_gpus: float = 1,
+        sharing_with: Any = None,
+        device_name: str = "cuda",
+        *,
+        num_cpus: float | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Any:
+        """Start one actor and return its handle.
+
+        Args:
+            placement_group: where to place it (with ``placement_group_bundle_idx``).
+            use_gpu: request ``num_gpus`` GPUs.
+            sharing_with: an actor (a :class:`Worker`) to run next to: same node, same devices.
+            num_cpus: logical CPUs to request.
+            options: extra Ray options for this actor only (merged over :meth:`update_options`).
+        """
+        kwargs = dict(self.kwargs)
+        node_id = None
+        if sharing_with is not None:
+            node_id = _call(sharing_with, "get_node_id")
+            if use_gpu:  # share the target's devices instead of asking for new ones
+                kwargs["cuda_visible_devices"] = _call(sharing_with, "get_cuda_visible_devices")
+        opts = self.actor_options(placement_group, placement_group_bundle_idx, use_gpu=use_gpu,
+                                  num_gpus=num_gpus, node_id=node_id, num_cpus=num_cpus, options=options)
+        return self.cls.options(**opts).remote(*self.args, **kwargs)
+
+    def actor_options(
+        self,
+        placement_group: Any = None,
+        placement_group_bundle_idx: int = 0,
+        *,
+        use_gpu: bool = True,
+        num_gpus: float = 1,
+        node_id: str | None = None,
+        num_cpus: float | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The Ray options one actor is started with (a fresh dict; nothing is remembered).
+
+        ``node_id`` (from ``sharing_with``) pins the actor to that node and asks for no GPU of
+        its own; otherwise the actor goes into the given placement-group bundle.
+        """
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
+
+        opts: dict[str, Any] = {**self._options, **(options or {})}
+        if self._additional_resource:
+            opts["resources"] = {**opts.get("resources", {}), **self._additional_resource}
+        if num_cpus is not None:
+            opts["num_cpus"] = num_cpus
+        if node_id is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            return opts
+        if placement_group is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=placement_group_bundle_idx
+            )
+        if use_gpu:
+            opts["num_gpus"] = num_gpus
+        return opts
+
+
+def _call(actor: Any, method: str) -> Any:
+    import ray
+
+    if not hasattr(actor, method):
+        raise TypeError(f"sharing_with needs an actor with a {method}() method (a controlplane Worker)")
+    return ray.get(getattr(actor, method).remote(), timeout=60)

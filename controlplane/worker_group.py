@@ -1,0 +1,418 @@
+"""Worker groups: one driver-side object that drives N worker actors as one.
+
+``RayWorkerGroup(pool, RayClassWithInitArgs(MyWorker))`` starts one actor per pool slot and
+binds every ``@register`` method of ``MyWorker`` as a group method
+(``wg.method(data)`` = dispatch -> execute on every rank -> wait -> collect). Groups can also
+attach to existing (detached) actors by name or handle, and a colocated group can be split
+into one view per role with :meth:`RayWorkerGroup.spawn`.
+
+Example:
+    >>> pool = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
+    >>> wg = RayWorkerGroup(pool, RayClassWithInitArgs(MyWorker))
+    >>> wg.ping()                           # a Dispatch.ONE_TO_ALL method
+    [0, 1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from controlplane._liveness import AlivenessWatcher, LivenessProbe, actor_id_hex, dead_worker_error
+from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithInitArgs
+from controlplane.errors import WorkerDiedError
+from controlplane.resource_pool import ResourcePool
+
+logger = logging.getLogger(__name__)
+
+_GET_POLL_S = 60.0
+
+
+class WorkerGroup:
+    """Backend-neutral part of a group: rank bookkeeping, mesh-info caches, aliveness.
+
+    Subclasses fill ``_workers`` / ``_worker_names`` through :meth:`_set_workers` and implement
+    ``execute_all_async`` and ``_is_worker_alive``.
+    """
+
+    def __init__(self, resource_pool: ResourcePool | None, **kwargs: Any) -> None:
+        self._is_init_with_detached_workers = resource_pool is None
+        self._process_dispatch_config = resource_pool() if resource_pool is not None else None
+        self._workers: list[Any] = []
+        self._worker_names: list[str] = []
+        self._dispatch_info: dict[str, list[int]] = {}
+        self._collect_info: dict[str, list[bool]] = {}
+        self._master_addr: str | None = None
+        self._master_port: str | None = None
+        self._watcher: AlivenessWatcher | None = None
+
+    # ---- membership ---------------------------------------------------------------------
+    def _set_workers(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+        """Replace the members; cached mesh info belongs to the old members and is dropped."""
+        self._workers = list(workers)
+        self._worker_names = list(names)
+        self.invalidate_mesh_cache()
+
+    def invalidate_mesh_cache(self) -> None:
+        self._dispatch_info.clear()
+        self._collect_info.clear()
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[Any]:
+        return list(self._workers)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return list(self._worker_names)
+
+    @property
+    def master_address(self) -> str | None:
+        return self._master_addr
+
+    @property
+    def master_port(self) -> str | None:
+        return self._master_port
+
+    # ---- mesh information (used by nd dispatch) ----------------------------------------------
+    def _get_dispatch_info(self, mesh_name: str) -> list[int]:
+        """The dp rank of every global rank in ``mesh_name`` (queried once, then cached)."""
+        if mesh_name not in self._dispatch_info:
+            info = self._query_all("_query_dispatch_info", mesh_name)
+            if any(not isinstance(r, int) or r < 0 for r in info):
+                raise ValueError(f"mesh {mesh_name!r}: invalid dp ranks {info}")
+            missing = sorted(set(range(max(info) + 1)) - set(info))
+            if missing:
+                raise ValueError(f"mesh {mesh_name!r}: dp ranks {missing} have no worker (got {info})")
+            self._dispatch_info[mesh_name] = info
+        return list(self._dispatch_info[mesh_name])
+
+    def _get_collect_info(self, mesh_name: str) -> list[bool]:
+        """Whether each global rank's output is kept in ``mesh_name`` (queried once, then cached)."""
+        if mesh_name not in self._collect_info:
+            info = [bool(x) for x in self._query_all("_query_collect_info", mesh_name)]
+            if not any(info):
+                raise ValueError(f"mesh {mesh_name!r}: no rank is registered as a collect rank")
+            self._collect_info[mesh_name] = info
+        return list(self._collect_info[mesh_name])
+
+    def _query_all(self, method_name: str, mesh_name: str) -> list[Any]:
+        info = self._wait(self.execute_all_async(method_name, [mesh_name] * self.world_size))
+        if len(info) != self.world_size:
+            raise RuntimeError(f"mesh {mesh_name!r}: {len(info)} answers for {self.world_size} workers")
+        return list(info)
+
+    # ---- aliveness -----------------------------------------------------------------------
+    def start_worker_aliveness_check(
+        self, every_n_seconds: float = 1.0, on_dead: Callable[[WorkerDiedError], None] | None = None
+    ) -> None:
+        """Watch the workers in a daemon thread; after a death, every group call raises
+        :class:`WorkerDiedError` naming the dead worker (``on_dead`` is also called once)."""
+        self.stop_worker_aliveness_check()
+        self._watcher = AlivenessWatcher(LivenessProbe(self._workers, self._worker_names),
+                                         every_n_seconds, on_dead)
+        self._watcher.start()
+
+    def stop_worker_aliveness_check(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def _raise_if_known_dead(self) -> None:
+        if self._watcher is not None and self._watcher.error is not None:
+            raise self._watcher.error
+
+    def _check_alive(self, timeout_s: float = 5.0) -> None:
+        """Raise :class:`WorkerDiedError` if a worker is known dead (busy workers count as alive)."""
+        self._raise_if_known_dead()
+        error = LivenessProbe(self._workers, self._worker_names).poll(timeout_s)
+        if error is not None:
+            raise error
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _wait(self, refs: Any, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+
+def _per_rank_error(what: str, value: Any, world_size: int) -> TypeError:
+    got = f"list of length {len(value)}" if isinstance(value, list) else type(value).__name__
+    return TypeError(
+        f"{what} must be a per-rank list of length {world_size}, got {got}; "
+        f"wrap a broadcast value as [value] * {world_size} or register the method with Dispatch.ONE_TO_ALL"
+    )
+
+
+class RayWorkerGroup(WorkerGroup):
+    """A group of Ray actors driven as one.
+
+    Built (1) from a :class:`RayResourcePool` or (2) a :class:`SubRayResourcePool`, starting one
+    actor per slot, or (3) from existing actors (``resource_pool=None`` with ``worker_names`` or
+    ``worker_handles``; see :meth:`from_detached`).
+
+    Args:
+        resource_pool: where to start the workers; None to attach to existing ones.
+        ray_cls_with_init: the worker class and its constructor arguments.
+        bin_pack: STRICT_PACK placement groups (else PACK) when the pool is not yet placed.
+        name_prefix: prefix of actor names (random if None).
+        detached: actors outlive this driver (pair with a ``detached=True`` pool).
+        worker_names / worker_handles: existing actors to attach to, in rank order.
+        worker_env: extra environment variables for every worker (cannot override RANK etc.).
+        num_cpus_per_worker: logical CPUs each actor requests (a fraction of its bundle).
+        namespace: Ray namespace for named actors (for attaching from another driver).
+        ready_timeout_s: how long to wait for every actor's constructor.
+        call_timeout_s: default deadline of every wait for results (None: no deadline; a dead
+            worker still raises :class:`WorkerDiedError` at once).
+    """
+
+    def __init__(
+        self,
+        resource_pool: ResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        bin_pack: bool = True,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        use_gpu: bool | None = None,
+        worker_env: dict[str, str] | None = None,
+        num_cpus_per_worker: float = 0.1,
+        namespace: str | None = None,
+        ready_timeout_s: float = 300.0,
+        call_timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(resource_pool, **kwargs)
+        self.call_timeout_s = call_timeout_s
+        if ray_cls_with_init is not None and not isinstance(ray_cls_with_init, ClassWithInitArgs):
+            raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {ray_cls_with_init!r}")
+        self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = name_prefix if name_prefix is not None else secrets.token_hex(3)
+        self._role: str | None = None
+        self._role_async: frozenset[str] = frozenset()
+        self._method_cache: dict[str, list[Any]] = {}
+        self.wg_dict: dict[str, RayWorkerGroup] | None = None
+        if (master_addr is None) != (master_port is None):
+            raise ValueError("give both master_addr and master_port, or neither")
+        if resource_pool is None:
+            self._attach(worker_names, worker_handles, namespace)
+        else:
+            if ray_cls_with_init is None:
+                raise ValueError("a group built from a resource pool needs ray_cls_with_init")
+            from controlplane._group_launch import start_group
+
+            start_group(self, resource_pool, bin_pack=bin_pack, detached=detached,
+                        master=(master_addr, master_port), use_gpu=use_gpu, worker_env=worker_env,
+                        num_cpus=num_cpus_per_worker, namespace=namespace, ready_timeout_s=ready_timeout_s)
+        if ray_cls_with_init is not None:
+            self._bind(ray_cls_with_init.user_cls)
+
+    def _set_workers(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+        self._method_cache = {}  # handles of the old members
+        super()._set_workers(workers, names)
+
+    # ---- construction paths ------------------------------------------------------------------
+    def _attach(
+        self, names: Sequence[str] | None, handles: Sequence[Any] | None, namespace: str | None
+    ) -> None:
+        import ray
+
+        if handles is not None:  # handles are strong references; get_actor results are not
+            handles = list(handles)
+            names = list(names) if names is not None else [f"actor-{actor_id_hex(h)[:12]}" for h in handles]
+        elif names is not None:
+            handles = []
+            for name in names:
+                try:
+                    handles.append(ray.get_actor(name, namespace=namespace))
+                except ValueError as exc:
+                    raise ValueError(f"no live actor named {name!r} in namespace {namespace!r}") from exc
+            names = list(names)
+        else:
+            raise ValueError("attaching needs worker_names or worker_handles")
+        if len(names) != len(handles) or not handles:
+            raise ValueError(f"{len(names)} worker names for {len(handles)} handles")
+        self._set_workers(handles, names)
+
+    def _bind(self, user_cls: type) -> list[str]:
+        from controlplane.binding import bind_worker_methods
+
+        return bind_worker_methods(self, user_cls)
+
+    @classmethod
+    def from_detached(
+        cls,
+        name_prefix: str | None = None,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        namespace: str | None = None,
+        **kwargs: Any,
+    ) -> RayWorkerGroup:
+        """Attach to existing workers (e.g. detached ones started by another driver).
+
+        Example:
+            >>> wg = RayWorkerGroup.from_detached(worker_names=names, namespace="trainer",
+            ...                                   ray_cls_with_init=RayClassWithInitArgs(MyWorker))
+        """
+        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
+                   worker_names=worker_names, worker_handles=worker_handles, namespace=namespace, **kwargs)
+
+    # ---- colocated roles -------------------------------------------------------------------
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+        """One group view per role of a colocated class, over the same actors (same processes).
+
+        Each view binds only its role's ``@register`` methods, unprefixed, and keeps its own
+        mesh-info cache.
+        """
+        roles = getattr(self.ray_cls_with_init, "colocated_roles", None) or {}
+        views = {}
+        for role in prefix_set:
+            if role not in roles:
+                raise ValueError(f"role {role!r} is not in this colocated group; roles: {sorted(roles)}")
+            view = type(self)(resource_pool=None, name_prefix=self.name_prefix,
+                              worker_names=self._worker_names, worker_handles=self._workers,
+                              call_timeout_s=self.call_timeout_s)
+            view._master_addr, view._master_port = self._master_addr, self._master_port
+            view._role = role
+            view._role_async = frozenset(
+                name for name, fn in inspect.getmembers(roles[role], callable)
+                if inspect.iscoroutinefunction(fn)
+            )
+            view._bind(roles[role])
+            views[role] = view
+        return views
+
+    def fuse(self, prefix_set: Iterable[str]) -> None:
+        """Spawn role views once and expose them as attributes: ``wg.actor.method(...)``."""
+        prefix_set = list(prefix_set)
+        for role in prefix_set:
+            if hasattr(self, role) and not (self.wg_dict and role in self.wg_dict):
+                raise ValueError(f"role {role!r} clashes with an attribute of {type(self).__name__}")
+        if self.wg_dict is None:
+            self.wg_dict = self.spawn(prefix_set)
+        for role, view in self.wg_dict.items():
+            setattr(self, role, view)
+
+    # ---- execution -------------------------------------------------------------------------
+    def _actor_methods(self, method_name: str) -> list[Any]:
+        methods = self._method_cache.get(method_name)
+        if methods is None:
+            if self._role is None:
+                methods = [getattr(w, method_name) for w in self._workers]
+            else:  # a role view routes through the colocated actor's dispatcher
+                entry = "_colocated_call_async" if method_name in self._role_async else "_colocated_call"
+                methods = [_RoutedMethod(getattr(w, entry), self._role, method_name) for w in self._workers]
+            self._method_cache[method_name] = methods
+        return methods
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method_name`` on every rank; every arg/kwarg is a per-rank list (rank i gets [i]).
+
+        Raises:
+            TypeError: an argument is not a list of length ``world_size``.
+        """
+        self._raise_if_known_dead()
+        n = len(self._workers)
+        for i, arg in enumerate(args):
+            if not isinstance(arg, list) or len(arg) != n:
+                raise _per_rank_error(f"{method_name}: positional arg {i}", arg, n)
+        for key, value in kwargs.items():
+            if not isinstance(value, list) or len(value) != n:
+                raise _per_rank_error(f"{method_name}: kwarg {key!r}", value, n)
+        methods = self._actor_methods(method_name)
+        if not args and not kwargs:
+            return [m.remote() for m in methods]
+        return [
+            m.remote(*[a[r] for a in args], **{k: v[r] for k, v in kwargs.items()})
+            for r, m in enumerate(methods)
+        ]
+
+    execute_all = execute_all_async
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """:meth:`execute_all_async`, then wait for every result."""
+        return self._wait(self.execute_all_async(method_name, *args, **kwargs))
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method_name`` on rank 0 only. Per-rank lists (every arg a list of length
+        ``world_size``, as dispatch produces) are reduced to their element 0."""
+        self._raise_if_known_dead()
+        n = len(self._workers)
+        values = list(args) + list(kwargs.values())
+        if values and all(isinstance(v, list) and len(v) == n for v in values):
+            args = tuple(a[0] for a in args)
+            kwargs = {k: v[0] for k, v in kwargs.items()}
+        return self._actor_methods(method_name)[0].remote(*args, **kwargs)
+
+    execute_rank_zero = execute_rank_zero_async
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return self._wait(self.execute_rank_zero_async(method_name, *args, **kwargs))
+
+    def _wait(self, refs: Any, timeout: float | None = None) -> Any:
+        """``ray.get`` that turns a dead worker into :class:`WorkerDiedError` naming it.
+
+        Raises:
+            WorkerDiedError: a worker died before answering.
+            TimeoutError: ``timeout`` (default ``call_timeout_s``) seconds passed first.
+        """
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if timeout is None:
+            timeout = self.call_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayActorError as exc:
+            raise self._died(exc) from exc
+        except GetTimeoutError as exc:
+            self._check_alive(timeout_s=0.5)  # a death explains the timeout better than the timeout
+            raise TimeoutError(f"group {self.name_prefix}: no result within {timeout}s") from exc
+
+    def _died(self, exc: BaseException) -> WorkerDiedError:
+        actor_id = getattr(exc, "actor_id", None)
+        for rank, worker in enumerate(self._workers):
+            if actor_id is not None and actor_id_hex(worker) == str(actor_id):
+                return dead_worker_error(rank, self._worker_names[rank], exc)
+        try:
+            self._check_alive(timeout_s=2.0)
+        except WorkerDiedError as found:
+            return found
+        return WorkerDiedError(f"a worker of group {self.name_prefix} is dead: {str(exc).strip()[:500]}")
+
+    def kill(self) -> None:
+        """Kill every actor of the group (detached ones too)."""
+        import ray
+
+        self.stop_worker_aliveness_check()
+        for worker in self._workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug("kill failed: %s", exc)
+
+
+class _RoutedMethod:
+    """``worker.<role>.<method>.remote`` for a colocated actor, as one ``.remote`` callable."""
+
+    __slots__ = ("_entry", "_role", "_method")
+
+    def __init__(self, entry: Any, role: str, method: str) -> None:
+        self._entry, self._role, self._method = entry, role, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._entry.remote(self._role, self._method, *args, **kwargs)
+
+
+__all__ = ["WorkerGroup", "RayWorkerGroup", "ClassWithInitArgs", "RayClassWithInitArgs"]
