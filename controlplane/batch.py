@@ -24,11 +24,9 @@ Example:
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
-
-import torch
-from tensordict import TensorDictBase
 
 from controlplane import _config
 
@@ -43,6 +41,16 @@ class AutoPadList(list):
 
     _controlplane_auto_padding = True
 
+
+
+def is_tensordict(x: Any) -> bool:
+    """True if ``x`` is a TensorDict.
+
+    Checked through ``sys.modules``: a TensorDict can only exist once tensordict is imported, and
+    workers that never see one skip importing torch and tensordict (seconds per actor on 2 cores).
+    """
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(x, td.TensorDictBase)
 
 def enable_auto_padding(batch: Any) -> Any:
     """Mark ``batch`` so the PROTO modes pad it when its size does not divide the ranks.
@@ -75,14 +83,14 @@ def _is_generic_batch(x: Any) -> bool:
 
 def is_batch(x: Any) -> bool:
     """True if ``x`` follows the batch protocol (can be chunked along its first dimension)."""
-    if isinstance(x, TensorDictBase):
+    if is_tensordict(x):
         return len(x.batch_size) > 0
     return isinstance(x, list | tuple) or _is_generic_batch(x)
 
 
 def length(x: Any) -> int | None:
     """Number of samples in ``x``; ``None`` when not known yet (an unresolved future)."""
-    if isinstance(x, TensorDictBase):
+    if is_tensordict(x):
         if not x.batch_size:
             raise TypeError("a TensorDict with an empty batch_size has no samples to count")
         return int(x.batch_size[0])
@@ -94,7 +102,7 @@ def length(x: Any) -> int | None:
 
 def allows_uneven(x: Any) -> bool:
     """True if ``x`` accepts chunks of different sizes (so it never needs padding)."""
-    if isinstance(x, TensorDictBase | list | tuple):
+    if (is_tensordict(x) or isinstance(x, list | tuple)):
         return False
     return bool(getattr(x, "allows_uneven_chunks", False))
 
@@ -109,7 +117,7 @@ def chunk_sizes(total: int, n: int) -> list[int]:
 
 def take(x: Any, start: int, stop: int) -> Any:
     """Samples ``start:stop`` of ``x`` (a view where the type allows)."""
-    if isinstance(x, TensorDictBase | list | tuple):
+    if (is_tensordict(x) or isinstance(x, list | tuple)):
         return x[start:stop]
     try:
         return x[start:stop]
@@ -146,11 +154,11 @@ def chunk(x: Any, n: int, *, name: str = "batch") -> list[Any]:
             f"{_config.AUTO_PADDING_ENV}=1)"
         )
     bounds = _bounds(chunk_sizes(size, n)) if size is not None else []
-    if isinstance(x, TensorDictBase) and n > 1:
+    if is_tensordict(x) and n > 1:
         # A slice of a tensor pickles its whole storage, so Ray would ship the entire batch to
         # every rank; a compact copy per chunk ships each sample once.
         return [x[a:b].clone() for a, b in bounds]
-    if isinstance(x, TensorDictBase | list | tuple):
+    if (is_tensordict(x) or isinstance(x, list | tuple)):
         return [x[a:b] for a, b in bounds]
     parts = list(x.chunk(n))
     if len(parts) != n:
@@ -176,15 +184,17 @@ def concat(parts: Sequence[Any]) -> Any:
     if not parts:
         raise ValueError("cannot concatenate an empty list of batches")
     first = parts[0]
-    if isinstance(first, TensorDictBase):
+    if is_tensordict(first):
         for i, p in enumerate(parts):
-            if not isinstance(p, TensorDictBase):
+            if not is_tensordict(p):
                 raise TypeError(f"cannot concatenate TensorDict with {type(p).__name__} (part {i})")
             if not p.batch_size:
                 raise TypeError(
                     f"part {i} is a TensorDict with an empty batch_size (metrics?); it cannot be "
                     "concatenated along samples: use Dispatch.DP_COMPUTE_METRIC to get one result per rank"
                 )
+        import torch
+
         return torch.cat(list(parts), dim=0)
     kinds = {type(p) for p in parts}
     if isinstance(first, list | tuple):
@@ -206,7 +216,9 @@ def pad(x: Any, k: int, *, name: str = "batch") -> Any:
         raise ValueError(f"padding count must be >= 0, got {k}")
     if k == 0:
         return x
-    if isinstance(x, TensorDictBase):
+    if is_tensordict(x):
+        import torch
+
         size = length(x)
         if size == 0:
             raise ValueError(f"cannot pad {name}: it has no samples to repeat")
@@ -231,7 +243,7 @@ def trim(x: Any, k: int) -> Any:
     if k <= 0:
         return x
     trim_fn = getattr(x, "trim", None)
-    if not isinstance(x, TensorDictBase | list | tuple) and callable(trim_fn):
+    if not (is_tensordict(x) or isinstance(x, list | tuple)) and callable(trim_fn):
         return trim_fn(k)
     size = length(x)
     if size is None:

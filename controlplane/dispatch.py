@@ -152,9 +152,7 @@ def split_batches(
 
 
 def _is_batch_arg(key: int | str, value: Any) -> bool:
-    from tensordict import TensorDictBase
-
-    if isinstance(value, TensorDictBase) and not value.batch_size:
+    if batch.is_tensordict(value) and not value.batch_size:
         raise TypeError(f"{_arg_name(key)} is a TensorDict with an empty batch_size: no samples to chunk")
     return batch.is_batch(value)
 

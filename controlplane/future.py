@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
-from tensordict import TensorDictBase
 
 from controlplane import _config, batch
 
@@ -266,7 +264,9 @@ def _select(local: Any, index: np.ndarray) -> Any:
         if start == 0 and n == batch.length(local):
             return local
         return batch.take(local, start, start + n)
-    if isinstance(local, TensorDictBase):
+    if batch.is_tensordict(local):
+        import torch
+
         return local[torch.as_tensor(index)]
     if isinstance(local, list | tuple):
         rows = [local[int(i)] for i in index]
