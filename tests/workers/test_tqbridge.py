@@ -1,0 +1,151 @@
+"""The bridge contract: fetch, write-back on collect ranks only, passthroughs, async, tags."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import dataplane as dp
+from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from tests.workers._bridge_workers import BridgeWorker
+from workers import BridgeError
+from workers.tqbridge import traffic
+
+pytestmark = pytest.mark.ray
+
+ROWS = 6
+
+
+@pytest.fixture
+def meta(store) -> dp.KVBatchMeta:
+    """Six rows with fields x (int64) and w (float32) in a partition of their own, tagged."""
+    pid = f"bridge-{uuid.uuid4().hex[:8]}"
+    keys = [f"k{i}" for i in range(ROWS)]
+    data = TensorDict({"x": torch.arange(ROWS), "w": torch.ones(ROWS, 3)}, [ROWS])
+    dp.kv_batch_put(keys, pid, fields=data, tags=[{"i": i} for i in range(ROWS)])
+    yield dp.KVBatchMeta(keys, [{"i": i} for i in range(ROWS)], pid, ["x", "w"], {"scale": 3})
+    dp.clear_partition(pid)
+
+
+def _stored(meta: dp.KVBatchMeta, field: str) -> torch.Tensor:
+    return dp.kv_batch_get(meta.keys, meta.partition_id, [field])[field]
+
+
+# ---- on a local worker object (rank 0 of 1), in this process ---------------------------------
+
+
+def test_fetches_only_the_meta_fields_and_passes_extra_info(meta) -> None:
+    out = BridgeWorker().seen(meta.select_fields(["x"]))
+    assert out == {"tensors": ["x"], "extra": {"scale": 3}, "rows": ROWS}
+    assert BridgeWorker().seen(meta)["tensors"] == ["w", "x"]
+
+
+def test_writes_new_fields_back_and_keeps_tags(meta) -> None:
+    out = BridgeWorker().add_one(meta)
+    assert isinstance(out, dp.KVBatchMeta)
+    assert out.keys == meta.keys and out.tags == meta.tags and out.partition_id == meta.partition_id
+    assert out.fields == ["x", "w", "y"] and out.extra_info == meta.extra_info
+    assert torch.equal(_stored(meta, "y"), torch.arange(ROWS) + 1)
+
+
+def test_keyword_meta_is_bridged_too(meta) -> None:
+    out = BridgeWorker().add_one(batch=meta)
+    assert "y" in out.fields
+
+
+def test_non_collect_rank_writes_nothing(meta) -> None:
+    out = BridgeWorker(collect=False).double(meta)
+    assert out == dp.KVBatchMeta.empty(meta.partition_id)
+    with pytest.raises(dp.KeyNotFoundError):
+        _stored(meta, "y2")
+
+
+def test_metrics_pass_through_unchanged(meta) -> None:
+    assert BridgeWorker().metrics(meta) == {"rows": ROWS, "sum": float(sum(range(ROWS)))}
+
+
+def test_plain_data_runs_the_method_without_the_store(meta) -> None:
+    before = traffic()
+    td = TensorDict({"x": torch.arange(4)}, [4])
+    out = BridgeWorker().add_one(td)
+    assert isinstance(out, TensorDict) and torch.equal(out["y"], torch.arange(4) + 1)
+    assert traffic() == before
+
+
+def test_sync_calls_open_no_threads(meta) -> None:
+    worker = BridgeWorker()
+    worker.add_one(meta.select_fields(["x"]))  # first call: the client is already attached
+    before = threading.active_count()
+    for _ in range(3):
+        worker.metrics(meta)
+    assert threading.active_count() == before
+
+
+def test_async_method(meta) -> None:
+    out = asyncio.run(BridgeWorker().async_scale(meta))
+    assert isinstance(out, dp.KVBatchMeta) and out.tags == meta.tags
+    assert torch.equal(_stored(meta, "z"), torch.arange(ROWS).float() * 3)
+
+
+def test_extra_info_may_not_hide_a_field(meta) -> None:
+    clash = dp.KVBatchMeta(meta.keys, meta.tags, meta.partition_id, ["x"], {"x": 1})
+    with pytest.raises(ValueError, match=r"extra_info\['x'\]"):
+        BridgeWorker().seen(clash)
+
+
+def test_wrong_batch_size_names_the_method(meta) -> None:
+    with pytest.raises(BridgeError, match="wrong_size"):
+        BridgeWorker().wrong_size(meta)
+
+
+def test_empty_meta_gives_an_empty_batch_without_a_store_read(store) -> None:
+    before = traffic()["read_bytes"]
+    empty = dp.KVBatchMeta([], partition_id="nowhere", extra_info={"scale": 2})
+    assert BridgeWorker().seen(empty) == {"tensors": [], "extra": {"scale": 2}, "rows": 0}
+    assert traffic()["read_bytes"] == before
+
+
+# ---- through a real two-worker group -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(store):
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(BridgeWorker))
+    yield wg
+    wg.kill()
+    pool.remove()
+
+
+def test_group_mesh_writes_from_the_collect_rank_only(pair, meta) -> None:
+    out = pair.double(meta)
+    assert out.keys == meta.keys and out.tags == meta.tags and "y2" in out.fields
+    # rank 1 saw the same shard and computed x*2 + 1000, but must not have written it
+    assert torch.equal(_stored(meta, "y2"), torch.arange(ROWS) * 2)
+
+
+def test_group_dp_compute_writes_each_shard(pair, meta) -> None:
+    out = pair.async_scale(meta)
+    assert out.keys == meta.keys and out.tags == meta.tags
+    assert _stored(meta, "rank").tolist() == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(_stored(meta, "z"), torch.arange(ROWS).float() * 3)
+
+
+def test_group_one_to_all_writes_once(pair, meta) -> None:
+    full, empty = pair.stamp(meta)
+    assert full.keys == meta.keys and empty.size == 0
+    assert _stored(meta, "stamp").tolist() == [0] * ROWS
+
+
+def test_group_metrics_per_rank(pair, meta) -> None:
+    assert pair.metrics(meta) == [{"rows": 3, "sum": 3.0}, {"rows": 3, "sum": 12.0}]
+
+
+def test_group_error_reaches_the_driver(pair, meta) -> None:
+    with pytest.raises(Exception, match="wrong_size"):
+        pair.wrong_size(meta)

@@ -1,0 +1,116 @@
+"""The metadata-only GRPO trainer: the driver's guard, its bytes as the batch grows, and learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import dataplane as dp
+from workers import DriverDataError, MetadataOnlyGroup
+from workers.trainer import GRPOTrainer, TrainerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _EchoGroup:
+    """A real (tiny, local) stand-in for a worker group: returns what it is given."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def echo(self, *args, **kwargs):
+        self.calls += 1
+        return args[0] if args else kwargs
+
+
+def test_guard_refuses_tensors_before_dispatch_and_counts_bytes() -> None:
+    inner = _EchoGroup()
+    group = MetadataOnlyGroup(inner, "echo")
+    meta = dp.KVBatchMeta(["a", "b"], partition_id="p", extra_info={"step": 1})
+    assert group.echo(meta) == meta
+    assert group.echo({"loss": 0.5, "names": ["x"]}) == {"loss": 0.5, "names": ["x"]}
+    assert group.driver_bytes > 0
+    for bad, where in [
+        (torch.zeros(2), "args[0]"),
+        (TensorDict({"x": torch.zeros(2)}, [2]), "args[0]"),
+        ({"batch": [torch.zeros(1)]}, "args[0]['batch'][0]"),
+    ]:
+        with pytest.raises(DriverDataError, match=r"echo\.echo") as err:
+            group.echo(bad)
+        assert err.value.where == where
+    assert inner.calls == 2  # nothing was dispatched for the refused calls
+    with pytest.raises(DriverDataError, match=r"kwargs\['t'\]"):
+        group.echo(t=torch.zeros(1))
+
+
+def test_guard_refuses_tensor_results() -> None:
+    group = MetadataOnlyGroup(_EchoGroup(), "echo")
+
+    class Leaky:
+        def leak(self):
+            return {"logits": torch.zeros(3)}
+
+    leaky = MetadataOnlyGroup(Leaky(), "leaky")
+    with pytest.raises(DriverDataError, match=r"result\['logits'\]"):
+        leaky.leak()
+    assert group.driver_bytes == 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_driver_bytes_stay_metadata_sized_as_the_batch_grows_8x(store) -> None:
+    trainer = GRPOTrainer(TrainerConfig(prompts_per_step=2, n=4, dp=2, seed=0))
+    try:
+        traffic = {}
+        for label, prompts in (("1x", 2), ("8x", 16)):
+            driver0, store0 = trainer.driver_bytes, trainer.store_bytes()
+            for i in range(2):
+                trainer.step(100 * prompts + i, prompts_per_step=prompts)
+            traffic[label] = (trainer.driver_bytes - driver0, trainer.store_bytes() - store0)
+        # the strict guard is live on the trainer's groups: data cannot reach the driver
+        with pytest.raises(DriverDataError):
+            trainer.actor.compute_log_prob(TensorDict({"prompts": torch.zeros(2, 4)}, [2]))
+    finally:
+        trainer.close()
+    (d1, s1), (d8, s8) = traffic["1x"], traffic["8x"]
+    samples = 2 * 16 * 4  # two steps of the 8x batch
+    calls = 8  # worker-group calls per step
+    assert s8 >= 6 * s1, f"store traffic should scale with the batch: {s1} -> {s8}"
+    # driver bytes are keys and small dicts: linear in the number of keys at most, never the payload
+    assert d8 <= 8 * d1 * 1.25, f"driver traffic grew faster than the keys: {d1} -> {d8}"
+    assert d8 / (samples * calls) < 120, f"{d8} driver bytes is more than metadata for {samples} samples"
+    assert d8 < s8 / 3, f"driver bytes {d8} are not small next to store bytes {s8}"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_reward_improves_over_a_short_run(store) -> None:
+    trainer = GRPOTrainer(TrainerConfig(steps=20, seed=1))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 20 and len(summary["reward_history"]) == 20
+    assert summary["reward_last"] > summary["reward_first"] + 0.05, summary["reward_history"]
+    assert 0 < summary["driver_bytes"] < summary["store_bytes"]
+
+
+@pytest.mark.slow
+def test_demo_cli_writes_the_summary(tmp_path) -> None:
+    # Its own process: the demo starts and stops a local Ray, which a test session must not do.
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "workers.cli", "demo", "--steps", "2", "--summary", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert out.exists(), proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    for key in ("steps", "reward_first", "reward_last", "driver_bytes", "store_bytes", "steps_per_s"):
+        assert key in summary
+    assert summary["steps"] == 2
+    assert "mean reward, end" in proc.stdout

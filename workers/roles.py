@@ -1,0 +1,215 @@
+"""The GRPO roles as controlplane workers: thin wrappers over :mod:`workers.engine`.
+
+Two worker classes, each method bridged (``KVBatchMeta`` in, ``KVBatchMeta`` or metrics out):
+
+- :class:`ActorRolloutRefWorker`, one per data-parallel rank (a ``torch.distributed`` gloo
+  group on CPU, NCCL on GPU): ``generate_sequences`` (rollout), ``compute_log_prob`` (old
+  log-probs), ``compute_ref_log_prob`` (a frozen copy of the initial weights, colocated as in
+  verl's ActorRolloutRef worker) and ``update_actor`` (clipped policy gradient, gradients
+  averaged over the group). Registered on mesh ``"actor"``: every rank is its own dp replica.
+- :class:`RewardWorker`: ``make_prompts`` (the task's data source: writes prompts into the
+  store), ``compute_reward`` (the rule) and ``compute_advantage`` (GRPO group normalisation,
+  on one rank so that every prompt group is whole).
+
+Field names are those of :mod:`workers.engine`. Settings that change per step travel in
+``KVBatchMeta.extra_info``: ``step`` (sampling seeds), ``n`` (responses per prompt, for
+``make_prompts``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+import dataplane as dp
+from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
+from workers.engine import (
+    Actor,
+    ActorConfig,
+    CountingTask,
+    ModelConfig,
+    PatternReward,
+    Reference,
+    Rollout,
+    TinyCausalLM,
+    compute_advantage,
+)
+from workers.tqbridge import _count, nbytes_of, tqbridge, traffic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ActorRolloutRefWorker", "RewardWorker", "RoleWorker"]
+
+ACTOR_MESH = "actor"
+_ON_ACTOR_MESH = make_nd_compute_dispatch_fn(ACTOR_MESH)
+_DIST_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _sampling_seed(seed: int, step: int, dp_rank: int) -> int:
+    # Distinct, reproducible streams per (run, step, replica).
+    return (seed * 1_000_003 + step * 1_009 + dp_rank) % (2**63)
+
+
+class RoleWorker(Worker):
+    """Base of the role workers: single-threaded torch, and the bridge's byte counters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Several workers share a few cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(1)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def store_traffic(self) -> dict[str, int]:
+        """This process's bridge counters (``read_bytes``, ``written_bytes``, ``calls``) and its pid."""
+        return {**traffic(), "pid": os.getpid()}
+
+
+class ActorRolloutRefWorker(RoleWorker):
+    """Policy, sampler and frozen reference of one data-parallel rank.
+
+    Args:
+        task: the task's shapes (``CountingTask`` fields as a dict).
+        model: ``ModelConfig`` fields as a dict (vocab and length come from the task).
+        actor: ``ActorConfig`` fields as a dict.
+        seed: initial weights (identical on every rank) and sampling streams.
+        device: where the model lives (``"cpu"``, or ``"cuda"`` in a GPU pool: NCCL then).
+    """
+
+    def __init__(
+        self,
+        task: dict,
+        model: dict | None = None,
+        actor: dict | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.task = CountingTask(**task)
+        self.model_cfg = ModelConfig(
+            vocab_size=self.task.vocab_size, max_len=self.task.max_len, **(model or {})
+        )
+        self.actor_cfg = ActorConfig(**(actor or {}))
+        self.seed = seed
+        self.device = torch.device(device)
+        self._register_dispatch_collect_info(ACTOR_MESH, dp_rank=self.rank, is_collect=True)
+        self.actor: Actor | None = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the data-parallel process group and build the model on every rank."""
+        if self.world_size > 1 and not dist.is_initialized():
+            addr, port = self.get_master_addr_port()
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{addr}:{port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=_DIST_TIMEOUT,
+            )
+        torch.manual_seed(self.seed)
+        model = TinyCausalLM(self.model_cfg).to(self.device)
+        self.actor = Actor(model, self.actor_cfg)  # broadcasts rank 0's weights
+        self.rollout = Rollout(model, self.task.response_len, self.actor_cfg.temperature)
+        self.reference = Reference(model, self.actor_cfg.temperature)
+
+    def _model_ready(self) -> Actor:
+        if self.actor is None:
+            raise RuntimeError("ActorRolloutRefWorker: call init_model() on the group first")
+        return self.actor
+
+    @register(dispatch_mode=_ON_ACTOR_MESH)
+    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
+    def generate_sequences(self, batch: TensorDict) -> TensorDict:
+        """Sample one response per row (the rows already hold each prompt ``n`` times)."""
+        self._model_ready()
+        step = int(batch.get_non_tensor("step")) if "step" in batch.keys() else 0
+        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, self.rank))
+        out = self.rollout.generate(batch.select("prompts"), n=1, generator=gen)
+        return out.select("responses", "response_mask", "rollout_log_probs")
+
+    @register(dispatch_mode=_ON_ACTOR_MESH)
+    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
+        """``old_log_probs`` under the current weights."""
+        return self._model_ready().compute_log_prob(batch)
+
+    @register(dispatch_mode=_ON_ACTOR_MESH)
+    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
+    def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
+        """``ref_log_probs`` of the frozen initial policy."""
+        self._model_ready()
+        return self.reference.compute_ref_log_prob(batch)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        """One GRPO update on this rank's shard; metrics are averaged over the group."""
+        return self._model_ready().update(batch)
+
+
+class RewardWorker(RoleWorker):
+    """The task's side: prompts in, rewards and advantages out.
+
+    Args:
+        task: the task's shapes (``CountingTask`` fields as a dict).
+        seed: the prompt stream.
+    """
+
+    def __init__(self, task: dict, seed: int = 0) -> None:
+        super().__init__()
+        self.task = CountingTask(**task)
+        self.reward = PatternReward(self.task)
+        self.seed = seed
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def make_prompts(self, meta: dp.KVBatchMeta) -> dp.KVBatchMeta:
+        """Write ``prompts`` and ``uid`` for the keys of ``meta`` (``extra_info``: ``n``, ``step``).
+
+        The keys hold ``len(meta) // n`` prompts, each repeated on ``n`` adjacent keys. Not bridged:
+        the keys hold nothing yet, so there is nothing to fetch; it writes directly.
+        """
+        n = int(meta.extra_info.get("n", 1))
+        step = int(meta.extra_info.get("step", 0))
+        if n < 1 or meta.size % n:
+            raise ValueError(f"make_prompts: {meta.size} keys is not a multiple of n={n}")
+        if not dp.is_initialized():
+            dp.init(attach_only=True)
+        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, 7919))
+        num = meta.size // n
+        prompts = self.task.sample_prompts(num, gen).repeat_interleave(n, dim=0)
+        uid = (torch.arange(num) + step * num).repeat_interleave(n)
+        data = TensorDict({"prompts": prompts, "uid": uid}, batch_size=[meta.size])
+        stored = dp.kv_batch_put(meta.keys, meta.partition_id, fields=data, tags=meta.tags)
+        _count("written_bytes", nbytes_of(data))
+        return dp.KVBatchMeta(meta.keys, meta.tags, meta.partition_id, stored.fields, meta.extra_info)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_reward(self, batch: TensorDict) -> TensorDict:
+        """``rewards`` from the task's rule."""
+        return self.reward.compute_reward(batch)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    @tqbridge(dispatch_mode=Dispatch.RANK_ZERO)
+    def compute_advantage(self, batch: TensorDict) -> TensorDict:
+        """GRPO ``advantages`` over the whole batch (rank 0 only, so every group is whole)."""
+        return compute_advantage(batch)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    @tqbridge(dispatch_mode=Dispatch.RANK_ZERO)
+    def reward_metrics(self, batch: TensorDict) -> dict[str, Any]:
+        """Summary of a scored batch: mean/min/max reward and mean response length."""
+        rewards = batch["rewards"].float()
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/max": float(rewards.max()),
+            "reward/min": float(rewards.min()),
+            "response/length": float(batch["response_mask"].sum(-1).float().mean()),
+        }
