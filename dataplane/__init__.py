@@ -12,6 +12,80 @@ TransferQueue's names, so code written against it moves over by changing one imp
     dp.close()
 """
 
-__all__: list[str] = ["__version__"]
+from dataplane.api import (
+    async_clear_partition,
+    async_close,
+    async_init,
+    async_kv_batch_get,
+    async_kv_batch_get_by_meta,
+    async_kv_batch_put,
+    async_kv_clear,
+    async_kv_list,
+    async_kv_put,
+    async_stats,
+    clear_partition,
+    close,
+    init,
+    is_initialized,
+    kv_batch_get,
+    kv_batch_get_by_meta,
+    kv_batch_put,
+    kv_clear,
+    kv_list,
+    kv_put,
+    stats,
+)
+from dataplane.config import StoreConfig
+from dataplane.errors import (
+    BatchSizeError,
+    DataplaneError,
+    KeyNotFoundError,
+    PartitionNotFoundError,
+    SchedulingError,
+    SchemaError,
+    SerializationError,
+    ShardUnavailableError,
+    StoreFullError,
+    StoreNotInitializedError,
+)
+from dataplane.meta import KVBatchMeta, StoreInfo
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "BatchSizeError",
+    "DataplaneError",
+    "KVBatchMeta",
+    "KeyNotFoundError",
+    "PartitionNotFoundError",
+    "SchedulingError",
+    "SchemaError",
+    "SerializationError",
+    "ShardUnavailableError",
+    "StoreConfig",
+    "StoreFullError",
+    "StoreInfo",
+    "StoreNotInitializedError",
+    "__version__",
+    "async_clear_partition",
+    "async_close",
+    "async_init",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "async_stats",
+    "clear_partition",
+    "close",
+    "init",
+    "is_initialized",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "stats",
+]

@@ -1,9 +1,251 @@
-"""Start, inspect and stop the store as a service (filled in by the store issue)."""
+"""Start, find and stop the store service (index + shards as named Ray actors), and its CLI.
+
+The service's actors are named ``<name>-index`` and ``<name>-shard-<i>`` in the Ray namespace
+``rlplane`` (``config.NAMESPACE``), so any process of the cluster finds them. ``rlplane store
+start`` makes them detached (they outlive the CLI); ``dp.init()`` with no service running makes
+an embedded one: named (workers attach to it) but owned by the process, which stops it on
+``close()`` or at exit (and Ray kills owned actors when their owner dies anyway).
+
+Scheduling is checked, not hoped for: ``start_service`` waits ``schedule_timeout_s`` for every
+actor to come up and otherwise kills what it created and raises ``SchedulingError`` naming the
+actors, what they asked for and what the cluster has free.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.config import NAMESPACE, StoreConfig
+from dataplane.errors import DataplaneError, SchedulingError, StoreNotInitializedError
+
+logger = logging.getLogger(__name__)
+
+_KILL_WAIT_S = 5.0
+
+
+@dataclass
+class ServiceHandle:
+    """The actors of a service this process started (so it can stop them)."""
+
+    index: Any
+    shards: list[Any] = field(default_factory=list)
+    stopped: bool = False
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        import ray
+
+        refs = []
+        for s in self.shards:
+            try:
+                refs.append(s.shutdown.remote())
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT_S)
+        for actor in [*self.shards, self.index]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+
+_REMOTE_CLASSES: dict[str, Any] = {}
+
+
+def _remote(cls: type) -> Any:
+    """The ``ray.remote`` class of ``cls``, made once per process and kept alive (see start_service)."""
+    import ray
+
+    if cls.__name__ not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls.__name__] = ray.remote(cls)
+    return _REMOTE_CLASSES[cls.__name__]
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[str, Any], Any] | None:
+    """The registry of the running service named ``cfg.name``, or None when there is none."""
+    import ray
+
+    # Look the name up in the list first: a failed ray.get_actor() of a name this process then
+    # creates makes Ray 2.60 cancel that creation ("all references removed").
+    named = ray.util.list_named_actors(all_namespaces=True)
+    if not any(a.get("name") == cfg.index_name() and a.get("namespace") == NAMESPACE for a in named):
+        return None
+    try:
+        index = ray.get_actor(cfg.index_name(), namespace=NAMESPACE)
+    except ValueError:
+        return None
+    deadline = time.monotonic() + (timeout or cfg.schedule_timeout_s)
+    while True:  # a service being started by another process has no registry yet
+        left = deadline - time.monotonic()
+        try:
+            registry = ray.get(index.info.remote(), timeout=max(0.1, left))
+        except ray.exceptions.GetTimeoutError:
+            registry = {}
+        except ray.exceptions.RayActorError:
+            return None
+        if registry.get("shards"):
+            return registry, index
+        if left <= 0:
+            raise SchedulingError(
+                f"the store {cfg.name!r} exists (actor {cfg.index_name()!r}) but did not finish starting "
+                f"within "
+                f"{cfg.schedule_timeout_s:.0f}s; stop it with `rlplane store stop` and start again"
+            )
+        time.sleep(0.05)
+
+
+def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
+    """Create the index and the shards, wait until all are up, and publish the registry."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dataplane._index import IndexActor
+    from dataplane._shard_server import ShardActor
+
+    nodes = _alive_nodes()
+    if not nodes:
+        raise SchedulingError("the Ray cluster has no alive node with CPUs to place the store on")
+    biggest = max(node.get("Resources", {}).get("CPU", 0) for node in nodes)
+    if biggest < cfg.num_cpus:  # infeasible: say so now instead of waiting for the deadline
+        raise SchedulingError(
+            f"Ray cannot place the store's actors: each asks for num_cpus={cfg.num_cpus} but the largest "
+            f"node has {biggest} CPUs. Lower num_cpus (default 0.1)."
+        )
+    n = cfg.num_shards or len(nodes)
+    lifetime = "detached" if cfg.detached else None
+    opts = {"namespace": NAMESPACE, "num_cpus": cfg.num_cpus, "lifetime": lifetime, "max_restarts": 0}
+    index = _remote(IndexActor).options(name=cfg.index_name(), **opts).remote(cfg.name)
+    handle = ServiceHandle(index)
+    try:
+        for i in range(n):
+            node = nodes[i % len(nodes)]["NodeID"]
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            actor = _remote(ShardActor).options(
+                name=cfg.shard_name(i), scheduling_strategy=strategy, **opts
+            )
+            handle.shards.append(actor.remote(i, cfg.shard_capacity(n), cfg.to_dict()))
+        refs = [index.start.remote(), *(s.info.remote() for s in handle.shards)]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=cfg.schedule_timeout_s)
+        if pending:
+            names = [cfg.index_name() if r is refs[0] else cfg.shard_name(refs.index(r) - 1) for r in pending]
+            raise SchedulingError(
+                f"Ray could not start the store's actors {names} within {cfg.schedule_timeout_s:.0f}s: each "
+                f"asks for num_cpus={cfg.num_cpus}; the cluster has {ray.available_resources()} free. "
+                "Lower num_cpus, num_shards, or add resources."
+            )
+        infos = ray.get(refs)
+        registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:]}
+        ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)
+    except BaseException:
+        handle.stop()
+        raise
+    logger.info(
+        "started store %r: %d shard(s) on %d node(s)", cfg.name, n, len({s["node_id"] for s in infos[1:]})
+    )
+    return registry, handle
+
+
+def stop_named(cfg: StoreConfig) -> bool:
+    """Stop the service named ``cfg.name`` (any owner); False when none runs."""
+    import ray
+
+    found = find_service(cfg, timeout=10.0)
+    if found is None:
+        return False
+    registry, index = found
+    shards = []
+    for i in range(len(registry["shards"])):
+        try:
+            shards.append(ray.get_actor(cfg.shard_name(i), namespace=NAMESPACE))
+        except ValueError:
+            pass
+    ServiceHandle(index, shards).stop()
+    return True
+
+
+# ---- CLI: rlplane store start|status|stop ---------------------------------------------------------
+
+
+def _connect(address: str) -> None:
+    import os
+    import subprocess
+
+    import ray
+
+    if address == "local":
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        probe = subprocess.run([ray_bin, "status"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            subprocess.run([ray_bin, "start", "--head", "--include-dashboard=false"], check=True)
+        address = "auto"
+    ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+
+
+def _say(text: str) -> None:
+    """CLI output (the one place this package writes to stdout)."""
+    sys.stdout.write(text + "\n")
 
 
 def cli(args: argparse.Namespace) -> int:
-    raise SystemExit(f"rlplane store {args.store_action}: the store service is not built yet")
+    """Entry point of ``rlplane store start|status|stop`` (see ``workers.cli``)."""
+    import ray
+
+    from dataplane import api
+
+    try:
+        _connect(getattr(args, "address", "auto") or "auto")
+    except (ConnectionError, RuntimeError) as exc:
+        logger.error("cannot reach a Ray cluster at %r: %s", args.address, exc)
+        _say(f"rlplane store: no Ray cluster at {args.address!r} ({exc}); use --address local to start one")
+        return 1
+    cfg = StoreConfig.from_options(
+        num_shards=getattr(args, "shards", None),
+        capacity_bytes=getattr(args, "capacity", None),
+        detached=True,
+    )
+    try:
+        if args.store_action == "start":
+            if find_service(cfg) is not None:
+                _say(f"store {cfg.name!r} is already running in namespace {NAMESPACE!r}")
+                return 0
+            registry, _ = start_service(cfg)
+            _say(f"started store {cfg.name!r}: {len(registry['shards'])} shard(s), namespace {NAMESPACE!r}")
+            return 0
+        if args.store_action == "status":
+            try:
+                api.init(attach_only=True)
+            except StoreNotInitializedError:
+                _say(f"no store {cfg.name!r} is running in namespace {NAMESPACE!r}")
+                return 1
+            _say(json.dumps(api.stats(), indent=2, default=str))
+            api.close()
+            return 0
+        if args.store_action == "stop":
+            stopped = stop_named(cfg)
+            _say(f"stopped store {cfg.name!r}" if stopped else f"no store {cfg.name!r} was running")
+            return 0
+    except DataplaneError as exc:
+        _say(f"rlplane store {args.store_action}: {exc}")
+        return 1
+    finally:
+        ray.shutdown()
+    return 2
+
+
+__all__ = ["ServiceHandle", "cli", "find_service", "start_service", "stop_named"]

@@ -1,0 +1,119 @@
+"""The per-process client handle: transports, the shared-memory mapping cache, and op drivers.
+
+``StoreClient`` is built from the service's registry (shard endpoints, pids, hosts) that the index
+actor hands out at attach time; after that, no Ray call is made per KV operation. It picks, per
+shard, the shared-memory path (same host and the inode probe passes) or the zmq path, and the ipc
+endpoint on the same host or tcp otherwise. Its sockets are closed by ``close()`` or, if the
+client is simply dropped, by a ``weakref.finalize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from dataplane import _ops
+from dataplane._engine import StorageEngine, select_engine
+from dataplane._placement import HashPlacement
+from dataplane._segments import MappingCache, boot_id, probe
+from dataplane._transport import INDEX, AsyncTransport, SyncTransport
+from dataplane.config import StoreConfig
+from dataplane.errors import ShardUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+def drive(transport: SyncTransport, op: _ops.Op) -> Any:
+    """Run a sans-IO operation to completion with blocking sockets."""
+    try:
+        calls = next(op)
+        while True:
+            calls = op.send(transport.call_many(calls))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def adrive(transport: AsyncTransport, op: _ops.Op) -> Any:
+    """Run a sans-IO operation to completion on the running event loop."""
+    try:
+        calls = next(op)
+        while True:
+            calls = op.send(await transport.call_many(calls))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _close_resources(sync: SyncTransport, asyn: AsyncTransport, maps: MappingCache) -> None:
+    sync.close()
+    asyn.close()
+    maps.clear()
+
+
+class StoreClient:
+    """Routes KV operations of this process to the shards and the index."""
+
+    def __init__(self, registry: dict[str, Any], transport: str | None = None) -> None:
+        self.registry = registry
+        self.config = StoreConfig.from_dict(registry["config"])
+        mode = transport or self.config.transport
+        here = boot_id()
+        shards = registry["shards"]
+        self.shm = [
+            mode != "zmq" and s["boot_id"] == here and probe(s["pid"], s["probe"], s["boot_id"])
+            for s in shards
+        ]
+        if mode == "shm" and not all(self.shm):
+            logger.warning(
+                "transport='shm' requested but some shards are not mappable here; using zmq for them"
+            )
+        endpoints = {i: (s["ipc"] if s["boot_id"] == here else s["tcp"]) for i, s in enumerate(shards)}
+        idx = registry["index"]
+        endpoints[INDEX] = idx["ipc"] if idx["boot_id"] == here else idx["tcp"]
+        names = {i: self.config.shard_name(i) for i in range(len(shards))}
+        names[INDEX] = self.config.index_name()
+        timeout = self.config.rpc_timeout_s
+        self.sync = SyncTransport(endpoints, names, timeout)
+        self.asyn = AsyncTransport(endpoints, names, timeout)
+        self.maps = MappingCache()
+        self.engine: StorageEngine
+        self.route = _ops.Route(
+            placement=HashPlacement(len(shards)),
+            shm=self.shm,
+            shard_pids=[s["pid"] for s in shards],
+            maps=self.maps,
+            shm_min_bytes=self.config.shm_min_bytes,
+            allow_pickle=self.config.allow_pickle,
+        )
+        self.engine = select_engine(registry)(self.route)
+        self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.shm and all(self.shm) else ("zmq" if not any(self.shm) else "mixed")
+
+    def run(self, op: _ops.Op) -> Any:
+        try:
+            return drive(self.sync, op)
+        except ShardUnavailableError as exc:
+            self._forget(exc.shard)
+            raise
+
+    async def arun(self, op: _ops.Op) -> Any:
+        try:
+            return await adrive(self.asyn, op)
+        except ShardUnavailableError as exc:
+            self._forget(exc.shard)
+            raise
+
+    def _forget(self, shard_name: str) -> None:
+        """Drop our mappings of a dead shard's memory, so none of it outlives the shard here."""
+        for i in range(len(self.shm)):
+            if self.config.shard_name(i) == shard_name:
+                self.maps.drop_shard(i)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+__all__ = ["StoreClient", "adrive", "drive"]

@@ -1,0 +1,256 @@
+"""Shared-memory segments: memfd files owned by a shard, mapped directly by same-host clients.
+
+Shard side (``ShmPool``): every segment is an anonymous ``memfd_create`` file, so nothing is ever
+written to ``/dev/shm``; its pages vanish when the shard process dies and the last mapping drops,
+which is why no segment can outlive the store, even after a crash. Pages are allocated up front
+with ``posix_fallocate`` (much cheaper than faulting them in through a copy).
+
+Reuse policy (``bytes_warm`` in ``stats()``): a freed file goes to a warm pool and is handed to the
+next put that fits it (size within 1.3x), so a steady put/clear cycle never faults fresh pages and
+clients keep their mappings. A warm file is given back to the OS (its pages punched out with
+``MADV_REMOVE``, then closed) once it has been idle ``warm_idle_s`` or when the warm pool exceeds
+``warm_retain_bytes``. A file that was handed out as a zero-copy view (*exported*) is never
+recycled: when freed it is closed without punching, so a reader's mapping keeps its pages for as
+long as the reader holds the view.
+
+Client side (``MappingCache``): opens a shard's file through ``/proc/<shard pid>/fd/<fd>``, checks
+its inode (so a reused fd number or another pid namespace is detected), maps it once with
+``MAP_POPULATE`` and caches the mapping by the never-reused file id. The shard tells clients
+which files are still alive, and mappings of closed files are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_REUSE_SLACK = 1.3
+
+
+def size_class(nbytes: int) -> int:
+    """Bytes actually allocated for a request of ``nbytes``: pages, then 1/8-power-of-two steps."""
+    n = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    if n <= 16 * PAGE:
+        return n
+    step = 1 << (n.bit_length() - 4)  # 8 classes per doubling: at most 12.5% slack
+    return -(-n // step) * step
+
+
+@dataclass(eq=False)
+class ShmFile:
+    """One memfd file (shard side)."""
+
+    file_id: int
+    size: int
+    fd: int = -1
+    inode: int = 0
+    exported: bool = False
+    freed_at: float = 0.0
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, file_id: int, size: int, prefix: str = "dataplane") -> ShmFile:
+        fd = os.memfd_create(f"{prefix}-seg-{file_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(file_id=file_id, size=size, fd=fd, inode=os.fstat(fd).st_ino)
+
+    def view(self) -> memoryview:
+        """The shard's own mapping of the whole file (mapped on first use)."""
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
+        return memoryview(self._map)
+
+    def ref(self) -> list[int]:
+        """What a client needs to map this file: [file_id, fd, size, inode]."""
+        return [self.file_id, self.fd, self.size, self.inode]
+
+    def close(self, punch: bool) -> None:
+        """Give the pages back (``punch``) and close; live views elsewhere keep their own mappings."""
+        if self.fd < 0:
+            return
+        if punch:
+            try:
+                m = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
+                m.madvise(mmap.MADV_REMOVE)
+                m.close()
+            except (OSError, ValueError) as exc:  # the close below still frees them eventually
+                logger.debug("MADV_REMOVE failed on segment file %d: %s", self.file_id, exc)
+        os.close(self.fd)
+        self.fd = -1
+        self._map = None  # unmapped when the last export of it is gone
+
+
+class ShmPool:
+    """The shard's shared-memory files: live ones, and a warm pool of freed ones (see module doc)."""
+
+    def __init__(self, warm_idle_s: float, warm_retain_bytes: int, prefix: str = "dataplane") -> None:
+        self.prefix = prefix
+        self.warm_idle_s = warm_idle_s
+        self.warm_retain_bytes = warm_retain_bytes
+        self._next_id = 1
+        self.live: dict[int, ShmFile] = {}
+        self.warm: list[ShmFile] = []
+        self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
+
+    def acquire(self, nbytes: int) -> ShmFile:
+        """A file of at least ``nbytes``: a warm one that fits, else a fresh one."""
+        best = None
+        for f in self.warm:
+            if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
+                if best is None or f.size < best.size:
+                    best = f
+        if best is not None:
+            self.warm.remove(best)
+        else:
+            best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix)
+            self._next_id += 1
+        self.live[best.file_id] = best
+        return best
+
+    def release(self, f: ShmFile) -> None:
+        """A file is no longer used by any row: warm it, or close it when it was exported."""
+        self.live.pop(f.file_id, None)
+        if f.exported:
+            self._close(f, punch=False)
+            return
+        f.freed_at = time.monotonic()
+        self.warm.append(f)
+        self.trim()
+
+    def trim(self, now: float | None = None, everything: bool = False) -> int:
+        """Close warm files idle too long or above the retained watermark; returns bytes given back."""
+        now = time.monotonic() if now is None else now
+        keep: list[ShmFile] = []
+        given = 0
+        budget = self.warm_retain_bytes
+        for f in sorted(self.warm, key=lambda x: x.freed_at, reverse=True):  # newest kept first
+            if not everything and now - f.freed_at < self.warm_idle_s and f.size <= budget:
+                budget -= f.size
+                keep.append(f)
+            else:
+                given += f.size
+                self._close(f, punch=True)
+        self.warm = keep
+        return given
+
+    def _close(self, f: ShmFile, punch: bool) -> None:
+        f.close(punch=punch)
+        self.version += 1
+
+    def close_all(self) -> None:
+        for f in [*self.live.values(), *self.warm]:
+            self._close(f, punch=not f.exported)
+        self.live.clear()
+        self.warm.clear()
+
+    def live_ids(self) -> list[int]:
+        return sorted(self.live)
+
+    @property
+    def bytes_resident(self) -> int:
+        return sum(f.size for f in self.live.values()) + self.bytes_warm
+
+    @property
+    def bytes_warm(self) -> int:
+        return sum(f.size for f in self.warm)
+
+
+class ShmUnavailable(OSError):
+    """This client cannot map the shard's files (another host, another pid namespace, no access)."""
+
+
+class MappingCache:
+    """Client-side cache of shard file mappings, keyed by (shard, never-reused file id). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._versions: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def version(self, shard: int) -> int:
+        return self._versions.get(shard, -1)
+
+    def view(self, shard: int, pid: int, ref: list[int]) -> memoryview:
+        """A writable view of the whole file ``ref`` of shard ``shard`` (process ``pid``)."""
+        file_id, fd, size, inode = ref
+        key = (shard, file_id)
+        with self._lock:
+            m = self._maps.get(key)
+        if m is None:
+            m = map_remote(pid, fd, size, inode)
+            with self._lock:
+                self._maps[key] = m
+        return memoryview(m)
+
+    def prune(self, shard: int, version: int, live: list[int]) -> None:
+        """Forget mappings of the shard's files that are no longer alive (views keep their own)."""
+        alive = set(live)
+        with self._lock:
+            for key in [k for k in self._maps if k[0] == shard and k[1] not in alive]:
+                del self._maps[key]  # unmapped when the last view of it is dropped
+            self._versions[shard] = version
+
+    def drop_shard(self, shard: int) -> None:
+        with self._lock:
+            for key in [k for k in self._maps if k[0] == shard]:
+                del self._maps[key]
+            self._versions.pop(shard, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+            self._versions.clear()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+def map_remote(pid: int, fd: int, size: int, inode: int) -> mmap.mmap:
+    """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        local = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot open {path}: {exc}") from exc
+    try:
+        if os.fstat(local).st_ino != inode:
+            raise ShmUnavailable(f"{path} is not the shard's segment (inode mismatch: other host or pid ns)")
+        return mmap.mmap(local, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(local)
+
+
+def boot_id() -> str:
+    """This host's boot id: equal boot ids (and a passing inode probe) mean the same kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
+    """True when this process can map the shard's files (same kernel, /proc access, same pid ns)."""
+    if not host_boot_id or host_boot_id != boot_id():
+        return False
+    try:
+        map_remote(pid, ref[1], ref[2], ref[3]).close()
+        return True
+    except (ShmUnavailable, OSError, ValueError):
+        return False
+
+
+__all__ = ["MappingCache", "ShmFile", "ShmPool", "ShmUnavailable", "boot_id", "probe", "size_class"]

@@ -1,0 +1,354 @@
+"""A storage shard's core: column segments in memory, rows addressed as (segment, row), byte accounting.
+
+``ShardCore`` is a plain class (no Ray, no sockets); ``_shard_server`` wraps it in a Ray actor and a
+zmq loop. Every operation takes a request body plus its buffer frames and returns a reply body plus
+buffer frames (see ``_wire``).
+
+A put is two steps so that a failure anywhere writes nothing:
+1. ``reserve``: check the schema and the byte capacity, then either keep the inline column frames
+   (zmq path, small columns) or hand out shared-memory files the client copies into (same host);
+2. ``commit``: attach the rows to their keys (replacing older values of the same fields), or
+   ``abort``. A reservation whose client vanished is undone after ``reservation_timeout_s``.
+A put of B rows makes one segment per field; a get answers with shared-memory references (the
+client gathers straight from the segments) or with one gathered frame per field in request order.
+The shard never unpickles anything: object columns are opaque bytes here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataplane import _wire
+from dataplane._layout import Block
+from dataplane._rows import assemble
+from dataplane._segments import ShmFile, ShmPool
+from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One field of the rows one put wrote to this shard: a contiguous buffer (+ offsets)."""
+
+    spec: Any
+    num_rows: int
+    nbytes: int
+    data: memoryview | None  # heap bytes (a received frame) when not in shared memory
+    offsets: np.ndarray | None
+    file: ShmFile | None
+    live: int = 0
+
+    @property
+    def accounted(self) -> int:
+        return self.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+
+    @property
+    def heap_bytes(self) -> int:
+        """Bytes held in the shard's own heap (not shared memory): inline data and offsets."""
+        return self.accounted - (self.nbytes if self.file is not None else 0)
+
+    def column(self) -> Any:
+        data = self.file.view()[: self.nbytes] if self.file is not None else self.data
+        return Block(spec=self.spec, num_rows=self.num_rows, data=data, offsets=self.offsets)
+
+
+@dataclass
+class _Partition:
+    rows: dict[str, dict[str, tuple[Segment, int]]] = field(default_factory=dict)
+    specs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Reservation:
+    pid: str
+    keys: list[str]
+    fields: dict[str, dict[str, Any]]  # name -> {"spec", "nbytes", "col" (inline Column) | "file"}
+    nbytes: int
+    deadline: float
+
+
+class ShardCore:
+    """The shard's storage logic. Not thread-safe: the server serialises calls."""
+
+    def __init__(
+        self,
+        shard_id: int,
+        capacity_bytes: int | None = None,
+        warm_idle_s: float = 2.0,
+        warm_retain_bytes: int = 1 << 30,
+        reservation_timeout_s: float = 120.0,
+        name: str = "dataplane",
+    ) -> None:
+        self.shard_id = shard_id
+        self.capacity = capacity_bytes
+        self.pool = ShmPool(warm_idle_s, warm_retain_bytes, prefix=f"{name}-shard-{shard_id}")
+        self.reservation_timeout_s = reservation_timeout_s
+        self.partitions: dict[str, _Partition] = {}
+        self.used = 0
+        self.pending = 0
+        self.heap_bytes = 0
+        self._resv: dict[int, _Reservation] = {}
+        self._resv_ids = itertools.count(1)
+        self.probe_file = ShmFile.create(0, 4096)  # lets a client check it can map our files
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    def handle(self, op: str, body: dict[str, Any], bufs: list[memoryview]) -> tuple[dict, list]:
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise _wire.WireError(f"shard {self.shard_id}: unknown operation {op!r}")
+        return fn(body, bufs)
+
+    # ---- put --------------------------------------------------------------------------------
+    def op_reserve(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        pid, keys = body["pid"], body["keys"]
+        part = self.partitions.get(pid)
+        fields: dict[str, dict[str, Any]] = {}
+        need = 0
+        for name, f in body["fields"].items():
+            spec = _wire.spec_from_wire(f["spec"])
+            if part is not None and name in part.specs:
+                part.specs[name].check_compatible(spec, name)
+            entry: dict[str, Any] = {"spec": spec, "nbytes": int(f["nbytes"])}
+            if f.get("col") is not None:
+                col = _wire.column_from_wire(f["col"], bufs)
+                if col.num_rows != len(keys):
+                    raise _wire.WireError(f"field {name!r}: {col.num_rows} rows for {len(keys)} keys")
+                entry["col"] = col
+            fields[name] = entry
+            need += int(f["nbytes"]) + (0 if spec.row_nbytes() is not None else 8 * (len(keys) + 1))
+        self._check_capacity(need, pid)
+        files = {}
+        try:
+            for name, entry in fields.items():
+                if "col" not in entry:
+                    entry["file"] = self.pool.acquire(max(1, entry["nbytes"]))
+                    files[name] = entry["file"].ref()
+        except OSError:
+            for entry in fields.values():
+                if "file" in entry:
+                    self.pool.release(entry["file"])
+            raise
+        rid = next(self._resv_ids)
+        self._resv[rid] = _Reservation(
+            pid, list(keys), fields, need, time.monotonic() + self.reservation_timeout_s
+        )
+        self.pending += need
+        reply: dict[str, Any] = {"resv": rid, "files": files, "version": self.pool.version}
+        if body.get("version", -1) != self.pool.version:
+            reply["live"] = self.pool.live_ids()
+        return reply, []
+
+    def _check_capacity(self, need: int, pid: str) -> None:
+        if self.capacity is not None and self.used + self.pending + need > self.capacity:
+            raise StoreFullError(
+                f"shard {self.shard_id} is full: a put of {need} bytes to partition {pid!r} would exceed "
+                f"its capacity (used {self.used} + reserved {self.pending} of {self.capacity} bytes); "
+                "nothing was written. Clear data (dp.kv_clear / dp.clear_partition) or raise capacity_bytes."
+            )
+
+    def op_commit(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        resv = self._take(body["resv"])
+        part = self.partitions.setdefault(resv.pid, _Partition())
+        offsets_idx = body.get("offsets", {})
+        n = len(resv.keys)
+        try:  # re-check: another put may have created the field meanwhile
+            for name, entry in resv.fields.items():
+                if name in part.specs:
+                    part.specs[name].check_compatible(entry["spec"], name)
+        except SchemaError:
+            self._release(resv)
+            raise
+        for name, entry in resv.fields.items():
+            spec = entry["spec"]
+            part.specs.setdefault(name, spec)
+            if "col" in entry:
+                col = entry["col"]
+                seg = Segment(spec, n, len(col.data), col.data, col.offsets, None)
+            else:
+                offsets = None
+                if spec.row_nbytes() is None:
+                    offsets = _wire.array_from_wire(offsets_idx[name], bufs).copy()
+                seg = Segment(spec, n, entry["nbytes"], None, offsets, entry["file"])
+            self.used += seg.accounted
+            self.heap_bytes += seg.heap_bytes
+            for i, key in enumerate(resv.keys):
+                row = part.rows.get(key)
+                if row is None:
+                    row = part.rows[key] = {}
+                old = row.get(name)
+                row[name] = (seg, i)
+                seg.live += 1
+                if old is not None:
+                    self._unref(old[0])
+        return {}, []
+
+    def op_abort(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        try:
+            resv = self._take(body["resv"])
+        except KeyError:
+            return {}, []
+        self._release(resv)
+        return {}, []
+
+    def _release(self, resv: _Reservation) -> None:
+        for entry in resv.fields.values():
+            if "file" in entry:
+                self.pool.release(entry["file"])
+
+    def _take(self, rid: int) -> _Reservation:
+        resv = self._resv.pop(rid, None)
+        if resv is None:
+            raise KeyError(f"shard {self.shard_id}: reservation {rid} expired or unknown")
+        self.pending -= resv.nbytes
+        return resv
+
+    def _unref(self, seg: Segment) -> None:
+        seg.live -= 1
+        if seg.live == 0:
+            self.used -= seg.accounted
+            self.heap_bytes -= seg.heap_bytes
+            if seg.file is not None:
+                self.pool.release(seg.file)
+                seg.file = None
+            seg.data = None
+
+    # ---- get --------------------------------------------------------------------------------
+    def _resolve(self, pid: str, keys: list[str], fields: list[str] | None) -> tuple[list, list]:
+        part = self.partitions.get(pid)
+        if part is None:
+            raise PartitionNotFoundError(pid)
+        rows = []
+        for key in keys:
+            row = part.rows.get(key)
+            if row is None:
+                raise KeyNotFoundError(key, pid)
+            rows.append(row)
+        if fields is None:
+            present: set[str] = set()
+            for row in rows:
+                present.update(row)
+            fields = [f for f in part.specs if f in present]
+        for name in fields:
+            for key, row in zip(keys, rows, strict=True):
+                if name not in row:
+                    raise KeyNotFoundError(
+                        key, pid, f"key {key!r} in partition {pid!r} has no field {name!r} (not written yet)"
+                    )
+        return rows, fields
+
+    def op_get(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        pid, keys = body["pid"], body["keys"]
+        rows, fields = self._resolve(pid, keys, body.get("fields"))
+        out: dict[str, Any] = {}
+        frames: list[Any] = []
+        for name in fields:
+            locs = [row[name] for row in rows]
+            segs: dict[int, int] = {}
+            order: list[Segment] = []
+            seg_of = np.empty(len(keys), dtype=np.int64)
+            row_of = np.empty(len(keys), dtype=np.int64)
+            for i, (seg, r) in enumerate(locs):
+                j = segs.get(id(seg))
+                if j is None:
+                    j = segs[id(seg)] = len(order)
+                    order.append(seg)
+                seg_of[i] = j
+                row_of[i] = r
+            if body.get("shm") and all(s.file is not None for s in order):
+                out[name] = self._shm_entry(order, seg_of, row_of, frames, bool(body.get("export")))
+            else:
+                pieces = []
+                for j, seg in enumerate(order):
+                    dst = np.flatnonzero(seg_of == j)
+                    pieces.append((seg.column(), row_of[dst], dst))
+                col = assemble(order[0].spec, len(keys), pieces)
+                out[name] = {"t": "z", "col": _wire.column_to_wire(col, frames)}
+        reply: dict[str, Any] = {"fields": out, "version": self.pool.version}
+        if body.get("version", -1) != self.pool.version:
+            reply["live"] = self.pool.live_ids()
+        return reply, frames
+
+    def _shm_entry(self, order: list[Segment], seg_of, row_of, frames: list, export: bool) -> dict:
+        # Export (never recycle) a segment only when the client can view it: one contiguous run.
+        run = len(order) == 1 and (len(row_of) < 2 or bool(np.all(np.diff(row_of) == 1)))
+        segs = []
+        for seg in order:
+            if export and run:
+                seg.file.exported = True
+            off = -1 if seg.offsets is None else _wire.array_to_wire(seg.offsets, frames)
+            segs.append([seg.file.ref(), seg.nbytes, seg.num_rows, off])
+        return {
+            "t": "s",
+            "spec": _wire.spec_to_wire(order[0].spec),
+            "segs": segs,
+            "seg": _wire.array_to_wire(seg_of, frames),
+            "row": _wire.array_to_wire(row_of, frames),
+        }
+
+    # ---- clear ------------------------------------------------------------------------------
+    def op_delete(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        part = self.partitions.get(body["pid"])
+        removed = 0
+        if part is not None:
+            for key in body["keys"]:
+                row = part.rows.pop(key, None)
+                if row is not None:
+                    removed += 1
+                    for seg, _ in row.values():
+                        self._unref(seg)
+        return {"removed": removed}, []
+
+    def op_drop(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        part = self.partitions.pop(body["pid"], None)
+        removed = 0
+        if part is not None:
+            removed = len(part.rows)
+            for row in part.rows.values():
+                for seg, _ in row.values():
+                    self._unref(seg)
+        return {"removed": removed}, []
+
+    # ---- housekeeping -----------------------------------------------------------------------
+    def op_stats(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        if body.get("trim"):
+            self.pool.trim(everything=True)
+        return self.stats(), []
+
+    def op_ping(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+        return {"shard": self.shard_id}, []
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard_id,
+            "bytes_used": self.used,
+            "bytes_reserved": self.pending,
+            "bytes_resident": self.pool.bytes_resident + self.heap_bytes,
+            "bytes_warm": self.pool.bytes_warm,
+            "bytes_heap": self.heap_bytes,
+            "capacity_bytes": self.capacity,
+            "shm_files": len(self.pool.live) + len(self.pool.warm),
+            "partitions": {pid: len(p.rows) for pid, p in self.partitions.items()},
+        }
+
+    def tick(self, now: float | None = None) -> None:
+        """Undo reservations whose client vanished and give back idle warm memory."""
+        now = time.monotonic() if now is None else now
+        for rid in [r for r, v in self._resv.items() if v.deadline < now]:
+            logger.warning("shard %d: reservation %d was never committed; undoing it", self.shard_id, rid)
+            self.op_abort({"resv": rid}, [])
+        self.pool.trim(now)
+
+    def close(self) -> None:
+        self.partitions.clear()
+        self.pool.close_all()
+        self.probe_file.close(punch=True)
+
+
+__all__ = ["Segment", "ShardCore"]

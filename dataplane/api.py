@@ -1,0 +1,416 @@
+"""The public KV interface of the store (TransferQueue's names), sync and ``async_`` forms.
+
+Every function works on a per-process client created by ``init()``. Each operation is written
+once as a sans-IO generator (``_ops``); the sync form drives it with blocking sockets, the async
+form on the running event loop, so both behave identically.
+
+Example:
+    >>> import dataplane as dp, torch
+    >>> dp.init()  # attaches to the running store, or starts an embedded one
+    >>> meta = dp.kv_batch_put(["a", "b"], "train", {"x": torch.zeros(2, 4)})
+    >>> dp.kv_batch_get_by_meta(meta)["x"].shape
+    torch.Size([2, 4])
+    >>> dp.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dataplane import _ops
+from dataplane._client import StoreClient
+from dataplane._service import ServiceHandle, find_service, start_service
+from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
+from dataplane.errors import StoreNotInitializedError
+from dataplane.meta import KVBatchMeta, StoreInfo
+
+logger = logging.getLogger(__name__)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.client: StoreClient | None = None
+        self.handle: ServiceHandle | None = None
+        self.info: StoreInfo | None = None
+        self.atexit = False
+        self.ray_ctx: Any = None
+
+
+_state = _State()
+
+
+def _client() -> StoreClient:
+    client = _state.client
+    if client is None:
+        raise StoreNotInitializedError("the store is not initialised in this process: call dp.init() first")
+    return client
+
+
+# ---- lifecycle ------------------------------------------------------------------------------------
+
+
+def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
+    """Connect this process to the store, starting an embedded one if none runs.
+
+    Calls ``ray.init()`` if Ray is not initialised. Idempotent: later calls return the same info.
+    When a service named ``name`` (default "dataplane") already runs, this process attaches to it
+    and only ``transport`` among ``options`` applies; otherwise it starts an embedded service
+    with ``options`` (see ``StoreConfig``), owned by this process and stopped by ``close()`` or at exit.
+
+    Args:
+        attach_only: raise ``StoreNotInitializedError`` instead of starting a store.
+        **options: ``StoreConfig`` fields (``num_shards``, ``capacity_bytes``, ``num_cpus``,
+            ``transport``, ``rpc_timeout_s``, ...).
+
+    Returns:
+        ``StoreInfo`` describing the service and this client's data path.
+
+    Raises:
+        SchedulingError: Ray could not place the store's actors within ``schedule_timeout_s``.
+
+    Example:
+        >>> info = dp.init(num_shards=2)
+        >>> info.num_shards
+        2
+    """
+    with _state.lock:
+        if _state.client is not None:
+            return _state.info  # type: ignore[return-value]
+        import ray
+
+        if not ray.is_initialized():
+            # Keep the context: if it is garbage collected, actor creations in flight get cancelled.
+            _state.ray_ctx = ray.init(logging_level=logging.WARNING)
+        cfg = StoreConfig.from_options(**options)
+        import tensordict  # noqa: F401 - import the codec's dependencies now, not on the first get
+
+        import dataplane._columns  # noqa: F401
+
+        found = find_service(cfg)
+        handle = None
+        if found is None and attach_only:
+            raise StoreNotInitializedError(f"no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r}")
+        if found is None:
+            try:
+                registry, handle = start_service(cfg)
+            except ValueError:  # another process created the same named actors first: attach to it
+                found = find_service(cfg)
+                if found is None:
+                    raise
+                registry = found[0]
+        else:
+            registry = found[0]
+        client = StoreClient(registry, transport=options.get("transport") or client_transport_override())
+        if options.get("allow_pickle") is not None:  # a per-process choice, also when attaching
+            client.config.allow_pickle = bool(options["allow_pickle"])
+        _state.client, _state.handle = client, handle
+        shards = registry["shards"]
+        svc = client.config
+        _state.info = StoreInfo(
+            namespace=NAMESPACE,
+            num_shards=len(shards),
+            shard_nodes=tuple(s["node_id"] for s in shards),
+            owned=handle is not None,
+            capacity_bytes=svc.capacity_bytes,
+            transport=client.transport,
+            extra={"name": svc.name},
+        )
+        if not _state.atexit:
+            atexit.register(close)
+            _state.atexit = True
+        return _state.info
+
+
+def close() -> None:
+    """Drop this process's client; the process that started an embedded store also stops it.
+
+    A worker's ``close()`` never stops a shared service. Safe to call twice.
+    """
+    with _state.lock:
+        client, handle = _state.client, _state.handle
+        _state.client = _state.handle = _state.info = None
+        if client is not None:
+            client.close()
+        if handle is not None:
+            handle.stop()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``close()``."""
+    return _state.client is not None
+
+
+async def async_init(**options: Any) -> StoreInfo:
+    """``init`` for asyncio code: the one-time attach runs in a thread, off the event loop."""
+    import asyncio
+
+    return await asyncio.to_thread(init, **options)
+
+
+async def async_close() -> None:
+    """``close`` for asyncio code."""
+    close()
+
+
+# ---- operations (built once, driven sync or async) -------------------------------------------------
+
+
+def _allow_pickle() -> bool:
+    return _client().config.allow_pickle
+
+
+def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
+    from dataplane._columns import encode_fields, encode_row
+
+    client = _client()
+    cols = None
+    if fields is not None:
+        if row:
+            cols = encode_row(fields, allow_pickle=_allow_pickle())
+        else:
+            keys = list(keys) if not isinstance(keys, str) else keys
+            cols = encode_fields(fields, len(keys), allow_pickle=_allow_pickle())
+    return client.engine.put(keys, partition_id, cols, tags)
+
+
+def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
+    from dataplane._columns import decode_fields
+
+    client = _client()
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
+    return decode_fields(cols, len(keys), device=device, allow_pickle=True)
+
+
+def _meta_args(meta: KVBatchMeta, select_fields: Any) -> tuple[list[str], str, Any]:
+    if not isinstance(meta, KVBatchMeta):
+        raise TypeError(f"meta must be a KVBatchMeta, not {type(meta).__name__}")
+    if meta.partition_id is None:
+        raise ValueError("meta.partition_id is None; a KVBatchMeta from kv_batch_put always has one")
+    return meta.keys, meta.partition_id, select_fields if select_fields is not None else meta.fields
+
+
+def _key_list(keys: Any) -> list[str]:
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def kv_put(key: str, partition_id: str, fields: Mapping | Any = None, tag: dict | None = None) -> KVBatchMeta:
+    """Write one sample (``fields``: tensors without the batch dim, or a TensorDict of batch size 1).
+
+    Example:
+        >>> dp.kv_put("k0", "train", {"x": torch.arange(4)}, tag={"score": 1.0}).fields
+        ['x']
+    """
+    tags = [tag] if tag is not None else None
+    return _client().run(_put_op([key], partition_id, fields, tags, row=True))
+
+
+def kv_batch_put(
+    keys: Sequence[str], partition_id: str, fields: Mapping | Any = None, tags: Sequence[dict] | None = None
+) -> KVBatchMeta:
+    """Write a batch: ``fields`` has batch size ``len(keys)``; new fields add columns to existing keys.
+
+    ``fields=None`` only updates tags. Tags are merged into the stored tag dict of each key. The
+    returned meta's ``fields`` lists every field those keys now hold.
+
+    Raises:
+        BatchSizeError: a field's (or tags') length differs from ``len(keys)``.
+        SchemaError: a field exists with another dtype or shape (names the field).
+        StoreFullError: the write would exceed the store's byte capacity (nothing is written).
+
+    Example:
+        >>> meta = dp.kv_batch_put(["a", "b"], "train", TensorDict({"x": torch.ones(2, 3)}, [2]))
+        >>> meta.size
+        2
+    """
+    return _client().run(_put_op(keys, partition_id, fields, tags, row=False))
+
+
+def kv_batch_get(
+    keys: Sequence[str] | str,
+    partition_id: str,
+    select_fields: Sequence[str] | str | None = None,
+    *,
+    device: Any = None,
+    copy: bool = True,
+):
+    """Read rows of ``keys`` in that order as a TensorDict of batch size ``len(keys)``.
+
+    Dense fields come back as ``[B, ...]`` tensors, variable-length ones as jagged nested tensors,
+    strings and objects as non-tensor stacks. By default the result is a private copy (one gather
+    copy straight out of shared memory). ``copy=False`` returns zero-copy views of the store's
+    memory where the rows are one contiguous run of one segment (else it copies); such a view stays
+    valid while you hold it, even if the keys are cleared meanwhile; treat it as read-only. The
+    price: a segment handed out as a view is never recycled, so later puts fault fresh memory.
+
+    Raises:
+        KeyNotFoundError: a key (or a field of a key) is not stored; names key and partition.
+        PartitionNotFoundError: the partition does not exist.
+        ShardUnavailableError: a shard did not answer within ``rpc_timeout_s``.
+
+    Example:
+        >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
+        torch.Size([2, 3])
+    """
+    return _client().run(_get_op(keys, partition_id, select_fields, device, copy))
+
+
+def kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: Sequence[str] | None = None, *, device=None, copy=True
+):
+    """``kv_batch_get`` with keys, partition and fields taken from ``meta``.
+
+    Example:
+        >>> td = dp.kv_batch_get_by_meta(meta)
+    """
+    keys, pid, fields = _meta_args(meta, select_fields)
+    return kv_batch_get(keys, pid, fields, device=device, copy=copy)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+    """``{partition: {key: tag}}`` for one partition (``{}`` if it does not exist) or all.
+
+    Example:
+        >>> dp.kv_list("train")
+        {'train': {'a': {}, 'b': {}}}
+    """
+    return _client().run(_client().engine.list(partition_id))
+
+
+def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
+    """Free ``keys``; keys that are not stored are ignored; a cleared key written again starts empty.
+
+    Example:
+        >>> dp.kv_clear(["a"], "train")
+    """
+    _client().run(_client().engine.delete(_key_list(keys), partition_id))
+
+
+def clear_partition(partition_id: str) -> None:
+    """Free every key of ``partition_id`` and forget the partition (its schema too).
+
+    Example:
+        >>> dp.clear_partition("train")
+    """
+    _client().run(_client().engine.drop(partition_id))
+
+
+def stats(trim: bool = False) -> dict[str, Any]:
+    """Per-shard memory and placement, and keys per partition.
+
+    Each entry of ``stats()["shards"]`` has ``bytes_used`` (live data), ``bytes_resident`` (memory
+    the shard holds, including warm free segments kept for reuse), ``bytes_warm``, ``pid``,
+    ``node_id``, ``capacity_bytes`` and ``transport`` (this client's path to it). ``trim=True`` first
+    gives every warm segment back to the OS.
+
+    Example:
+        >>> dp.stats()["shards"][0]["bytes_used"]
+        0
+    """
+    client = _client()
+    shards, index = client.run(client.engine.stats(trim))
+    return _stats_dict(client, shards, index)
+
+
+def _stats_dict(client: StoreClient, shards: list[dict], index: dict) -> dict[str, Any]:
+    out = []
+    for i, (st, info) in enumerate(zip(shards, client.registry["shards"], strict=True)):
+        out.append(
+            {
+                **st,
+                "name": client.config.shard_name(i),
+                "pid": info["pid"],
+                "node_id": info["node_id"],
+                "transport": "shm" if client.shm[i] else "zmq",
+            }
+        )
+    return {
+        "name": client.config.name,
+        "shards": out,
+        "partitions": index["partitions"],
+        "bytes_used": sum(s["bytes_used"] for s in shards),
+        "bytes_resident": sum(s["bytes_resident"] for s in shards),
+    }
+
+
+# ---- async forms ----------------------------------------------------------------------------------
+
+
+async def async_kv_put(
+    key: str, partition_id: str, fields: Any = None, tag: dict | None = None
+) -> KVBatchMeta:
+    """Async ``kv_put``."""
+    tags = [tag] if tag is not None else None
+    return await _client().arun(_put_op([key], partition_id, fields, tags, row=True))
+
+
+async def async_kv_batch_put(
+    keys: Sequence[str], partition_id: str, fields: Any = None, tags: Sequence[dict] | None = None
+) -> KVBatchMeta:
+    """Async ``kv_batch_put``."""
+    return await _client().arun(_put_op(keys, partition_id, fields, tags, row=False))
+
+
+async def async_kv_batch_get(keys, partition_id: str, select_fields=None, *, device=None, copy: bool = True):
+    """Async ``kv_batch_get``."""
+    return await _client().arun(_get_op(keys, partition_id, select_fields, device, copy))
+
+
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields=None, *, device=None, copy: bool = True
+):
+    """Async ``kv_batch_get_by_meta``."""
+    keys, pid, fields = _meta_args(meta, select_fields)
+    return await async_kv_batch_get(keys, pid, fields, device=device, copy=copy)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+    """Async ``kv_list``."""
+    return await _client().arun(_client().engine.list(partition_id))
+
+
+async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
+    """Async ``kv_clear``."""
+    await _client().arun(_client().engine.delete(_key_list(keys), partition_id))
+
+
+async def async_clear_partition(partition_id: str) -> None:
+    """Async ``clear_partition``."""
+    await _client().arun(_client().engine.drop(partition_id))
+
+
+async def async_stats(trim: bool = False) -> dict[str, Any]:
+    """Async ``stats``."""
+    client = _client()
+    shards, index = await client.arun(client.engine.stats(trim))
+    return _stats_dict(client, shards, index)
+
+
+__all__ = [
+    "async_clear_partition",
+    "async_close",
+    "async_init",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "async_stats",
+    "clear_partition",
+    "close",
+    "init",
+    "is_initialized",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "stats",
+]

@@ -1,0 +1,136 @@
+"""The store's configuration: one place for every knob and every ``DATAPLANE_*`` variable.
+
+``StoreConfig`` is a plain, msgpack-able dataclass. ``dp.init(**options)`` builds one from its
+keyword arguments over these defaults; a service started by ``rlplane store start`` keeps the
+config it was started with, and attaching clients read it from the index service.
+
+Environment variables (read here only):
+    DATAPLANE_TRANSPORT        "auto" (default), "shm" or "zmq"
+    DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
+    DATAPLANE_ALLOW_PICKLE     "1" lets object columns be pickled (default off)
+
+Example:
+    >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
+    >>> cfg.num_shards, cfg.transport
+    (2, 'zmq')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+NAMESPACE = "rlplane"
+"""Ray namespace of the store's named actors (embedded or started by ``rlplane store start``)."""
+
+TRANSPORTS = ("auto", "shm", "zmq")
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+
+
+@dataclass
+class StoreConfig:
+    """Every setting of the store and of its clients.
+
+    Attributes:
+        name: prefix of the named actors (``<name>-index``, ``<name>-shard-<i>``); two stores with
+            different names can run side by side in one cluster.
+        num_shards: storage shards; ``None`` means one per alive Ray node.
+        capacity_bytes: byte capacity of the *whole* store (split evenly over shards); ``None`` = unbounded.
+        num_cpus: logical CPUs each store actor requests (small, so a store fits a 2-core machine).
+        transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", or "zmq".
+        rpc_timeout_s: deadline for one request to a shard or the index; a dead shard raises
+            ``ShardUnavailableError`` after this long.
+        schedule_timeout_s: how long ``init`` waits for Ray to place the store's actors before
+            raising ``SchedulingError``.
+        shm_min_bytes: columns smaller than this travel inline in the request (one round trip
+            cheaper than a shared-memory segment); larger ones go through shared memory.
+        warm_idle_s: a freed shared-memory segment is kept warm for reuse this long, then given back.
+        warm_retain_bytes: at most this many bytes of freed segments are kept warm per shard.
+        reservation_timeout_s: a put whose client vanished between reserve and commit is undone after this.
+        allow_pickle: let object columns be pickled (the one place pickle may appear).
+        detached: actors outlive the creating process (``rlplane store start``).
+    """
+
+    name: str = "dataplane"
+    num_shards: int | None = None
+    capacity_bytes: int | None = None
+    num_cpus: float = 0.1
+    transport: str = "auto"
+    rpc_timeout_s: float = 60.0
+    schedule_timeout_s: float = 30.0
+    shm_min_bytes: int = 64 * 1024
+    warm_idle_s: float = 2.0
+    warm_retain_bytes: int = 1 << 30
+    reservation_timeout_s: float = 120.0
+    allow_pickle: bool = False
+    detached: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        if self.num_shards is not None and self.num_shards < 1:
+            raise ValueError(f"num_shards={self.num_shards} must be >= 1")
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={self.capacity_bytes} must be > 0")
+        if not 0 < self.num_cpus <= 64:
+            raise ValueError(f"num_cpus={self.num_cpus} must be > 0")
+        for name in ("rpc_timeout_s", "schedule_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> StoreConfig:
+        """Defaults, then ``DATAPLANE_*`` variables, then ``options`` (unknown names raise TypeError)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown store option(s) {unknown}; known options: {sorted(known)}")
+        base: dict[str, Any] = {
+            "transport": os.environ.get("DATAPLANE_TRANSPORT", "auto") or "auto",
+            "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
+            "allow_pickle": os.environ.get("DATAPLANE_ALLOW_PICKLE", "") == "1",
+        }
+        base.update({k: v for k, v in options.items() if v is not None or k in ("num_shards",)})
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StoreConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def shard_capacity(self, num_shards: int) -> int | None:
+        """Byte capacity of one shard when the store's capacity is split over ``num_shards``."""
+        if self.capacity_bytes is None:
+            return None
+        return max(1, self.capacity_bytes // num_shards)
+
+    def index_name(self) -> str:
+        return f"{self.name}-index"
+
+    def shard_name(self, i: int) -> str:
+        return f"{self.name}-shard-{i}"
+
+
+def client_transport_override() -> str | None:
+    """A per-process transport override (``DATAPLANE_TRANSPORT``) for clients attaching to a service."""
+    raw = os.environ.get("DATAPLANE_TRANSPORT")
+    if raw and raw not in TRANSPORTS:
+        raise ValueError(f"DATAPLANE_TRANSPORT={raw!r} is not one of {TRANSPORTS}")
+    return raw or None
+
+
+__all__ = ["NAMESPACE", "StoreConfig", "client_transport_override"]

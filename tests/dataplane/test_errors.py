@@ -1,0 +1,130 @@
+"""Every user-facing error: its type, and that the message names the culprit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import dataplane as dp
+
+from .conftest import start_store
+
+pytestmark = pytest.mark.ray
+
+NAME = "t-err"
+
+
+@pytest.fixture(scope="module")
+def store(ray_cluster):
+    dp.close()
+    cfg, registry, handle = start_store(name=NAME, num_shards=2, rpc_timeout_s=20, capacity_bytes=2 << 20)
+    dp.init(name=NAME)
+    yield cfg
+    dp.close()
+    handle.stop()
+
+
+def test_not_initialized():
+    dp.close()
+    with pytest.raises(dp.StoreNotInitializedError, match="dp.init"):
+        dp.kv_batch_get(["a"], "p")
+    with pytest.raises(dp.StoreNotInitializedError):
+        dp.kv_list()
+
+
+def test_missing_key_names_key_and_partition(store, pid):
+    dp.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)})
+    with pytest.raises(dp.KeyNotFoundError) as err:
+        dp.kv_batch_get(["a", "zz-missing"], pid)
+    assert err.value.key == "zz-missing" and err.value.partition_id == pid
+    assert "zz-missing" in str(err.value) and pid in str(err.value)
+    assert isinstance(err.value, KeyError)
+
+
+def test_missing_field_names_key_and_field(store, pid):
+    dp.kv_batch_put(["a"], pid, {"x": torch.zeros(1)})
+    with pytest.raises(dp.KeyNotFoundError, match="'nope'") as err:
+        dp.kv_batch_get(["a"], pid, select_fields=["nope"])
+    assert err.value.key == "a"
+
+
+def test_tag_only_key_has_no_fields(store, pid):
+    dp.kv_batch_put(["a"], pid, {"x": torch.zeros(1)})
+    dp.kv_put("tagged", pid, None, tag={"t": 1})
+    with pytest.raises(dp.KeyNotFoundError, match="tagged"):
+        dp.kv_batch_get(["tagged"], pid)
+
+
+def test_unknown_partition(store):
+    with pytest.raises(dp.PartitionNotFoundError, match="never-there") as err:
+        dp.kv_batch_get(["a"], "never-there")
+    assert err.value.partition_id == "never-there"
+
+
+def test_batch_size_mismatch(store, pid):
+    with pytest.raises(dp.BatchSizeError, match="'x'"):
+        dp.kv_batch_put(["a", "b", "c"], pid, {"x": torch.zeros(2)})
+    with pytest.raises(dp.BatchSizeError):
+        dp.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.zeros(3)}, [3]))
+    with pytest.raises(dp.BatchSizeError, match="tags"):
+        dp.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)}, tags=[{}])
+    assert dp.kv_list(pid) == {}, "a failed put wrote something"
+
+
+def test_schema_mismatch_names_field(store, pid):
+    keys = [f"k{i}" for i in range(8)]
+    dp.kv_batch_put(keys, pid, {"logp": torch.zeros(8, 4)})
+    with pytest.raises(dp.SchemaError, match="'logp'") as err:
+        dp.kv_batch_put(keys, pid, {"logp": torch.zeros(8, 4, dtype=torch.int64)})
+    assert err.value.field == "logp"
+    with pytest.raises(dp.SchemaError, match="'logp'"):
+        dp.kv_batch_put(["new"], pid, {"logp": torch.zeros(1, 5)})  # shape, on keys that never had it
+    assert torch.equal(dp.kv_batch_get(keys, pid)["logp"], torch.zeros(8, 4)), "a rejected put wrote data"
+    assert "new" not in dp.kv_list(pid)[pid]
+
+
+def test_pickle_needs_opt_in(store, pid):
+    with pytest.raises(dp.SerializationError, match="'obj'"):
+        dp.kv_batch_put(["a"], pid, {"obj": [{"a": 1}]})
+
+
+def test_bad_arguments(store, pid):
+    with pytest.raises(ValueError, match="duplicate"):
+        dp.kv_batch_put(["a", "a"], pid, {"x": torch.zeros(2)})
+    with pytest.raises(TypeError, match="partition_id"):
+        dp.kv_batch_get(["a"], 3)
+    with pytest.raises(TypeError, match="keys must be str"):
+        dp.kv_batch_get([1], pid)
+
+
+def test_store_full_writes_nothing(store, pid):
+    before = dp.stats()["bytes_used"]
+    big = torch.zeros(64, 16384)  # 4 MiB > 2 MiB capacity
+    with pytest.raises(dp.StoreFullError) as err:
+        dp.kv_batch_put([f"k{i}" for i in range(64)], pid, {"x": big})
+    msg = str(err.value)
+    assert "capacity" in msg and "nothing was written" in msg and pid in msg
+    assert isinstance(err.value, MemoryError)
+    assert dp.stats()["bytes_used"] == before
+    assert dp.kv_list(pid) == {}
+    dp.kv_batch_put(["small"], pid, {"x": torch.zeros(1, 16)})  # the store still works
+
+
+def test_failed_copy_into_shared_memory_undoes_the_put(store, pid):
+    import os
+
+    route = dp.api._client().route
+    if not all(route.shm):
+        pytest.skip("this client has no shared-memory path to the shards")
+    saved = list(route.shard_pids)
+    route.shard_pids[:] = [os.getpid()] * len(saved)  # a real fault: the segments cannot be mapped
+    route.maps.clear()
+    try:
+        with pytest.raises(OSError, match="cannot open|not the shard"):
+            dp.kv_batch_put([f"k{i}" for i in range(64)], pid, {"x": torch.ones(64, 1024)})
+    finally:
+        route.shard_pids[:] = saved
+    stats = dp.stats()
+    assert all(s["bytes_reserved"] == 0 for s in stats["shards"]), "a reservation was left behind"
+    assert dp.kv_list(pid) == {}

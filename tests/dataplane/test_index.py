@@ -1,0 +1,98 @@
+"""IndexCore, the wire codec, row assembly and placement: pure tests, no Ray, no sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane import _wire
+from dataplane._columns import encode_fields
+from dataplane._index import IndexCore
+from dataplane._placement import HashPlacement
+from dataplane._rows import assemble, contiguous_view
+from dataplane.errors import KeyNotFoundError, SchemaError, ShardUnavailableError
+
+F32 = ["dense", "float32", [4]]
+
+
+def test_index_schema_is_checked_before_any_write():
+    core = IndexCore()
+    core.op_prepare({"pid": "p", "specs": {"x": F32}})
+    core.op_commit({"pid": "p", "keys": ["a"], "fields": ["x"], "tags": None, "specs": {"x": F32}})
+    with pytest.raises(SchemaError, match="'x'"):
+        core.op_prepare({"pid": "p", "specs": {"x": ["dense", "int64", [4]]}})
+    core.op_prepare({"pid": "q", "specs": {"x": ["dense", "int64", [4]]}})  # partitions are separate
+    # a prepared but never committed put leaves no schema behind
+    core.op_prepare({"pid": "p", "specs": {"y": F32}})
+    core.op_prepare({"pid": "p", "specs": {"y": ["dense", "int8", []]}})
+
+
+def test_index_fields_tags_list_resolve_drop():
+    core = IndexCore()
+    r = core.op_commit(
+        {"pid": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None], "specs": {}}
+    )
+    assert r == {"fields": ["x"], "tags": [{"s": 1}, {}]}
+    r = core.op_commit({"pid": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}], "specs": {}})
+    assert r["fields"] == ["x", "y"] and r["tags"] == [{"s": 1, "t": 2}]
+    assert core.op_list({"pid": "p"}) == {"list": {"p": {"a": {"s": 1, "t": 2}, "b": {}}}}
+    assert core.op_list({"pid": "zz"}) == {"list": {}}
+    assert core.op_resolve({"pid": "p", "keys": ["a", "c"]}) == {
+        "partition": True,
+        "known": {"a": ["x", "y"]},
+    }
+    core.op_delete({"pid": "p", "keys": ["a"]})
+    assert core.op_stats({}) == {"partitions": {"p": 1}}
+    core.op_drop({"pid": "p"})
+    assert core.op_resolve({"pid": "p", "keys": ["b"]})["partition"] is False
+
+
+def test_wire_frames_are_zero_copy_and_errors_round_trip():
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    col = encode_fields({"x": x, "s": ["a", "bcd"]}, 2)
+    bufs: list = []
+    body = {name: _wire.column_to_wire(c, bufs) for name, c in col.items()}
+    frames = _wire.encode_request(5, "reserve", body, bufs)
+    assert len(frames) == 1 + 1 + 2  # header, x data, s data + s offsets
+    req, got = _wire.decode_request(frames)
+    assert req.rid == 5 and req.op == "reserve"
+    back = _wire.column_from_wire(req.body["x"], got)
+    assert np.shares_memory(np.frombuffer(back.data, np.uint8), x.numpy())
+    err = KeyNotFoundError("k", "p")
+    rep, _ = _wire.decode_reply(_wire.encode_error(9, err))
+    again = _wire.rebuild_error(rep.error)
+    assert isinstance(again, KeyNotFoundError) and again.key == "k" and again.partition_id == "p"
+    rep, _ = _wire.decode_reply(_wire.encode_error(9, ShardUnavailableError("s-1", "gone")))
+    assert _wire.rebuild_error(rep.error).shard == "s-1"
+    rep, _ = _wire.decode_reply(_wire.encode_error(9, RuntimeError("boom")))
+    assert "RuntimeError: boom" in str(_wire.rebuild_error(rep.error))
+    with pytest.raises(_wire.WireError):
+        _wire.decode_request([b"\xff\x00garbage"])
+
+
+def test_assemble_scatters_rows_of_every_kind():
+    dense = encode_fields({"x": torch.arange(12).reshape(6, 2)}, 6)["x"]
+    var = encode_fields({"s": ["a", "bb", "", "dddd", "e", "ff"]}, 6)["s"]
+    src_a, dst_a = np.array([0, 1, 2]), np.array([4, 0, 2])
+    src_b, dst_b = np.array([5, 3, 4]), np.array([1, 3, 5])
+    out = assemble(dense.spec, 6, [(dense, src_a, dst_a), (dense, src_b, dst_b)])
+    order = [1, 5, 2, 3, 0, 4]
+    assert np.frombuffer(out.data, np.int64).reshape(6, 2)[:, 0].tolist() == [2 * i for i in order]
+    out = assemble(var.spec, 6, [(var, src_a, dst_a), (var, src_b, dst_b)])
+    strings = ["a", "bb", "", "dddd", "e", "ff"]
+    got = [bytes(out.data[out.offsets[i] : out.offsets[i + 1]]).decode() for i in range(6)]
+    assert got == [strings[i] for i in order]
+    view = contiguous_view(var, np.array([1, 2, 3]))
+    assert view is not None and bytes(view.data) == b"bbdddd" and view.offsets.tolist() == [0, 2, 2, 6]
+    assert contiguous_view(var, np.array([1, 3])) is None
+
+
+def test_placement_is_stable_and_covers_every_key():
+    p = HashPlacement(3)
+    keys = [f"k{i}" for i in range(100)]
+    groups = p.group("part", keys)
+    assert sorted(np.concatenate(list(groups.values())).tolist()) == list(range(100))
+    assert set(groups) == {0, 1, 2}
+    assert p.shard_of("part", "k7") == HashPlacement(3).shard_of("part", "k7")  # no per-process salt
+    assert HashPlacement(1).group("part", keys)[0].tolist() == list(range(100))

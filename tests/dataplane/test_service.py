@@ -1,0 +1,282 @@
+"""The service around the store: actors, attach/close semantics, dead shards, scheduling, nodes, CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ray
+import torch
+
+import dataplane as dp
+from dataplane.config import NAMESPACE
+
+from .conftest import start_store, wait_for
+
+pytestmark = pytest.mark.ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _named(prefix: str) -> list[str]:
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+    ]
+
+
+@ray.remote(num_cpus=0.1)
+class Worker:
+    """A Ray actor that attaches to a running store and uses it."""
+
+    def __init__(self, name: str) -> None:
+        import dataplane as dp
+
+        self.info = dp.init(name=name)
+
+    def owned(self) -> bool:
+        return self.info.owned
+
+    def put(self, keys: list[str], pid: str, value: float, rounds: int = 1) -> bool:
+        import dataplane as dp
+
+        for r in range(rounds):
+            dp.kv_batch_put(keys, pid, {"x": torch.full((len(keys), 4), value + r), "id": list(keys)})
+        return True
+
+    def get(self, keys: list[str], pid: str) -> tuple[list[float], list[str]]:
+        import dataplane as dp
+
+        td = dp.kv_batch_get(keys, pid)
+        return td["x"][:, 0].tolist(), td.get("id").tolist()
+
+    def close(self) -> bool:
+        import dataplane as dp
+
+        dp.close()
+        return True
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster):
+    dp.close()
+    cfg, registry, handle = start_store(name="t-svc", num_shards=2, rpc_timeout_s=20)
+    dp.init(name="t-svc")
+    yield cfg
+    dp.close()
+    handle.stop()
+
+
+def test_round_trips_from_actors_and_concurrent_clients(shared, pid):
+    a, b = Worker.remote("t-svc"), Worker.remote("t-svc")
+    assert ray.get([a.owned.remote(), b.owned.remote()]) == [False, False]
+    ka, kb = [f"a{i}" for i in range(16)], [f"b{i}" for i in range(16)]
+    # two clients write different keys at the same time, several rounds each
+    assert ray.get([a.put.remote(ka, pid, 1.0, 5), b.put.remote(kb, pid, 100.0, 5)]) == [True, True]
+    xs, ids = ray.get(a.get.remote(kb, pid))  # each reads the other's
+    assert xs == [104.0] * 16 and ids == kb
+    xs, ids = ray.get(b.get.remote(ka, pid))
+    assert xs == [5.0] * 16 and ids == ka
+    # the driver reads what the actors wrote, and an actor reads what the driver wrote
+    assert dp.kv_batch_get(ka[:2], pid)["x"][:, 0].tolist() == [5.0, 5.0]
+    dp.kv_batch_put(["d0"], pid, {"x": torch.full((1, 4), 7.0), "id": ["d0"]})
+    assert ray.get(a.get.remote(["d0"], pid)) == ([7.0], ["d0"])
+    # a worker's close() never stops the shared service
+    assert ray.get(a.close.remote())
+    ray.kill(a)
+    assert dp.kv_batch_get(["d0"], pid)["x"][0, 0].item() == 7.0
+    assert ray.get(b.get.remote(["d0"], pid))[0] == [7.0]
+    ray.kill(b)
+
+
+@ray.remote(num_cpus=0.1)
+class AsyncWorker:
+    """An asyncio Ray actor using the async API (as a rollout server would)."""
+
+    async def run(self, name: str, pid: str) -> list[float]:
+        import dataplane as dp
+
+        info = await dp.async_init(name=name)
+        assert not info.owned
+        await dp.async_kv_batch_put(["x0", "x1"], pid, {"x": torch.ones(2, 3)})
+        td = await dp.async_kv_batch_get(["x1", "x0", "d0"], pid)
+        return td["x"][:, 0].tolist()
+
+
+def test_async_api_inside_an_async_actor(shared, pid):
+    dp.kv_batch_put(["d0"], pid, {"x": torch.full((1, 3), 2.0)})
+    w = AsyncWorker.remote()
+    assert ray.get(w.run.remote("t-svc", pid), timeout=120) == [1.0, 1.0, 2.0]
+    assert dp.kv_batch_get(["x0"], pid)["x"].tolist() == [[1.0, 1.0, 1.0]]
+    ray.kill(w)
+
+
+def test_index_refuses_tensor_bytes(shared):
+    import zmq
+
+    from dataplane import _wire
+
+    registry = dp.api._client().registry
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(registry["index"]["ipc"])
+    sock.send_multipart(_wire.encode_request(7, "commit", {"pid": "p", "keys": ["a"]}, [b"\0" * 64]))
+    assert sock.poll(10_000), "the index did not answer"
+    rep, _ = _wire.decode_reply(sock.recv_multipart())
+    sock.close()
+    assert rep.rid == 7 and rep.error is not None and "metadata only" in rep.error[1]
+
+
+def test_dead_shard_raises_and_leaves_no_memory(ray_cluster):
+    dp.close()
+    cfg, registry, handle = start_store(name="t-dead", num_shards=2, rpc_timeout_s=2)
+    try:
+        dp.init(name="t-dead")
+        keys = [f"k{i}" for i in range(32)]
+        dp.kv_batch_put(keys, "p", {"x": torch.ones(32, 8192)})  # 1 MiB: shared-memory segments
+        dp.kv_batch_get(keys, "p")  # this client now maps the shards' memory
+        victim = registry["shards"][0]
+        ray.kill(ray.get_actor(cfg.shard_name(0), namespace=NAMESPACE), no_restart=True)
+        wait_for(lambda: not os.path.exists(f"/proc/{victim['pid']}"), 30, "the killed shard to exit")
+        with pytest.raises(dp.ShardUnavailableError, match="t-dead-shard-0") as err:
+            dp.kv_batch_get(keys, "p")
+        assert err.value.shard == "t-dead-shard-0"
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        assert "t-dead-shard-0-seg" not in maps, "the client still maps a dead shard's memory"
+        assert not [f for f in os.listdir("/dev/shm") if "t-dead" in f]
+    finally:
+        dp.close()
+        handle.stop()
+
+
+def test_unschedulable_store_fails_fast(ray_cluster):
+    from dataplane._service import start_service
+    from dataplane.config import StoreConfig
+
+    cfg = StoreConfig.from_options(name="t-sched", num_cpus=64, schedule_timeout_s=3)
+    with pytest.raises(dp.SchedulingError, match="num_cpus=64"):  # infeasible: raised at once
+        start_service(cfg)
+    # feasible one at a time, but 3 actors of 7.9 CPUs never fit together on the 8-CPU head
+    cfg = StoreConfig.from_options(name="t-sched", num_cpus=7.9, num_shards=2, schedule_timeout_s=3)
+    with pytest.raises(dp.SchedulingError, match="t-sched") as err:
+        start_service(cfg)
+    assert "num_cpus=7.9" in str(err.value)
+    wait_for(lambda: not _named("t-sched"), 10, "the half-started store's actors to be removed")
+
+
+def test_two_nodes_shards_on_both_and_zmq_path(ray_cluster):
+    dp.close()
+    node = ray_cluster.add_node(num_cpus=2, resources={"t_two_node": 1})
+    ray_cluster.wait_for_nodes()
+    try:
+        cfg, registry, handle = start_store(name="t-2n", num_shards=2, rpc_timeout_s=20)
+        try:
+            nodes = {s["node_id"] for s in registry["shards"]}
+            assert len(nodes) == 2, "shards were not spread over both nodes"
+            info = dp.init(name="t-2n", transport="zmq")
+            assert info.transport == "zmq" and len(set(info.shard_nodes)) == 2
+            keys = [f"k{i}" for i in range(64)]
+            x = torch.randn(64, 1024)
+            dp.kv_batch_put(keys, "p", {"x": x})
+            assert torch.equal(dp.kv_batch_get(keys, "p")["x"], x)
+            per_shard = dp.stats()["shards"]
+            assert all(s["bytes_used"] > 0 for s in per_shard) and all(
+                s["transport"] == "zmq" for s in per_shard
+            )
+            assert all(s["bytes_resident"] == s["bytes_heap"] for s in per_shard)  # frames, no shm
+        finally:
+            dp.close()
+            handle.stop()
+    finally:
+        ray_cluster.remove_node(node)
+
+
+def _run(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_bare_ray_init_embedded_store():
+    """A plain ray.init() on this machine (its real cores), an embedded store, a worker attaching."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # its own session dir: short (socket paths)
+    code = f"""
+        import ray, torch, dataplane as dp
+        ray.init(_temp_dir={tmp!r})
+        info = dp.init()
+        assert info.owned, info
+
+        @ray.remote(num_cpus=0.1)
+        def worker():
+            import dataplane as dp
+            got = dp.init()
+            x = dp.kv_batch_get(["a"], "p")["x"]
+            dp.kv_batch_put(["b"], "p", {{"x": x + 1}})
+            dp.close()
+            return got.owned
+
+        dp.kv_batch_put(["a"], "p", {{"x": torch.ones(1, 3)}})
+        assert ray.get(worker.remote(), timeout=120) is False
+        assert dp.kv_batch_get(["b"], "p")["x"].tolist() == [[2.0, 2.0, 2.0]]
+        dp.close()
+        left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlplane"]
+        print("LEFT", left)
+        print("OK")
+    """
+    try:
+        proc = _run(code)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "LEFT []" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_start_status_stop_and_two_drivers(ray_cluster):
+    dp.close()
+    cli = [sys.executable, "-m", "workers.cli", "store"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    addr = ray_cluster.address
+
+    def rl(*args):
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+
+    started = rl("start", "--shards", "1", "--address", addr, "--capacity", str(64 << 20))
+    assert started.returncode == 0 and "started store" in started.stdout, started.stdout + started.stderr
+    try:
+        other = _run(
+            f"""
+            import ray, torch, dataplane as dp
+            ray.init(address={addr!r})
+            assert not dp.init().owned
+            dp.kv_batch_put(["from-other"], "shared", {{"x": torch.full((1, 2), 3.0)}})
+            dp.close()
+            print("OK")
+            """
+        )
+        assert "OK" in other.stdout, other.stdout + other.stderr
+        info = dp.init()  # this driver attaches to the same service and sees the other's data
+        assert not info.owned and info.capacity_bytes == 64 << 20
+        assert dp.kv_batch_get(["from-other"], "shared")["x"].tolist() == [[3.0, 3.0]]
+        dp.close()
+        status = rl("status", "--address", addr)
+        assert status.returncode == 0 and '"bytes_used"' in status.stdout and "shared" in status.stdout
+    finally:
+        dp.close()
+        stopped = rl("stop", "--address", addr)
+    assert stopped.returncode == 0 and "stopped store" in stopped.stdout, stopped.stdout + stopped.stderr
+    wait_for(lambda: not _named("dataplane-"), 20, "the service's actors to be gone after stop")

@@ -1,0 +1,148 @@
+"""ShardCore without Ray or sockets: reserve/commit, shared memory, accounting, warm pool, exports."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane import _wire
+from dataplane._columns import encode_fields
+from dataplane._segments import MappingCache, ShmPool, size_class
+from dataplane._shard import ShardCore
+from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+
+
+def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) -> int:
+    cols = encode_fields(fields, len(keys))
+    bufs: list = []
+    body = {
+        "pid": pid,
+        "keys": keys,
+        "fields": {
+            n: {
+                "spec": _wire.spec_to_wire(c.spec),
+                "nbytes": len(c.data),
+                "col": _wire.column_to_wire(c, bufs),
+            }
+            for n, c in cols.items()
+        },
+    }
+    frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]  # as if received
+    return core.op_reserve(body, frames)[0]["resv"]
+
+
+def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: MappingCache) -> None:
+    (col,) = encode_fields({"x": x}, len(keys)).values()
+    body = {
+        "pid": pid,
+        "keys": keys,
+        "fields": {"x": {"spec": _wire.spec_to_wire(col.spec), "nbytes": len(col.data)}},
+    }
+    reply, _ = core.op_reserve(body, [])
+    view = maps.view(core.shard_id, os.getpid(), reply["files"]["x"])
+    view[: len(col.data)] = col.data
+    core.op_commit({"resv": reply["resv"], "offsets": {}}, [])
+
+
+def _get(
+    core: ShardCore, pid: str, keys: list[str], fields=None, shm=False, export=False
+) -> tuple[dict, list]:
+    body, frames = core.op_get({"pid": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, [])
+    return body, [memoryview(f).cast("B") for f in frames]
+
+
+def test_inline_put_get_and_accounting():
+    core = ShardCore(0)
+    rid = _reserve_inline(core, "p", ["a", "b"], {"x": torch.tensor([[1, 2], [3, 4]]), "s": ["hi", "there"]})
+    assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_reserved"] > 0
+    core.op_commit({"resv": rid}, [])
+    st = core.stats()
+    assert st["bytes_reserved"] == 0 and st["bytes_used"] > 0 and st["partitions"] == {"p": 2}
+    body, frames = _get(core, "p", ["b", "a"])
+    x = _wire.column_from_wire(body["fields"]["x"]["col"], frames)
+    assert np.frombuffer(x.data, np.int64).tolist() == [3, 4, 1, 2]  # request order
+    core.op_delete({"pid": "p", "keys": ["a", "b", "zz"]}, [])
+    assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_resident"] == 0
+
+
+def test_errors_name_the_culprit():
+    core = ShardCore(3, capacity_bytes=100)
+    core.op_commit({"resv": _reserve_inline(core, "p", ["a"], {"x": torch.zeros(1, 2)})}, [])
+    with pytest.raises(PartitionNotFoundError, match="'q'"):
+        _get(core, "q", ["a"])
+    with pytest.raises(KeyNotFoundError, match="'b'"):
+        _get(core, "p", ["b"])
+    with pytest.raises(KeyNotFoundError, match="'y'"):
+        _get(core, "p", ["a"], fields=["y"])
+    with pytest.raises(SchemaError, match="'x'"):
+        _reserve_inline(core, "p", ["b"], {"x": torch.zeros(1, 3)})
+    with pytest.raises(StoreFullError, match="shard 3.*capacity"):
+        _reserve_inline(core, "p", ["b"], {"y": torch.zeros(1, 64)})
+    assert core.stats()["bytes_reserved"] == 0
+
+
+def test_abort_and_expired_reservations_free_everything():
+    core = ShardCore(0, reservation_timeout_s=0.0)
+    pool_before = core.pool.bytes_resident
+    body = {
+        "pid": "p",
+        "keys": ["a"],
+        "fields": {"x": {"spec": ["dense", "float32", [4]], "nbytes": 1 << 20}},
+    }
+    rid = core.op_reserve(body, [])[0]["resv"]
+    core.op_abort({"resv": rid}, [])
+    core.op_reserve(body, [])
+    core.tick(now=1e12)  # the client vanished: undone, and its memory trimmed
+    st = core.stats()
+    assert st["bytes_reserved"] == 0 and st["bytes_warm"] == 0 and core.pool.bytes_resident == pool_before
+
+
+def test_shared_memory_put_get_and_warm_reuse():
+    core = ShardCore(0, warm_idle_s=60)
+    maps = MappingCache()
+    x = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+    keys = [f"k{i}" for i in range(64)]
+    _put_shm(core, "p", keys, x, maps)
+    body, frames = _get(core, "p", keys[10:20], shm=True)
+    entry = body["fields"]["x"]
+    assert entry["t"] == "s" and len(entry["segs"]) == 1
+    ref, nbytes, rows, _ = entry["segs"][0]
+    seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
+    assert np.array_equal(seg[_wire.array_from_wire(entry["row"], frames)], x[10:20].numpy())
+    first_file = ref[0]
+    core.op_drop({"pid": "p"}, [])
+    st = core.stats()
+    assert st["bytes_used"] == 0 and st["bytes_warm"] > 0  # kept warm for the next put
+    _put_shm(core, "p", keys, x + 1, maps)
+    body, _ = _get(core, "p", keys, shm=True)
+    assert body["fields"]["x"]["segs"][0][0][0] == first_file, "a warm segment was not reused"
+    assert len(maps) == 1
+
+
+def test_exported_segment_is_never_recycled():
+    core = ShardCore(0, warm_idle_s=60)
+    maps = MappingCache()
+    keys = [f"k{i}" for i in range(16)]
+    _put_shm(core, "p", keys, torch.ones(16, 4096), maps)
+    body, _ = _get(core, "p", keys, shm=True, export=True)
+    ref = body["fields"]["x"]["segs"][0][0]
+    view = np.frombuffer(maps.view(0, os.getpid(), ref), np.float32)[: 16 * 4096]
+    core.op_delete({"pid": "p", "keys": keys}, [])
+    assert core.stats()["bytes_warm"] == 0  # closed, not pooled
+    _put_shm(core, "p", keys, torch.zeros(16, 4096), maps)
+    assert float(view.min()) == 1.0, "an exported view was overwritten"
+    maps.prune(0, core.pool.version, core.pool.live_ids())
+    assert float(view.max()) == 1.0  # our view keeps its pages after the cache forgets the file
+
+
+def test_pool_trim_policy():
+    pool = ShmPool(warm_idle_s=10.0, warm_retain_bytes=3 << 20)
+    files = [pool.acquire(1 << 20) for _ in range(5)]
+    for f in files:
+        pool.release(f)
+    assert pool.bytes_warm <= 3 << 20  # above the watermark: the oldest were given back
+    assert pool.trim(everything=True) > 0 and pool.bytes_resident == 0
+    assert size_class(1) == 4096 and size_class((1 << 20) + 1) <= (1 << 20) * 1.125 + 4096
