@@ -79,6 +79,17 @@ def test_tensordict_chunk_concat_roundtrip_keeps_jagged_and_non_tensor() -> None
     assert [t.tolist() for t in back["ids"].unbind()] == [t.tolist() for t in td["ids"].unbind()]
 
 
+def test_tensordict_chunks_own_their_storage() -> None:
+    # Ray pickles a tensor view with its whole storage: a chunk that shared the batch's storage
+    # would ship the entire batch to every rank.
+    td = TensorDict({"x": torch.arange(64.0).reshape(16, 4)}, batch_size=[16])
+    parts = batch.chunk(td, 4)
+    for part in parts:
+        assert part["x"].untyped_storage().nbytes() == 4 * 4 * 4
+        assert part["x"].untyped_storage().data_ptr() != td["x"].untyped_storage().data_ptr()
+    assert torch.equal(batch.concat(parts)["x"], td["x"])
+
+
 def test_list_and_tuple_chunk_concat() -> None:
     assert batch.chunk([1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
     assert batch.chunk((1, 2, 3, 4), 4) == [(1,), (2,), (3,), (4,)]
