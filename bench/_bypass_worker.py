@@ -20,6 +20,8 @@ from controlplane import Dispatch, Worker, register
 IN_FIELDS = ("prompts", "responses", "old_log_probs")
 SOURCE = "old_log_probs"
 OUT = "log_probs_x2"
+
+
 def _step(data: Any) -> Any:
     from tensordict import TensorDict
 

@@ -115,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.address:
             ray.init(address=args.address, log_to_driver=False)
         else:
-            ray.init(num_cpus=max(8, max(sizes)), include_dashboard=False, log_to_driver=False)
+            # address="local": a fresh cluster of our own, never one another process left running
+            ray.init(
+                address="local", num_cpus=max(8, max(sizes)), include_dashboard=False, log_to_driver=False
+            )
     try:
         rows = [measure(n, rounds=args.rounds, calls=args.calls, warmup=args.warmup) for n in sizes]
     finally:

@@ -1,0 +1,192 @@
+"""Smoke tests for bench/: the helpers and report logic, and one tiny run of the store benchmark.
+
+No timing is asserted here (speed belongs to the benchmark's own output); these tests check that the
+benchmark runs end to end on a tiny payload and writes JSON with the keys its readers rely on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import _common, _memory, _report, runner
+from bench.store_throughput import Config, parse_args
+
+HAS_TQ = importlib.util.find_spec("transfer_queue") is not None
+
+
+def test_throughput_and_percentiles() -> None:
+    t = _common.throughput(4 * _common.GB, [2.0, 1.0, 4.0])
+    assert t["best_gbps"] == pytest.approx(4.0)
+    assert t["median_gbps"] == pytest.approx(2.0)
+    assert _common.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert _common.percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    with pytest.raises(ValueError, match="at least one"):
+        _common.throughput(1, [])
+
+
+def test_check_verdicts() -> None:
+    assert _common.Check("a", 3.1, 3.0, ">=", "").verdict == "PASS"
+    assert _common.Check("a", 2.9, 3.0, ">=", "").verdict == "MISS"
+    assert _common.Check("b", 2.5, 2.0, "<=", "").verdict == "MISS"
+    assert _common.Check("c", None, 2.0, "<=", "").verdict == "n/a"
+    assert _common.ratio(1.0, 0.0) is None
+
+
+def _fake_results() -> dict:
+    def tp(gbps: float) -> dict:
+        return _common.throughput(_common.GB, [1.0 / gbps])
+
+    lat = {"p50_us": 100.0, "p90_us": 150.0, "min_us": 90.0, "n": 10}
+    mem = {"bytes_resident": 0, "bytes_used": 0, "rss": 100, "os_resident": 100, "shards": 2}
+    return {
+        "config": {"rows": 1, "cols": 1, "fields": 1, "payload_bytes": 1000, "statistic": "best of 1"},
+        "machine": {"host": "h", "cpu_count": 2, "memory_gib": 1, "date_utc": "now"},
+        "paths": {
+            "memcpy": {"copy": tp(10.0)},
+            "ray": {"put": tp(0.5), "get": tp(0.8), "latency": {"bare_ray": lat}},
+            "tq": {
+                "put": tp(0.8),
+                "get": tp(0.25),
+                "latency": {"bare_ray_no_arg": lat, "put": lat, "get": lat},
+            },
+            "store": {
+                "put": tp(2.5),
+                "get": tp(3.5),
+                "latency": {
+                    "bare_ray": {**lat, "p50_us": 200.0},
+                    "bare_ray_no_arg": lat,
+                    "put": {**lat, "p50_us": 150.0},
+                    "get": {**lat, "p50_us": 250.0},
+                },
+                "memory": {
+                    "empty": mem,
+                    "held": {**mem, "bytes_resident": 1200, "os_resident": 1500},
+                    "after_clear": mem,
+                },
+            },
+        },
+        "skipped": {},
+    }
+
+
+def test_evaluate_ratios_and_verdicts() -> None:
+    results = _fake_results()
+    checks, info = _report.evaluate(results)
+    assert checks["put_vs_tq"]["value"] == pytest.approx(2.5 / 0.8)
+    assert checks["put_vs_tq"]["verdict"] == "PASS"
+    assert checks["get_vs_tq"]["value"] == pytest.approx(14.0)
+    assert checks["get_vs_memcpy"]["value"] == pytest.approx(0.35)
+    assert checks["latency_put_vs_ray"]["verdict"] == "PASS"
+    assert checks["latency_get_vs_ray"]["verdict"] == "MISS"
+    assert checks["memory_held"]["value"] == pytest.approx(1.2)
+    assert checks["memory_after_clear"]["verdict"] == "PASS"
+    assert checks["memory_held_os"]["value"] == pytest.approx(1.4)
+    assert checks["memory_held_os"]["verdict"] == "MISS"
+    assert info["tq_latency_get_vs_ray"] == pytest.approx(1.0)
+    assert info["latency_get_vs_ray_noop_x"] == pytest.approx(1.25)
+    results["checks"], results["info"] = checks, info
+    text = _report.render(results)
+    assert "latency_get_vs_ray" in text and "MISS" in text
+    md = _report.markdown(results)
+    assert "| latency_get_vs_ray | 2.50 | <= 2.0 | MISS |" in md
+
+
+def test_shard_entries_accepts_the_likely_stats_shapes() -> None:
+    one = {"bytes_resident": 5, "pid": 1}
+    assert _memory.shard_entries([one]) == [one]
+    assert _memory.shard_entries({"shards": [one]}) == [one]
+    assert _memory.shard_entries({"s0": one}) == [{**one, "shard": "s0"}]
+    with pytest.raises(TypeError, match="per-shard"):
+        _memory.shard_entries(42)
+
+
+def test_cli_flags_are_validated() -> None:
+    cfg = parse_args(["--rows", "4", "--cols", "8", "--skip-tq", "--json", "x.json"])
+    assert (cfg.rows, cfg.cols, cfg.fields, cfg.skip_tq, cfg.json) == (4, 8, 2, True, "x.json")
+    assert cfg.payload_bytes == 4 * 8 * 2 * 4
+    assert Config().payload_bytes == 64 * 2**20
+    with pytest.raises(SystemExit):
+        parse_args(["--rows", "0"])
+
+
+def test_runner_rejects_unknown_and_reports_unbuilt(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    assert runner.cli(argparse.Namespace(which="nope", out=str(tmp_path))) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+    missing = runner.Benchmark("ghost", "bench.no_such_benchmark", "never built")
+    assert not runner.is_built(missing)
+    assert runner.is_built(runner.BENCHMARKS["store"])
+    out = tmp_path / "o"
+    assert runner.BENCHMARKS["store"].argv(out) == [
+        "--json", str(out / "store_throughput.json"), "--plot", str(out / "store_throughput.png"),
+        "--markdown", str(out / "store_throughput.md"),
+    ]  # fmt: skip
+    assert runner.BENCHMARKS["dispatch"].argv(out) == ["--json", str(out / "dispatch_overhead.json")]
+
+
+def test_runner_runs_a_benchmark_in_a_child_process(tmp_path, monkeypatch) -> None:
+    # A stand-in benchmark module: writes its argv to the --json path and exits with status 3.
+    (tmp_path / "fake_bench_mod.py").write_text(
+        "import json, sys\n"
+        "def main(argv):\n"
+        "    json.dump(argv, open(argv[argv.index('--json') + 1], 'w'))\n"
+        "    return 3\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    bench = runner.Benchmark("fake", "fake_bench_mod", "a stand-in")
+    assert runner.run_one(bench, tmp_path / "out", timeout_s=60) == 3
+    written = json.loads((tmp_path / "out" / "fake_bench_mod.json").read_text())
+    assert written == ["--json", str(tmp_path / "out" / "fake_bench_mod.json")]
+
+
+def _tiny_run(ray_cluster, tmp_path, paths: str) -> dict:
+    """Run the benchmark on 4 rows x 8 floats x 2 fields against the session's Ray; return its JSON."""
+    out = tmp_path / "store.json"
+    cmd = [sys.executable, "-m", "bench.store_throughput", "--rows", "4", "--cols", "8", "--repeats", "1",
+           "--latency-iters", "3", "--latency-warmup", "1", "--ray-address", ray_cluster.address,
+           "--call-timeout-s", "60", "--release-wait-s", "2", "--paths", paths,
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "check" in proc.stdout and "memcpy" in proc.stdout
+    results = json.loads(out.read_text())
+    assert {"config", "machine", "paths", "skipped", "checks", "info"} <= results.keys()
+    assert results["config"]["payload_bytes"] == 4 * 8 * 2 * 4
+    assert results["paths"]["memcpy"]["copy"]["best_gbps"] > 0
+    for name in ("put_vs_tq", "get_vs_ray", "get_vs_memcpy", "latency_get_vs_ray", "memory_held"):
+        assert {"value", "target", "verdict"} <= results["checks"][name].keys()
+    return results
+
+
+@pytest.mark.ray
+def test_store_benchmark_tiny_run_writes_json(ray_cluster, tmp_path) -> None:
+    results = _tiny_run(ray_cluster, tmp_path, "memcpy,ray,store")
+    ray_path = results["paths"]["ray"]
+    assert {"put", "get", "latency"} <= ray_path.keys(), ray_path.get("error")
+    assert ray_path["get"]["n"] == 1 and ray_path["latency"]["bare_ray"]["n"] == 3
+    assert ray_path["latency"]["bare_ray_no_arg"]["n"] == 3
+    assert results["skipped"]["tq"] == "not in --paths"
+    if "store" in results["paths"]:
+        store = results["paths"]["store"]
+        assert {"put", "get", "latency", "memory"} <= store.keys(), store.get("error")
+        assert {"empty", "held", "after_clear"} <= store["memory"].keys()
+        assert results["checks"]["put_vs_ray"]["value"] is not None
+    else:
+        assert "store" in results["skipped"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TQ, reason="transferqueue is not installed (the bench extra)")
+def test_store_benchmark_tiny_transferqueue_run(ray_cluster, tmp_path) -> None:
+    # TransferQueue starts three actors of its own (num_cpus=1 each); on 2 busy cores that takes a while.
+    results = _tiny_run(ray_cluster, tmp_path, "memcpy,tq")
+    tq = results["paths"]["tq"]
+    assert {"put", "get", "latency", "init_s"} <= tq.keys(), tq.get("error")
+    assert {"bare_ray", "bare_ray_no_arg", "put", "get"} <= tq["latency"].keys()
+    assert tq["get"]["n"] == 1
