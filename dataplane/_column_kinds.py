@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dataplane._column_types import Column, ColumnSpec, torch_dtype, u8_tensor
+from dataplane._column_types import Column, ColumnSpec, torch_dtype
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,16 @@ def _env_allows_pickle() -> bool:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def u8_tensor(data: memoryview) -> torch.Tensor:
+    """A 1-D uint8 tensor viewing ``data`` (no copy; also for empty and read-only buffers)."""
+    if memoryview(data).nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # A read-only buffer (zmq frame, read-only mapping) is fine: we never write through it.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _u8_of_array(arr: np.ndarray) -> memoryview:

@@ -1,21 +1,53 @@
 """Column types: ``ColumnSpec`` (how to read a column's bytes) and ``Column`` (the bytes).
 
-See ``dataplane._columns`` for the codec that produces and reads them.
+One definition serves both sides: the codec (``dataplane._columns``, which imports torch) builds and
+reads them, and the parts that only move bytes (shards, index, wire, row assembly) carry them. This
+module therefore never imports torch at module level: a shard process stays small and starts fast,
+and it cannot interpret (let alone unpickle) the bytes it holds. Dense row sizes come from an
+itemsize table; only a dtype name the table does not know asks torch (client side only).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 
 from dataplane.errors import SchemaError
 
+if TYPE_CHECKING:
+    import torch
+
 KINDS = ("dense", "jagged", "arrow", "object")
+
+# Bytes per element of the torch dtype names the codec writes.
+_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "complex32": 2,
+    "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+    "complex128": 16,
+}  # fmt: skip
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the torch dtype named ``dtype`` ("float32" -> 4), without importing torch."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:  # a dtype name this table does not know yet: ask torch (client side only)
+        size = torch_dtype(dtype).itemsize
+    return size
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` ("float32", "bfloat16", ...); imports torch on first use."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name")
+    return dtype
 
 
 class ColumnSpec(msgspec.Struct, frozen=True):
@@ -34,7 +66,7 @@ class ColumnSpec(msgspec.Struct, frozen=True):
         """Bytes per row for fixed-size rows (dense), else ``None``."""
         if self.kind != "dense":
             return None
-        return torch_dtype(self.dtype).itemsize * math.prod(self.shape)
+        return itemsize(self.dtype) * math.prod(self.shape)
 
     def check_compatible(self, other: ColumnSpec, field: str) -> None:
         """Raise ``SchemaError`` naming ``field`` and both specs unless ``other`` can join this column.
@@ -51,14 +83,6 @@ class ColumnSpec(msgspec.Struct, frozen=True):
 
 def _spec_str(spec: ColumnSpec) -> str:
     return f"(kind={spec.kind}, dtype={spec.dtype}, shape={tuple(spec.shape)})"
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` ("float32", "bfloat16", ...)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name")
-    return dtype
 
 
 @dataclass(eq=False)  # offsets is an ndarray: == would be ambiguous
@@ -92,14 +116,4 @@ class Column:
         return int(self.offsets[start]), int(self.offsets[stop])
 
 
-def u8_tensor(data: memoryview) -> torch.Tensor:
-    """A 1-D uint8 tensor viewing ``data`` (no copy; also for empty and read-only buffers)."""
-    if memoryview(data).nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        # A read-only buffer (zmq frame, read-only mapping) is fine: we never write through it.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
-__all__ = ["KINDS", "Column", "ColumnSpec", "torch_dtype", "u8_tensor"]
+__all__ = ["KINDS", "Column", "ColumnSpec", "itemsize", "torch_dtype"]

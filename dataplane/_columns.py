@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
-from dataplane._column_kinds import ValueEncoder, decode_value
-from dataplane._column_types import KINDS, Column, ColumnSpec, torch_dtype, u8_tensor
+from dataplane._column_kinds import ValueEncoder, decode_value, u8_tensor
+from dataplane._column_types import KINDS, Column, ColumnSpec, torch_dtype
 from dataplane._gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.errors import BatchSizeError
 

@@ -166,21 +166,8 @@ class IndexActor:
             msg = await self._sock.recv_multipart(copy=False)
             if len(msg) < 2:
                 continue
-            ident, frames = msg[0], msg[1:]
-            rid = -1
-            try:
-                req, bufs = _wire.decode_request(frames)
-                rid = req.rid
-                if bufs:
-                    raise _wire.WireError(
-                        f"the index takes metadata only: the {req.op!r} request carried {len(bufs)} "
-                        "buffer frame(s); tensor bytes go to the shards"
-                    )
-                body, _ = self.core.handle(req.op, req.body, bufs)
-                reply = _wire.encode_reply(rid, body)
-            except Exception as exc:  # noqa: BLE001 - every request gets an answer
-                reply = _wire.encode_error(rid, exc)
-            await self._sock.send_multipart([ident, *reply], copy=False)
+            _, reply = _wire.answer(msg[1:], self.core.handle, max_frames=0, who="the index")
+            await self._sock.send_multipart([msg[0], *reply], copy=False)
 
     async def register(self, registry: dict[str, Any]) -> None:
         self.core.registry = registry

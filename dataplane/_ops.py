@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dataplane import _wire
-from dataplane._layout import Block
+from dataplane._column_types import Column
 from dataplane._placement import Placement
 from dataplane._rows import assemble, contiguous_view, nbytes_of
 from dataplane._segments import MappingCache
@@ -263,7 +263,7 @@ def _pieces(route: Route, s: int, entry: dict, bufs: list, pos: np.ndarray) -> l
     for j, (ref, nbytes, num_rows, off) in enumerate(entry["segs"]):
         data = route.maps.view(s, route.shard_pids[s], ref)[:nbytes]
         offsets = None if off < 0 else _wire.array_from_wire(off, bufs)
-        col = Block(spec=spec, num_rows=num_rows, data=data, offsets=offsets)
+        col = Column(spec=spec, num_rows=num_rows, data=data, offsets=offsets)
         mask = seg_of == j if len(entry["segs"]) > 1 else slice(None)
         pieces.append((col, row_of[mask], pos[mask]))
     return pieces

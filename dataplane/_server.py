@@ -84,27 +84,17 @@ class ZmqServer:
     def _serve_one(self, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
-        ident, frames = msg[0], msg[1:]
-        rid = -1
+        rid, reply = _wire.answer(msg[1:], self._locked_handler, max_frames=self._max_frames)
         try:
-            req, bufs = _wire.decode_request(frames)
-            rid = req.rid
-            if self._max_frames is not None and len(bufs) > self._max_frames:
-                raise _wire.WireError(
-                    f"this service takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
-                    "frame(s); tensor bytes go to the shards"
-                )
-            with self._lock:
-                body, out = self._handler(req.op, req.body, bufs)
-            reply = _wire.encode_reply(rid, body, out)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            if not isinstance(exc, _wire.errors.DataplaneError):
-                logger.debug("request %d failed", rid, exc_info=True)
-            reply = _wire.encode_error(rid, exc)
-        try:
-            self._sock.send_multipart([ident, *reply], copy=False)
+            self._sock.send_multipart([msg[0], *reply], copy=False)
         except zmq.ZMQError as exc:
             logger.warning("could not send reply %d: %s", rid, exc)
+
+    def _locked_handler(
+        self, op: str, body: dict[str, Any], bufs: list[memoryview]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        with self._lock:
+            return self._handler(op, body, bufs)
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()

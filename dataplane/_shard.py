@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from dataplane import _wire
-from dataplane._layout import Block
+from dataplane._column_types import Column
 from dataplane._rows import assemble
 from dataplane._segments import ShmFile, ShmPool
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
@@ -56,7 +56,7 @@ class Segment:
 
     def column(self) -> Any:
         data = self.file.view()[: self.nbytes] if self.file is not None else self.data
-        return Block(spec=self.spec, num_rows=self.num_rows, data=data, offsets=self.offsets)
+        return Column(spec=self.spec, num_rows=self.num_rows, data=data, offsets=self.offsets)
 
 
 @dataclass

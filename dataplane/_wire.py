@@ -15,13 +15,17 @@ received zmq frames and keep those frames alive.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from dataplane import errors
-from dataplane._layout import Block, Layout
+from dataplane._column_types import Column, ColumnSpec
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
@@ -61,15 +65,20 @@ def encode_request(rid: int, op: str, body: dict[str, Any], buffers: list[Any] |
     return [_req_enc.encode(Request(rid, op, body)), *(buffers or [])]
 
 
+def _decode(frames: list[Any], decoder: msgspec.msgpack.Decoder, empty: str, what: str) -> tuple[Any, list]:
+    """Header (decoded by ``decoder``) and zero-copy buffer views of a message's frames."""
+    if not frames:
+        raise WireError(empty)
+    try:
+        header = decoder.decode(_as_buffer(frames[0]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"undecodable {what} header: {exc}") from exc
+    return header, [_as_buffer(f) for f in frames[1:]]
+
+
 def decode_request(frames: list[Any]) -> tuple[Request, list[memoryview]]:
     """Parse a request's frames into its header and zero-copy views of its buffers."""
-    if not frames:
-        raise WireError("empty message")
-    try:
-        req = _req_dec.decode(_as_buffer(frames[0]))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"undecodable request header: {exc}") from exc
-    return req, [_as_buffer(f) for f in frames[1:]]
+    return _decode(frames, _req_dec, "empty message", "request")
 
 
 def encode_reply(rid: int, body: dict[str, Any], buffers: list[Any] | None = None) -> list[Any]:
@@ -89,14 +98,38 @@ def encode_error(rid: int, exc: BaseException) -> list[Any]:
 
 
 def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
-    """Parse a reply's frames; does not raise for a remote error (see ``raise_for_error``)."""
-    if not frames:
-        raise WireError("empty reply")
+    """Parse a reply's frames; does not raise for a remote error (see ``rebuild_error``)."""
+    return _decode(frames, _rep_dec, "empty reply", "reply")
+
+
+def answer(
+    frames: list[Any],
+    handler: Callable[[str, dict[str, Any], list[memoryview]], tuple[dict[str, Any], list[Any]]],
+    *,
+    max_frames: int | None = None,
+    who: str = "this service",
+) -> tuple[int, list[Any]]:
+    """Serve one request: ``(request id, reply frames)``; every request gets an answer, even a bad one.
+
+    ``handler(op, body, buffers)`` returns the reply body and buffers; any exception it (or the
+    decoding) raises becomes an error reply. ``max_frames`` caps the buffer frames a request may
+    carry (a metadata-only service passes 0); ``who`` names the service in that refusal.
+    """
+    rid = -1
     try:
-        rep = _rep_dec.decode(_as_buffer(frames[0]))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"undecodable reply header: {exc}") from exc
-    return rep, [_as_buffer(f) for f in frames[1:]]
+        req, bufs = decode_request(frames)
+        rid = req.rid
+        if max_frames is not None and len(bufs) > max_frames:
+            raise WireError(
+                f"{who} takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
+                "frame(s); tensor bytes go to the shards"
+            )
+        body, out = handler(req.op, req.body, bufs)
+        return rid, encode_reply(rid, body, out)
+    except Exception as exc:  # noqa: BLE001 - every request gets an answer
+        if not isinstance(exc, errors.DataplaneError):
+            logger.debug("request %d failed", rid, exc_info=True)
+        return rid, encode_error(rid, exc)
 
 
 def peek_rid(frame: Any) -> int:
@@ -131,8 +164,8 @@ def spec_to_wire(spec: Any) -> list[Any]:
     return [spec.kind, spec.dtype, list(spec.shape)]
 
 
-def spec_from_wire(d: list[Any]) -> Any:
-    return Layout(kind=d[0], dtype=d[1], shape=tuple(d[2]))
+def spec_from_wire(d: list[Any]) -> ColumnSpec:
+    return ColumnSpec(kind=d[0], dtype=d[1], shape=tuple(d[2]))
 
 
 def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
@@ -145,7 +178,7 @@ def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
     return out
 
 
-def column_from_wire(d: dict[str, Any], buffers: list[memoryview]) -> Any:
+def column_from_wire(d: dict[str, Any], buffers: list[memoryview]) -> Column:
     """The ``Column`` a header entry describes, as a zero-copy view of its frames."""
     try:
         data = buffers[d["data"]]
@@ -154,7 +187,7 @@ def column_from_wire(d: dict[str, Any], buffers: list[memoryview]) -> Any:
             offsets = np.frombuffer(buffers[d["offsets"]], dtype=np.int64)
     except (IndexError, KeyError) as exc:
         raise WireError(f"column refers to a missing frame: {d}") from exc
-    return Block(spec=spec_from_wire(d["spec"]), num_rows=d["rows"], data=data.cast("B"), offsets=offsets)
+    return Column(spec=spec_from_wire(d["spec"]), num_rows=d["rows"], data=data.cast("B"), offsets=offsets)
 
 
 def array_to_wire(arr: np.ndarray, buffers: list[Any]) -> int:
@@ -169,6 +202,7 @@ def array_from_wire(idx: int, buffers: list[memoryview]) -> np.ndarray:
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "answer",
     "Reply",
     "Request",
     "WireError",

@@ -61,6 +61,18 @@ def _unique(items: Iterable[str], what: str) -> None:
         seen.add(item)
 
 
+def _str_list(value: Any, attr: str, noun: str, what: str) -> list[str]:
+    """A private list copy of ``value`` if it is a sequence of unique str, else raise (naming ``attr``)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"KVBatchMeta {attr} must be a list of str, got {type(value).__name__}")
+    items = list(value)
+    for i, item in enumerate(items):
+        if type(item) is not str:
+            raise TypeError(f"KVBatchMeta {attr}[{i}] is a {type(item).__name__}; {noun} must be str")
+    _unique(items, what)
+    return items
+
+
 @dataclass(eq=True)
 class KVBatchMeta:
     """Which rows of the store a batch is made of: keys, their tags, a partition and field names.
@@ -101,13 +113,7 @@ class KVBatchMeta:
     allows_uneven_chunks: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.keys, (str, bytes)) or not isinstance(self.keys, Sequence):
-            raise TypeError(f"KVBatchMeta keys must be a list of str, got {type(self.keys).__name__}")
-        keys = list(self.keys)
-        for i, key in enumerate(keys):
-            if type(key) is not str:
-                raise TypeError(f"KVBatchMeta keys[{i}] is a {type(key).__name__}; keys must be str")
-        _unique(keys, "key")
+        keys = _str_list(self.keys, "keys", "keys", "key")
         if type(self.partition_id) is not str:
             raise TypeError(f"KVBatchMeta partition_id must be a str, got {type(self.partition_id).__name__}")
         if self.tags is None:
@@ -122,15 +128,7 @@ class KVBatchMeta:
                 if type(tag) is not dict:
                     raise TypeError(f"KVBatchMeta tags[{i}] is a {type(tag).__name__}; a tag must be a dict")
                 tags.append(_plain(tag, f"KVBatchMeta tags[{i}] (key {keys[i]!r})"))
-        fields = None
-        if self.fields is not None:
-            if isinstance(self.fields, (str, bytes)) or not isinstance(self.fields, Sequence):
-                raise TypeError(f"KVBatchMeta fields must be a list of str, got {type(self.fields).__name__}")
-            fields = list(self.fields)
-            for i, name in enumerate(fields):
-                if type(name) is not str:
-                    raise TypeError(f"KVBatchMeta fields[{i}] is a {type(name).__name__}; names must be str")
-            _unique(fields, "field")
+        fields = None if self.fields is None else _str_list(self.fields, "fields", "names", "field")
         extra = {} if self.extra_info is None else self.extra_info
         if type(extra) is not dict:
             raise TypeError(f"KVBatchMeta extra_info must be a dict, got {type(extra).__name__}")

@@ -146,3 +146,16 @@ def test_pool_trim_policy():
     assert pool.bytes_warm <= 3 << 20  # above the watermark: the oldest were given back
     assert pool.trim(everything=True) > 0 and pool.bytes_resident == 0
     assert size_class(1) == 4096 and size_class((1 << 20) + 1) <= (1 << 20) * 1.125 + 4096
+
+
+def test_shard_side_modules_do_not_import_torch():
+    # Shards, the index and the wire share the codec's Column/ColumnSpec, yet must stay torch-free.
+    import subprocess
+    import sys
+
+    mods = "dataplane._shard, dataplane._shard_server, dataplane._index, dataplane._wire, dataplane._rows"
+    code = f"import sys, {mods}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
