@@ -11,13 +11,13 @@ contiguous run of one piece can be answered without any copy (``contiguous_view`
 from __future__ import annotations
 
 import itertools
-import mmap
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from dataplane import _buffers
 from dataplane._column_types import Column, ColumnSpec
 
 Piece = tuple[Column, np.ndarray, np.ndarray]
@@ -36,22 +36,6 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     starts = np.concatenate(([0], brk))
     lens = np.diff(np.concatenate((starts, [n])))
     return src[starts], dst[starts], lens
-
-
-_HUGE_MIN_BYTES = 2 << 20
-
-
-def alloc(nbytes: int) -> np.ndarray:
-    """A fresh uint8 buffer; large ones ask for transparent huge pages, so filling them costs
-    one page fault per 2 MiB instead of per 4 KiB (the fault cost, not the copy, dominates)."""
-    if nbytes < _HUGE_MIN_BYTES:
-        return np.empty(nbytes, dtype=np.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP on this kernel: plain pages
-        pass
-    return np.frombuffer(m, dtype=np.uint8)
 
 
 def _u8(buf: Any) -> np.ndarray:
@@ -80,7 +64,7 @@ def assemble(
     if spec.row_nbytes() is not None:
         rb = spec.row_nbytes()
         total = rb * num_rows
-        dst_buf = _u8(out)[:total] if out is not None else alloc(total)
+        dst_buf = _u8(out)[:total] if out is not None else _buffers.take(total)
         for col, src, dst in pieces:
             _copy_dense(_u8(col.data), rb, src, dst, dst_buf)
         return Column(spec=spec, num_rows=num_rows, data=memoryview(dst_buf), offsets=None)
@@ -90,7 +74,7 @@ def assemble(
     offsets = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     total = int(offsets[-1])
-    dst_buf = _u8(out)[:total] if out is not None else alloc(total)
+    dst_buf = _u8(out)[:total] if out is not None else _buffers.take(total)
     for col, src, dst in pieces:
         if len(src):
             _copy_variable(_u8(col.data), col.offsets, offsets, src, dst, dst_buf)

@@ -38,6 +38,12 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
 
 
+def read_buffer_pool_bytes() -> int:
+    """Most idle bytes of copy-out buffers a process keeps warm for its next reads
+    (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
+    return int(_env_float("DATAPLANE_READ_POOL_BYTES", 256 * 2**20))
+
+
 @dataclass
 class StoreConfig:
     """Every setting of the store and of its clients.

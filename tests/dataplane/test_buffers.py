@@ -1,0 +1,48 @@
+"""The copy-out buffer pool: buffers come back when the last user drops them, bounded in size."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from dataplane._buffers import MIN_POOLED_BYTES, BufferPool, take
+
+MiB = 1 << 20
+
+
+def test_buffer_returns_when_the_tensor_built_on_it_dies() -> None:
+    pool = BufferPool(max_bytes=64 * MiB)
+    buf = pool.take(4 * MiB)
+    address = buf.ctypes.data
+    tensor = torch.frombuffer(memoryview(buf), dtype=torch.float32)
+    del buf
+    gc.collect()
+    assert pool.idle_bytes == 0  # the tensor still holds the memory
+    tensor.fill_(1.0)
+    del tensor
+    gc.collect()
+    assert pool.idle_bytes == 4 * MiB
+    again = pool.take(4 * MiB)
+    assert again.ctypes.data == address  # the same warm mapping, not a fresh one
+    assert pool.idle_bytes == 0
+
+
+def test_pool_keeps_at_most_max_bytes_and_sizes_do_not_mix() -> None:
+    pool = BufferPool(max_bytes=6 * MiB)
+    bufs = [pool.take(4 * MiB), pool.take(2 * MiB), pool.take(2 * MiB)]
+    del bufs
+    gc.collect()
+    assert pool.idle_bytes <= 6 * MiB
+    big = pool.take(4 * MiB)
+    small = pool.take(2 * MiB)
+    assert big.nbytes == 4 * MiB and small.nbytes == 2 * MiB
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+def test_small_buffers_bypass_the_pool() -> None:
+    buf = take(MIN_POOLED_BYTES - 1)
+    assert isinstance(buf, np.ndarray) and buf.nbytes == MIN_POOLED_BYTES - 1
+    assert buf.flags.writeable
