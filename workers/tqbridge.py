@@ -240,30 +240,40 @@ def _result_meta(meta: dp.KVBatchMeta, written: list[str], stored: list[str] | N
     return dp.KVBatchMeta(list(meta.keys), meta.tags, meta.partition_id, fields, meta.extra_info)
 
 
-def _finish(output: Any, meta: dp.KVBatchMeta, inputs: dict, name: str, collect: bool) -> Any:
+def _plan_write(
+    output: Any, meta: dp.KVBatchMeta, inputs: list[TensorDictBase], name: str, collect: bool
+) -> tuple[Any, TensorDict | None]:
+    """What a finished call returns: ``(result, None)`` when nothing is written, else ``(None, data)``."""
     data = _to_write(output, meta, inputs, name)
     if data is None:
-        return output
+        return output, None
     if not collect:
-        return dp.KVBatchMeta.empty(meta.partition_id)
+        return dp.KVBatchMeta.empty(meta.partition_id), None
     if meta.size == 0 or not data.keys():
-        return _result_meta(meta, [], meta.fields)
-    stored = dp.kv_batch_put(meta.keys, meta.partition_id, fields=data)
+        return _result_meta(meta, [], meta.fields), None
+    return None, data
+
+
+def _written(meta: dp.KVBatchMeta, data: TensorDict, stored: dp.KVBatchMeta) -> dp.KVBatchMeta:
     _count("written_bytes", nbytes_of(data))
     return _result_meta(meta, list(data.keys()), stored.fields)
 
 
-async def _async_finish(output: Any, meta: dp.KVBatchMeta, inputs: dict, name: str, collect: bool) -> Any:
-    data = _to_write(output, meta, inputs, name)
+def _finish(output: Any, meta: dp.KVBatchMeta, inputs: list[TensorDictBase], name: str, collect: bool) -> Any:
+    result, data = _plan_write(output, meta, inputs, name, collect)
     if data is None:
-        return output
-    if not collect:
-        return dp.KVBatchMeta.empty(meta.partition_id)
-    if meta.size == 0 or not data.keys():
-        return _result_meta(meta, [], meta.fields)
+        return result
+    return _written(meta, data, dp.kv_batch_put(meta.keys, meta.partition_id, fields=data))
+
+
+async def _async_finish(
+    output: Any, meta: dp.KVBatchMeta, inputs: list[TensorDictBase], name: str, collect: bool
+) -> Any:
+    result, data = _plan_write(output, meta, inputs, name, collect)
+    if data is None:
+        return result
     stored = await dp.async_kv_batch_put(meta.keys, meta.partition_id, fields=data)
-    _count("written_bytes", nbytes_of(data))
-    return _result_meta(meta, list(data.keys()), stored.fields)
+    return _written(meta, data, stored)
 
 
 # ---------------------------------------------------------------------------- the decorator
