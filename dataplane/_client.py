@@ -14,12 +14,16 @@ import weakref
 from typing import Any
 
 from dataplane import _ops
+from dataplane._auth import Credentials
 from dataplane._engine import StorageEngine, select_engine
+from dataplane._liveness import Liveness, Target
 from dataplane._placement import HashPlacement
 from dataplane._segments import MappingCache, boot_id, probe
-from dataplane._transport import INDEX, AsyncTransport, SyncTransport
+from dataplane._transport import INDEX, AsyncTransport, Endpoint, SyncTransport
 from dataplane.config import StoreConfig
 from dataplane.errors import ShardUnavailableError
+
+COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +57,13 @@ def _close_resources(sync: SyncTransport, asyn: AsyncTransport, maps: MappingCac
 class StoreClient:
     """Routes KV operations of this process to the shards and the index."""
 
-    def __init__(self, registry: dict[str, Any], transport: str | None = None) -> None:
+    def __init__(
+        self, registry: dict[str, Any], transport: str | None = None, allow_pickle: bool = False
+    ) -> None:
         self.registry = registry
         self.config = StoreConfig.from_dict(registry["config"])
+        # This process's own choice, never the service's: what a reader unpickles is up to the reader.
+        self.allow_pickle = allow_pickle
         mode = transport or self.config.transport
         here = boot_id()
         shards = registry["shards"]
@@ -67,14 +75,20 @@ class StoreClient:
             logger.warning(
                 "transport='shm' requested but some shards are not mappable here; using zmq for them"
             )
-        endpoints = {i: (s["ipc"] if s["boot_id"] == here else s["tcp"]) for i, s in enumerate(shards)}
-        idx = registry["index"]
-        endpoints[INDEX] = idx["ipc"] if idx["boot_id"] == here else idx["tcp"]
-        names = {i: self.config.shard_name(i) for i in range(len(shards))}
-        names[INDEX] = self.config.index_name()
+        creds = Credentials.from_dict(registry.get("credentials", {}))
+        curve = creds.encrypt
+        endpoints: dict[int, Endpoint] = {}
+        targets: dict[int, Target] = {}
+        for i, actor in [*enumerate(shards), (INDEX, registry["index"])]:
+            name = self.config.index_name() if i == INDEX else self.config.shard_name(i)
+            local = actor["boot_id"] == here
+            endpoints[i] = Endpoint(actor["ipc"] if local else actor["tcp"], name, curve and not local)
+            targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
         timeout = self.config.rpc_timeout_s
-        self.sync = SyncTransport(endpoints, names, timeout)
-        self.asyn = AsyncTransport(endpoints, names, timeout)
+        self.liveness = Liveness(targets)
+        args = (endpoints, creds, timeout, self.liveness, self.config.max_message_bytes)
+        self.sync = SyncTransport(*args)
+        self.asyn = AsyncTransport(*args)
         self.maps = MappingCache()
         self.engine: StorageEngine
         self.route = _ops.Route(
@@ -83,7 +97,7 @@ class StoreClient:
             shard_pids=[s["pid"] for s in shards],
             maps=self.maps,
             shm_min_bytes=self.config.shm_min_bytes,
-            allow_pickle=self.config.allow_pickle,
+            commit_within_s=COMMIT_WITHIN * self.config.reservation_timeout_s,
         )
         self.engine = select_engine(registry)(self.route)
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)

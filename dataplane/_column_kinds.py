@@ -1,8 +1,9 @@
 """Per-kind encoding and decoding of column values (the body of ``_columns`` encode / decode).
 
 Kinds: dense and jagged tensors (raw bytes of the tensor's storage), arrow (strings, binary, lists
-of numbers: an Arrow large_* data buffer plus int64 offsets), object (one pickle per row, opt-in).
-Pickle lives here and nowhere else in the data plane.
+of numbers: an Arrow large_* data buffer plus int64 offsets), json (JSON-like values such as chat
+messages: one msgpack blob per row), object (one pickle per row, opt-in). Pickle lives here and
+nowhere else in the data plane, and a reader unpickles only if its own process opted in.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import pickle
 import warnings
 from typing import Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import torch
 
 from dataplane._column_types import Column, ColumnSpec, torch_dtype
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
+from dataplane.meta import plain_value
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,8 @@ class ValueEncoder:
             # one number per row: a dense column ([B] int64 / float64 / bool)
             return self._numpy(name, arr.to_numpy(zero_copy_only=False), num_rows)
         col = None if arr is None else _arrow_column(arr)
+        if col is None:
+            col = _json_column(values)
         return col if col is not None else self._object(name, values, num_rows)
 
     def _object(self, name: str, values: list, num_rows: int) -> Column:
@@ -213,6 +218,31 @@ class ValueEncoder:
         offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)), out=offsets[1:])
         return Column(ColumnSpec("object", "pickle", ()), num_rows, memoryview(b"".join(blobs)), offsets)
+
+
+_json_encoder = msgspec.msgpack.Encoder()
+
+
+def _json_column(values: list) -> Column | None:
+    """A json column (one msgpack blob per row), or None when a row is not JSON-like.
+
+    JSON-like: None, bool, int (64-bit), float, str, and lists, tuples (read back as lists) and dicts
+    (str or int keys) of those, nested. Anything else needs pickle.
+    """
+    try:
+        blobs = [_json_encoder.encode(plain_value(v, "row")) for v in values]
+    except (TypeError, OverflowError):
+        return None
+    offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)), out=offsets[1:])
+    return Column(ColumnSpec("json", "msgpack", ()), len(values), memoryview(b"".join(blobs)), offsets)
+
+
+def _stack(rows: list) -> Any:
+    """A non-tensor stack of arbitrary Python rows (``from_list`` would re-nest lists)."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    return NonTensorStack(*[NonTensorData(v) for v in rows])
 
 
 def _check_rows(name: str, got: int, num_rows: int) -> None:
@@ -297,12 +327,23 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
 
     if spec.kind == "arrow":
         return NonTensorStack.from_list(_arrow_values(col))
+    if spec.kind == "json":
+        offs = col.offsets.tolist()
+        dec = msgspec.msgpack.Decoder()
+        try:
+            return _stack([dec.decode(col.data[offs[i] : offs[i + 1]]) for i in range(col.num_rows)])
+        except msgspec.DecodeError as exc:
+            raise SerializationError(f"field {name!r}: a json row is not valid msgpack ({exc})") from exc
     if spec.kind == "object":
         if not allow_pickle:
-            raise SerializationError(f"field {name!r} is a pickled object column and allow_pickle=False")
+            raise SerializationError(
+                f"field {name!r} is a pickled object column; this process did not opt in to unpickling "
+                f"(dp.init(allow_pickle=True) or {PICKLE_ENV}=1). Only do so for data you trust: "
+                "unpickling runs code chosen by whoever wrote it"
+            )
         offs = col.offsets.tolist()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rows = [pickle.loads(col.data[offs[i] : offs[i + 1]]) for i in range(col.num_rows)]
-        return NonTensorStack.from_list(rows)
+        return _stack(rows)
     raise SerializationError(f"field {name!r}: unknown column kind {spec.kind!r}")

@@ -138,7 +138,7 @@ def _field_items(fields: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def decode_fields(
-    columns: Mapping[str, Column], num_rows: int, *, device: Any = None, allow_pickle: bool = True
+    columns: Mapping[str, Column], num_rows: int, *, device: Any = None, allow_pickle: bool = False
 ):
     """Turn columns back into a ``TensorDict`` of batch size ``num_rows`` (runs on the reader).
 

@@ -15,12 +15,13 @@ classifying a missing key).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane import _wire
-from dataplane.errors import SchemaError
+from dataplane import _auth, _protocol, _wire
+from dataplane.errors import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -36,43 +37,86 @@ class _PartMeta:
     keys: dict[str, _KeyMeta] = field(default_factory=dict)
 
 
+@dataclass
+class _FieldSchema:
+    """A field's spec, decided by the first ``prepare`` that named it (first writer wins).
+
+    ``confirmed`` once a put that relies on it commits; until then ``pending`` holds the puts
+    (transaction ids) that rely on it, and the last of them to abort takes it back.
+    """
+
+    spec: list[Any]
+    confirmed: bool = False
+    pending: set[int] = field(default_factory=set)
+
+
 class IndexCore:
     """Metadata bookkeeping of the store. Plain class, tested without Ray."""
 
     def __init__(self) -> None:
         self.partitions: dict[str, _PartMeta] = {}
-        self.schemas: dict[str, dict[str, list[Any]]] = {}  # pid -> field -> wire spec
+        self.schemas: dict[str, dict[str, _FieldSchema]] = {}  # pid -> field -> schema
+        self.txns: dict[int, tuple[str, list[str]]] = {}  # open put -> (pid, fields it relies on)
+        self._txn_ids = itertools.count(1)
         self.registry: dict[str, Any] = {}
 
-    def handle(self, op: str, body: dict[str, Any], bufs: list[Any]) -> tuple[dict[str, Any], list]:
-        fn = getattr(self, f"op_{op}", None)
-        if fn is None:
-            raise _wire.WireError(f"index: unknown operation {op!r}")
-        return fn(body), []
+    def handle(self, op: str, raw: Any, bufs: list[Any]) -> tuple[dict[str, Any], list]:
+        """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
+        body = _protocol.decode_body(op, raw, _protocol.INDEX_OPS)
+        return getattr(self, f"op_{op}")(body), []
 
-    def op_prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Check a put's column specs against the partition's schema (``commit`` records them)."""
-        pid, specs = body["pid"], body["specs"]
+    def op_prepare(self, body: _protocol.Prepare) -> dict[str, Any]:
+        """Decide the schema of a put's new fields at once, or refuse it: ``SchemaError``.
+
+        Fields already decided must match; new ones are recorded now (not at commit), so of two
+        puts racing to create a field with different specs exactly one passes, whichever shards
+        their keys live on. Returns the put's transaction id for ``commit`` / ``abort``.
+        """
+        pid = body.pid
         schema = self.schemas.get(pid, {})
-        for name, spec in specs.items():
+        for name, spec in body.specs.items():
+            new_s = _wire.spec_from_wire(spec)
+            new_s.check(name)
             old = schema.get(name)
-            if old is not None and old != spec:
-                old_s, new_s = _wire.spec_from_wire(old), _wire.spec_from_wire(spec)
-                try:
-                    old_s.check_compatible(new_s, name)
-                except SchemaError:
-                    raise
-                except Exception as exc:  # a codec that raises another type still names the field
-                    raise SchemaError(name, f"field {name!r}: {exc}") from exc
+            if old is not None and list(old.spec) != list(spec):
+                _wire.spec_from_wire(old.spec).check_compatible(new_s, name)
+        txn = next(self._txn_ids)
+        schema = self.schemas.setdefault(pid, schema)
+        for name, spec in body.specs.items():
+            entry = schema.get(name)
+            if entry is None:
+                entry = schema[name] = _FieldSchema(list(spec))
+            if not entry.confirmed:
+                entry.pending.add(txn)
+        self.txns[txn] = (pid, list(body.specs))
+        return {"txn": txn}
+
+    def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
+        """A prepared put gave up: new fields only it relied on are undecided again."""
+        pid, names = self.txns.pop(body.txn, (None, []))
+        schema = self.schemas.get(pid, {}) if pid is not None else {}
+        for name in names:
+            entry = schema.get(name)
+            if entry is not None and not entry.confirmed:
+                entry.pending.discard(body.txn)
+                if not entry.pending:
+                    del schema[name]
+        if pid is not None and not schema and pid not in self.partitions:
+            self.schemas.pop(pid, None)
         return {}
 
-    def op_commit(self, body: dict[str, Any]) -> dict[str, Any]:
+    def op_commit(self, body: _protocol.IndexCommit) -> dict[str, Any]:
         """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags."""
-        pid, keys, fields, tags = body["pid"], body["keys"], body.get("fields") or [], body.get("tags")
+        pid, keys, fields, tags = body.pid, _protocol.unique_keys(body.keys, "commit"), body.fields, body.tags
+        if tags is not None and len(tags) != len(keys):
+            raise WireError(f"commit: {len(tags)} tags for {len(keys)} keys")
+        if body.txn is not None:
+            _, names = self.txns.pop(body.txn, (pid, []))
+            for name in names:
+                entry = self.schemas.get(pid, {}).get(name)
+                if entry is not None:
+                    entry.confirmed, entry.pending = True, set()
         part = self.partitions.setdefault(pid, _PartMeta())
-        schema = self.schemas.setdefault(pid, {})
-        for name, spec in (body.get("specs") or {}).items():
-            schema.setdefault(name, spec)
         union: dict[str, None] = {}
         out_tags = []
         for i, key in enumerate(keys):
@@ -89,22 +133,22 @@ class IndexCore:
         ordered = [f for f in order if f in union] + sorted(f for f in union if f not in order)
         return {"fields": ordered, "tags": out_tags}
 
-    def op_delete(self, body: dict[str, Any]) -> dict[str, Any]:
-        part = self.partitions.get(body["pid"])
+    def op_delete(self, body: _protocol.Delete) -> dict[str, Any]:
+        part = self.partitions.get(body.pid)
         removed = 0
         if part is not None:
-            for key in body["keys"]:
+            for key in body.keys:
                 removed += part.keys.pop(key, None) is not None
         return {"removed": removed}
 
-    def op_drop(self, body: dict[str, Any]) -> dict[str, Any]:
-        pid = body["pid"]
+    def op_drop(self, body: _protocol.Drop) -> dict[str, Any]:
+        pid = body.pid
         existed = self.partitions.pop(pid, None) is not None
         self.schemas.pop(pid, None)
         return {"existed": existed}
 
-    def op_list(self, body: dict[str, Any]) -> dict[str, Any]:
-        pid = body.get("pid")
+    def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
+        pid = body.pid
         pids = [pid] if pid is not None else list(self.partitions)
         return {
             "list": {
@@ -114,68 +158,102 @@ class IndexCore:
             }
         }
 
-    def op_resolve(self, body: dict[str, Any]) -> dict[str, Any]:
+    def op_resolve(self, body: _protocol.Resolve) -> dict[str, Any]:
         """Which of ``keys`` the index knows, and which fields they hold (classifies a failed get)."""
-        part = self.partitions.get(body["pid"])
+        part = self.partitions.get(body.pid)
         if part is None:
             return {"partition": False, "known": {}}
         return {
             "partition": True,
-            "known": {k: sorted(part.keys[k].fields) for k in body["keys"] if k in part.keys},
+            "known": {k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
         }
 
-    def op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
+    def op_stats(self, body: _protocol.Stats) -> dict[str, Any]:
         return {"partitions": {p: len(m.keys) for p, m in self.partitions.items()}}
 
-    def op_ping(self, body: dict[str, Any]) -> dict[str, Any]:
+    def op_ping(self, body: _protocol.Ping) -> dict[str, Any]:
         return {}
 
 
 class IndexActor:
-    """The index as an async Ray actor (wrapped with ``ray.remote`` by ``_service``)."""
+    """The index as an async Ray actor (wrapped with ``ray.remote`` by ``_service``).
 
-    def __init__(self, name: str) -> None:
+    Its sockets are authenticated like the shards' (``_auth``): a ZAP handler task on the actor's
+    own zmq context refuses any connection that does not present the store's credentials.
+    """
+
+    def __init__(self, name: str, creds: dict[str, str] | None = None, max_message_bytes: int = -1) -> None:
         self.core = IndexCore()
         self._name = name
-        self._task: asyncio.Task | None = None
-        self._sock = None
+        self._creds = _auth.Credentials.from_dict(creds or {})
+        self._max_message_bytes = max_message_bytes
+        self._tasks: list[asyncio.Task] = []
         self.tcp = self.ipc = ""
 
-    async def start(self) -> dict[str, str]:
+    async def start(self) -> dict[str, Any]:
+        import os
         import uuid
 
         import ray
         import zmq
         import zmq.asyncio
 
-        self._host_ip = ray.util.get_node_ip_address()
-        ctx = zmq.asyncio.Context.instance()
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{self._host_ip}")
-        self.tcp = f"tcp://{self._host_ip}:{port}"
-        self.ipc = f"ipc://@{self._name}-{uuid.uuid4().hex[:12]}"
-        self._sock.bind(self.ipc)
-        self._task = asyncio.get_running_loop().create_task(self._serve())
+        from dataplane._liveness import process_start
         from dataplane._segments import boot_id
 
-        return {"tcp": self.tcp, "ipc": self.ipc, "boot_id": boot_id()}
+        if not self._creds.secret:
+            raise ValueError("the index needs the store's credentials")
+        host_ip = ray.util.get_node_ip_address()
+        ctx = zmq.asyncio.Context()  # its own: one ZAP handler per context
+        zap = ctx.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(_auth.ZAP_ENDPOINT)
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._serve_zap(zap)))
 
-    async def _serve(self) -> None:
+        def router(curve: bool):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            _auth.secure_server(sock, self._creds, curve)
+            self._tasks.append(loop.create_task(self._serve(sock)))
+            return sock
+
+        plain = router(curve=False)
+        self.ipc = f"ipc://@{self._name}-{uuid.uuid4().hex[:12]}"
+        plain.bind(self.ipc)
+        tcp_sock = router(curve=True) if self._creds.encrypt else plain
+        self.tcp = f"tcp://{host_ip}:{tcp_sock.bind_to_random_port(f'tcp://{host_ip}')}"
+        pid = os.getpid()
+        return {
+            "tcp": self.tcp,
+            "ipc": self.ipc,
+            "boot_id": boot_id(),
+            "pid": pid,
+            "pid_start": process_start(pid),
+        }
+
+    async def _serve_zap(self, zap) -> None:
         while True:
-            msg = await self._sock.recv_multipart(copy=False)
+            frames = await zap.recv_multipart()
+            await zap.send_multipart(_auth.zap_reply(frames, self._creds))
+
+    async def _serve(self, sock) -> None:
+        while True:
+            msg = await sock.recv_multipart(copy=False)
             if len(msg) < 2:
                 continue
             _, reply = _wire.answer(msg[1:], self.core.handle, max_frames=0, who="the index")
-            await self._sock.send_multipart([msg[0], *reply], copy=False)
+            await sock.send_multipart([msg[0], *reply], copy=False)
 
     async def register(self, registry: dict[str, Any]) -> None:
         self.core.registry = registry
 
     async def info(self) -> dict[str, Any]:
-        return dict(self.core.registry)
+        """The registry and the client credentials: the one way a process obtains them (a Ray call)."""
+        return {**self.core.registry, "credentials": self._creds.for_clients().to_dict()}
 
-    async def ready(self) -> bool:
+    async def ping(self) -> bool:
         return True
 
 

@@ -14,25 +14,29 @@ Round trips (R = one parallel batch of requests, at most one per shard plus the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from dataplane import _wire
 from dataplane._column_types import Column
 from dataplane._placement import Placement
 from dataplane._rows import assemble, contiguous_view, nbytes_of
-from dataplane._segments import MappingCache
+from dataplane._segments import TRAILER, MappingCache, ShmUnavailable, generation
 from dataplane._transport import INDEX, Call, Result
 from dataplane.errors import (
     BatchSizeError,
     DataplaneError,
     KeyNotFoundError,
     PartitionNotFoundError,
+    ReservationExpiredError,
+    WireError,
 )
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, plain_value
 
 Op = Generator[list[Call], list[Result], Any]
 
@@ -46,7 +50,7 @@ class Route:
     shard_pids: list[int]
     maps: MappingCache
     shm_min_bytes: int
-    allow_pickle: bool
+    commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
 
 
 def _check_keys(keys: Any, partition_id: Any) -> list[str]:
@@ -74,25 +78,56 @@ def _raise_first(results: list[Result]) -> None:
 # ---- put ------------------------------------------------------------------------------------------
 
 
+def _check_tags(tags: Any, n: int) -> list[dict | None] | None:
+    """``tags`` as a list of ``n`` plain dicts (or None), refused with TypeError before anything is sent.
+
+    Tags travel as msgpack to the index, so a value msgpack cannot carry (a numpy scalar, a tensor,
+    an int beyond 64 bits) is named here, not discovered after the shards committed.
+    """
+    if tags is None:
+        return None
+    if isinstance(tags, (str, bytes, dict)):
+        raise TypeError(f"tags must be a list of one dict (or None) per key, not a {type(tags).__name__}")
+    tags = list(tags)
+    if len(tags) != n:
+        raise BatchSizeError(f"{len(tags)} tags for {n} keys; pass one tag dict per key")
+    out: list[dict | None] = []
+    for i, t in enumerate(tags):
+        if t is not None and type(t) is not dict:
+            raise TypeError(f"tags[{i}] must be a dict or None, got {type(t).__name__}")
+        try:
+            out.append(None if t is None else plain_value(t, f"tags[{i}]"))
+        except TypeError as exc:
+            culprit = str(exc).split(";")[0]
+            raise TypeError(
+                f"{culprit}: a tag holds only plain values (str, int, float, bool, None, and lists, tuples "
+                "and dicts of them); convert it first (e.g. x.item() for a numpy or torch scalar)"
+            ) from None
+    try:
+        msgspec.msgpack.encode(out)
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(f"tags cannot be stored: {exc}") from exc
+    return out
+
+
 def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str, Any] | None, tags) -> Op:
-    """Write ``columns`` (already encoded, one row per key) and/or ``tags``; returns a KVBatchMeta."""
+    """Write ``columns`` (already encoded, one row per key) and/or ``tags``; returns a KVBatchMeta.
+
+    All or nothing: everything is checked before the first request; the index decides new fields'
+    schemas in the first round (``prepare``), together with the shards' reservations, and any
+    failure there aborts every reservation. A put that stalls between reserve and commit past most
+    of ``reservation_timeout_s`` aborts instead of committing (the shards would have fenced it).
+    """
     keys = _check_keys(keys, partition_id)
-    if tags is not None:
-        tags = list(tags)
-        if len(tags) != len(keys):
-            raise BatchSizeError(f"{len(tags)} tags for {len(keys)} keys; pass one tag dict per key")
-        for t in tags:
-            if t is not None and not isinstance(t, dict):
-                raise TypeError(f"each tag must be a dict or None, got {type(t).__name__}")
+    tags = _check_tags(tags, len(keys))
     columns = columns or {}
     for name, col in columns.items():
         if col.num_rows != len(keys):
             raise BatchSizeError(f"field {name!r} has {col.num_rows} rows for {len(keys)} keys")
     specs = {name: _wire.spec_to_wire(col.spec) for name, col in columns.items()}
-    body = {"pid": partition_id, "keys": keys, "fields": list(columns), "tags": tags, "specs": specs}
-    commit_idx = Call(INDEX, "commit", body)
+    body: dict[str, Any] = {"pid": partition_id, "keys": keys, "fields": list(columns), "tags": tags}
     if not columns or not keys:
-        (res,) = yield [commit_idx]
+        (res,) = yield [Call(INDEX, "commit", body)]
         _raise_first([res])
         return _meta(keys, partition_id, res[0])
     groups = route.placement.group(partition_id, keys)
@@ -102,29 +137,76 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     for s in shards:
         call, parts[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns)
         calls.append(call)
+    started = time.monotonic()
     results = yield calls
-    errs = [r for r in results if isinstance(r, BaseException)]
+    prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
+    aborts = [Call(s, "abort", {"resv": r[0]["resv"]}) for s, r in reserved.items() if _ok(r)]
+    if _ok(prepared):
+        aborts.append(Call(INDEX, "abort", {"txn": prepared[0]["txn"]}))
+    errs = [r for r in results if not _ok(r)]
     if errs:
-        aborts = [
-            Call(s, "abort", {"resv": r[0]["resv"]})
-            for s, r in zip(shards, results[1:], strict=True)
-            if not isinstance(r, BaseException)
-        ]
         if aborts:
             yield aborts
         raise errs[0]
     commits = []
     try:
-        for s, (body, _) in zip(shards, results[1:], strict=True):
-            if "live" in body:  # forget mappings of files the shard has closed since we last looked
-                route.maps.prune(s, body["version"], body["live"])
-            commits.append(_fill_segments(route, s, body, groups[s], columns, parts[s]))
+        for s in shards:
+            body_s = reserved[s][0]
+            if "live" in body_s:  # forget mappings of files the shard has closed since we last looked
+                route.maps.prune(s, body_s["version"], body_s["live"])
+            commits.append(_fill_segments(route, s, body_s, groups[s], columns, parts[s]))
     except BaseException:  # e.g. a segment could not be mapped: undo every reservation, then raise
-        yield [Call(s, "abort", {"resv": r[0]["resv"]}) for s, r in zip(shards, results[1:], strict=True)]
+        yield aborts
         raise
-    results = yield [*commits, commit_idx]
-    _raise_first(results)
+    took = time.monotonic() - started
+    if took > route.commit_within_s:
+        yield aborts
+        raise ReservationExpiredError(
+            f"a put of {len(keys)} keys to partition {partition_id!r} took {took:.1f}s between reserving "
+            f"space and committing, longer than {route.commit_within_s:.1f}s (most of "
+            "reservation_timeout_s); it was aborted and nothing was written. Raise reservation_timeout_s "
+            "if this process is often paused this long."
+        )
+    body["txn"] = prepared[0]["txn"]
+    results = yield [*commits, Call(INDEX, "commit", body)]
+    _raise_partial_put(results, shards, groups, keys, partition_id)
     return _meta(keys, partition_id, results[-1][0])
+
+
+def _ok(result: Result) -> bool:
+    return not isinstance(result, BaseException)
+
+
+def _raise_partial_put(results: list, shards: list[int], groups: dict, keys: list[str], pid: str) -> None:
+    """Raise, naming exactly what was written, when a put's commit round failed anywhere."""
+    shard_res, index_res = results[:-1], results[-1]
+    failed = [(s, r) for s, r in zip(shards, shard_res, strict=True) if not _ok(r)]
+    if not failed and _ok(index_res):
+        return
+    done = [s for s, r in zip(shards, shard_res, strict=True) if _ok(r)]
+    first = failed[0][1] if failed else index_res
+    if not done and not _ok(index_res):
+        raise first  # nothing anywhere was written
+    lost = [keys[i] for s, _ in failed for i in groups[s]]
+    index_note = "the index recorded the put" if _ok(index_res) else f"the index did not ({index_res})"
+    raise _with_message(
+        first,
+        f"a put to partition {pid!r} committed only in part: shards {done} wrote their rows and "
+        f"{index_note}, but shards {[s for s, _ in failed]} did not ({first}); keys not written there: "
+        f"{_preview(lost)}. Write those keys again, or clear them.",
+    )
+
+
+def _with_message(exc: BaseException, message: str) -> BaseException:
+    """An exception of ``exc``'s dataplane type (and culprit attributes) carrying ``message``."""
+    attrs = {a: getattr(exc, a) for a in ("key", "partition_id", "field", "shard") if hasattr(exc, a)}
+    name = type(exc).__name__ if isinstance(exc, DataplaneError) else "DataplaneError"
+    return _wire.rebuild_error([name, message, attrs])
+
+
+def _preview(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in items[:limit])
+    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
 
 
 def _meta(keys: list[str], partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
@@ -171,9 +253,16 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
 
 # ---- get ------------------------------------------------------------------------------------------
 
+GET_ATTEMPTS = 8  # a read that keeps racing with clears of the same rows gives up after this many
+
 
 def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] | None, copy: bool) -> Op:
-    """Read rows of ``keys`` (in that order); returns ``{field: Column}``."""
+    """Read rows of ``keys`` (in that order); returns ``{field: Column}``.
+
+    What is returned is exactly what completed puts wrote: rows copied out of shared memory are
+    checked against the generation of their segment after the copy, and the whole read is retried
+    when a concurrent clear freed (and maybe reused) a segment meanwhile (``_segments``).
+    """
     keys = _check_keys(keys, partition_id)
     if fields is not None:
         if isinstance(fields, str):
@@ -183,32 +272,67 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
         return {}
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
-    calls = []
-    for s in shards:
-        body = {
-            "pid": partition_id,
-            "keys": [keys[i] for i in groups[s]] if len(groups) > 1 else keys,
-            "fields": fields,
-            "shm": route.shm[s],
-            "export": not copy and len(groups) == 1,  # only then can the client return a view
-            "version": route.maps.version(s),
-        }
-        calls.append(Call(s, "get", body))
-    results = yield calls
-    if any(isinstance(r, (KeyNotFoundError, PartitionNotFoundError)) for r in results):
-        yield from _explain_missing(partition_id, keys, shards, groups, results)
-    _raise_first(results)
-    names = _field_names(results, shards, groups, keys, partition_id)
+    for _ in range(GET_ATTEMPTS):
+        calls = []
+        for s in shards:
+            body = {
+                "pid": partition_id,
+                "keys": [keys[i] for i in groups[s]] if len(groups) > 1 else keys,
+                "fields": fields,
+                "shm": route.shm[s],
+                "export": not copy and len(groups) == 1,  # only then can the client return a view
+                "version": route.maps.version(s),
+            }
+            calls.append(Call(s, "get", body))
+        results = yield calls
+        if any(isinstance(r, (KeyNotFoundError, PartitionNotFoundError)) for r in results):
+            yield from _explain_missing(partition_id, keys, shards, groups, results)
+        _raise_first(results)
+        names = _field_names(results, shards, groups, keys, partition_id)
+        try:
+            out = _gather(route, names, shards, groups, results, len(keys), copy)
+        except _Stale:
+            out = None
+        for s, (body, _) in zip(shards, results, strict=True):
+            if "live" in body:
+                route.maps.prune(s, body["version"], body["live"])
+        if out is not None:
+            return out
+    raise DataplaneError(
+        f"a read of {len(keys)} keys of partition {partition_id!r} raced with clears of the same rows "
+        f"{GET_ATTEMPTS} times in a row; nothing was returned. Retry, or stop clearing rows being read."
+    )
+
+
+class _Stale(Exception):
+    """A segment a read copied from was freed meanwhile: the read must be retried."""
+
+
+def _gather(
+    route: Route, names: list[str], shards: list[int], groups: dict, results: list, n: int, copy: bool
+):
     out = {}
     for name in names:
-        pieces = []
+        pieces: list = []
+        sources: list[_Source] = []
         for s, (body, bufs) in zip(shards, results, strict=True):
-            pieces.extend(_pieces(route, s, body["fields"][name], bufs, groups[s]))
-        out[name] = _build(pieces, len(keys), copy)
-    for s, (body, _) in zip(shards, results, strict=True):
-        if "live" in body:
-            route.maps.prune(s, body["version"], body["live"])
+            _pieces(route, s, name, body["fields"][name], bufs, groups[s], pieces, sources)
+        col, viewed = _build(pieces, sources, n, copy)
+        if not viewed:  # bytes were copied out of shared memory: were they still those rows' bytes?
+            for src in sources:
+                if src.mapping is not None and generation(src.mapping) != src.gen:
+                    raise _Stale
+        out[name] = col
     return out
+
+
+@dataclass
+class _Source:
+    """Where a piece's bytes live: a received frame (private), or a shard segment of a generation."""
+
+    viewable: bool  # a frame, or a segment the shard exported for a zero-copy view
+    mapping: memoryview | None = None  # the whole file, for the generation check
+    gen: int = 0
 
 
 def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict, results: list) -> Op:
@@ -252,38 +376,49 @@ def _field_names(results: list, shards: list[int], groups: dict, keys: list[str]
     return names
 
 
-def _pieces(route: Route, s: int, entry: dict, bufs: list, pos: np.ndarray) -> list:
+def _pieces(
+    route: Route, s: int, name: str, entry: dict, bufs: list, pos: np.ndarray, pieces: list, sources: list
+) -> None:
+    """Append the pieces of one shard's answer for field ``name`` (and where each one's bytes live)."""
     if entry["t"] == "z":
-        col = _wire.column_from_wire(entry["col"], bufs)
-        return [(col, np.arange(col.num_rows), pos)]
+        col = _wire.column_from_wire(entry["col"], bufs, name)
+        pieces.append((col, np.arange(col.num_rows), pos))
+        sources.append(_Source(viewable=True))
+        return
     spec = _wire.spec_from_wire(entry["spec"])
-    seg_of = _wire.array_from_wire(entry["seg"], bufs)
-    row_of = _wire.array_from_wire(entry["row"], bufs)
-    pieces = []
-    for j, (ref, nbytes, num_rows, off) in enumerate(entry["segs"]):
-        data = route.maps.view(s, route.shard_pids[s], ref)[:nbytes]
-        offsets = None if off < 0 else _wire.array_from_wire(off, bufs)
-        col = Column(spec=spec, num_rows=num_rows, data=data, offsets=offsets)
+    seg_of = _wire.array_from_wire(entry["seg"], bufs, len(pos))
+    row_of = _wire.array_from_wire(entry["row"], bufs, len(pos))
+    for j, (ref, nbytes, num_rows, off, view) in enumerate(entry["segs"]):
+        try:
+            mapping = route.maps.view(s, route.shard_pids[s], ref)
+        except ShmUnavailable as exc:  # closed since the shard answered: its rows were freed
+            raise _Stale from exc
+        if nbytes > len(mapping) - TRAILER:
+            raise WireError(
+                f"shard {s} answered field {name!r} with {nbytes} bytes in a file of {len(mapping)}"
+            )
+        offsets = None if off < 0 else _wire.array_from_wire(off, bufs, num_rows + 1)
+        col = Column(spec=spec, num_rows=num_rows, data=mapping[:nbytes], offsets=offsets)
+        col.check(name)
         mask = seg_of == j if len(entry["segs"]) > 1 else slice(None)
-        pieces.append((col, row_of[mask], pos[mask]))
-    return pieces
+        src, dst = row_of[mask], pos[mask]
+        if len(src) and (int(src.min()) < 0 or int(src.max()) >= num_rows):
+            raise WireError(f"shard {s} answered field {name!r} with rows outside a segment of {num_rows}")
+        pieces.append((col, src, dst))
+        sources.append(_Source(viewable=bool(view), mapping=mapping, gen=int(ref[4])))
 
 
-def _build(pieces: list, num_rows: int, copy: bool) -> Any:
+def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> tuple[Any, bool]:
+    """The field's column, and whether it is a view (of a private frame or an exported segment)."""
     col, src, dst = pieces[0]
     if len(pieces) == 1 and len(dst) == num_rows and bool(np.all(dst == np.arange(num_rows))):
-        frame = isinstance(col.data, memoryview) and not _is_mapped(col.data)
-        if frame or not copy:  # a received frame is already private: no need to copy it again
+        source = sources[0]
+        private = source.mapping is None  # a received frame: no need to copy it again
+        if source.viewable and (private or not copy):
             view = contiguous_view(col, src)
             if view is not None:
-                return view
-    return assemble(col.spec, num_rows, pieces)
-
-
-def _is_mapped(buf: memoryview) -> bool:
-    import mmap
-
-    return isinstance(buf.obj, mmap.mmap)
+                return view, True
+    return assemble(col.spec, num_rows, pieces), False
 
 
 # ---- clear / list / stats -------------------------------------------------------------------------
@@ -293,21 +428,43 @@ def clear(route: Route, keys: Sequence[str], partition_id: str) -> Op:
     """Free ``keys`` of ``partition_id``; unknown keys or partitions are ignored."""
     keys = _check_keys(keys, partition_id)
     groups = route.placement.group(partition_id, keys)
-    calls = [
-        Call(s, "delete", {"pid": partition_id, "keys": [keys[i] for i in pos]}) for s, pos in groups.items()
-    ]
+    shards = sorted(groups)
+    calls = [Call(s, "delete", {"pid": partition_id, "keys": [keys[i] for i in groups[s]]}) for s in shards]
     results = yield [*calls, Call(INDEX, "delete", {"pid": partition_id, "keys": keys})]
-    _raise_first(results)
+    _raise_partial_clear(results, shards, f"kv_clear of {len(keys)} keys of partition {partition_id!r}")
     return None
 
 
 def drop_partition(route: Route, partition_id: str) -> Op:
     if not isinstance(partition_id, str):
         raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
-    calls = [Call(s, "drop", {"pid": partition_id}) for s in range(route.placement.num_shards)]
+    shards = list(range(route.placement.num_shards))
+    calls = [Call(s, "drop", {"pid": partition_id}) for s in shards]
     results = yield [*calls, Call(INDEX, "drop", {"pid": partition_id})]
-    _raise_first(results)
+    _raise_partial_clear(results, shards, f"clear_partition({partition_id!r})")
     return None
+
+
+def _raise_partial_clear(results: list, shards: list[int], what: str) -> None:
+    """Raise, naming exactly where the data was and was not freed, when a clear failed anywhere.
+
+    A shard that died took its memory with it (nothing of it is left); one that did not answer may
+    still hold its rows, and calling the same clear again finishes the job.
+    """
+    failed = [(s, r) for s, r in zip(shards, results[:-1], strict=True) if not _ok(r)]
+    index_res = results[-1]
+    if not failed and _ok(index_res):
+        return
+    done = [s for s, r in zip(shards, results[:-1], strict=True) if _ok(r)]
+    parts = [f"shards {done} freed their rows" if done else "no shard freed its rows"]
+    parts.append("the index forgot them" if _ok(index_res) else f"the index did not answer ({index_res})")
+    for s, exc in failed:
+        parts.append(f"shard {s}: {exc}")
+    first = failed[0][1] if failed else index_res
+    raise _with_message(
+        first,
+        f"{what} completed only in part: " + "; ".join(parts) + ". Call it again once the store is healthy.",
+    )
 
 
 def list_keys(route: Route, partition_id: str | None) -> Op:

@@ -5,34 +5,56 @@ written to ``/dev/shm``; its pages vanish when the shard process dies and the la
 which is why no segment can outlive the store, even after a crash. Pages are allocated up front
 with ``posix_fallocate`` (much cheaper than faulting them in through a copy).
 
+Lifetime invariants (what makes a read return only bytes some completed put wrote):
+
+* **Generation.** The last 8 bytes of every file hold its generation, a number that changes each
+  time the rows it holds stop being live (the file is freed, then maybe reused by another put), and
+  reads as 0 once its pages are given back. A get reply names the generation it saw; a reader
+  that copies out of a file checks, after copying, that the generation is unchanged, and retries
+  otherwise. Rows of a live file are never written: a writer only writes into a file it reserved,
+  before the commit that makes it readable.
+* **Exported files are never reused.** A file handed out as a zero-copy view (*exported*) is
+  closed without giving its pages back when freed, so the view keeps its bytes for as long as the
+  reader holds it; nobody else ever writes them.
+* **Fenced files are never reused.** A file whose reservation expired before its writer committed
+  (the writer stalled or died) is closed, never recycled: a late writer still holding a mapping
+  scribbles on memory that no row refers to, and the pages go when its mapping goes.
+
 Reuse policy (``bytes_warm`` in ``stats()``): a freed file goes to a warm pool and is handed to the
 next put that fits it (size within 1.3x), so a steady put/clear cycle never faults fresh pages and
 clients keep their mappings. A warm file is given back to the OS (its pages punched out with
 ``MADV_REMOVE``, then closed) once it has been idle ``warm_idle_s`` or when the warm pool exceeds
-``warm_retain_bytes``. A file that was handed out as a zero-copy view (*exported*) is never
-recycled: when freed it is closed without punching, so a reader's mapping keeps its pages for as
-long as the reader holds the view.
+``warm_retain_bytes``.
 
 Client side (``MappingCache``): opens a shard's file through ``/proc/<shard pid>/fd/<fd>``, checks
 its inode (so a reused fd number or another pid namespace is detected), maps it once with
-``MAP_POPULATE`` and caches the mapping by the never-reused file id. The shard tells clients
-which files are still alive, and mappings of closed files are dropped.
+``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``_mapping``) and caches it by the
+never-reused file id. The shard tells clients which files are still alive, and mappings of closed
+files are dropped.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import resource
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane._mapping import map_fd
+from dataplane.errors import ResourceLimitError
+
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 _REUSE_SLACK = 1.3
+TRAILER = 64  # bytes reserved at the end of every file; the generation is its last 8
+_GEN = struct.Struct("<Q")
 
 
 def size_class(nbytes: int) -> int:
@@ -44,6 +66,20 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
+def generation(view: memoryview) -> int:
+    """The generation stored in the trailer of a whole-file mapping (0 once its pages were given back)."""
+    return _GEN.unpack_from(view, len(view) - _GEN.size)[0]
+
+
+def fd_limit_error(what: str, exc: OSError) -> ResourceLimitError:
+    """The typed error for running out of file descriptors, naming the process's limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return ResourceLimitError(
+        f"{what}: this process ran out of file descriptors ({exc}); its limit is {soft} (hard {hard}). "
+        "Raise it (ulimit -n / resource.setrlimit) or close what holds them."
+    )
+
+
 @dataclass(eq=False)
 class ShmFile:
     """One memfd file (shard side)."""
@@ -52,30 +88,51 @@ class ShmFile:
     size: int
     fd: int = -1
     inode: int = 0
+    gen: int = 1
     exported: bool = False
     freed_at: float = 0.0
-    _map: mmap.mmap | None = field(default=None, repr=False)
+    _view: memoryview | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, file_id: int, size: int, prefix: str = "dataplane") -> ShmFile:
-        fd = os.memfd_create(f"{prefix}-seg-{file_id}", os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create(f"{prefix}-seg-{file_id}", os.MFD_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise fd_limit_error("creating a shared-memory segment", exc) from exc
+            raise
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
+            f = cls(file_id=file_id, size=size, fd=fd, inode=os.fstat(fd).st_ino)
+            f._write_gen()
         except OSError:
             os.close(fd)
             raise
-        return cls(file_id=file_id, size=size, fd=fd, inode=os.fstat(fd).st_ino)
+        return f
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of row data the file can hold (the trailer excluded)."""
+        return self.size - TRAILER
+
+    def _write_gen(self) -> None:
+        os.pwrite(self.fd, _GEN.pack(self.gen), self.size - _GEN.size)
+
+    def retire(self) -> None:
+        """The rows this file held are gone: move to the next generation (before any reuse)."""
+        self.gen += 1
+        self._write_gen()
 
     def view(self) -> memoryview:
         """The shard's own mapping of the whole file (mapped on first use)."""
-        if self._map is None:
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
-        return memoryview(self._map)
+        if self._view is None:
+            self._view = map_fd(self.fd, self.size)
+        return self._view
 
     def ref(self) -> list[int]:
-        """What a client needs to map this file: [file_id, fd, size, inode]."""
-        return [self.file_id, self.fd, self.size, self.inode]
+        """What a client needs to map this file and check it: [file_id, fd, size, inode, generation]."""
+        return [self.file_id, self.fd, self.size, self.inode, self.gen]
 
     def close(self, punch: bool) -> None:
         """Give the pages back (``punch``) and close; live views elsewhere keep their own mappings."""
@@ -90,7 +147,7 @@ class ShmFile:
                 logger.debug("MADV_REMOVE failed on segment file %d: %s", self.file_id, exc)
         os.close(self.fd)
         self.fd = -1
-        self._map = None  # unmapped when the last export of it is gone
+        self._view = None  # unmapped when the last view of it is gone
 
 
 class ShmPool:
@@ -106,29 +163,36 @@ class ShmPool:
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
 
     def acquire(self, nbytes: int) -> ShmFile:
-        """A file of at least ``nbytes``: a warm one that fits, else a fresh one."""
+        """A file that holds ``nbytes`` of rows: a warm one that fits, else a fresh one."""
+        need = nbytes + TRAILER
         best = None
         for f in self.warm:
-            if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
+            if need <= f.size <= max(size_class(need), int(need * _REUSE_SLACK)):
                 if best is None or f.size < best.size:
                     best = f
         if best is not None:
             self.warm.remove(best)
         else:
-            best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix)
+            best = ShmFile.create(self._next_id, size_class(need), self.prefix)
             self._next_id += 1
         self.live[best.file_id] = best
         return best
 
     def release(self, f: ShmFile) -> None:
-        """A file is no longer used by any row: warm it, or close it when it was exported."""
+        """A file is no longer used by any row: warm it (next generation), or close it if exported."""
         self.live.pop(f.file_id, None)
         if f.exported:
             self._close(f, punch=False)
             return
+        f.retire()
         f.freed_at = time.monotonic()
         self.warm.append(f)
         self.trim()
+
+    def fence(self, f: ShmFile) -> None:
+        """A reserved file whose writer may still write into it: close it, never reuse it."""
+        self.live.pop(f.file_id, None)
+        self._close(f, punch=False)
 
     def trim(self, now: float | None = None, everything: bool = False) -> int:
         """Close warm files idle too long or above the retained watermark; returns bytes given back."""
@@ -169,14 +233,14 @@ class ShmPool:
 
 
 class ShmUnavailable(OSError):
-    """This client cannot map the shard's files (another host, another pid namespace, no access)."""
+    """This client cannot map the shard's file (another host, another pid namespace, closed, no access)."""
 
 
 class MappingCache:
     """Client-side cache of shard file mappings, keyed by (shard, never-reused file id). Thread-safe."""
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._maps: dict[tuple[int, int], memoryview] = {}
         self._versions: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -185,7 +249,7 @@ class MappingCache:
 
     def view(self, shard: int, pid: int, ref: list[int]) -> memoryview:
         """A writable view of the whole file ``ref`` of shard ``shard`` (process ``pid``)."""
-        file_id, fd, size, inode = ref
+        file_id, fd, size, inode = ref[:4]
         key = (shard, file_id)
         with self._lock:
             m = self._maps.get(key)
@@ -193,7 +257,7 @@ class MappingCache:
             m = map_remote(pid, fd, size, inode)
             with self._lock:
                 self._maps[key] = m
-        return memoryview(m)
+        return m
 
     def prune(self, shard: int, version: int, live: list[int]) -> None:
         """Forget mappings of the shard's files that are no longer alive (views keep their own)."""
@@ -218,17 +282,25 @@ class MappingCache:
         return len(self._maps)
 
 
-def map_remote(pid: int, fd: int, size: int, inode: int) -> mmap.mmap:
-    """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file."""
+def map_remote(pid: int, fd: int, size: int, inode: int) -> memoryview:
+    """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
+
+    The mapping holds no file descriptor (``_mapping.map_fd``). Running out of descriptors while
+    opening the file raises ``ResourceLimitError`` naming the limit.
+    """
     path = f"/proc/{pid}/fd/{fd}"
     try:
         local = os.open(path, os.O_RDWR)
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise fd_limit_error(f"mapping a shard segment ({path})", exc) from exc
         raise ShmUnavailable(f"cannot open {path}: {exc}") from exc
     try:
         if os.fstat(local).st_ino != inode:
-            raise ShmUnavailable(f"{path} is not the shard's segment (inode mismatch: other host or pid ns)")
-        return mmap.mmap(local, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            raise ShmUnavailable(
+                f"{path} is not the shard's segment (inode mismatch: closed, other host or pid ns)"
+            )
+        return map_fd(local, size, populate=True)
     finally:
         os.close(local)
 
@@ -247,10 +319,22 @@ def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
     if not host_boot_id or host_boot_id != boot_id():
         return False
     try:
-        map_remote(pid, ref[1], ref[2], ref[3]).close()
+        map_remote(pid, ref[1], ref[2], ref[3])
         return True
     except (ShmUnavailable, OSError, ValueError):
         return False
 
 
-__all__ = ["MappingCache", "ShmFile", "ShmPool", "ShmUnavailable", "boot_id", "probe", "size_class"]
+__all__ = [
+    "TRAILER",
+    "MappingCache",
+    "ShmFile",
+    "ShmPool",
+    "ShmUnavailable",
+    "boot_id",
+    "fd_limit_error",
+    "generation",
+    "map_remote",
+    "probe",
+    "size_class",
+]

@@ -5,6 +5,12 @@ foreign or undecodable message gets an error reply when it carries an identity, 
 dies of a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc
 socket (same host; nothing is left in the file system, even after a crash). Polls are bounded, so
 ``stop()`` returns within one poll interval, and ``tick`` runs between requests.
+
+Every connection is authenticated before it can deliver a message (``_auth``): the loop also
+serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is a second
+ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes go
+through shared memory). Inbound frames are capped at ``max_message_bytes``: libzmq drops a peer
+that sends a bigger one before it is ever buffered whole.
 """
 
 from __future__ import annotations
@@ -18,42 +24,56 @@ from typing import Any
 
 import zmq
 
-from dataplane import _wire
+from dataplane import _auth, _wire
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[str, dict[str, Any], list[memoryview]], tuple[dict[str, Any], list[Any]]]
+Handler = Callable[[str, Any, list[memoryview]], tuple[dict[str, Any], list[Any]]]
 
 POLL_MS = 100
 TICK_S = 0.25
 
 
 class ZmqServer:
-    """Serves ``handler`` on a ROUTER socket from a daemon thread."""
+    """Serves ``handler`` on authenticated ROUTER sockets from a daemon thread."""
 
     def __init__(
         self,
         handler: Handler,
         host_ip: str,
         name: str,
+        creds: _auth.Credentials,
+        *,
         tick: Callable[[], None] | None = None,
         lock: threading.Lock | None = None,
-        max_frames: int | None = None,
+        max_message_bytes: int = -1,
     ) -> None:
         self._handler = handler
         self._tick = tick
         self._lock = lock or threading.Lock()
-        self._max_frames = max_frames
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host_ip}")
-        self.tcp = f"tcp://{host_ip}:{port}"
+        self._creds = creds
+        self._ctx = zmq.Context()  # its own: one ZAP handler per context
+        self._zap = self._ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(_auth.ZAP_ENDPOINT)  # before any ROUTER binds: no unauthenticated window
+        self._socks: list[zmq.Socket] = []
+        plain = self._router(curve=False, max_message_bytes=max_message_bytes)
         self.ipc = f"ipc://@{name}-{uuid.uuid4().hex[:12]}"
-        self._sock.bind(self.ipc)
+        plain.bind(self.ipc)
+        tcp_sock = self._router(curve=True, max_message_bytes=max_message_bytes) if creds.encrypt else plain
+        port = tcp_sock.bind_to_random_port(f"tcp://{host_ip}")
+        self.tcp = f"tcp://{host_ip}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
+
+    def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        _auth.secure_server(sock, self._creds, curve)
+        self._socks.append(sock)
+        return sock
 
     def start(self) -> ZmqServer:
         self._thread.start()
@@ -61,16 +81,21 @@ class ZmqServer:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._zap, zmq.POLLIN)
+        for sock in self._socks:
+            poller.register(sock, zmq.POLLIN)
         last_tick = time.monotonic()
         while not self._stop.is_set():
-            if poller.poll(POLL_MS):
+            for sock, _ in poller.poll(POLL_MS):
+                if sock is self._zap:
+                    self._zap.send_multipart(_auth.zap_reply(self._zap.recv_multipart(), self._creds))
+                    continue
                 while True:
                     try:
-                        msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._serve_one(msg)
+                    self._serve_one(sock, msg)
             now = time.monotonic()
             if self._tick is not None and now - last_tick >= TICK_S:
                 last_tick = now
@@ -79,20 +104,20 @@ class ZmqServer:
                         self._tick()
                     except Exception:  # noqa: BLE001 - housekeeping must never kill the loop
                         logger.exception("server tick failed")
-        self._sock.close(linger=0)
+        for sock in [*self._socks, self._zap]:
+            sock.close(linger=0)
+        self._ctx.term()
 
-    def _serve_one(self, msg: list[Any]) -> None:
+    def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
-        rid, reply = _wire.answer(msg[1:], self._locked_handler, max_frames=self._max_frames)
+        rid, reply = _wire.answer(msg[1:], self._locked_handler)
         try:
-            self._sock.send_multipart([msg[0], *reply], copy=False)
+            sock.send_multipart([msg[0], *reply], copy=False)
         except zmq.ZMQError as exc:
             logger.warning("could not send reply %d: %s", rid, exc)
 
-    def _locked_handler(
-        self, op: str, body: dict[str, Any], bufs: list[memoryview]
-    ) -> tuple[dict[str, Any], list[Any]]:
+    def _locked_handler(self, op: str, body: Any, bufs: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         with self._lock:
             return self._handler(op, body, bufs)
 

@@ -9,6 +9,13 @@ an embedded one: named (workers attach to it) but owned by the process, which st
 Scheduling is checked, not hoped for: ``start_service`` waits ``schedule_timeout_s`` for every
 actor to come up and otherwise kills what it created and raises ``SchedulingError`` naming the
 actors, what they asked for and what the cluster has free.
+
+The starter makes the store's credentials (``_auth``) and hands them to its actors at creation;
+clients get them from the index's ``info`` (a Ray call), never from anywhere else.
+
+A store whose index died is *broken*: its shards may live on, holding their names. ``find_service``
+reports it (``BrokenStoreError`` message), ``stop_named`` removes every actor named after the
+store whatever state it is in, and ``dp.init()`` clears such remnants before starting afresh.
 """
 
 from __future__ import annotations
@@ -21,19 +28,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane._auth import Credentials
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import DataplaneError, SchedulingError, StoreNotInitializedError
 
 logger = logging.getLogger(__name__)
 
 _KILL_WAIT_S = 5.0
+INDEX_MAX_MESSAGE_BYTES = 1 << 30  # metadata only: keys, fields and tags of one call
 
 
 @dataclass
 class ServiceHandle:
     """The actors of a service this process started (so it can stop them)."""
 
-    index: Any
+    index: Any  # None when the index is already gone
     shards: list[Any] = field(default_factory=list)
     stopped: bool = False
 
@@ -52,6 +61,8 @@ class ServiceHandle:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT_S)
         for actor in [*self.shards, self.index]:
+            if actor is None:
+                continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
@@ -77,14 +88,36 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return sorted(nodes, key=lambda n: n["NodeID"])
 
 
+def store_actor_names(cfg: StoreConfig) -> list[str]:
+    """Names of the live actors of store ``cfg.name`` (index and shards) in the store's namespace."""
+    import ray
+
+    shard = f"{cfg.name}-shard-"
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE
+        and (
+            a["name"] == cfg.index_name()
+            or (a["name"].startswith(shard) and a["name"][len(shard) :].isdigit())
+        )
+    )
+
+
 def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[str, Any], Any] | None:
-    """The registry of the running service named ``cfg.name``, or None when there is none."""
+    """The registry of the running service named ``cfg.name``, or None when there is none.
+
+    A store whose index is gone but whose shards still hold their names is not "none": that raises
+    ``StoreNotInitializedError`` saying so (``stop_named`` clears it).
+    """
     import ray
 
     # Look the name up in the list first: a failed ray.get_actor() of a name this process then
     # creates makes Ray 2.60 cancel that creation ("all references removed").
-    named = ray.util.list_named_actors(all_namespaces=True)
-    if not any(a.get("name") == cfg.index_name() and a.get("namespace") == NAMESPACE for a in named):
+    names = store_actor_names(cfg)
+    if cfg.index_name() not in names:
+        if names:
+            raise StoreNotInitializedError(_broken(cfg, names))
         return None
     try:
         index = ray.get_actor(cfg.index_name(), namespace=NAMESPACE)
@@ -98,6 +131,9 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
         except ray.exceptions.GetTimeoutError:
             registry = {}
         except ray.exceptions.RayActorError:
+            rest = [n for n in store_actor_names(cfg) if n != cfg.index_name()]
+            if rest:
+                raise StoreNotInitializedError(_broken(cfg, rest)) from None
             return None
         if registry.get("shards"):
             return registry, index
@@ -108,6 +144,13 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
                 f"{cfg.schedule_timeout_s:.0f}s; stop it with `rlplane store stop` and start again"
             )
         time.sleep(0.05)
+
+
+def _broken(cfg: StoreConfig, names: list[str]) -> str:
+    return (
+        f"the store {cfg.name!r} is broken: its index is dead but {names} still run. Stop what is left "
+        f"with `rlplane store stop` (or dataplane._service.stop_named) and start a new store"
+    )
 
 
 def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
@@ -130,16 +173,16 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     n = cfg.num_shards or len(nodes)
     lifetime = "detached" if cfg.detached else None
     opts = {"namespace": NAMESPACE, "num_cpus": cfg.num_cpus, "lifetime": lifetime, "max_restarts": 0}
-    index = _remote(IndexActor).options(name=cfg.index_name(), **opts).remote(cfg.name)
+    creds = Credentials.new(encrypt=cfg.encrypt).to_dict()
+    index_limit = min(cfg.max_message_bytes, INDEX_MAX_MESSAGE_BYTES)
+    index = _remote(IndexActor).options(name=cfg.index_name(), **opts).remote(cfg.name, creds, index_limit)
     handle = ServiceHandle(index)
     try:
         for i in range(n):
             node = nodes[i % len(nodes)]["NodeID"]
             strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-            actor = _remote(ShardActor).options(
-                name=cfg.shard_name(i), scheduling_strategy=strategy, **opts
-            )
-            handle.shards.append(actor.remote(i, cfg.shard_capacity(n), cfg.to_dict()))
+            actor = _remote(ShardActor).options(name=cfg.shard_name(i), scheduling_strategy=strategy, **opts)
+            handle.shards.append(actor.remote(i, cfg.shard_capacity(n), cfg.to_dict(), creds))
         refs = [index.start.remote(), *(s.info.remote() for s in handle.shards)]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=cfg.schedule_timeout_s)
         if pending:
@@ -152,6 +195,7 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
         infos = ray.get(refs)
         registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:]}
         ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)
+        registry["credentials"] = Credentials.from_dict(creds).for_clients().to_dict()
     except BaseException:
         handle.stop()
         raise
@@ -162,19 +206,23 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
 
 
 def stop_named(cfg: StoreConfig) -> bool:
-    """Stop the service named ``cfg.name`` (any owner); False when none runs."""
+    """Stop every actor of the store named ``cfg.name`` (any owner, even a broken store); False when
+    none runs."""
     import ray
 
-    found = find_service(cfg, timeout=10.0)
-    if found is None:
+    names = store_actor_names(cfg)
+    if not names:
         return False
-    registry, index = found
-    shards = []
-    for i in range(len(registry["shards"])):
+    index, shards = None, []
+    for name in names:
         try:
-            shards.append(ray.get_actor(cfg.shard_name(i), namespace=NAMESPACE))
-        except ValueError:
-            pass
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # gone meanwhile
+            continue
+        if name == cfg.index_name():
+            index = actor
+        else:
+            shards.append(actor)
     ServiceHandle(index, shards).stop()
     return True
 
@@ -248,4 +296,4 @@ def cli(args: argparse.Namespace) -> int:
     return 2
 
 
-__all__ = ["ServiceHandle", "cli", "find_service", "start_service", "stop_named"]
+__all__ = ["ServiceHandle", "cli", "find_service", "start_service", "stop_named", "store_actor_names"]

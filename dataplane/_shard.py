@@ -12,23 +12,45 @@ A put is two steps so that a failure anywhere writes nothing:
 A put of B rows makes one segment per field; a get answers with shared-memory references (the
 client gathers straight from the segments) or with one gathered frame per field in request order.
 The shard never unpickles anything: object columns are opaque bytes here.
+
+Invariants (``docs/reliability.md`` has the tests that back each):
+
+* Every peer-declared value is checked before anything changes: bodies are typed
+  (``_protocol``), specs are ones the codec can write, declared byte counts equal the frames
+  sent and fit the capacity (or, unbounded, the host's memory), offsets rise from 0 to the data
+  length. A malformed request gets a typed error reply and changes nothing.
+* A row's bytes never change while it is live: writers write only into segments they reserved,
+  before the commit that makes them readable.
+* Memory is reused only when no reader can be misled (see ``_segments``): a freed segment moves
+  to its next generation before reuse, and readers that copied from it check the generation and
+  retry; a segment handed out as a view is never reused; a reservation that expires is *fenced*
+  (its files are closed, never recycled), because its writer may still be writing into them.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dataplane import _wire
-from dataplane._column_types import Column
+from dataplane import _protocol, _wire
+from dataplane._column_types import Column, check_offsets
 from dataplane._rows import assemble
 from dataplane._segments import ShmFile, ShmPool
-from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+from dataplane.errors import (
+    DataplaneError,
+    KeyNotFoundError,
+    PartitionNotFoundError,
+    ReservationExpiredError,
+    SchemaError,
+    StoreFullError,
+    WireError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +96,11 @@ class _Reservation:
     deadline: float
 
 
+def host_memory_bytes() -> int:
+    """Physical memory of this host: the most an unbounded shard accepts in one put."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class ShardCore:
     """The shard's storage logic. Not thread-safe: the server serialises calls."""
 
@@ -96,33 +123,44 @@ class ShardCore:
         self.heap_bytes = 0
         self._resv: dict[int, _Reservation] = {}
         self._resv_ids = itertools.count(1)
+        self.expired = 0
+        self.host_memory = host_memory_bytes()
         self.probe_file = ShmFile.create(0, 4096)  # lets a client check it can map our files
 
     # ---- dispatch ---------------------------------------------------------------------------
-    def handle(self, op: str, body: dict[str, Any], bufs: list[memoryview]) -> tuple[dict, list]:
-        fn = getattr(self, f"op_{op}", None)
-        if fn is None:
-            raise _wire.WireError(f"shard {self.shard_id}: unknown operation {op!r}")
-        return fn(body, bufs)
+    def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[dict, list]:
+        """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
+        body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
+        return getattr(self, f"op_{op}")(body, bufs)
 
     # ---- put --------------------------------------------------------------------------------
-    def op_reserve(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        pid, keys = body["pid"], body["keys"]
+    def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
+        pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
         part = self.partitions.get(pid)
         fields: dict[str, dict[str, Any]] = {}
         need = 0
-        for name, f in body["fields"].items():
-            spec = _wire.spec_from_wire(f["spec"])
+        for name, f in body.fields.items():
+            spec = _wire.spec_from_wire(f.spec)
+            spec.check(name)
             if part is not None and name in part.specs:
                 part.specs[name].check_compatible(spec, name)
-            entry: dict[str, Any] = {"spec": spec, "nbytes": int(f["nbytes"])}
-            if f.get("col") is not None:
-                col = _wire.column_from_wire(f["col"], bufs)
-                if col.num_rows != len(keys):
-                    raise _wire.WireError(f"field {name!r}: {col.num_rows} rows for {len(keys)} keys")
+            rb = spec.row_nbytes()
+            if rb is not None and f.nbytes != rb * len(keys):
+                raise SchemaError(
+                    name, f"field {name!r} declares {f.nbytes} bytes for {len(keys)} rows of {rb} bytes"
+                )
+            entry: dict[str, Any] = {"spec": spec, "nbytes": f.nbytes}
+            if f.col is not None:
+                col = _wire.column_from_wire(f.col, bufs, name)
+                if col.num_rows != len(keys) or col.spec != spec or col.nbytes != f.nbytes:
+                    raise WireError(
+                        f"field {name!r}: the inline column ({col.num_rows} rows, {col.nbytes} bytes, "
+                        f"{col.spec}) does not match what the request declares ({len(keys)} rows, "
+                        f"{f.nbytes} bytes, {spec})"
+                    )
                 entry["col"] = col
             fields[name] = entry
-            need += int(f["nbytes"]) + (0 if spec.row_nbytes() is not None else 8 * (len(keys) + 1))
+            need += f.nbytes + (0 if rb is not None else 8 * (len(keys) + 1))
         self._check_capacity(need, pid)
         files = {}
         try:
@@ -130,41 +168,66 @@ class ShardCore:
                 if "col" not in entry:
                     entry["file"] = self.pool.acquire(max(1, entry["nbytes"]))
                     files[name] = entry["file"].ref()
-        except OSError:
+        except OSError as exc:
             for entry in fields.values():
                 if "file" in entry:
                     self.pool.release(entry["file"])
-            raise
+            if isinstance(exc, DataplaneError):  # out of file descriptors: already typed
+                raise
+            raise StoreFullError(
+                f"shard {self.shard_id} could not allocate {need} bytes of shared memory for partition "
+                f"{pid!r} ({exc}); nothing was written"
+            ) from exc
         rid = next(self._resv_ids)
         self._resv[rid] = _Reservation(
             pid, list(keys), fields, need, time.monotonic() + self.reservation_timeout_s
         )
         self.pending += need
         reply: dict[str, Any] = {"resv": rid, "files": files, "version": self.pool.version}
-        if body.get("version", -1) != self.pool.version:
+        if body.version != self.pool.version:
             reply["live"] = self.pool.live_ids()
         return reply, []
 
     def _check_capacity(self, need: int, pid: str) -> None:
-        if self.capacity is not None and self.used + self.pending + need > self.capacity:
+        if self.capacity is None:
+            if need > self.host_memory:
+                raise StoreFullError(
+                    f"shard {self.shard_id}: a put of {need} bytes to partition {pid!r} is larger than this "
+                    f"host's memory ({self.host_memory} bytes); nothing was written"
+                )
+            return
+        if self.used + self.pending + need > self.capacity:
             raise StoreFullError(
                 f"shard {self.shard_id} is full: a put of {need} bytes to partition {pid!r} would exceed "
                 f"its capacity (used {self.used} + reserved {self.pending} of {self.capacity} bytes); "
                 "nothing was written. Clear data (dp.kv_clear / dp.clear_partition) or raise capacity_bytes."
             )
 
-    def op_commit(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        resv = self._take(body["resv"])
-        part = self.partitions.setdefault(resv.pid, _Partition())
-        offsets_idx = body.get("offsets", {})
+    def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[dict, list]:
+        resv = self._resv.get(body.resv)
+        if resv is None:
+            raise ReservationExpiredError(
+                f"shard {self.shard_id}: reservation {body.resv} is unknown or expired (the writer took "
+                "longer than reservation_timeout_s between reserve and commit); nothing of it was written"
+            )
         n = len(resv.keys)
-        try:  # re-check: another put may have created the field meanwhile
+        part = self.partitions.get(resv.pid)
+        try:  # check everything before changing anything; a bad commit undoes its reservation
+            offsets: dict[str, np.ndarray] = {}
             for name, entry in resv.fields.items():
-                if name in part.specs:
+                if part is not None and name in part.specs:  # a partition dropped and re-created
                     part.specs[name].check_compatible(entry["spec"], name)
-        except SchemaError:
-            self._release(resv)
+                if "file" in entry and entry["spec"].row_nbytes() is None:
+                    if name not in body.offsets:
+                        raise WireError(f"commit of field {name!r} carries no offsets")
+                    off = _wire.array_from_wire(body.offsets[name], bufs, n + 1).copy()
+                    check_offsets(off, n, entry["nbytes"], entry["spec"], name)
+                    offsets[name] = off
+        except DataplaneError:
+            self._release(self._take(body.resv))
             raise
+        self._take(body.resv)
+        part = self.partitions.setdefault(resv.pid, _Partition())
         for name, entry in resv.fields.items():
             spec = entry["spec"]
             part.specs.setdefault(name, spec)
@@ -172,10 +235,7 @@ class ShardCore:
                 col = entry["col"]
                 seg = Segment(spec, n, len(col.data), col.data, col.offsets, None)
             else:
-                offsets = None
-                if spec.row_nbytes() is None:
-                    offsets = _wire.array_from_wire(offsets_idx[name], bufs).copy()
-                seg = Segment(spec, n, entry["nbytes"], None, offsets, entry["file"])
+                seg = Segment(spec, n, entry["nbytes"], None, offsets.get(name), entry["file"])
             self.used += seg.accounted
             self.heap_bytes += seg.heap_bytes
             for i, key in enumerate(resv.keys):
@@ -189,12 +249,10 @@ class ShardCore:
                     self._unref(old[0])
         return {}, []
 
-    def op_abort(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        try:
-            resv = self._take(body["resv"])
-        except KeyError:
-            return {}, []
-        self._release(resv)
+    def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[dict, list]:
+        resv = self._resv.get(body.resv)
+        if resv is not None:  # the writer says it is done with the files: they may be reused
+            self._release(self._take(body.resv))
         return {}, []
 
     def _release(self, resv: _Reservation) -> None:
@@ -203,9 +261,7 @@ class ShardCore:
                 self.pool.release(entry["file"])
 
     def _take(self, rid: int) -> _Reservation:
-        resv = self._resv.pop(rid, None)
-        if resv is None:
-            raise KeyError(f"shard {self.shard_id}: reservation {rid} expired or unknown")
+        resv = self._resv.pop(rid)
         self.pending -= resv.nbytes
         return resv
 
@@ -243,9 +299,9 @@ class ShardCore:
                     )
         return rows, fields
 
-    def op_get(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        pid, keys = body["pid"], body["keys"]
-        rows, fields = self._resolve(pid, keys, body.get("fields"))
+    def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[dict, list]:
+        pid, keys = body.pid, body.keys
+        rows, fields = self._resolve(pid, keys, body.fields)
         out: dict[str, Any] = {}
         frames: list[Any] = []
         for name in fields:
@@ -261,8 +317,8 @@ class ShardCore:
                     order.append(seg)
                 seg_of[i] = j
                 row_of[i] = r
-            if body.get("shm") and all(s.file is not None for s in order):
-                out[name] = self._shm_entry(order, seg_of, row_of, frames, bool(body.get("export")))
+            if body.shm and all(s.file is not None for s in order):
+                out[name] = self._shm_entry(order, seg_of, row_of, frames, body.export)
             else:
                 pieces = []
                 for j, seg in enumerate(order):
@@ -271,19 +327,22 @@ class ShardCore:
                 col = assemble(order[0].spec, len(keys), pieces)
                 out[name] = {"t": "z", "col": _wire.column_to_wire(col, frames)}
         reply: dict[str, Any] = {"fields": out, "version": self.pool.version}
-        if body.get("version", -1) != self.pool.version:
+        if body.version != self.pool.version:
             reply["live"] = self.pool.live_ids()
         return reply, frames
 
     def _shm_entry(self, order: list[Segment], seg_of, row_of, frames: list, export: bool) -> dict:
         # Export (never recycle) a segment only when the client can view it: one contiguous run.
+        # The reply says so per segment; a client returns a view only of an exported segment and
+        # copies (then checks the generation of) every other one.
         run = len(order) == 1 and (len(row_of) < 2 or bool(np.all(np.diff(row_of) == 1)))
         segs = []
         for seg in order:
-            if export and run:
+            view = export and run
+            if view:
                 seg.file.exported = True
             off = -1 if seg.offsets is None else _wire.array_to_wire(seg.offsets, frames)
-            segs.append([seg.file.ref(), seg.nbytes, seg.num_rows, off])
+            segs.append([seg.file.ref(), seg.nbytes, seg.num_rows, off, view])
         return {
             "t": "s",
             "spec": _wire.spec_to_wire(order[0].spec),
@@ -293,11 +352,11 @@ class ShardCore:
         }
 
     # ---- clear ------------------------------------------------------------------------------
-    def op_delete(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        part = self.partitions.get(body["pid"])
+    def op_delete(self, body: _protocol.Delete, bufs: list[memoryview]) -> tuple[dict, list]:
+        part = self.partitions.get(body.pid)
         removed = 0
         if part is not None:
-            for key in body["keys"]:
+            for key in body.keys:
                 row = part.rows.pop(key, None)
                 if row is not None:
                     removed += 1
@@ -305,8 +364,8 @@ class ShardCore:
                         self._unref(seg)
         return {"removed": removed}, []
 
-    def op_drop(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        part = self.partitions.pop(body["pid"], None)
+    def op_drop(self, body: _protocol.Drop, bufs: list[memoryview]) -> tuple[dict, list]:
+        part = self.partitions.pop(body.pid, None)
         removed = 0
         if part is not None:
             removed = len(part.rows)
@@ -316,12 +375,12 @@ class ShardCore:
         return {"removed": removed}, []
 
     # ---- housekeeping -----------------------------------------------------------------------
-    def op_stats(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
-        if body.get("trim"):
+    def op_stats(self, body: _protocol.Stats, bufs: list[memoryview]) -> tuple[dict, list]:
+        if body.trim:
             self.pool.trim(everything=True)
         return self.stats(), []
 
-    def op_ping(self, body: dict, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[dict, list]:
         return {"shard": self.shard_id}, []
 
     def stats(self) -> dict[str, Any]:
@@ -329,6 +388,7 @@ class ShardCore:
             "shard": self.shard_id,
             "bytes_used": self.used,
             "bytes_reserved": self.pending,
+            "reservations_expired": self.expired,
             "bytes_resident": self.pool.bytes_resident + self.heap_bytes,
             "bytes_warm": self.pool.bytes_warm,
             "bytes_heap": self.heap_bytes,
@@ -338,11 +398,15 @@ class ShardCore:
         }
 
     def tick(self, now: float | None = None) -> None:
-        """Undo reservations whose client vanished and give back idle warm memory."""
+        """Fence reservations whose writer stalled or vanished, and give back idle warm memory."""
         now = time.monotonic() if now is None else now
         for rid in [r for r, v in self._resv.items() if v.deadline < now]:
-            logger.warning("shard %d: reservation %d was never committed; undoing it", self.shard_id, rid)
-            self.op_abort({"resv": rid}, [])
+            logger.warning("shard %d: reservation %d was never committed; fencing it", self.shard_id, rid)
+            resv = self._take(rid)
+            self.expired += 1
+            for entry in resv.fields.values():
+                if "file" in entry:  # its writer may still write into it: never reuse it
+                    self.pool.fence(entry["file"])
         self.pool.trim(now)
 
     def close(self) -> None:

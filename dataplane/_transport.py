@@ -1,18 +1,25 @@
 """Client transports: send a batch of requests to shards / the index and collect the replies by id.
 
-``SyncTransport`` uses blocking DEALER sockets (one set per thread, since zmq sockets are not
-thread-safe) and a poller with a deadline: no event-loop thread, so a round trip costs only the
-sockets. ``AsyncTransport`` uses ``zmq.asyncio`` with one reader task per socket that resolves
-futures by request id, so many coroutines share one connection (requests are pipelined).
+``SyncTransport`` uses blocking DEALER sockets and a poller with a deadline: no event-loop thread,
+so a round trip costs only the sockets. Its sockets live in a small pool of per-call sets (zmq
+sockets are not thread-safe, so a call owns its set while it runs): a process keeps at most
+``MAX_IDLE_SETS`` sets however many threads ever called the store. ``AsyncTransport`` uses
+``zmq.asyncio`` with one reader task per socket that resolves futures by request id, so many
+coroutines share one connection (requests are pipelined).
 
-Both return, per call, either ``(body, buffers)`` or the exception the call ended with: a
-rebuilt remote error, or ``ShardUnavailableError`` naming the target when no reply came before the
-deadline. Replies to requests that already timed out are recognised by id and dropped.
+Both return, per call, either ``(body, buffers)`` or the exception the call ended with: a rebuilt
+remote error, or ``ShardUnavailableError`` naming the target. A reply that is late for more than
+``PROBE_S`` makes the transport ask whether its target died (``_liveness``): a dead target fails
+its calls at once, and every later call to it fails without being sent; a live but slow one is
+waited for until the deadline. Sends are inside the deadline too, and a socket that timed out
+is closed, so nothing queued for a dead peer lingers. Replies to requests that already timed out
+are recognised by id and dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import threading
 import time
@@ -23,11 +30,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dataplane import _wire
+from dataplane import _auth, _wire
+from dataplane._liveness import Liveness
+from dataplane._segments import fd_limit_error
 from dataplane.errors import ShardUnavailableError
 
 _rids = itertools.count(1)
 _rid_lock = threading.Lock()
+
+PROBE_S = 1.0  # a reply this late makes the transport ask whether its target died
+MAX_IDLE_SETS = 8
 
 
 def next_rid() -> int:
@@ -57,58 +69,104 @@ def _unpack(frames: list[Any]) -> Result:
     return rep.body, bufs
 
 
+@dataclass
+class Endpoint:
+    """Where a target listens and how to authenticate to it."""
+
+    address: str
+    name: str
+    curve: bool = False  # CURVE (encrypted tcp) rather than PLAIN
+
+
 class _Endpoints:
-    def __init__(self, endpoints: dict[int, str], names: dict[int, str], timeout: float) -> None:
+    def __init__(
+        self,
+        endpoints: dict[int, Endpoint],
+        creds: _auth.Credentials,
+        timeout: float,
+        liveness: Liveness,
+        max_message_bytes: int = -1,
+    ) -> None:
         self.endpoints = endpoints
-        self.names = names
+        self.creds = creds
         self.timeout = timeout
+        self.liveness = liveness
+        self.max_message_bytes = max_message_bytes
+
+    def _dealer(self, ctx: zmq.Context, target: int) -> zmq.Socket:
+        ep = self.endpoints[target]
+        try:
+            sock = ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise fd_limit_error(f"opening a socket to {ep.name}", OSError(exc.errno, str(exc))) from exc
+            raise
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        _auth.secure_client(sock, self.creds, ep.curve)
+        sock.connect(ep.address)
+        return sock
 
     def unavailable(self, target: int, waited: float, why: str = "") -> ShardUnavailableError:
-        name = self.names[target]
+        ep = self.endpoints[target]
         return ShardUnavailableError(
-            name,
-            f"{name} at {self.endpoints[target]} did not answer within {waited:.1f}s{why}; it may have died "
-            "(check `rlplane store status` / the Ray dashboard) or rpc_timeout_s may be too small",
+            ep.name,
+            f"{ep.name} at {ep.address} did not answer within {waited:.1f}s{why}; it may be overloaded "
+            "or unreachable (check `rlplane store status` / the Ray dashboard), or rpc_timeout_s may be "
+            "too small",
+        )
+
+    def died(self, target: int) -> ShardUnavailableError:
+        ep = self.endpoints[target]
+        return ShardUnavailableError(
+            ep.name,
+            f"{ep.name} at {ep.address} is dead (its process is gone); its data went with it. The rest of "
+            "the store keeps working; `rlplane store stop` and a new store bring it back whole",
         )
 
 
 class SyncTransport(_Endpoints):
-    """Blocking request/reply over per-thread DEALER sockets."""
+    """Blocking request/reply over DEALER sockets from a small pool of per-call socket sets."""
 
-    def __init__(self, endpoints: dict[int, str], names: dict[int, str], timeout: float) -> None:
-        super().__init__(endpoints, names, timeout)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ctx = zmq.Context.instance()
-        self._local = threading.local()
-        self._all: list[zmq.Socket] = []
+        self._idle: list[dict[int, zmq.Socket]] = []
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _socket(self, target: int) -> zmq.Socket:
-        socks = getattr(self._local, "socks", None)
-        if socks is None:
-            socks = self._local.socks = {}
-        sock = socks.get(target)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoints[target])
-            socks[target] = sock
-            with self._lock:
-                self._all.append(sock)
-        return sock
+    def _checkout(self) -> dict[int, zmq.Socket]:
+        with self._lock:
+            return self._idle.pop() if self._idle else {}
 
-    def _reset(self, target: int) -> None:
-        sock = self._local.socks.pop(target, None)
-        if sock is not None:
+    def _checkin(self, socks: dict[int, zmq.Socket]) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < MAX_IDLE_SETS:
+                self._idle.append(socks)
+                return
+        for sock in socks.values():
             sock.close(linger=0)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
+        socks = self._checkout()
+        try:
+            return self._call_many(socks, calls, timeout)
+        finally:
+            self._checkin(socks)
+
+    def _call_many(self, socks: dict[int, zmq.Socket], calls: list[Call], timeout: float) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
         waiting: dict[int, int] = {}  # rid -> call position
-        by_sock: dict[zmq.Socket, int] = {}
+        poller = zmq.Poller()
         for i, c in enumerate(calls):
+            if self.liveness.known_dead(c.target):
+                results[i] = self.died(c.target)
+                continue
+            sock = socks.get(c.target)
+            if sock is None:
+                sock = socks[c.target] = self._dealer(self._ctx, c.target)
             rid = next_rid()
-            sock = self._socket(c.target)
             try:
                 sock.send_multipart(
                     _wire.encode_request(rid, c.op, c.body, c.bufs), copy=False, flags=zmq.NOBLOCK
@@ -117,16 +175,19 @@ class SyncTransport(_Endpoints):
                 results[i] = self.unavailable(c.target, 0.0, " (its send queue is full)")
                 continue
             waiting[rid] = i
-            by_sock[sock] = by_sock.get(sock, 0) + 1
-        poller = zmq.Poller()
-        for sock in by_sock:
             poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        next_probe = start + PROBE_S
         while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            for sock, _ in poller.poll(max(1, int(left * 1000))):
+            if now >= next_probe:
+                next_probe = now + PROBE_S
+                self._fail_dead(socks, poller, calls, waiting, results)
+                continue
+            for sock, _ in poller.poll(max(1, int((min(deadline, next_probe) - now) * 1000))):
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -137,22 +198,40 @@ class SyncTransport(_Endpoints):
                         results[i] = _unpack(frames)
         for i in waiting.values():
             results[i] = self.unavailable(calls[i].target, timeout)
-            self._reset(calls[i].target)  # drop queued requests to a dead peer
+            self._drop(socks, poller, calls[i].target)  # drop what is queued for it
         return results  # type: ignore[return-value]
+
+    def _fail_dead(
+        self, socks: dict, poller: zmq.Poller, calls: list[Call], waiting: dict, results: list
+    ) -> None:
+        for target in {calls[i].target for i in waiting.values()}:
+            if self.liveness.dead(target):
+                for rid in [r for r, i in waiting.items() if calls[i].target == target]:
+                    results[waiting.pop(rid)] = self.died(target)
+                self._drop(socks, poller, target)
+
+    @staticmethod
+    def _drop(socks: dict, poller: zmq.Poller, target: int) -> None:
+        sock = socks.pop(target, None)
+        if sock is not None:
+            try:
+                poller.unregister(sock)
+            except KeyError:
+                pass
+            sock.close(linger=0)
 
     def close(self) -> None:
         with self._lock:
-            for sock in self._all:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for socks in idle:
+            for sock in socks.values():
                 sock.close(linger=0)
-            self._all.clear()
-        self._local = threading.local()
 
 
 class _AsyncChannel:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
         self.futures: dict[int, asyncio.Future] = {}
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -165,14 +244,18 @@ class _AsyncChannel:
 
     def close(self) -> None:
         self.reader.cancel()
+        for fut in self.futures.values():  # wake every call still waiting on this channel
+            if not fut.done():
+                fut.set_result(None)
+        self.futures.clear()
         self.sock.close(linger=0)
 
 
 class AsyncTransport(_Endpoints):
     """Pipelined request/reply on ``zmq.asyncio``; one channel per target per event loop."""
 
-    def __init__(self, endpoints: dict[int, str], names: dict[int, str], timeout: float) -> None:
-        super().__init__(endpoints, names, timeout)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ctx = zmq.asyncio.Context.instance()
         self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -184,8 +267,14 @@ class AsyncTransport(_Endpoints):
             chans = self._loops[loop] = {}
         ch = chans.get(target)
         if ch is None:
-            ch = chans[target] = _AsyncChannel(self._ctx, self.endpoints[target])
+            ch = chans[target] = _AsyncChannel(self._dealer(self._ctx, target))
         return ch
+
+    def _drop_channel(self, target: int) -> None:
+        chans = self._loops.get(asyncio.get_running_loop(), {})
+        ch = chans.pop(target, None)
+        if ch is not None:
+            ch.close()
 
     def _forget_closed_loops(self) -> None:
         """Close the sockets of event loops that have ended (e.g. after each ``asyncio.run``)."""
@@ -193,19 +282,46 @@ class AsyncTransport(_Endpoints):
             for ch in self._loops.pop(loop, {}).values():
                 ch.sock.close(linger=0)
 
+    async def _dead(self, target: int) -> bool:
+        if self.liveness.known_dead(target):
+            return True
+        t = self.liveness.targets.get(target)
+        if t is not None and t.local:  # a /proc read: cheap enough for the event loop
+            return self.liveness.dead(target)
+        return await asyncio.to_thread(self.liveness.dead, target)
+
     async def _call(self, c: Call, timeout: float) -> Result:
+        if self.liveness.known_dead(c.target):
+            return self.died(c.target)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         ch = self._channel(c.target)
         rid = next_rid()
-        fut = asyncio.get_running_loop().create_future()
+        fut = loop.create_future()
         ch.futures[rid] = fut
         try:
-            await ch.sock.send_multipart(_wire.encode_request(rid, c.op, c.body, c.bufs), copy=False)
-            frames = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            return self.unavailable(c.target, timeout)
+            frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
+            try:  # the send is inside the deadline: a dead peer's full queue must not hang us
+                await asyncio.wait_for(ch.sock.send_multipart(frames, copy=False), timeout)
+            except TimeoutError:
+                self._drop_channel(c.target)
+                return self.unavailable(c.target, timeout, " (its send queue stayed full)")
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return self.unavailable(c.target, timeout)
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(fut), min(left, PROBE_S))
+                except TimeoutError:
+                    if await self._dead(c.target):
+                        self._drop_channel(c.target)
+                        return self.died(c.target)
+                    continue
+                if reply is None:  # the channel was closed under us: its target died
+                    return self.died(c.target)
+                return _unpack(reply)
         finally:
             ch.futures.pop(rid, None)
-        return _unpack(frames)
 
     async def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
@@ -221,4 +337,4 @@ class AsyncTransport(_Endpoints):
         self._loops = weakref.WeakKeyDictionary()
 
 
-__all__ = ["INDEX", "AsyncTransport", "Call", "SyncTransport", "next_rid"]
+__all__ = ["INDEX", "AsyncTransport", "Call", "Endpoint", "SyncTransport", "next_rid"]

@@ -31,11 +31,20 @@ PROTOCOL_VERSION = 1
 
 
 class Request(msgspec.Struct, array_like=True):
-    """Header frame of a request."""
+    """Header frame of a request (the encoder's form: the body is a plain dict)."""
 
     rid: int
     op: str
     body: dict[str, Any]
+
+
+class _RawRequest(msgspec.Struct, array_like=True):
+    """Header frame of a request as a server decodes it: the body stays raw until its op is known
+    (``_protocol.decode_body`` then decodes it into the op's typed struct)."""
+
+    rid: int
+    op: str
+    body: msgspec.Raw
 
 
 class Reply(msgspec.Struct, array_like=True):
@@ -47,12 +56,12 @@ class Reply(msgspec.Struct, array_like=True):
 
 
 _req_enc = msgspec.msgpack.Encoder()
-_req_dec = msgspec.msgpack.Decoder(Request)
+_req_dec = msgspec.msgpack.Decoder(_RawRequest)
 _rep_dec = msgspec.msgpack.Decoder(Reply)
 
 
-class WireError(errors.DataplaneError, ValueError):
-    """A frame could not be decoded (a foreign or corrupt message)."""
+WireError = errors.WireError
+MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
 
 
 def _as_buffer(frame: Any) -> memoryview:
@@ -76,8 +85,8 @@ def _decode(frames: list[Any], decoder: msgspec.msgpack.Decoder, empty: str, wha
     return header, [_as_buffer(f) for f in frames[1:]]
 
 
-def decode_request(frames: list[Any]) -> tuple[Request, list[memoryview]]:
-    """Parse a request's frames into its header and zero-copy views of its buffers."""
+def decode_request(frames: list[Any]) -> tuple[_RawRequest, list[memoryview]]:
+    """Parse a request's frames into its header (body still raw) and zero-copy views of its buffers."""
     return _decode(frames, _req_dec, "empty message", "request")
 
 
@@ -104,26 +113,29 @@ def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
 
 def answer(
     frames: list[Any],
-    handler: Callable[[str, dict[str, Any], list[memoryview]], tuple[dict[str, Any], list[Any]]],
+    handler: Callable[[str, msgspec.Raw, list[memoryview]], tuple[dict[str, Any], list[Any]]],
     *,
-    max_frames: int | None = None,
+    max_frames: int = MAX_FRAMES,
     who: str = "this service",
 ) -> tuple[int, list[Any]]:
     """Serve one request: ``(request id, reply frames)``; every request gets an answer, even a bad one.
 
-    ``handler(op, body, buffers)`` returns the reply body and buffers; any exception it (or the
-    decoding) raises becomes an error reply. ``max_frames`` caps the buffer frames a request may
-    carry (a metadata-only service passes 0); ``who`` names the service in that refusal.
+    ``handler(op, raw_body, buffers)`` decodes the body for its op (``_protocol.decode_body``) and
+    returns the reply body and buffers; any exception it (or the decoding) raises becomes an error
+    reply. ``max_frames`` caps the buffer frames a request may carry (a metadata-only service
+    passes 0); ``who`` names the service in that refusal.
     """
     rid = -1
     try:
         req, bufs = decode_request(frames)
         rid = req.rid
-        if max_frames is not None and len(bufs) > max_frames:
-            raise WireError(
-                f"{who} takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
-                "frame(s); tensor bytes go to the shards"
-            )
+        if len(bufs) > max_frames:
+            if max_frames == 0:
+                raise WireError(
+                    f"{who} takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
+                    "frame(s); tensor bytes go to the shards"
+                )
+            raise WireError(f"{who}: a request carries at most {max_frames} buffer frames, got {len(bufs)}")
         body, out = handler(req.op, req.body, bufs)
         return rid, encode_reply(rid, body, out)
     except Exception as exc:  # noqa: BLE001 - every request gets an answer
@@ -164,8 +176,12 @@ def spec_to_wire(spec: Any) -> list[Any]:
     return [spec.kind, spec.dtype, list(spec.shape)]
 
 
-def spec_from_wire(d: list[Any]) -> ColumnSpec:
-    return ColumnSpec(kind=d[0], dtype=d[1], shape=tuple(d[2]))
+def spec_from_wire(d: Any) -> ColumnSpec:
+    try:
+        kind, dtype, shape = d
+        return ColumnSpec(kind=str(kind), dtype=str(dtype), shape=tuple(int(x) for x in shape))
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"malformed column spec {d!r}") from exc
 
 
 def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
@@ -178,16 +194,30 @@ def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
     return out
 
 
-def column_from_wire(d: dict[str, Any], buffers: list[memoryview]) -> Column:
-    """The ``Column`` a header entry describes, as a zero-copy view of its frames."""
+def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>") -> Column:
+    """The ``Column`` a header entry describes, as a zero-copy view of its frames, checked.
+
+    ``d`` is a dict (a reply) or a ``_protocol.WireColumn`` (a request). The frames must exist and
+    hold exactly the rows the entry declares (``Column.check``): a peer's declared sizes are
+    never trusted.
+    """
+    if isinstance(d, dict):
+        spec, rows, data_i, off_i = d.get("spec"), d.get("rows"), d.get("data"), d.get("offsets", -1)
+    else:
+        spec, rows, data_i, off_i = d.spec, d.rows, d.data, d.offsets
     try:
-        data = buffers[d["data"]]
+        data = buffers[data_i].cast("B")
         offsets = None
-        if d["offsets"] >= 0:
-            offsets = np.frombuffer(buffers[d["offsets"]], dtype=np.int64)
-    except (IndexError, KeyError) as exc:
-        raise WireError(f"column refers to a missing frame: {d}") from exc
-    return Column(spec=spec_from_wire(d["spec"]), num_rows=d["rows"], data=data.cast("B"), offsets=offsets)
+        if off_i >= 0:
+            raw = buffers[off_i].cast("B")
+            if raw.nbytes % 8:
+                raise WireError(f"field {field!r}: offsets frame of {raw.nbytes} bytes is not int64")
+            offsets = np.frombuffer(raw, dtype=np.int64)
+    except (IndexError, TypeError) as exc:
+        raise WireError(f"field {field!r}: column refers to a missing frame") from exc
+    col = Column(spec=spec_from_wire(spec), num_rows=rows, data=data, offsets=offsets)
+    col.check(field)
+    return col
 
 
 def array_to_wire(arr: np.ndarray, buffers: list[Any]) -> int:
@@ -196,8 +226,15 @@ def array_to_wire(arr: np.ndarray, buffers: list[Any]) -> int:
     return len(buffers) - 1
 
 
-def array_from_wire(idx: int, buffers: list[memoryview]) -> np.ndarray:
-    return np.frombuffer(buffers[idx], dtype=np.int64)
+def array_from_wire(idx: int, buffers: list[memoryview], length: int | None = None) -> np.ndarray:
+    """The int64 array in frame ``idx``; ``WireError`` if the frame is missing or of another length."""
+    try:
+        raw = buffers[idx].cast("B")
+    except (IndexError, TypeError) as exc:
+        raise WireError(f"array refers to a missing frame {idx!r}") from exc
+    if raw.nbytes % 8 or (length is not None and raw.nbytes != 8 * length):
+        raise WireError(f"array frame of {raw.nbytes} bytes; expected {length} int64 values")
+    return np.frombuffer(raw, dtype=np.int64)
 
 
 __all__ = [

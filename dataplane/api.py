@@ -23,7 +23,7 @@ from typing import Any
 
 from dataplane import _ops
 from dataplane._client import StoreClient
-from dataplane._service import ServiceHandle, find_service, start_service
+from dataplane._service import ServiceHandle, find_service, start_service, stop_named
 from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
 from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
@@ -91,7 +91,14 @@ def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
 
         import dataplane._columns  # noqa: F401
 
-        found = find_service(cfg)
+        try:
+            found = find_service(cfg)
+        except StoreNotInitializedError:  # a broken store (its index died): clear it, then start afresh
+            if attach_only:
+                raise
+            logger.warning("store %r is broken (its index died); stopping what is left of it", cfg.name)
+            stop_named(cfg)
+            found = None
         handle = None
         if found is None and attach_only:
             raise StoreNotInitializedError(f"no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r}")
@@ -105,9 +112,11 @@ def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
                 registry = found[0]
         else:
             registry = found[0]
-        client = StoreClient(registry, transport=options.get("transport") or client_transport_override())
-        if options.get("allow_pickle") is not None:  # a per-process choice, also when attaching
-            client.config.allow_pickle = bool(options["allow_pickle"])
+        client = StoreClient(
+            registry,
+            transport=options.get("transport") or client_transport_override(),
+            allow_pickle=cfg.allow_pickle,  # this process's choice (option or env), never the service's
+        )
         _state.client, _state.handle = client, handle
         shards = registry["shards"]
         svc = client.config
@@ -161,7 +170,7 @@ async def async_close() -> None:
 
 
 def _allow_pickle() -> bool:
-    return _client().config.allow_pickle
+    return _client().allow_pickle
 
 
 def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
@@ -184,7 +193,7 @@ def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy:
     client = _client()
     keys = [keys] if isinstance(keys, str) else list(keys)
     cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
-    return decode_fields(cols, len(keys), device=device, allow_pickle=True)
+    return decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
 
 
 def _meta_args(meta: KVBatchMeta, select_fields: Any) -> tuple[list[str], str, Any]:

@@ -55,16 +55,23 @@ class StoreConfig:
         capacity_bytes: byte capacity of the *whole* store (split evenly over shards); ``None`` = unbounded.
         num_cpus: logical CPUs each store actor requests (small, so a store fits a 2-core machine).
         transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", or "zmq".
-        rpc_timeout_s: deadline for one request to a shard or the index; a dead shard raises
-            ``ShardUnavailableError`` after this long.
+        rpc_timeout_s: deadline for one request to a shard or the index. A dead shard or index is
+            noticed sooner: a reply late by a second makes the client check whether its process died,
+            and calls to a dead one raise ``ShardUnavailableError`` at once.
         schedule_timeout_s: how long ``init`` waits for Ray to place the store's actors before
             raising ``SchedulingError``.
         shm_min_bytes: columns smaller than this travel inline in the request (one round trip
             cheaper than a shared-memory segment); larger ones go through shared memory.
         warm_idle_s: a freed shared-memory segment is kept warm for reuse this long, then given back.
         warm_retain_bytes: at most this many bytes of freed segments are kept warm per shard.
-        reservation_timeout_s: a put whose client vanished between reserve and commit is undone after this.
-        allow_pickle: let object columns be pickled (the one place pickle may appear).
+        reservation_timeout_s: a put whose client stalled or vanished between reserve and commit is undone
+            after this (its memory is fenced, never reused); a client aborts its own put past 80% of it.
+        allow_pickle: this process may write and read ``object`` columns (pickle; the one place pickle
+            may appear). A per-process choice: an attaching client never takes it from the service.
+        encrypt: CURVE-encrypt the tcp traffic between hosts (about 3x slower for bulk bytes on the zmq
+            path); same-host traffic is authenticated but not encrypted either way.
+        max_message_bytes: the largest frame a store socket accepts (a shard with a capacity accepts at
+            most that much); a peer that sends more is disconnected.
         detached: actors outlive the creating process (``rlplane store start``).
     """
 
@@ -80,6 +87,8 @@ class StoreConfig:
     warm_retain_bytes: int = 1 << 30
     reservation_timeout_s: float = 120.0
     allow_pickle: bool = False
+    encrypt: bool = False
+    max_message_bytes: int = 1 << 32
     detached: bool = False
 
     def __post_init__(self) -> None:
@@ -91,7 +100,9 @@ class StoreConfig:
             raise ValueError(f"capacity_bytes={self.capacity_bytes} must be > 0")
         if not 0 < self.num_cpus <= 64:
             raise ValueError(f"num_cpus={self.num_cpus} must be > 0")
-        for name in ("rpc_timeout_s", "schedule_timeout_s"):
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be > 0")
+        for name in ("rpc_timeout_s", "schedule_timeout_s", "reservation_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
 

@@ -86,15 +86,34 @@ class SchedulingError(DataplaneError, TimeoutError):
     """Ray could not schedule the store's actors within the deadline (not enough resources)."""
 
 
+class ReservationExpiredError(DataplaneError, TimeoutError):
+    """A put stalled between reserving space and committing longer than ``reservation_timeout_s``.
+
+    The shards give such space back (and never reuse the memory the stalled writer may still write
+    into); the put is aborted. The message says whether any part of it had committed.
+    """
+
+
+class ResourceLimitError(DataplaneError, OSError):
+    """This process (or a shard) ran out of an OS resource, such as file descriptors; names the limit."""
+
+
+class WireError(DataplaneError, ValueError):
+    """A request or reply could not be decoded or broke the protocol (names what was wrong)."""
+
+
 __all__ = [
     "BatchSizeError",
     "DataplaneError",
     "KeyNotFoundError",
     "PartitionNotFoundError",
+    "ReservationExpiredError",
+    "ResourceLimitError",
     "SchedulingError",
     "SchemaError",
     "SerializationError",
     "ShardUnavailableError",
     "StoreFullError",
     "StoreNotInitializedError",
+    "WireError",
 ]

@@ -53,6 +53,9 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
     )
 
 
+plain_value = _plain  # the one definition of "plain" (tags, JSON-like rows, metas)
+
+
 def _unique(items: Iterable[str], what: str) -> None:
     seen: set[str] = set()
     for item in items:

@@ -34,3 +34,38 @@ def start_store(**options):
     cfg = StoreConfig.from_options(**options)
     registry, handle = start_service(cfg)
     return cfg, registry, handle
+
+
+def raw_socket(
+    registry: dict, target: str = "index", authenticated: bool = True, password: str | None = None
+):
+    """A raw zmq DEALER connected to a store actor's ipc endpoint, as any local process could open one.
+
+    ``target`` is "index" or a shard number. With ``authenticated`` it presents the store's
+    credentials (from the registry, as a client that attached through Ray would); ``password``
+    presents that PLAIN password instead; neither means no credentials at all.
+    """
+    import zmq
+
+    from dataplane._auth import Credentials, secure_client
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if authenticated:
+        secure_client(sock, Credentials.from_dict(registry["credentials"]), curve=False)
+    elif password is not None:
+        sock.plain_username = b"dataplane"
+        sock.plain_password = password.encode()
+    actor = registry["index"] if target == "index" else registry["shards"][int(target)]
+    sock.connect(actor["ipc"])
+    return sock
+
+
+def request(sock, op: str, body: dict, frames=(), rid: int = 7, timeout_ms: int = 10_000):
+    """Send one request on a raw socket; the decoded reply header and frames, or None if no reply came."""
+    from dataplane import _wire
+
+    sock.send_multipart(_wire.encode_request(rid, op, body, list(frames)))
+    if not sock.poll(timeout_ms):
+        return None
+    return _wire.decode_reply(sock.recv_multipart())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -244,26 +246,39 @@ def test_tensordict_non_tensor_entries():
     assert out.get("const").tolist() == ["same"] * 3
 
 
-def test_objects_need_pickle_opt_in(monkeypatch):
+def test_objects_need_pickle_opt_in_on_both_sides(monkeypatch):
     monkeypatch.delenv("DATAPLANE_ALLOW_PICKLE", raising=False)
-    rows = [{"a": 1}, None, {"b": [1, 2]}]
+    rows = [Fraction(1, 3), None, {"b": Fraction(2)}]
     with pytest.raises(
-        SerializationError, match=r"'obj'.*builtins.dict.*allow_pickle=True.*DATAPLANE_ALLOW_PICKLE"
+        SerializationError, match=r"'obj'.*fractions.Fraction.*allow_pickle=True.*DATAPLANE_ALLOW_PICKLE"
     ):
         encode_fields({"obj": rows}, 3)
     cols = encode_fields({"obj": rows}, 3, allow_pickle=True)
     assert cols["obj"].spec == ColumnSpec("object", "pickle", ())
-    assert decode_fields(cols, 3).get("obj").tolist() == rows
-    with pytest.raises(SerializationError, match="'obj'.*allow_pickle=False"):
-        decode_fields(cols, 3, allow_pickle=False)
+    assert decode_fields(cols, 3, allow_pickle=True).get("obj").tolist() == rows
+    # the reader decides, never the data: without its own opt-in nothing is unpickled
+    with pytest.raises(SerializationError, match="'obj'.*did not opt in to unpickling"):
+        decode_fields(cols, 3)
     monkeypatch.setenv("DATAPLANE_ALLOW_PICKLE", "1")
     assert encode_fields({"obj": rows}, 3)["obj"].spec.kind == "object"
 
 
-def test_strings_with_none_fall_back_to_objects():
-    with pytest.raises(SerializationError, match="'s'"):
-        encode_fields({"s": ["a", None]}, 2)
-    assert roundtrip({"s": ["a", None]}, 2, allow_pickle=True).get("s").tolist() == ["a", None]
+def test_json_like_rows_need_no_pickle(monkeypatch):
+    monkeypatch.delenv("DATAPLANE_ALLOW_PICKLE", raising=False)
+    chats = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "score": 0.5}],
+        [],
+        None,
+    ]
+    cols = encode_fields({"chat": chats, "s": ["a", None, "c"], "mixed": [1, "two", [3.0, None]]}, 3)
+    assert {c.spec.kind for c in cols.values()} == {"json"}
+    out = decode_fields(cols, 3)
+    assert out.get("chat").tolist() == chats
+    assert out.get("s").tolist() == ["a", None, "c"]
+    assert out.get("mixed").tolist() == [1, "two", [3.0, None]]
+    assert roundtrip({"t": [(1, 2), {"k": (3,)}]}, 2).get("t").tolist() == [[1, 2], {"k": [3]}]  # as JSON
+    with pytest.raises(SerializationError, match="'big'"):  # beyond 64 bits: msgpack cannot carry it
+        encode_fields({"big": [2**70, None]}, 2)
 
 
 def test_non_column_value_is_rejected_with_the_field():

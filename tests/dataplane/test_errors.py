@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -86,7 +88,9 @@ def test_schema_mismatch_names_field(store, pid):
 
 def test_pickle_needs_opt_in(store, pid):
     with pytest.raises(dp.SerializationError, match="'obj'"):
-        dp.kv_batch_put(["a"], pid, {"obj": [{"a": 1}]})
+        dp.kv_batch_put(["a"], pid, {"obj": [Fraction(1, 3)]})
+    dp.kv_batch_put(["a"], pid, {"chat": [[{"role": "user", "content": "hi"}]]})  # JSON-like: no pickle
+    assert dp.kv_batch_get(["a"], pid).get("chat").tolist() == [[{"role": "user", "content": "hi"}]]
 
 
 def test_bad_arguments(store, pid):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -11,41 +12,58 @@ from dataplane._columns import encode_fields
 from dataplane._index import IndexCore
 from dataplane._placement import HashPlacement
 from dataplane._rows import assemble, contiguous_view
-from dataplane.errors import KeyNotFoundError, SchemaError, ShardUnavailableError
+from dataplane.errors import KeyNotFoundError, SchemaError, ShardUnavailableError, WireError
 
 F32 = ["dense", "float32", [4]]
+I64 = ["dense", "int64", [4]]
 
 
-def test_index_schema_is_checked_before_any_write():
+def call(core: IndexCore, op: str, body: dict) -> dict:
+    """One request as the index serves it: the body msgpack-encoded, then decoded for its op."""
+    return core.handle(op, msgspec.msgpack.encode(body), [])[0]
+
+
+def test_index_decides_a_new_fields_schema_at_prepare():
     core = IndexCore()
-    core.op_prepare({"pid": "p", "specs": {"x": F32}})
-    core.op_commit({"pid": "p", "keys": ["a"], "fields": ["x"], "tags": None, "specs": {"x": F32}})
+    t1 = call(core, "prepare", {"pid": "p", "specs": {"x": F32}})["txn"]
+    with pytest.raises(SchemaError, match="'x'"):  # a racing put of another dtype: refused at once
+        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
+    t2 = call(core, "prepare", {"pid": "p", "specs": {"x": F32}})["txn"]  # the same spec: fine
+    call(core, "abort", {"txn": t1})
+    with pytest.raises(SchemaError, match="'x'"):  # t2 still relies on it
+        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
+    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "txn": t2})
     with pytest.raises(SchemaError, match="'x'"):
-        core.op_prepare({"pid": "p", "specs": {"x": ["dense", "int64", [4]]}})
-    core.op_prepare({"pid": "q", "specs": {"x": ["dense", "int64", [4]]}})  # partitions are separate
-    # a prepared but never committed put leaves no schema behind
-    core.op_prepare({"pid": "p", "specs": {"y": F32}})
-    core.op_prepare({"pid": "p", "specs": {"y": ["dense", "int8", []]}})
+        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
+    call(core, "prepare", {"pid": "q", "specs": {"x": I64}})  # partitions are separate
+    # a prepared put that gave up leaves no schema behind
+    t3 = call(core, "prepare", {"pid": "p", "specs": {"y": F32}})["txn"]
+    call(core, "abort", {"txn": t3})
+    call(core, "prepare", {"pid": "p", "specs": {"y": ["dense", "int8", []]}})
+    with pytest.raises(SchemaError, match="'z'.*dtype 'float99'"):  # specs a shard could not size
+        call(core, "prepare", {"pid": "p", "specs": {"z": ["dense", "float99", []]}})
 
 
 def test_index_fields_tags_list_resolve_drop():
     core = IndexCore()
-    r = core.op_commit(
-        {"pid": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None], "specs": {}}
-    )
+    r = call(core, "commit", {"pid": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None]})
     assert r == {"fields": ["x"], "tags": [{"s": 1}, {}]}
-    r = core.op_commit({"pid": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}], "specs": {}})
+    r = call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}]})
     assert r["fields"] == ["x", "y"] and r["tags"] == [{"s": 1, "t": 2}]
-    assert core.op_list({"pid": "p"}) == {"list": {"p": {"a": {"s": 1, "t": 2}, "b": {}}}}
-    assert core.op_list({"pid": "zz"}) == {"list": {}}
-    assert core.op_resolve({"pid": "p", "keys": ["a", "c"]}) == {
+    assert call(core, "list", {"pid": "p"}) == {"list": {"p": {"a": {"s": 1, "t": 2}, "b": {}}}}
+    assert call(core, "list", {"pid": "zz"}) == {"list": {}}
+    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}) == {
         "partition": True,
         "known": {"a": ["x", "y"]},
     }
-    core.op_delete({"pid": "p", "keys": ["a"]})
-    assert core.op_stats({}) == {"partitions": {"p": 1}}
-    core.op_drop({"pid": "p"})
-    assert core.op_resolve({"pid": "p", "keys": ["b"]})["partition"] is False
+    call(core, "delete", {"pid": "p", "keys": ["a"]})
+    assert call(core, "stats", {}) == {"partitions": {"p": 1}}
+    call(core, "drop", {"pid": "p"})
+    assert call(core, "resolve", {"pid": "p", "keys": ["b"]})["partition"] is False
+    with pytest.raises(WireError, match="malformed 'commit'"):
+        call(core, "commit", {"pid": "p", "keys": "a"})
+    with pytest.raises(WireError, match="unknown operation 'evil'"):
+        call(core, "evil", {})
 
 
 def test_wire_frames_are_zero_copy_and_errors_round_trip():
@@ -57,7 +75,7 @@ def test_wire_frames_are_zero_copy_and_errors_round_trip():
     assert len(frames) == 1 + 1 + 2  # header, x data, s data + s offsets
     req, got = _wire.decode_request(frames)
     assert req.rid == 5 and req.op == "reserve"
-    back = _wire.column_from_wire(req.body["x"], got)
+    back = _wire.column_from_wire(msgspec.msgpack.decode(req.body)["x"], got)
     assert np.shares_memory(np.frombuffer(back.data, np.uint8), x.numpy())
     err = KeyNotFoundError("k", "p")
     rep, _ = _wire.decode_reply(_wire.encode_error(9, err))

@@ -14,7 +14,7 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE
 
-from .conftest import start_store, wait_for
+from .conftest import raw_socket, request, start_store, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -116,18 +116,11 @@ def test_async_api_inside_an_async_actor(shared, pid):
 
 
 def test_index_refuses_tensor_bytes(shared):
-    import zmq
-
-    from dataplane import _wire
-
-    registry = dp.api._client().registry
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(registry["index"]["ipc"])
-    sock.send_multipart(_wire.encode_request(7, "commit", {"pid": "p", "keys": ["a"]}, [b"\0" * 64]))
-    assert sock.poll(10_000), "the index did not answer"
-    rep, _ = _wire.decode_reply(sock.recv_multipart())
+    sock = raw_socket(dp.api._client().registry, "index")
+    reply = request(sock, "commit", {"pid": "p", "keys": ["a"]}, [b"\0" * 64])
     sock.close()
+    assert reply is not None, "the index did not answer"
+    rep, _ = reply
     assert rep.rid == 7 and rep.error is not None and "metadata only" in rep.error[1]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,11 @@ from dataplane._columns import encode_fields
 from dataplane._segments import MappingCache, ShmPool, size_class
 from dataplane._shard import ShardCore
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+
+
+def call(core: ShardCore, op: str, body: dict, frames=()) -> tuple[dict, list]:
+    """One request as the server runs it: the body msgpack-encoded, then decoded for its op."""
+    return core.handle(op, msgspec.msgpack.encode(body), list(frames))
 
 
 def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) -> int:
@@ -31,7 +37,7 @@ def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) ->
         },
     }
     frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]  # as if received
-    return core.op_reserve(body, frames)[0]["resv"]
+    return call(core, "reserve", body, frames)[0]["resv"]
 
 
 def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: MappingCache) -> None:
@@ -41,16 +47,18 @@ def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: 
         "keys": keys,
         "fields": {"x": {"spec": _wire.spec_to_wire(col.spec), "nbytes": len(col.data)}},
     }
-    reply, _ = core.op_reserve(body, [])
+    reply, _ = call(core, "reserve", body, [])
     view = maps.view(core.shard_id, os.getpid(), reply["files"]["x"])
     view[: len(col.data)] = col.data
-    core.op_commit({"resv": reply["resv"], "offsets": {}}, [])
+    call(core, "commit", {"resv": reply["resv"], "offsets": {}}, [])
 
 
 def _get(
     core: ShardCore, pid: str, keys: list[str], fields=None, shm=False, export=False
 ) -> tuple[dict, list]:
-    body, frames = core.op_get({"pid": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, [])
+    body, frames = call(
+        core, "get", {"pid": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, []
+    )
     return body, [memoryview(f).cast("B") for f in frames]
 
 
@@ -58,19 +66,19 @@ def test_inline_put_get_and_accounting():
     core = ShardCore(0)
     rid = _reserve_inline(core, "p", ["a", "b"], {"x": torch.tensor([[1, 2], [3, 4]]), "s": ["hi", "there"]})
     assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_reserved"] > 0
-    core.op_commit({"resv": rid}, [])
+    call(core, "commit", {"resv": rid}, [])
     st = core.stats()
     assert st["bytes_reserved"] == 0 and st["bytes_used"] > 0 and st["partitions"] == {"p": 2}
     body, frames = _get(core, "p", ["b", "a"])
     x = _wire.column_from_wire(body["fields"]["x"]["col"], frames)
     assert np.frombuffer(x.data, np.int64).tolist() == [3, 4, 1, 2]  # request order
-    core.op_delete({"pid": "p", "keys": ["a", "b", "zz"]}, [])
+    call(core, "delete", {"pid": "p", "keys": ["a", "b", "zz"]}, [])
     assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_resident"] == 0
 
 
 def test_errors_name_the_culprit():
     core = ShardCore(3, capacity_bytes=100)
-    core.op_commit({"resv": _reserve_inline(core, "p", ["a"], {"x": torch.zeros(1, 2)})}, [])
+    call(core, "commit", {"resv": _reserve_inline(core, "p", ["a"], {"x": torch.zeros(1, 2)})}, [])
     with pytest.raises(PartitionNotFoundError, match="'q'"):
         _get(core, "q", ["a"])
     with pytest.raises(KeyNotFoundError, match="'b'"):
@@ -90,14 +98,15 @@ def test_abort_and_expired_reservations_free_everything():
     body = {
         "pid": "p",
         "keys": ["a"],
-        "fields": {"x": {"spec": ["dense", "float32", [4]], "nbytes": 1 << 20}},
+        "fields": {"x": {"spec": ["dense", "float32", [1 << 18]], "nbytes": 1 << 20}},
     }
-    rid = core.op_reserve(body, [])[0]["resv"]
-    core.op_abort({"resv": rid}, [])
-    core.op_reserve(body, [])
-    core.tick(now=1e12)  # the client vanished: undone, and its memory trimmed
+    rid = call(core, "reserve", body, [])[0]["resv"]
+    call(core, "abort", {"resv": rid}, [])
+    call(core, "reserve", body, [])
+    core.tick(now=1e12)  # the client vanished: undone, its files fenced (closed, never reused)
     st = core.stats()
     assert st["bytes_reserved"] == 0 and st["bytes_warm"] == 0 and core.pool.bytes_resident == pool_before
+    assert st["reservations_expired"] == 1
 
 
 def test_shared_memory_put_get_and_warm_reuse():
@@ -109,11 +118,12 @@ def test_shared_memory_put_get_and_warm_reuse():
     body, frames = _get(core, "p", keys[10:20], shm=True)
     entry = body["fields"]["x"]
     assert entry["t"] == "s" and len(entry["segs"]) == 1
-    ref, nbytes, rows, _ = entry["segs"][0]
+    ref, nbytes, rows, _, view = entry["segs"][0]
+    assert not view  # not asked for a view: the client copies (and checks the generation)
     seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
     assert np.array_equal(seg[_wire.array_from_wire(entry["row"], frames)], x[10:20].numpy())
     first_file = ref[0]
-    core.op_drop({"pid": "p"}, [])
+    call(core, "drop", {"pid": "p"}, [])
     st = core.stats()
     assert st["bytes_used"] == 0 and st["bytes_warm"] > 0  # kept warm for the next put
     _put_shm(core, "p", keys, x + 1, maps)
@@ -130,7 +140,7 @@ def test_exported_segment_is_never_recycled():
     body, _ = _get(core, "p", keys, shm=True, export=True)
     ref = body["fields"]["x"]["segs"][0][0]
     view = np.frombuffer(maps.view(0, os.getpid(), ref), np.float32)[: 16 * 4096]
-    core.op_delete({"pid": "p", "keys": keys}, [])
+    call(core, "delete", {"pid": "p", "keys": keys}, [])
     assert core.stats()["bytes_warm"] == 0  # closed, not pooled
     _put_shm(core, "p", keys, torch.zeros(16, 4096), maps)
     assert float(view.min()) == 1.0, "an exported view was overwritten"

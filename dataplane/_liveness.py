@@ -1,0 +1,105 @@
+"""Is a store actor dead? Asked by the transports when a reply is late, so a dead shard or index
+fails calls within seconds instead of after the whole ``rpc_timeout_s``.
+
+Two ways to know, the cheap one first:
+
+* **Same host, same pid namespace**: the actor's process is identified by its pid and its start
+  time (``/proc/<pid>/stat``), recorded in the registry; a process that is gone, a zombie, or a
+  reused pid with another start time is dead. Checked once at attach time to be usable here (in
+  another pid namespace the pid means nothing, and that target falls back to Ray).
+* **Anywhere else**: Ray knows. A ping to the named actor raises ``RayActorError`` once Ray has
+  marked it dead; a lookup that finds no such actor means dead too; a ping that is merely slow
+  means alive (busy, not dead).
+
+Store actors never restart (``max_restarts=0``), so a target found dead stays dead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from dataplane.config import NAMESPACE
+
+RAY_PING_TIMEOUT_S = 2.0
+RECHECK_S = 0.5  # a target's answer is reused this long, so a burst of late calls asks once
+
+
+def process_start(pid: int) -> str:
+    """The start time of process ``pid`` (clock ticks since boot, as text), or "" if it is not running."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # zombie or dead: gone, only not yet reaped
+        return ""
+    return fields[19]
+
+
+@dataclass
+class Target:
+    """One store actor: its Ray name and the process that serves it."""
+
+    name: str
+    pid: int
+    pid_start: str
+    local: bool  # same host: /proc may tell (checked at construction)
+
+
+class Liveness:
+    """Answers ``dead(target)`` for the store's actors. Thread-safe."""
+
+    def __init__(self, targets: dict[int, Target]) -> None:
+        self.targets = targets
+        for t in targets.values():  # a pid we cannot recognise now (other pid namespace) is not ours
+            t.local = t.local and bool(t.pid_start) and process_start(t.pid) == t.pid_start
+        self._dead: set[int] = set()
+        self._checked: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def known_dead(self, target: int) -> bool:
+        return target in self._dead
+
+    def dead(self, target: int) -> bool:
+        """Whether ``target`` is dead now (may make one Ray call of up to 2 s for a remote target)."""
+        if target in self._dead:
+            return True
+        t = self.targets.get(target)
+        if t is None:
+            return False
+        if t.local:
+            gone = process_start(t.pid) != t.pid_start
+        else:
+            with self._lock:
+                now = time.monotonic()
+                if now - self._checked.get(target, -RECHECK_S) < RECHECK_S:
+                    return False
+                self._checked[target] = now
+            gone = _ray_says_dead(t.name)
+        if gone:
+            self._dead.add(target)
+        return gone
+
+
+def _ray_says_dead(name: str) -> bool:
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return True  # no such actor any more
+    try:
+        ray.get(handle.ping.remote(), timeout=RAY_PING_TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+    return False
+
+
+__all__ = ["Liveness", "Target", "process_start"]

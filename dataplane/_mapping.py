@@ -1,0 +1,71 @@
+"""Shared mappings of a file that hold no file descriptor: ``map_fd(fd, size) -> memoryview``.
+
+Python's ``mmap.mmap`` (before 3.13) keeps a duplicate of the file descriptor for as long as the
+mapping lives, so every mapped segment would cost its process one more fd: a client holding a
+few hundred live segments ran out of descriptors. A mapping made with ``mmap(2)`` directly needs
+no descriptor once it exists; this module makes one, exposes it as a writable ``memoryview``, and
+unmaps it when the last view, numpy array or tensor built on it is garbage collected.
+
+    >>> view = map_fd(fd, 1 << 20)   # fd may be closed right away
+    >>> view[:4] = b"data"
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+
+
+class _Unmapper:
+    """Owns one mapping; unmaps it when collected (the buffer object that exports it holds us)."""
+
+    __slots__ = ("addr", "size")
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.addr = addr
+        self.size = size
+
+    def __del__(self) -> None:
+        _libc.munmap(self.addr, self.size)
+
+
+def map_fd(fd: int, size: int, *, populate: bool = False) -> memoryview:
+    """A writable shared mapping of the first ``size`` bytes of ``fd``, as a uint8 memoryview.
+
+    The descriptor is not kept: close it whenever you like. The mapping lives as long as anything
+    refers to the returned view (or to a buffer made from it).
+
+    Raises:
+        OSError: ``mmap(2)`` failed (errno kept), e.g. ``ENOMEM``.
+    """
+    if size <= 0:
+        raise ValueError(f"map_fd: size must be > 0, got {size}")
+    flags = mmap.MAP_SHARED | (MAP_POPULATE if populate else 0)
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    buf = (ctypes.c_ubyte * size).from_address(addr)
+    buf._unmapper = _Unmapper(addr, size)  # type: ignore[attr-defined]  # lives as long as buf
+    return memoryview(buf).cast("B")
+
+
+__all__ = ["map_fd"]

@@ -1,0 +1,162 @@
+"""The request bodies of every shard and index operation, as typed msgspec structs.
+
+Decoding a body is its first validation: a field of the wrong type, a negative size or a missing
+key is refused with a ``WireError`` naming the operation and the field before any handler code
+runs. What types cannot say (sizes against capacity, frame lengths against declared sizes, unique
+keys) the handlers check next, still before they change anything. Clients send plain dicts with
+the same field names; msgpack encodes both alike.
+
+    >>> decode_body("ping", msgspec.msgpack.encode({}), SHARD_OPS)
+    Ping()
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from dataplane.errors import WireError
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+WireSpec = tuple[str, str, list[int]]  # kind, dtype, shape (see _wire.spec_to_wire)
+Tags = list[dict[str, Any] | None] | None
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class WireColumn(_Body):
+    """A column sent inline: its spec and the frame indexes of its data (and offsets, or -1)."""
+
+    spec: WireSpec
+    rows: NonNegative
+    data: NonNegative
+    offsets: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+
+class ReserveField(_Body):
+    spec: WireSpec
+    nbytes: NonNegative
+    col: WireColumn | None = None
+
+
+class Reserve(_Body):
+    pid: str
+    keys: list[str]
+    fields: dict[str, ReserveField]
+    version: int = -1
+
+
+class Commit(_Body):
+    resv: int
+    offsets: dict[str, NonNegative] = {}
+
+
+class Abort(_Body):
+    resv: int
+
+
+class Get(_Body):
+    pid: str
+    keys: list[str]
+    fields: list[str] | None = None
+    shm: bool = False
+    export: bool = False
+    version: int = -1
+
+
+class Delete(_Body):
+    pid: str
+    keys: list[str]
+
+
+class Drop(_Body):
+    pid: str
+
+
+class Stats(_Body):
+    trim: bool = False
+
+
+class Ping(_Body):
+    pass
+
+
+class Prepare(_Body):
+    pid: str
+    specs: dict[str, WireSpec]
+
+
+class IndexCommit(_Body):
+    pid: str
+    keys: list[str]
+    fields: list[str] = []
+    tags: Tags = None
+    txn: int | None = None
+
+
+class IndexAbort(_Body):
+    txn: int
+
+
+class ListKeys(_Body):
+    pid: str | None = None
+
+
+class Resolve(_Body):
+    pid: str
+    keys: list[str]
+
+
+SHARD_OPS: dict[str, type[msgspec.Struct]] = {
+    "reserve": Reserve,
+    "commit": Commit,
+    "abort": Abort,
+    "get": Get,
+    "delete": Delete,
+    "drop": Drop,
+    "stats": Stats,
+    "ping": Ping,
+}
+
+INDEX_OPS: dict[str, type[msgspec.Struct]] = {
+    "prepare": Prepare,
+    "commit": IndexCommit,
+    "abort": IndexAbort,
+    "delete": Delete,
+    "drop": Drop,
+    "list": ListKeys,
+    "resolve": Resolve,
+    "stats": Stats,
+    "ping": Ping,
+}
+
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def decode_body(op: str, raw: Any, table: dict[str, type[msgspec.Struct]]) -> Any:
+    """The typed body of operation ``op`` from its raw msgpack bytes; ``WireError`` when malformed."""
+    cls = table.get(op) if type(op) is str else None
+    if cls is None:
+        raise WireError(f"unknown operation {op!r}; this service knows {sorted(table)}")
+    dec = _decoders.get(cls)
+    if dec is None:
+        dec = _decoders[cls] = msgspec.msgpack.Decoder(cls)
+    try:
+        return dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed {op!r} request: {exc}") from exc
+
+
+def unique_keys(keys: list[str], op: str) -> list[str]:
+    """``keys`` if no key repeats, else ``WireError`` naming the first repeated key."""
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))
+        raise WireError(f"{op!r} request names key {dup!r} twice")
+    return keys
+
+
+__all__ = ["INDEX_OPS", "SHARD_OPS", "WireColumn", "decode_body", "unique_keys"]
