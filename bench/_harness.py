@@ -35,6 +35,8 @@ class Config:
     reader_cpus: float = 0.1
     call_timeout_s: float = 300.0
     release_wait_s: float = 10.0
+    store_transport: str = "auto"
+    encrypt: bool = False
     json: str | None = None
     plot: str | None = None
     markdown: str | None = None

@@ -158,13 +158,13 @@ class StorePath(BenchPath):
         import dataplane as dp
 
         self.dp = dp
-        init_s, _ = _common.timed(dp.init)
         cfg = self.cfg
+        init_s, _ = _common.timed(lambda: dp.init(transport=cfg.store_transport, encrypt=cfg.encrypt))
         memory = _memory.store_memory(
             dp, self.keys, PARTITION, self.td, cfg.payload_bytes, cfg.release_wait_s
         )
         self.reader = new_reader(cfg)
-        call(cfg, self.reader.attach_store.remote())
+        call(cfg, self.reader.attach_store.remote(cfg.store_transport))
         return {"init_s": init_s, "memory": memory}
 
     def round(self, copy: bool | None = None) -> dict[str, float]:

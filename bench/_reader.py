@@ -95,10 +95,10 @@ class Reader:
             client.close()
             tqi._TQ_CLIENT = None
 
-    def attach_store(self) -> None:
+    def attach_store(self, transport: str = "auto") -> None:
         import dataplane as dp
 
-        dp.init()
+        dp.init(transport=transport)
 
     def read_store(
         self, keys: list[str], partition_id: str, copy: bool | None = None, probe: bool = False

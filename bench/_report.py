@@ -122,6 +122,7 @@ def render(results: dict[str, Any]) -> str:
     lines = [
         f"store_throughput: {cfg['rows']} rows x {cfg['cols']} float32 x {cfg['fields']} fields = "
         f"{cfg['payload_bytes'] / 2**20:.1f} MiB; {cfg['statistic']}",
+        f"store: transport {cfg.get('store_transport', 'auto')}, encrypt {cfg.get('encrypt', False)}",
         f"machine: {m['host']}, {m['cpu_count']} cores, {m['memory_gib']} GiB, "
         f"load {m.get('load_avg_1m')}, {m['date_utc']}",
         "",

@@ -216,6 +216,15 @@ def parse_args(argv: list[str] | None) -> Config:
         default=d.release_wait_s,
         help="how long to wait for the store to give memory back after clear",
     )
+    p.add_argument(
+        "--store-transport",
+        default=d.store_transport,
+        choices=["auto", "shm", "zmq", "tcp"],
+        help="this store's data path for the driver and the reader (tcp: frames over tcp, as across nodes)",
+    )
+    p.add_argument(
+        "--encrypt", action="store_true", help="start the store with encrypt=True (CURVE on its tcp sockets)"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a GB/s bar chart (PNG) here")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown here")

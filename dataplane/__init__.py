@@ -41,12 +41,15 @@ from dataplane.errors import (
     DataplaneError,
     KeyNotFoundError,
     PartitionNotFoundError,
+    ReservationExpiredError,
+    ResourceLimitError,
     SchedulingError,
     SchemaError,
     SerializationError,
     ShardUnavailableError,
     StoreFullError,
     StoreNotInitializedError,
+    WireError,
 )
 from dataplane.meta import KVBatchMeta, StoreInfo
 
@@ -58,6 +61,8 @@ __all__ = [
     "KVBatchMeta",
     "KeyNotFoundError",
     "PartitionNotFoundError",
+    "ReservationExpiredError",
+    "ResourceLimitError",
     "SchedulingError",
     "SchemaError",
     "SerializationError",
@@ -66,6 +71,7 @@ __all__ = [
     "StoreFullError",
     "StoreInfo",
     "StoreNotInitializedError",
+    "WireError",
     "__version__",
     "async_clear_partition",
     "async_close",

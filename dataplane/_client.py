@@ -68,7 +68,7 @@ class StoreClient:
         here = boot_id()
         shards = registry["shards"]
         self.shm = [
-            mode != "zmq" and s["boot_id"] == here and probe(s["pid"], s["probe"], s["boot_id"])
+            mode not in ("zmq", "tcp") and s["boot_id"] == here and probe(s["pid"], s["probe"], s["boot_id"])
             for s in shards
         ]
         if mode == "shm" and not all(self.shm):
@@ -82,7 +82,8 @@ class StoreClient:
         for i, actor in [*enumerate(shards), (INDEX, registry["index"])]:
             name = self.config.index_name() if i == INDEX else self.config.shard_name(i)
             local = actor["boot_id"] == here
-            endpoints[i] = Endpoint(actor["ipc"] if local else actor["tcp"], name, curve and not local)
+            ipc = local and mode != "tcp"
+            endpoints[i] = Endpoint(actor["ipc"] if ipc else actor["tcp"], name, curve and not ipc)
             targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
         timeout = self.config.rpc_timeout_s
         self.liveness = Liveness(targets)

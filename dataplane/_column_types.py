@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 KINDS = ("dense", "jagged", "arrow", "json", "object")
 MAX_DIMS = 32
+MAX_ROW_BYTES = 1 << 48  # a row (or jagged element) larger than this is a lie, not data
 _ARROW_DTYPES = ("large_string", "large_binary")
 _KIND_DTYPE = {"json": "msgpack", "object": "pickle"}  # kinds with one fixed dtype name
 
@@ -86,6 +87,8 @@ class ColumnSpec(msgspec.Struct, frozen=True):
         if kind in ("dense", "jagged"):
             if dtype not in _ITEMSIZE:
                 raise SchemaError(field, f"field {field!r}: dtype {dtype!r} cannot be stored")
+            if self.row_bytes() > MAX_ROW_BYTES:
+                raise SchemaError(field, f"field {field!r}: rows of shape {tuple(shape)} are too large")
             if kind == "jagged" and self.row_bytes() == 0:
                 raise SchemaError(field, f"field {field!r}: jagged rows with an empty trailing shape {shape}")
             return

@@ -111,6 +111,9 @@ class IndexCore:
         if tags is not None and len(tags) != len(keys):
             raise WireError(f"commit: {len(tags)} tags for {len(keys)} keys")
         if body.txn is not None:
+            owner = self.txns.get(body.txn, (pid, []))[0]
+            if owner != pid:  # before changing anything: a txn confirms only its own partition
+                raise WireError(f"commit: put {body.txn} was prepared for partition {owner!r}, not {pid!r}")
             _, names = self.txns.pop(body.txn, (pid, []))
             for name in names:
                 entry = self.schemas.get(pid, {}).get(name)

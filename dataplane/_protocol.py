@@ -146,7 +146,7 @@ def decode_body(op: str, raw: Any, table: dict[str, type[msgspec.Struct]]) -> An
         dec = _decoders[cls] = msgspec.msgpack.Decoder(cls)
     try:
         return dec.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise WireError(f"malformed {op!r} request: {exc}") from exc
 
 

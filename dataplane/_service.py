@@ -278,8 +278,8 @@ def cli(args: argparse.Namespace) -> int:
         if args.store_action == "status":
             try:
                 api.init(attach_only=True)
-            except StoreNotInitializedError:
-                _say(f"no store {cfg.name!r} is running in namespace {NAMESPACE!r}")
+            except StoreNotInitializedError as exc:
+                _say(f"rlplane store status: {exc}")
                 return 1
             _say(json.dumps(api.stats(), indent=2, default=str))
             api.close()

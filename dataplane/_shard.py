@@ -136,6 +136,8 @@ class ShardCore:
     # ---- put --------------------------------------------------------------------------------
     def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
         pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
+        if not keys or not body.fields:  # a row-less segment would never be given back
+            raise WireError("a reserve names at least one key and one field")
         part = self.partitions.get(pid)
         fields: dict[str, dict[str, Any]] = {}
         need = 0
@@ -189,11 +191,12 @@ class ShardCore:
         return reply, []
 
     def _check_capacity(self, need: int, pid: str) -> None:
-        if self.capacity is None:
-            if need > self.host_memory:
+        if self.capacity is None:  # unbounded: still never more than the host could hold
+            if self.used + self.pending + need > self.host_memory:
                 raise StoreFullError(
-                    f"shard {self.shard_id}: a put of {need} bytes to partition {pid!r} is larger than this "
-                    f"host's memory ({self.host_memory} bytes); nothing was written"
+                    f"shard {self.shard_id}: a put of {need} bytes to partition {pid!r} (with {self.used} "
+                    f"used and {self.pending} reserved) is larger than this host's memory "
+                    f"({self.host_memory} bytes); nothing was written"
                 )
             return
         if self.used + self.pending + need > self.capacity:
@@ -223,7 +226,7 @@ class ShardCore:
                     off = _wire.array_from_wire(body.offsets[name], bufs, n + 1).copy()
                     check_offsets(off, n, entry["nbytes"], entry["spec"], name)
                     offsets[name] = off
-        except DataplaneError:
+        except Exception:  # noqa: BLE001 - a commit that cannot be applied gives its space back
             self._release(self._take(body.resv))
             raise
         self._take(body.resv)
@@ -301,6 +304,8 @@ class ShardCore:
 
     def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[dict, list]:
         pid, keys = body.pid, body.keys
+        if not keys:
+            raise WireError("a get names at least one key")
         rows, fields = self._resolve(pid, keys, body.fields)
         out: dict[str, Any] = {}
         frames: list[Any] = []

@@ -317,8 +317,10 @@ class AsyncTransport(_Endpoints):
                         self._drop_channel(c.target)
                         return self.died(c.target)
                     continue
-                if reply is None:  # the channel was closed under us: its target died
-                    return self.died(c.target)
+                if reply is None:  # the channel was closed under us (its target died, or a send stalled)
+                    if self.liveness.known_dead(c.target):
+                        return self.died(c.target)
+                    return self.unavailable(c.target, loop.time() - deadline + timeout, " (connection reset)")
                 return _unpack(reply)
         finally:
             ch.futures.pop(rid, None)

@@ -80,7 +80,7 @@ def _decode(frames: list[Any], decoder: msgspec.msgpack.Decoder, empty: str, wha
         raise WireError(empty)
     try:
         header = decoder.decode(_as_buffer(frames[0]))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise WireError(f"undecodable {what} header: {exc}") from exc
     return header, [_as_buffer(f) for f in frames[1:]]
 

@@ -227,10 +227,18 @@ def kv_batch_put(
     ``fields=None`` only updates tags. Tags are merged into the stored tag dict of each key. The
     returned meta's ``fields`` lists every field those keys now hold.
 
+    All or nothing: everything (tags included) is checked before anything is sent, and a failure
+    before the commit writes nothing anywhere. A new field's dtype and shape are decided by the
+    first put that declares it; a concurrent put declaring another gets ``SchemaError``.
+
     Raises:
+        TypeError: a tag holds something other than plain values (str, int, float, bool, None, lists,
+            dicts); nothing is written.
         BatchSizeError: a field's (or tags') length differs from ``len(keys)``.
         SchemaError: a field exists with another dtype or shape (names the field).
         StoreFullError: the write would exceed the store's byte capacity (nothing is written).
+        ReservationExpiredError: this process stalled between reserving space and committing for
+            most of ``reservation_timeout_s``; nothing is written.
 
     Example:
         >>> meta = dp.kv_batch_put(["a", "b"], "train", TensorDict({"x": torch.ones(2, 3)}, [2]))
@@ -251,16 +259,27 @@ def kv_batch_get(
     """Read rows of ``keys`` in that order as a TensorDict of batch size ``len(keys)``.
 
     Dense fields come back as ``[B, ...]`` tensors, variable-length ones as jagged nested tensors,
-    strings and objects as non-tensor stacks. By default the result is a private copy (one gather
-    copy straight out of shared memory). ``copy=False`` returns zero-copy views of the store's
-    memory where the rows are one contiguous run of one segment (else it copies); such a view stays
-    valid while you hold it, even if the keys are cleared meanwhile; treat it as read-only. The
-    price: a segment handed out as a view is never recycled, so later puts fault fresh memory.
+    strings, JSON-like values and objects as non-tensor stacks. By default the result is a private
+    copy (one gather copy straight out of shared memory), checked after the copy against concurrent
+    clears: it holds exactly what a completed put wrote. ``copy=False`` returns zero-copy views of
+    the store's memory where the rows are one contiguous run of one segment (else it copies); such
+    a view stays valid and unchanged while you hold it, even if the keys are cleared meanwhile.
+
+    A view is *shared*: every reader of those rows maps the same memory. Never write into it: a
+    write changes what every other reader sees, with no error. torch has no read-only tensors, and
+    mapping the memory read-only would turn a stray write into a crash of your process, so the view
+    stays writable; ``.clone()`` it first if you need to modify it. The price of views: a segment
+    handed out as a view is never recycled, so later puts fault fresh memory.
+
+    Object (pickled) columns are unpickled only if this process opted in (``dp.init(allow_pickle=
+    True)`` or ``DATAPLANE_ALLOW_PICKLE=1``); otherwise reading one raises ``SerializationError``.
 
     Raises:
         KeyNotFoundError: a key (or a field of a key) is not stored; names key and partition.
         PartitionNotFoundError: the partition does not exist.
-        ShardUnavailableError: a shard did not answer within ``rpc_timeout_s``.
+        ShardUnavailableError: a shard is dead (noticed within seconds) or did not answer within
+            ``rpc_timeout_s``.
+        SerializationError: an object column, and this process did not opt in to unpickling.
 
     Example:
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape

@@ -5,7 +5,7 @@ keyword arguments over these defaults; a service started by ``rlplane store star
 config it was started with, and attaching clients read it from the index service.
 
 Environment variables (read here only):
-    DATAPLANE_TRANSPORT        "auto" (default), "shm" or "zmq"
+    DATAPLANE_TRANSPORT        "auto" (default), "shm", "zmq" or "tcp"
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
     DATAPLANE_ALLOW_PICKLE     "1" lets object columns be pickled (default off)
 
@@ -25,7 +25,7 @@ from typing import Any
 NAMESPACE = "rlplane"
 """Ray namespace of the store's named actors (embedded or started by ``rlplane store start``)."""
 
-TRANSPORTS = ("auto", "shm", "zmq")
+TRANSPORTS = ("auto", "shm", "zmq", "tcp")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -54,7 +54,9 @@ class StoreConfig:
         num_shards: storage shards; ``None`` means one per alive Ray node.
         capacity_bytes: byte capacity of the *whole* store (split evenly over shards); ``None`` = unbounded.
         num_cpus: logical CPUs each store actor requests (small, so a store fits a 2-core machine).
-        transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", or "zmq".
+        transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", "zmq" (frames
+            over the same-host ipc socket, or tcp across hosts), or "tcp" (frames over tcp even on the
+            same host: what a client on another node gets, for tests and benchmarks).
         rpc_timeout_s: deadline for one request to a shard or the index. A dead shard or index is
             noticed sooner: a reply late by a second makes the client check whether its process died,
             and calls to a dead one raise ``ShardUnavailableError`` at once.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -34,6 +35,32 @@ def start_store(**options):
     cfg = StoreConfig.from_options(**options)
     registry, handle = start_service(cfg)
     return cfg, registry, handle
+
+
+@contextlib.contextmanager
+def own_store(name: str, **options):
+    """A store of the test's own (its own options), this process attached to it; stopped at the end."""
+    import dataplane as dp
+
+    dp.close()
+    cfg, registry, handle = start_store(name=name, **options)
+    try:
+        dp.init(name=name)
+        yield cfg, registry
+    finally:
+        dp.close()
+        handle.stop()
+
+
+def keys_on_shards(pid: str, num_shards: int, prefix: str = "k") -> list[str]:
+    """One key per shard of partition ``pid``: ``result[i]`` is placed on shard ``i``."""
+    from dataplane._placement import HashPlacement
+
+    placement, found, i = HashPlacement(num_shards), {}, 0
+    while len(found) < num_shards:
+        found.setdefault(placement.shard_of(pid, f"{prefix}{i}"), f"{prefix}{i}")
+        i += 1
+    return [found[s] for s in range(num_shards)]
 
 
 def raw_socket(

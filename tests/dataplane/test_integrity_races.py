@@ -13,7 +13,6 @@ nothing is synchronised by sleeping. Each assertion names the bug it guards agai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import subprocess
@@ -27,10 +26,9 @@ import ray
 import torch
 
 import dataplane as dp
-from dataplane._placement import HashPlacement
 from dataplane.config import NAMESPACE
 
-from .conftest import start_store, wait_for
+from .conftest import keys_on_shards, own_store, start_store, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -59,31 +57,6 @@ def attached(store):
     dp.init(name=STORE)
     yield store
     dp.close()
-
-
-@contextlib.contextmanager
-def own_store(name: str, **options):
-    """A store of the test's own (other options than the module's), this process attached to it."""
-    dp.close()
-    cfg, registry, handle = start_store(name=name, **options)
-    try:
-        dp.init(name=name)
-        yield cfg, registry
-    finally:
-        dp.close()
-        handle.stop()
-
-
-def keys_on_shards(pid: str, num_shards: int, prefix: str = "k") -> list[str]:
-    """One key per shard (``result[i]`` is placed on shard ``i``) for partition ``pid``."""
-    found: dict[int, str] = {}
-    placement = HashPlacement(num_shards)
-    i = 0
-    while len(found) < num_shards:
-        key = f"{prefix}{i}"
-        found.setdefault(placement.shard_of(pid, key), key)
-        i += 1
-    return [found[s] for s in range(num_shards)]
 
 
 # ---- helper actors (each a separate process attached to a store) ----------------------------------

@@ -1,0 +1,131 @@
+"""Faults the store must survive or report exactly: a dead shard during a clear, a dead index, no fds.
+
+Real actors are killed with ``ray.kill`` and real processes run out of real file descriptors; each
+test waits for the fault to be visible (the process gone), never for a fixed time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ray
+import torch
+
+import dataplane as dp
+from dataplane import _service
+from dataplane._liveness import process_start
+from dataplane.config import NAMESPACE, StoreConfig
+
+from .conftest import keys_on_shards, own_store, start_store, wait_for
+
+pytestmark = pytest.mark.ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _kill(name: str, pid: int) -> None:
+    """Kill the store actor ``name`` and wait until its process is gone."""
+    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    wait_for(lambda: process_start(pid) == "", 30, f"process {pid} of {name} to exit")
+
+
+def test_clear_partition_with_a_dead_shard_names_what_is_left(ray_cluster, pid):
+    with own_store("t-fault-clear", num_shards=2, rpc_timeout_s=60) as (cfg, registry):
+        keys = keys_on_shards(pid, 2)
+        dp.kv_batch_put(keys, pid, {"x": torch.ones(2, 70_000)})
+        _kill(cfg.shard_name(1), registry["shards"][1]["pid"])
+        with pytest.raises(dp.ShardUnavailableError) as err:
+            dp.clear_partition(pid)
+        msg = str(err.value)
+        assert err.value.shard == cfg.shard_name(1)
+        assert "shards [0] freed their rows" in msg and "the index forgot them" in msg
+        assert "is dead" in msg, msg
+        assert dp.kv_list(pid) == {}  # the index forgot the partition
+        shard0 = ray.get_actor(cfg.shard_name(0), namespace=NAMESPACE)
+        assert pid not in ray.get(shard0.stats.remote(), timeout=30)["partitions"]
+        with pytest.raises(dp.ShardUnavailableError, match="is dead"):  # known dead: fails at once
+            dp.kv_batch_get([keys[1]], pid)
+
+
+def test_dead_index_store_is_stopped_and_started_afresh(ray_cluster, pid):
+    with own_store("t-fault-index", num_shards=2, rpc_timeout_s=60) as (cfg, registry):
+        keys = keys_on_shards(pid, 2)
+        dp.kv_batch_put(keys, pid, {"x": torch.full((2, 4), 3.0)})
+        _kill(cfg.index_name(), registry["index"]["pid"])
+        # an attached client: gets go straight to the shards and still work; puts need the index
+        assert dp.kv_batch_get(keys, pid)["x"].tolist() == [[3.0] * 4] * 2
+        with pytest.raises(dp.ShardUnavailableError, match=f"{cfg.index_name()}.*is dead"):
+            dp.kv_batch_put(keys, pid, {"y": torch.zeros(2)})
+        dp.close()
+        # a new process can neither attach to nor be confused by the remnants: they are named
+        with pytest.raises(dp.StoreNotInitializedError, match="broken.*rlplane store stop"):
+            dp.init(name=cfg.name, attach_only=True)
+        assert _service.stop_named(StoreConfig(name=cfg.name)) is True
+        assert _service.store_actor_names(StoreConfig(name=cfg.name)) == []
+        info = dp.init(name=cfg.name, num_shards=1)  # a fresh store under the same name
+        assert info.owned and info.num_shards == 1
+        dp.kv_batch_put(["a"], pid, {"x": torch.zeros(1, 2)})
+        assert dp.kv_batch_get(["a"], pid)["x"].shape == (1, 2)
+
+
+def test_init_clears_a_broken_store_before_starting_one(ray_cluster):
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-broken", num_shards=1)
+    try:
+        _kill(cfg.index_name(), registry["index"]["pid"])
+        info = dp.init(name=cfg.name, num_shards=2)
+        assert info.owned and info.num_shards == 2
+        assert _service.store_actor_names(cfg) == sorted(
+            [cfg.index_name(), cfg.shard_name(0), cfg.shard_name(1)]
+        )
+    finally:
+        dp.close()
+        handle.stop()
+
+
+def test_running_out_of_fds_is_a_typed_error_naming_the_limit(ray_cluster, pid):
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-fds", num_shards=1)
+    try:
+        dp.init(name=cfg.name)
+        dp.kv_batch_put(["small"], pid, {"x": torch.zeros(1, 4)})
+        dp.kv_batch_put(["big"], pid, {"y": torch.ones(1, 64_000)})  # a segment the child never mapped
+        code = textwrap.dedent(
+            f"""
+            import os, resource, sys
+            sys.path.insert(0, {ROOT!r})
+            import ray, dataplane as dp
+            ray.init(address={ray_cluster.address!r}, logging_level="ERROR")
+            dp.init(name={cfg.name!r})
+            assert dp.stats()["shards"][0]["transport"] == "shm"
+            dp.kv_batch_get(["small"], {pid!r})  # sockets are open and pooled now
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+            held = []
+            try:
+                while True:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                pass
+            try:
+                dp.kv_batch_get(["big"], {pid!r})
+                print("NO ERROR")
+            except dp.ResourceLimitError as exc:
+                assert isinstance(exc, OSError)
+                print("TYPED", exc)
+            for fd in held:
+                os.close(fd)
+            print("AFTER", float(dp.kv_batch_get(["big"], {pid!r})["y"].min()))
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "TYPED" in out.stdout, out.stdout + out.stderr[-3000:]
+        assert "ran out of file descriptors" in out.stdout and "limit is" in out.stdout
+        assert "AFTER 1.0" in out.stdout, "the client did not recover once descriptors were free"
+    finally:
+        dp.close()
+        handle.stop()
