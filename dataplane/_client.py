@@ -68,7 +68,9 @@ class StoreClient:
         here = boot_id()
         shards = registry["shards"]
         self.shm = [
-            mode not in ("zmq", "tcp") and s["boot_id"] == here and probe(s["pid"], s["probe"], s["boot_id"])
+            mode not in ("zmq", "tcp")
+            and s["boot_id"] == here
+            and probe(s["pid"], s["generations"], s["boot_id"])
             for s in shards
         ]
         if mode == "shm" and not all(self.shm):
@@ -96,6 +98,7 @@ class StoreClient:
             placement=HashPlacement(len(shards)),
             shm=self.shm,
             shard_pids=[s["pid"] for s in shards],
+            tables=[s["generations"] for s in shards],
             maps=self.maps,
             shm_min_bytes=self.config.shm_min_bytes,
             commit_within_s=COMMIT_WITHIN * self.config.reservation_timeout_s,

@@ -26,7 +26,7 @@ from dataplane import _wire
 from dataplane._column_types import Column
 from dataplane._placement import Placement
 from dataplane._rows import assemble, contiguous_view, nbytes_of
-from dataplane._segments import TRAILER, MappingCache, ShmUnavailable, generation
+from dataplane._segments import MappingCache, ShmUnavailable, generation
 from dataplane._transport import INDEX, Call, Result
 from dataplane.errors import (
     BatchSizeError,
@@ -48,6 +48,7 @@ class Route:
     placement: Placement
     shm: list[bool]  # per shard: this client maps the shard's segments directly
     shard_pids: list[int]
+    tables: list[list[int]]  # per shard: the ref of its generation table (``_segments``)
     maps: MappingCache
     shm_min_bytes: int
     commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
@@ -320,7 +321,7 @@ def _gather(
         col, viewed = _build(pieces, sources, n, copy)
         if not viewed:  # bytes were copied out of shared memory: were they still those rows' bytes?
             for src in sources:
-                if src.mapping is not None and generation(src.mapping) != src.gen:
+                if src.table is not None and generation(src.table, src.slot) != src.gen:
                     raise _Stale
         out[name] = col
     return out
@@ -331,7 +332,8 @@ class _Source:
     """Where a piece's bytes live: a received frame (private), or a shard segment of a generation."""
 
     viewable: bool  # a frame, or a segment the shard exported for a zero-copy view
-    mapping: memoryview | None = None  # the whole file, for the generation check
+    table: memoryview | None = None  # the shard's generation table (None: a private frame)
+    slot: int = 0
     gen: int = 0
 
 
@@ -388,12 +390,13 @@ def _pieces(
     spec = _wire.spec_from_wire(entry["spec"])
     seg_of = _wire.array_from_wire(entry["seg"], bufs, len(pos))
     row_of = _wire.array_from_wire(entry["row"], bufs, len(pos))
+    table = route.maps.table(s, route.shard_pids[s], route.tables[s])
     for j, (ref, nbytes, num_rows, off, view) in enumerate(entry["segs"]):
         try:
             mapping = route.maps.view(s, route.shard_pids[s], ref)
         except ShmUnavailable as exc:  # closed since the shard answered: its rows were freed
             raise _Stale from exc
-        if nbytes > len(mapping) - TRAILER:
+        if nbytes > len(mapping) or not 0 <= int(ref[4]) < len(table) // 8:
             raise WireError(
                 f"shard {s} answered field {name!r} with {nbytes} bytes in a file of {len(mapping)}"
             )
@@ -405,7 +408,7 @@ def _pieces(
         if len(src) and (int(src.min()) < 0 or int(src.max()) >= num_rows):
             raise WireError(f"shard {s} answered field {name!r} with rows outside a segment of {num_rows}")
         pieces.append((col, src, dst))
-        sources.append(_Source(viewable=bool(view), mapping=mapping, gen=int(ref[4])))
+        sources.append(_Source(viewable=bool(view), table=table, slot=int(ref[4]), gen=int(ref[5])))
 
 
 def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> tuple[Any, bool]:
@@ -413,7 +416,7 @@ def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> t
     col, src, dst = pieces[0]
     if len(pieces) == 1 and len(dst) == num_rows and bool(np.all(dst == np.arange(num_rows))):
         source = sources[0]
-        private = source.mapping is None  # a received frame: no need to copy it again
+        private = source.table is None  # a received frame: no need to copy it again
         if source.viewable and (private or not copy):
             view = contiguous_view(col, src)
             if view is not None:

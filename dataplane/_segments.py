@@ -7,12 +7,13 @@ with ``posix_fallocate`` (much cheaper than faulting them in through a copy).
 
 Lifetime invariants (what makes a read return only bytes some completed put wrote):
 
-* **Generation.** The last 8 bytes of every file hold its generation, a number that changes each
-  time the rows it holds stop being live (the file is freed, then maybe reused by another put), and
-  reads as 0 once its pages are given back. A get reply names the generation it saw; a reader
-  that copies out of a file checks, after copying, that the generation is unchanged, and retries
-  otherwise. Rows of a live file are never written: a writer only writes into a file it reserved,
-  before the commit that makes it readable.
+* **Generation.** Every file has a slot in the shard's *generation table* (one small memfd that
+  clients map once, next to the files), holding the file's generation: a number, unique within the
+  shard, that changes each time the rows the file holds stop being live (the file is freed, then
+  maybe reused by another put), and 0 once the file is closed. A get reply names the slot and the
+  generation it saw; a reader that copies out of a file checks, after copying, that the slot still
+  holds that generation, and retries otherwise. Rows of a live file are never written: a writer
+  only writes into a file it reserved, before the commit that makes it readable.
 * **Exported files are never reused.** A file handed out as a zero-copy view (*exported*) is
   closed without giving its pages back when freed, so the view keeps its bytes for as long as the
   reader holds it; nobody else ever writes them.
@@ -47,13 +48,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane._mapping import map_fd
-from dataplane.errors import ResourceLimitError
+from dataplane.errors import ResourceLimitError, StoreFullError
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 _REUSE_SLACK = 1.3
-TRAILER = 64  # bytes reserved at the end of every file; the generation is its last 8
+TABLE_SLOTS = 1 << 20  # live files per shard; the table is sparse: only touched pages cost memory
 _GEN = struct.Struct("<Q")
 
 
@@ -66,9 +67,48 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
-def generation(view: memoryview) -> int:
-    """The generation stored in the trailer of a whole-file mapping (0 once its pages were given back)."""
-    return _GEN.unpack_from(view, len(view) - _GEN.size)[0]
+def generation(table: memoryview, slot: int) -> int:
+    """The generation in ``slot`` of a mapped generation table (0: no live file there)."""
+    return _GEN.unpack_from(table, slot * _GEN.size)[0]
+
+
+class GenTable:
+    """The shard's generation table: one 8-byte slot per open file (see the module docstring).
+
+    A memfd like the segments, so clients map it the same way (and it doubles as the probe that
+    tells a client it can map the shard's files at all). Generations come from one counter, so a
+    slot reused by another file never shows a generation a reader saw before.
+    """
+
+    def __init__(self, prefix: str = "dataplane", slots: int = TABLE_SLOTS) -> None:
+        self.file = ShmFile.create(0, slots * _GEN.size, prefix, allocate=False)
+        self._view = self.file.view()
+        self._free = list(range(slots - 1, -1, -1))
+        self._next_gen = 1
+
+    def take(self) -> int:
+        if not self._free:
+            raise StoreFullError(f"a shard holds at most {TABLE_SLOTS} shared-memory segments at once")
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self.set(slot, 0)
+        self._free.append(slot)
+
+    def new_generation(self, slot: int) -> int:
+        gen, self._next_gen = self._next_gen, self._next_gen + 1
+        self.set(slot, gen)
+        return gen
+
+    def set(self, slot: int, gen: int) -> None:
+        _GEN.pack_into(self._view, slot * _GEN.size, gen)
+
+    def ref(self) -> list[int]:
+        return self.file.ref()
+
+    def close(self) -> None:
+        self._view = None
+        self.file.close(punch=True)
 
 
 def fd_limit_error(what: str, exc: OSError) -> ResourceLimitError:
@@ -82,19 +122,20 @@ def fd_limit_error(what: str, exc: OSError) -> ResourceLimitError:
 
 @dataclass(eq=False)
 class ShmFile:
-    """One memfd file (shard side)."""
+    """One memfd file (shard side); ``slot`` / ``gen``: its place in the generation table."""
 
     file_id: int
     size: int
     fd: int = -1
     inode: int = 0
-    gen: int = 1
+    slot: int = -1
+    gen: int = 0
     exported: bool = False
     freed_at: float = 0.0
     _view: memoryview | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, file_id: int, size: int, prefix: str = "dataplane") -> ShmFile:
+    def create(cls, file_id: int, size: int, prefix: str = "dataplane", allocate: bool = True) -> ShmFile:
         try:
             fd = os.memfd_create(f"{prefix}-seg-{file_id}", os.MFD_CLOEXEC)
         except OSError as exc:
@@ -103,26 +144,12 @@ class ShmFile:
             raise
         try:
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
-            f = cls(file_id=file_id, size=size, fd=fd, inode=os.fstat(fd).st_ino)
-            f._write_gen()
+            if allocate:
+                os.posix_fallocate(fd, 0, size)
+            return cls(file_id=file_id, size=size, fd=fd, inode=os.fstat(fd).st_ino)
         except OSError:
             os.close(fd)
             raise
-        return f
-
-    @property
-    def capacity(self) -> int:
-        """Bytes of row data the file can hold (the trailer excluded)."""
-        return self.size - TRAILER
-
-    def _write_gen(self) -> None:
-        os.pwrite(self.fd, _GEN.pack(self.gen), self.size - _GEN.size)
-
-    def retire(self) -> None:
-        """The rows this file held are gone: move to the next generation (before any reuse)."""
-        self.gen += 1
-        self._write_gen()
 
     def view(self) -> memoryview:
         """The shard's own mapping of the whole file (mapped on first use)."""
@@ -131,8 +158,8 @@ class ShmFile:
         return self._view
 
     def ref(self) -> list[int]:
-        """What a client needs to map this file and check it: [file_id, fd, size, inode, generation]."""
-        return [self.file_id, self.fd, self.size, self.inode, self.gen]
+        """What a client needs to map and check this file: [file_id, fd, size, inode, slot, generation]."""
+        return [self.file_id, self.fd, self.size, self.inode, self.slot, self.gen]
 
     def close(self, punch: bool) -> None:
         """Give the pages back (``punch``) and close; live views elsewhere keep their own mappings."""
@@ -157,24 +184,30 @@ class ShmPool:
         self.prefix = prefix
         self.warm_idle_s = warm_idle_s
         self.warm_retain_bytes = warm_retain_bytes
+        self.table = GenTable(prefix)
         self._next_id = 1
         self.live: dict[int, ShmFile] = {}
         self.warm: list[ShmFile] = []
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
 
     def acquire(self, nbytes: int) -> ShmFile:
-        """A file that holds ``nbytes`` of rows: a warm one that fits, else a fresh one."""
-        need = nbytes + TRAILER
+        """A file of at least ``nbytes``: a warm one that fits, else a fresh one."""
         best = None
         for f in self.warm:
-            if need <= f.size <= max(size_class(need), int(need * _REUSE_SLACK)):
+            if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
                 if best is None or f.size < best.size:
                     best = f
         if best is not None:
             self.warm.remove(best)
         else:
-            best = ShmFile.create(self._next_id, size_class(need), self.prefix)
+            slot = self.table.take()
+            try:
+                best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix)
+            except BaseException:
+                self.table.give_back(slot)
+                raise
             self._next_id += 1
+            best.slot, best.gen = slot, self.table.new_generation(slot)
         self.live[best.file_id] = best
         return best
 
@@ -184,7 +217,7 @@ class ShmPool:
         if f.exported:
             self._close(f, punch=False)
             return
-        f.retire()
+        f.gen = self.table.new_generation(f.slot)  # before any reuse: readers of the old rows will see it
         f.freed_at = time.monotonic()
         self.warm.append(f)
         self.trim()
@@ -211,6 +244,9 @@ class ShmPool:
         return given
 
     def _close(self, f: ShmFile, punch: bool) -> None:
+        if f.slot >= 0:
+            self.table.give_back(f.slot)
+            f.slot = -1
         f.close(punch=punch)
         self.version += 1
 
@@ -219,6 +255,7 @@ class ShmPool:
             self._close(f, punch=not f.exported)
         self.live.clear()
         self.warm.clear()
+        self.table.close()
 
     def live_ids(self) -> list[int]:
         return sorted(self.live)
@@ -241,8 +278,19 @@ class MappingCache:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], memoryview] = {}
+        self._tables: dict[int, memoryview] = {}
         self._versions: dict[int, int] = {}
         self._lock = threading.Lock()
+
+    def table(self, shard: int, pid: int, ref: list[int]) -> memoryview:
+        """The shard's generation table (mapped once; read with ``generation(table, slot)``)."""
+        with self._lock:
+            m = self._tables.get(shard)
+        if m is None:
+            m = map_remote(pid, *ref[1:4])
+            with self._lock:
+                self._tables[shard] = m
+        return m
 
     def version(self, shard: int) -> int:
         return self._versions.get(shard, -1)
@@ -271,11 +319,13 @@ class MappingCache:
         with self._lock:
             for key in [k for k in self._maps if k[0] == shard]:
                 del self._maps[key]
+            self._tables.pop(shard, None)
             self._versions.pop(shard, None)
 
     def clear(self) -> None:
         with self._lock:
             self._maps.clear()
+            self._tables.clear()
             self._versions.clear()
 
     def __len__(self) -> int:
@@ -326,7 +376,7 @@ def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
 
 
 __all__ = [
-    "TRAILER",
+    "GenTable",
     "MappingCache",
     "ShmFile",
     "ShmPool",

@@ -125,7 +125,6 @@ class ShardCore:
         self._resv_ids = itertools.count(1)
         self.expired = 0
         self.host_memory = host_memory_bytes()
-        self.probe_file = ShmFile.create(0, 4096)  # lets a client check it can map our files
 
     # ---- dispatch ---------------------------------------------------------------------------
     def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -417,7 +416,6 @@ class ShardCore:
     def close(self) -> None:
         self.partitions.clear()
         self.pool.close_all()
-        self.probe_file.close(punch=True)
 
 
 __all__ = ["Segment", "ShardCore"]

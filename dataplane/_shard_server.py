@@ -57,7 +57,7 @@ class ShardActor:
             "boot_id": boot_id(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
-            "probe": self.core.probe_file.ref(),
+            "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
     def ping(self) -> bool:
