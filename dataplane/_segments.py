@@ -83,13 +83,18 @@ class GenTable:
     def __init__(self, prefix: str = "dataplane", slots: int = TABLE_SLOTS) -> None:
         self.file = ShmFile.create(0, slots * _GEN.size, prefix, allocate=False)
         self._view = self.file.view()
-        self._free = list(range(slots - 1, -1, -1))
+        self._slots = slots
+        self._unused = 0  # slots below this have been handed out at least once
+        self._free: list[int] = []  # slots given back since
         self._next_gen = 1
 
     def take(self) -> int:
-        if not self._free:
-            raise StoreFullError(f"a shard holds at most {TABLE_SLOTS} shared-memory segments at once")
-        return self._free.pop()
+        if self._free:
+            return self._free.pop()
+        if self._unused >= self._slots:
+            raise StoreFullError(f"a shard holds at most {self._slots} shared-memory segments at once")
+        self._unused += 1
+        return self._unused - 1
 
     def give_back(self, slot: int) -> None:
         self.set(slot, 0)
@@ -287,7 +292,7 @@ class MappingCache:
         with self._lock:
             m = self._tables.get(shard)
         if m is None:
-            m = map_remote(pid, *ref[1:4])
+            m = map_remote(pid, *ref[1:4], populate=False)  # sparse: only the slots read get pages
             with self._lock:
                 self._tables[shard] = m
         return m
@@ -332,7 +337,7 @@ class MappingCache:
         return len(self._maps)
 
 
-def map_remote(pid: int, fd: int, size: int, inode: int) -> memoryview:
+def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) -> memoryview:
     """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
 
     The mapping holds no file descriptor (``_mapping.map_fd``). Running out of descriptors while
@@ -350,7 +355,7 @@ def map_remote(pid: int, fd: int, size: int, inode: int) -> memoryview:
             raise ShmUnavailable(
                 f"{path} is not the shard's segment (inode mismatch: closed, other host or pid ns)"
             )
-        return map_fd(local, size, populate=True)
+        return map_fd(local, size, populate=populate)
     finally:
         os.close(local)
 
@@ -369,7 +374,7 @@ def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
     if not host_boot_id or host_boot_id != boot_id():
         return False
     try:
-        map_remote(pid, ref[1], ref[2], ref[3])
+        map_remote(pid, ref[1], ref[2], ref[3], populate=False)
         return True
     except (ShmUnavailable, OSError, ValueError):
         return False
