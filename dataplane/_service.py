@@ -265,6 +265,7 @@ def cli(args: argparse.Namespace) -> int:
     cfg = StoreConfig.from_options(
         num_shards=getattr(args, "shards", None),
         capacity_bytes=getattr(args, "capacity", None),
+        encrypt=bool(getattr(args, "encrypt", False)),
         detached=True,
     )
     try:
