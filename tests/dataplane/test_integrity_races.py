@@ -132,7 +132,7 @@ class Reader:
     def read(self, key: str, pid: str, expect: float, max_s: float) -> dict:
         import dataplane as dp
 
-        counts = {"reads": 0, "good": 0, "missing": 0, "bad": 0, "bad_examples": []}
+        counts = {"reads": 0, "good": 0, "missing": 0, "raced": 0, "bad": 0, "bad_examples": []}
         deadline = time.monotonic() + max_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             counts["reads"] += 1
@@ -140,6 +140,11 @@ class Reader:
                 x = dp.kv_batch_get([key], pid)["x"]
             except (dp.KeyNotFoundError, dp.PartitionNotFoundError):
                 counts["missing"] += 1
+                continue
+            except dp.DataplaneError as exc:  # a read that lost the race every time: typed, not wrong
+                if "raced with clears" not in str(exc):
+                    raise
+                counts["raced"] += 1
                 continue
             lo, hi = x.min().item(), x.max().item()
             if lo == hi == expect:
@@ -195,6 +200,7 @@ def test_reader_never_gets_bytes_of_a_recycled_segment(ray_cluster):
         finally:
             ray.kill(writer)
             ray.kill(reader)
+    print(f"reader counts: {counts}")
     assert counts["good"] > 0, f"the reader never saw the key while the writer ran: {counts}"
     assert counts["bad"] == 0, (
         f"{counts['bad']} of {counts['reads']} reads of P1/k returned bytes that are not all 1.0 "
