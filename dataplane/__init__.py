@@ -39,6 +39,7 @@ from dataplane.config import StoreConfig
 from dataplane.errors import (
     BatchSizeError,
     DataplaneError,
+    FieldNotFoundError,
     KeyNotFoundError,
     PartitionNotFoundError,
     ReservationExpiredError,
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchSizeError",
     "DataplaneError",
+    "FieldNotFoundError",
     "KVBatchMeta",
     "KeyNotFoundError",
     "PartitionNotFoundError",

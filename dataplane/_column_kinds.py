@@ -158,22 +158,32 @@ class ValueEncoder:
         return Column(spec, elem_offsets.size - 1, data[begin * row_bytes : end * row_bytes], offsets)
 
     def _tensor_list(self, name: str, rows: list[torch.Tensor], num_rows: int) -> Column:
+        """Rows of one dtype and one number of dims, each of its own shape: jagged when they differ
+        only in their first dim, ragged (with each row's shape) otherwise. One copy."""
         _check_rows(name, len(rows), num_rows)
         if all(r.dim() == 0 for r in rows):
             return self._dense(name, torch.stack(rows), num_rows)
         first = rows[0]
         for i, r in enumerate(rows):
-            if r.dim() == 0 or r.dtype != first.dtype or r.shape[1:] != first.shape[1:]:
+            if r.dim() != first.dim() or r.dtype != first.dtype:
                 raise SchemaError(
                     name,
-                    f"field {name!r}: row {i} is {r.dtype} {tuple(r.shape)} but row 0 is {first.dtype} "
-                    f"{tuple(first.shape)}; jagged rows share dtype and all dims after the first",
+                    f"field {name!r}: row {i} is {r.dtype} with {r.dim()} dims but row 0 is {first.dtype} "
+                    f"with {first.dim()}; the rows of a field share their dtype and number of dims",
                 )
-        lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows))
+        values = torch.cat([r.detach().reshape(-1) for r in rows])  # the one copy; on the rows' device
+        if all(r.shape[1:] == first.shape[1:] for r in rows):
+            lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows))
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            return self._jagged(name, values.view(-1, *first.shape[1:]), offsets)
+        shapes = np.array([tuple(r.shape) for r in rows], dtype=np.int64).reshape(len(rows), first.dim())
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = torch.cat([r.detach() for r in rows])  # the one copy; on the rows' device
-        return self._jagged(name, values, offsets)
+        np.cumsum(np.prod(shapes, axis=1) * values.element_size(), out=offsets[1:])
+        data = _tensor_bytes(name, self._host(values))
+        return Column(
+            ColumnSpec("ragged", dtype_name(first.dtype), (first.dim(),)), len(rows), data, offsets, shapes
+        )
 
     # -- python values --------------------------------------------------------------------------
 
@@ -308,11 +318,23 @@ def _arrow_values(col: Column) -> list:
 # -- decode ---------------------------------------------------------------------------------------
 
 
+def _common_row_shape(col: Column) -> tuple[int, ...] | None:
+    """The shape every row of a jagged or ragged column has, if they all have one (else None)."""
+    if col.num_rows == 0:
+        return None
+    shapes = col.row_shapes(np.arange(col.num_rows))
+    return tuple(int(d) for d in shapes[0]) if bool(np.all(shapes == shapes[0])) else None
+
+
 def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
     """The TensorDict entry for one column (a tensor view over ``col.data`` when it holds tensors)."""
     spec = col.spec
     if spec.kind == "dense":
         return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *spec.shape)
+    if spec.kind in ("jagged", "ragged"):
+        shape = _common_row_shape(col)
+        if shape is not None:  # the rows asked for share one shape: dense, still a view
+            return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *shape)
     if spec.kind == "jagged":
         dtype = torch_dtype(spec.dtype)
         values = u8_tensor(col.data).view(dtype).view(-1, *spec.shape)
@@ -323,6 +345,16 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
         if lengths.size:
             bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
         return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(elem_offsets), **bounds)
+    if spec.kind == "ragged":  # rows differ beyond their first dim: a strided nested tensor (one copy)
+        flat = u8_tensor(col.data).view(torch_dtype(spec.dtype))
+        item = flat.element_size()
+        rows = [
+            flat[col.offsets[i] // item : col.offsets[i + 1] // item].view(*col.shapes[i].tolist())
+            for i in range(col.num_rows)
+        ]
+        with warnings.catch_warnings():  # torch calls the strided layout a prototype; it is what fits
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.nested.nested_tensor(rows)
     from tensordict import NonTensorStack
 
     if spec.kind == "arrow":

@@ -21,7 +21,8 @@ from dataplane.errors import SchemaError
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("dense", "jagged", "arrow", "json", "object")
+KINDS = ("dense", "jagged", "ragged", "arrow", "json", "object")
+TENSOR_KINDS = ("dense", "jagged", "ragged")  # one field may mix them: shape belongs to the row
 MAX_DIMS = 32
 MAX_ROW_BYTES = 1 << 48  # a row (or jagged element) larger than this is a lie, not data
 _ARROW_DTYPES = ("large_string", "large_binary")
@@ -56,11 +57,21 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class ColumnSpec(msgspec.Struct, frozen=True):
-    """How to read a column's bytes: kind, element type and per-row (dense) or trailing (jagged) shape.
+    """How to read a column's bytes: kind, element type and shape information.
+
+    ``shape`` by kind: *dense*, every row's shape; *jagged*, the dims after the first (rows differ
+    in their first dim: lengths come from the offsets); *ragged*, ``(ndim,)`` (rows differ in any
+    dim: each row's shape is in ``Column.shapes``); other kinds, ``()``.
+
+    A field's *schema* is its ``family()``: kind group and dtype (and, for tensors, the number of
+    dims per row). Segments of one field may have different specs of one family: a dense batch of
+    3-token rows and another of 5-token rows are one int64 field with 1-dim rows.
 
     Example:
         >>> ColumnSpec("dense", "bfloat16", (4,)).row_nbytes()
         8
+        >>> ColumnSpec("dense", "int64", (3,)).family() == ColumnSpec("jagged", "int64", ()).family()
+        True
     """
 
     kind: str
@@ -73,6 +84,20 @@ class ColumnSpec(msgspec.Struct, frozen=True):
             return None
         return itemsize(self.dtype) * math.prod(self.shape)
 
+    def row_ndim(self) -> int:
+        """Dims of one row (tensor kinds)."""
+        if self.kind == "jagged":
+            return 1 + len(self.shape)
+        if self.kind == "ragged":
+            return self.shape[0]
+        return len(self.shape)
+
+    def family(self) -> tuple:
+        """What every segment of one field shares: ``("tensor", dtype, row ndim)`` or ``(kind, dtype)``."""
+        if self.kind in TENSOR_KINDS:
+            return ("tensor", self.dtype, self.row_ndim())
+        return (self.kind, self.dtype)
+
     def check(self, field: str) -> None:
         """Raise ``SchemaError`` naming ``field`` unless this spec is one the codec can write.
 
@@ -84,9 +109,13 @@ class ColumnSpec(msgspec.Struct, frozen=True):
             raise SchemaError(field, f"field {field!r}: unknown column kind {kind!r}; known: {KINDS}")
         if len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in shape):
             raise SchemaError(field, f"field {field!r}: invalid row shape {tuple(shape)}")
-        if kind in ("dense", "jagged"):
+        if kind in TENSOR_KINDS:
             if dtype not in _ITEMSIZE:
                 raise SchemaError(field, f"field {field!r}: dtype {dtype!r} cannot be stored")
+            if kind == "ragged":
+                if len(shape) != 1 or not 1 <= shape[0] <= MAX_DIMS:
+                    raise SchemaError(field, f"field {field!r}: ragged columns declare (ndim,), got {shape}")
+                return
             if self.row_bytes() > MAX_ROW_BYTES:
                 raise SchemaError(field, f"field {field!r}: rows of shape {tuple(shape)} are too large")
             if kind == "jagged" and self.row_bytes() == 0:
@@ -101,36 +130,62 @@ class ColumnSpec(msgspec.Struct, frozen=True):
             raise SchemaError(field, f"field {field!r}: {kind} columns have dtype {_KIND_DTYPE[kind]!r}")
 
     def row_bytes(self) -> int:
-        """Bytes of one element row: a dense row, or one step along a jagged row's first dim."""
+        """Bytes of one step along a variable row: a dense row, one jagged element row, one ragged item."""
+        if self.kind == "ragged":
+            return itemsize(self.dtype)
         return itemsize(self.dtype) * math.prod(self.shape)
 
     def check_compatible(self, other: ColumnSpec, field: str) -> None:
-        """Raise ``SchemaError`` naming ``field`` and both specs unless ``other`` can join this column.
+        """Raise ``SchemaError`` naming ``field`` unless ``other`` can join this column.
 
-        Kind, dtype and shape (dense: per-row shape; jagged: trailing shape) must all be equal.
+        Rows may have any shape; the kind group, the dtype and (tensors) the number of dims per row
+        must be those of the column.
         """
-        if self != other:
+        if self.family() != other.family():
             raise SchemaError(
                 field,
-                f"field {field!r}: new data {_spec_str(other)} does not match the stored column "
-                f"{_spec_str(self)}; write it with the stored dtype and shape, or use a new field name",
+                f"field {field!r}: new data ({describe_family(other.family())}) does not match the stored "
+                f"column ({describe_family(self.family())}); write it with the stored dtype, or use a new "
+                "field name",
             )
+
+
+def describe_family(family: tuple | list) -> str:
+    """``("tensor", "float32", 1)`` -> "float32 tensors with 1 dim per row"."""
+    if family[0] == "tensor":
+        return f"{family[1]} tensors with {family[2]} dim{'s' if family[2] != 1 else ''} per row"
+    return {
+        "arrow": f"arrow {family[1]} values",
+        "json": "JSON-like values",
+        "object": "pickled objects",
+    }.get(family[0], str(tuple(family)))
 
 
 def check_offsets(off: np.ndarray | None, n: int, size: int, spec: ColumnSpec, field: str) -> None:
     """Raise ``SchemaError`` unless ``off`` are valid byte offsets of ``n`` variable-size rows in
-    ``size`` bytes: ``n + 1`` int64 values rising from 0 to ``size`` (jagged: on element boundaries)."""
+    ``size`` bytes: ``n + 1`` int64 values rising from 0 to ``size`` (tensors: on element boundaries)."""
     if off is None or off.dtype != np.int64 or off.ndim != 1 or len(off) != n + 1:
         got = None if off is None else off.shape
         raise SchemaError(field, f"field {field!r}: {n} rows need {n + 1} int64 offsets, got {got}")
     if off[0] != 0 or off[-1] != size or (n > 1 and bool(np.any(np.diff(off) < 0))):
         raise SchemaError(field, f"field {field!r}: offsets must rise from 0 to the data length {size}")
-    if spec.kind == "jagged" and bool(np.any(off % spec.row_bytes())):
-        raise SchemaError(field, f"field {field!r}: jagged offsets off element boundaries")
+    if spec.kind in ("jagged", "ragged") and bool(np.any(off % spec.row_bytes())):
+        raise SchemaError(field, f"field {field!r}: {spec.kind} offsets off element boundaries")
 
 
-def _spec_str(spec: ColumnSpec) -> str:
-    return f"(kind={spec.kind}, dtype={spec.dtype}, shape={tuple(spec.shape)})"
+def check_shapes(shapes: np.ndarray | None, off: np.ndarray, spec: ColumnSpec, field: str) -> None:
+    """Raise ``SchemaError`` unless ``shapes`` are the ragged rows' shapes: int64 ``[n, ndim]``, each
+    row's elements filling exactly its bytes (``off`` already checked)."""
+    n, ndim = len(off) - 1, spec.shape[0]
+    if shapes is None or shapes.dtype != np.int64 or shapes.shape != (n, ndim):
+        got = None if shapes is None else shapes.shape
+        raise SchemaError(
+            field, f"field {field!r}: {n} ragged rows need int64 shapes ({n}, {ndim}), got {got}"
+        )
+    if n and (bool(np.any(shapes < 0)) or bool(np.any(shapes > MAX_ROW_BYTES))):
+        raise SchemaError(field, f"field {field!r}: ragged row shapes out of range")
+    if n and not np.array_equal(np.prod(shapes, axis=1) * spec.row_bytes(), np.diff(off)):
+        raise SchemaError(field, f"field {field!r}: ragged row shapes do not match their bytes")
 
 
 @dataclass(eq=False)  # offsets is an ndarray: == would be ambiguous
@@ -143,13 +198,15 @@ class Column:
         data: 1-D uint8 memoryview of every row's bytes back to back (C order). When encoded from a
             contiguous CPU tensor it is a zero-copy view of that tensor.
         offsets: int64 ``[num_rows + 1]`` byte offsets into ``data`` for variable-size rows (jagged,
-            arrow, object), starting at 0; ``None`` for dense rows.
+            ragged, arrow, json, object), starting at 0; ``None`` for dense rows.
+        shapes: int64 ``[num_rows, ndim]``, each row's shape, for ragged rows only.
     """
 
     spec: ColumnSpec
     num_rows: int
     data: memoryview
     offsets: np.ndarray | None = None
+    shapes: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +232,21 @@ class Column:
                 )
             return
         check_offsets(self.offsets, n, size, self.spec, field)
+        if self.spec.kind == "ragged":
+            check_shapes(self.shapes, self.offsets, self.spec, field)
+        elif self.shapes is not None:
+            raise SchemaError(field, f"field {field!r}: only ragged columns carry row shapes")
+
+    def row_shapes(self, rows: np.ndarray) -> np.ndarray:
+        """Shapes of ``rows`` (tensor kinds) as int64 ``[len(rows), ndim]``."""
+        spec = self.spec
+        if spec.kind == "dense":
+            return np.broadcast_to(np.asarray(spec.shape, dtype=np.int64), (len(rows), len(spec.shape)))
+        if spec.kind == "ragged":
+            return self.shapes[rows]
+        lengths = (self.offsets[rows + 1] - self.offsets[rows]) // spec.row_bytes()
+        trailing = np.broadcast_to(np.asarray(spec.shape, dtype=np.int64), (len(rows), len(spec.shape)))
+        return np.column_stack([lengths, trailing]) if len(spec.shape) else lengths[:, None]
 
     def row_range(self, start: int, stop: int) -> tuple[int, int]:
         """Byte range ``[begin, end)`` in ``data`` of rows ``start..stop-1``."""
@@ -184,4 +256,15 @@ class Column:
         return int(self.offsets[start]), int(self.offsets[stop])
 
 
-__all__ = ["KINDS", "MAX_DIMS", "Column", "check_offsets", "ColumnSpec", "itemsize", "torch_dtype"]
+__all__ = [
+    "KINDS",
+    "MAX_DIMS",
+    "TENSOR_KINDS",
+    "Column",
+    "check_offsets",
+    "check_shapes",
+    "describe_family",
+    "ColumnSpec",
+    "itemsize",
+    "torch_dtype",
+]

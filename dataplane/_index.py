@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane import _auth, _protocol, _wire
-from dataplane.errors import WireError
+from dataplane._column_types import describe_family
+from dataplane.errors import SchemaError, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,14 @@ class _PartMeta:
 
 @dataclass
 class _FieldSchema:
-    """A field's spec, decided by the first ``prepare`` that named it (first writer wins).
+    """A field's family (kind group, dtype, dims per row; ``ColumnSpec.family``), decided by the first
+    ``prepare`` that named it (first writer wins); each row's shape is free.
 
     ``confirmed`` once a put that relies on it commits; until then ``pending`` holds the puts
     (transaction ids) that rely on it, and the last of them to abort takes it back.
     """
 
-    spec: list[Any]
+    family: list[Any]
     confirmed: bool = False
     pending: set[int] = field(default_factory=set)
 
@@ -74,18 +76,25 @@ class IndexCore:
         """
         pid = body.pid
         schema = self.schemas.get(pid, {})
+        families = {}
         for name, spec in body.specs.items():
             new_s = _wire.spec_from_wire(spec)
             new_s.check(name)
+            families[name] = list(new_s.family())
             old = schema.get(name)
-            if old is not None and list(old.spec) != list(spec):
-                _wire.spec_from_wire(old.spec).check_compatible(new_s, name)
+            if old is not None and old.family != families[name]:
+                raise SchemaError(
+                    name,
+                    f"field {name!r}: new data ({describe_family(families[name])}) does not match the stored "
+                    f"column ({describe_family(old.family)}); write it with the stored dtype, or use a new "
+                    "field name",
+                )
         txn = next(self._txn_ids)
         schema = self.schemas.setdefault(pid, schema)
-        for name, spec in body.specs.items():
+        for name in body.specs:
             entry = schema.get(name)
             if entry is None:
-                entry = schema[name] = _FieldSchema(list(spec))
+                entry = schema[name] = _FieldSchema(families[name])
             if not entry.confirmed:
                 entry.pending.add(txn)
         self.txns[txn] = (pid, list(body.specs))

@@ -25,7 +25,7 @@ import numpy as np
 from dataplane import _wire
 from dataplane._column_types import Column
 from dataplane._placement import Placement
-from dataplane._rows import assemble, contiguous_view, nbytes_of
+from dataplane._rows import assemble, assemble_any, contiguous_view, nbytes_of
 from dataplane._segments import MappingCache, ShmUnavailable, generation
 from dataplane._transport import INDEX, Call, Result
 from dataplane.errors import (
@@ -242,6 +242,7 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
     """Copy this shard's rows straight into the segments it reserved (one copy per field)."""
     bufs: list[Any] = []
     offsets: dict[str, int] = {}
+    shapes: dict[str, int] = {}
     n = len(pos)
     for name, ref in reply["files"].items():
         col = columns[name]
@@ -249,7 +250,9 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
         piece = assemble(col.spec, n, [(col, pos, np.arange(n))], out=view)
         if piece.offsets is not None:
             offsets[name] = _wire.array_to_wire(piece.offsets, bufs)
-    return Call(s, "commit", {"resv": reply["resv"], "offsets": offsets}, bufs)
+        if piece.shapes is not None:
+            shapes[name] = _wire.array_to_wire(piece.shapes, bufs)
+    return Call(s, "commit", {"resv": reply["resv"], "offsets": offsets, "shapes": shapes}, bufs)
 
 
 # ---- get ------------------------------------------------------------------------------------------
@@ -289,7 +292,7 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
         if any(isinstance(r, (KeyNotFoundError, PartitionNotFoundError)) for r in results):
             yield from _explain_missing(partition_id, keys, shards, groups, results)
         _raise_first(results)
-        names = _field_names(results, shards, groups, keys, partition_id)
+        names = _field_names(results)
         try:
             out = _gather(route, names, shards, groups, results, len(keys), copy)
         except _Stale:
@@ -363,18 +366,12 @@ def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict,
     raise KeyNotFoundError(asked[0], pid)
 
 
-def _field_names(results: list, shards: list[int], groups: dict, keys: list[str], pid: str) -> list[str]:
+def _field_names(results: list) -> list[str]:
+    """The fields every shard answered: all requested ones, or (no ``select_fields``) those every
+    requested key holds (each shard answers its keys' common fields)."""
     names = list(results[0][0]["fields"])
-    for s, (body, _) in zip(shards, results, strict=True):
-        got = list(body["fields"])
-        if set(got) != set(names):
-            missing = sorted(set(names) ^ set(got))[0]
-            culprit = keys[groups[s][0]] if missing not in got else keys[groups[shards[0]][0]]
-            raise KeyNotFoundError(
-                culprit,
-                pid,
-                f"key {culprit!r} in partition {pid!r} has no field {missing!r} (not written yet)",
-            )
+    for body, _ in results[1:]:
+        names = [n for n in names if n in body["fields"]]
     return names
 
 
@@ -387,11 +384,11 @@ def _pieces(
         pieces.append((col, np.arange(col.num_rows), pos))
         sources.append(_Source(viewable=True))
         return
-    spec = _wire.spec_from_wire(entry["spec"])
     seg_of = _wire.array_from_wire(entry["seg"], bufs, len(pos))
     row_of = _wire.array_from_wire(entry["row"], bufs, len(pos))
     table = route.maps.table(s, route.shard_pids[s], route.tables[s])
-    for j, (ref, nbytes, num_rows, off, view) in enumerate(entry["segs"]):
+    for j, (ref, nbytes, num_rows, off, view, wire_spec, shp) in enumerate(entry["segs"]):
+        spec = _wire.spec_from_wire(wire_spec)
         try:
             mapping = route.maps.view(s, route.shard_pids[s], ref)
         except ShmUnavailable as exc:  # closed since the shard answered: its rows were freed
@@ -401,7 +398,10 @@ def _pieces(
                 f"shard {s} answered field {name!r} with {nbytes} bytes in a file of {len(mapping)}"
             )
         offsets = None if off < 0 else _wire.array_from_wire(off, bufs, num_rows + 1)
-        col = Column(spec=spec, num_rows=num_rows, data=mapping[:nbytes], offsets=offsets)
+        shapes = None
+        if shp >= 0 and spec.kind == "ragged":
+            shapes = _wire.array_from_wire(shp, bufs, num_rows * spec.shape[0]).reshape(num_rows, -1)
+        col = Column(spec=spec, num_rows=num_rows, data=mapping[:nbytes], offsets=offsets, shapes=shapes)
         col.check(name)
         mask = seg_of == j if len(entry["segs"]) > 1 else slice(None)
         src, dst = row_of[mask], pos[mask]
@@ -421,7 +421,7 @@ def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> t
             view = contiguous_view(col, src)
             if view is not None:
                 return view, True
-    return assemble(col.spec, num_rows, pieces), False
+    return assemble_any(num_rows, pieces), False
 
 
 # ---- clear / list / stats -------------------------------------------------------------------------

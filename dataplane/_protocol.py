@@ -34,6 +34,7 @@ class WireColumn(_Body):
     rows: NonNegative
     data: NonNegative
     offsets: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    shapes: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
 class ReserveField(_Body):
@@ -52,6 +53,7 @@ class Reserve(_Body):
 class Commit(_Body):
     resv: int
     offsets: dict[str, NonNegative] = {}
+    shapes: dict[str, NonNegative] = {}
 
 
 class Abort(_Body):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dataplane import _buffers
-from dataplane._column_types import Column, ColumnSpec
+from dataplane._column_types import Column, ColumnSpec, itemsize
 
 Piece = tuple[Column, np.ndarray, np.ndarray]
 
@@ -78,7 +78,59 @@ def assemble(
     for col, src, dst in pieces:
         if len(src):
             _copy_variable(_u8(col.data), col.offsets, offsets, src, dst, dst_buf)
-    return Column(spec=spec, num_rows=num_rows, data=memoryview(dst_buf), offsets=offsets)
+    shapes = None
+    if spec.kind == "ragged":
+        shapes = np.zeros((num_rows, spec.shape[0]), dtype=np.int64)
+        for col, src, dst in pieces:
+            shapes[dst] = col.shapes[src]
+    return Column(spec=spec, num_rows=num_rows, data=memoryview(dst_buf), offsets=offsets, shapes=shapes)
+
+
+def assemble_any(num_rows: int, pieces: Sequence[Piece]) -> Column:
+    """``assemble`` for pieces of one field that may differ in spec (rows of any shape, one dtype).
+
+    Pieces of one spec take ``assemble`` as they are (no extra work on the common path). Tensor
+    pieces of different specs (say dense rows of 3 and of 5 tokens) become one column whose kind
+    follows the rows asked for: dense when they all have one shape, jagged when they differ only
+    in their first dim, ragged otherwise. Every output row is still copied once.
+    """
+    spec = pieces[0][0].spec
+    if all(col.spec == spec for col, _, _ in pieces):
+        return assemble(spec, num_rows, pieces)
+    ndim, dtype = spec.row_ndim(), spec.dtype
+    shapes = np.zeros((num_rows, ndim), dtype=np.int64)
+    for col, src, dst in pieces:
+        shapes[dst] = col.row_shapes(src)
+    same = num_rows == 0 or bool(np.all(shapes == shapes[0]))
+    if same:
+        out_spec = ColumnSpec("dense", dtype, tuple(int(d) for d in (shapes[0] if num_rows else ())))
+    elif ndim >= 1 and bool(np.all(shapes[:, 1:] == shapes[0, 1:])):
+        out_spec = ColumnSpec("jagged", dtype, tuple(int(d) for d in shapes[0, 1:]))
+    else:
+        out_spec = ColumnSpec("ragged", dtype, (ndim,))
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.prod(shapes, axis=1) * itemsize(dtype), out=offsets[1:])
+    dst_buf = _buffers.take(int(offsets[-1]))
+    for col, src, dst in pieces:
+        if len(src):
+            _copy_variable(_u8(col.data), _byte_offsets(col), offsets, src, dst, dst_buf)
+    data = memoryview(dst_buf)
+    if out_spec.kind == "dense":
+        return Column(spec=out_spec, num_rows=num_rows, data=data)
+    return Column(
+        spec=out_spec,
+        num_rows=num_rows,
+        data=data,
+        offsets=offsets,
+        shapes=shapes if out_spec.kind == "ragged" else None,
+    )
+
+
+def _byte_offsets(col: Column) -> np.ndarray:
+    """``col``'s row byte offsets; dense rows have implicit ones, made here."""
+    if col.offsets is not None:
+        return col.offsets
+    return np.arange(col.num_rows + 1, dtype=np.int64) * col.spec.row_nbytes()
 
 
 # Below this average run length (bytes) variable rows are copied by one vectorised take, above it
@@ -201,7 +253,9 @@ def contiguous_view(col: Column, src: np.ndarray) -> Column | None:
         rb = col.spec.row_nbytes()
         return Column(spec=col.spec, num_rows=n, data=col.data[a * rb : (a + n) * rb], offsets=None)
     lo, hi = int(col.offsets[a]), int(col.offsets[a + n])
-    return Column(spec=col.spec, num_rows=n, data=col.data[lo:hi], offsets=col.offsets[a : a + n + 1] - lo)
+    shapes = None if col.shapes is None else col.shapes[a : a + n]
+    offsets = col.offsets[a : a + n + 1] - lo
+    return Column(spec=col.spec, num_rows=n, data=col.data[lo:hi], offsets=offsets, shapes=shapes)
 
 
-__all__ = ["Piece", "assemble", "contiguous_view", "nbytes_of", "row_lengths"]
+__all__ = ["Piece", "assemble", "assemble_any", "contiguous_view", "nbytes_of", "row_lengths"]

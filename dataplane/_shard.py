@@ -39,11 +39,12 @@ from typing import Any
 import numpy as np
 
 from dataplane import _protocol, _wire
-from dataplane._column_types import Column, check_offsets
-from dataplane._rows import assemble
+from dataplane._column_types import Column, check_offsets, check_shapes
+from dataplane._rows import assemble_any
 from dataplane._segments import ShmFile, ShmPool
 from dataplane.errors import (
     DataplaneError,
+    FieldNotFoundError,
     KeyNotFoundError,
     PartitionNotFoundError,
     ReservationExpiredError,
@@ -65,20 +66,24 @@ class Segment:
     data: memoryview | None  # heap bytes (a received frame) when not in shared memory
     offsets: np.ndarray | None
     file: ShmFile | None
+    shapes: np.ndarray | None = None  # ragged rows' shapes
     live: int = 0
 
     @property
     def accounted(self) -> int:
-        return self.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+        aux = (0 if self.offsets is None else self.offsets.nbytes) + (
+            0 if self.shapes is None else self.shapes.nbytes
+        )
+        return self.nbytes + aux
 
     @property
     def heap_bytes(self) -> int:
-        """Bytes held in the shard's own heap (not shared memory): inline data and offsets."""
+        """Bytes held in the shard's own heap (not shared memory): inline data, offsets, shapes."""
         return self.accounted - (self.nbytes if self.file is not None else 0)
 
     def column(self) -> Any:
         data = self.file.view()[: self.nbytes] if self.file is not None else self.data
-        return Column(spec=self.spec, num_rows=self.num_rows, data=data, offsets=self.offsets)
+        return Column(self.spec, self.num_rows, data, self.offsets, self.shapes)
 
 
 @dataclass
@@ -162,6 +167,8 @@ class ShardCore:
                 entry["col"] = col
             fields[name] = entry
             need += f.nbytes + (0 if rb is not None else 8 * (len(keys) + 1))
+            if spec.kind == "ragged":
+                need += 8 * len(keys) * spec.shape[0]
         self._check_capacity(need, pid)
         files = {}
         try:
@@ -216,15 +223,24 @@ class ShardCore:
         part = self.partitions.get(resv.pid)
         try:  # check everything before changing anything; a bad commit undoes its reservation
             offsets: dict[str, np.ndarray] = {}
+            shapes: dict[str, np.ndarray] = {}
             for name, entry in resv.fields.items():
+                spec = entry["spec"]
                 if part is not None and name in part.specs:  # a partition dropped and re-created
-                    part.specs[name].check_compatible(entry["spec"], name)
-                if "file" in entry and entry["spec"].row_nbytes() is None:
+                    part.specs[name].check_compatible(spec, name)
+                if "file" in entry and spec.row_nbytes() is None:
                     if name not in body.offsets:
                         raise WireError(f"commit of field {name!r} carries no offsets")
                     off = _wire.array_from_wire(body.offsets[name], bufs, n + 1).copy()
-                    check_offsets(off, n, entry["nbytes"], entry["spec"], name)
+                    check_offsets(off, n, entry["nbytes"], spec, name)
                     offsets[name] = off
+                    if spec.kind == "ragged":
+                        if name not in body.shapes:
+                            raise WireError(f"commit of ragged field {name!r} carries no row shapes")
+                        ndim = spec.shape[0]
+                        shp = _wire.array_from_wire(body.shapes[name], bufs, n * ndim).copy().reshape(n, ndim)
+                        check_shapes(shp, off, spec, name)
+                        shapes[name] = shp
         except Exception:  # noqa: BLE001 - a commit that cannot be applied gives its space back
             self._release(self._take(body.resv))
             raise
@@ -235,9 +251,11 @@ class ShardCore:
             part.specs.setdefault(name, spec)
             if "col" in entry:
                 col = entry["col"]
-                seg = Segment(spec, n, len(col.data), col.data, col.offsets, None)
+                seg = Segment(spec, n, len(col.data), col.data, col.offsets, None, col.shapes)
             else:
-                seg = Segment(spec, n, entry["nbytes"], None, offsets.get(name), entry["file"])
+                seg = Segment(
+                    spec, n, entry["nbytes"], None, offsets.get(name), entry["file"], shapes.get(name)
+                )
             self.used += seg.accounted
             self.heap_bytes += seg.heap_bytes
             for i, key in enumerate(resv.keys):
@@ -288,17 +306,13 @@ class ShardCore:
             if row is None:
                 raise KeyNotFoundError(key, pid)
             rows.append(row)
-        if fields is None:
-            present: set[str] = set()
-            for row in rows:
-                present.update(row)
-            fields = [f for f in part.specs if f in present]
+        if fields is None:  # the fields every requested key holds
+            common = set(rows[0]).intersection(*rows[1:]) if rows else set()
+            return rows, [f for f in part.specs if f in common]
         for name in fields:
             for key, row in zip(keys, rows, strict=True):
                 if name not in row:
-                    raise KeyNotFoundError(
-                        key, pid, f"key {key!r} in partition {pid!r} has no field {name!r} (not written yet)"
-                    )
+                    raise FieldNotFoundError(key, pid, name)
         return rows, fields
 
     def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -328,7 +342,7 @@ class ShardCore:
                 for j, seg in enumerate(order):
                     dst = np.flatnonzero(seg_of == j)
                     pieces.append((seg.column(), row_of[dst], dst))
-                col = assemble(order[0].spec, len(keys), pieces)
+                col = assemble_any(len(keys), pieces)
                 out[name] = {"t": "z", "col": _wire.column_to_wire(col, frames)}
         reply: dict[str, Any] = {"fields": out, "version": self.pool.version}
         if body.version != self.pool.version:
@@ -346,10 +360,12 @@ class ShardCore:
             if view:
                 seg.file.exported = True
             off = -1 if seg.offsets is None else _wire.array_to_wire(seg.offsets, frames)
-            segs.append([seg.file.ref(), seg.nbytes, seg.num_rows, off, view])
+            shp = -1 if seg.shapes is None else _wire.array_to_wire(seg.shapes, frames)
+            segs.append(
+                [seg.file.ref(), seg.nbytes, seg.num_rows, off, view, _wire.spec_to_wire(seg.spec), shp]
+            )
         return {
             "t": "s",
-            "spec": _wire.spec_to_wire(order[0].spec),
             "segs": segs,
             "seg": _wire.array_to_wire(seg_of, frames),
             "row": _wire.array_to_wire(row_of, frames),

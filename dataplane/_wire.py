@@ -158,6 +158,8 @@ def rebuild_error(error: list[Any]) -> errors.DataplaneError:
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.DataplaneError)):
         return errors.DataplaneError(msg)
+    if cls is errors.FieldNotFoundError:
+        return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), attrs.get("field", "?"), msg)
     if cls is errors.KeyNotFoundError:
         return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), msg)
     if cls is errors.PartitionNotFoundError:
@@ -185,12 +187,14 @@ def spec_from_wire(d: Any) -> ColumnSpec:
 
 
 def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
-    """Describe ``col`` in a header, appending its data (and offsets) to ``buffers`` without copying."""
+    """Describe ``col`` in a header, appending its data (offsets, shapes) to ``buffers`` without copying."""
     out = {"spec": spec_to_wire(col.spec), "rows": int(col.num_rows), "data": len(buffers), "offsets": -1}
     buffers.append(col.data)
     if col.offsets is not None:
         out["offsets"] = len(buffers)
         buffers.append(np.ascontiguousarray(col.offsets, dtype=np.int64).data)
+    if col.shapes is not None:
+        out["shapes"] = array_to_wire(col.shapes, buffers)
     return out
 
 
@@ -202,9 +206,11 @@ def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>")
     never trusted.
     """
     if isinstance(d, dict):
-        spec, rows, data_i, off_i = d.get("spec"), d.get("rows"), d.get("data"), d.get("offsets", -1)
+        spec, rows, data_i = d.get("spec"), d.get("rows"), d.get("data")
+        off_i, shapes_i = d.get("offsets", -1), d.get("shapes", -1)
     else:
-        spec, rows, data_i, off_i = d.spec, d.rows, d.data, d.offsets
+        spec, rows, data_i, off_i, shapes_i = d.spec, d.rows, d.data, d.offsets, d.shapes
+    spec = spec_from_wire(spec)
     try:
         data = buffers[data_i].cast("B")
         offsets = None
@@ -215,14 +221,19 @@ def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>")
             offsets = np.frombuffer(raw, dtype=np.int64)
     except (IndexError, TypeError) as exc:
         raise WireError(f"field {field!r}: column refers to a missing frame") from exc
-    col = Column(spec=spec_from_wire(spec), num_rows=rows, data=data, offsets=offsets)
+    shapes = None
+    if shapes_i >= 0:
+        ndim = spec.shape[0] if spec.kind == "ragged" and spec.shape else 1
+        shapes = array_from_wire(shapes_i, buffers, rows * ndim if type(rows) is int else None)
+        shapes = shapes.reshape(-1, ndim)
+    col = Column(spec=spec, num_rows=rows, data=data, offsets=offsets, shapes=shapes)
     col.check(field)
     return col
 
 
 def array_to_wire(arr: np.ndarray, buffers: list[Any]) -> int:
-    """Append an int64 array as a frame; returns its frame index."""
-    buffers.append(np.ascontiguousarray(arr, dtype=np.int64).data)
+    """Append an int64 array as a frame (flattened, C order); returns its frame index."""
+    buffers.append(memoryview(np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)).cast("B"))
     return len(buffers) - 1
 
 

@@ -25,24 +25,45 @@ class StoreNotInitializedError(DataplaneError, RuntimeError):
     """A KV call was made before ``dp.init()`` (or after ``dp.close()``)."""
 
 
-class KeyNotFoundError(DataplaneError, KeyError):
-    """A key is not stored in the partition. Attributes: ``key``, ``partition_id``."""
+class KeyNotFoundError(DataplaneError, KeyError, ValueError):
+    """A key is not stored in the partition. Attributes: ``key``, ``partition_id``.
+
+    Also a ``ValueError`` whose message says "not found", so code written against TransferQueue
+    (which raises ``ValueError``) catches it unchanged.
+    """
 
     def __init__(self, key: str, partition_id: str, message: str | None = None) -> None:
         self.key = key
         self.partition_id = partition_id
-        super().__init__(message or f"key {key!r} is not stored in partition {partition_id!r}")
+        super().__init__(message or f"key {key!r} not found in partition {partition_id!r}")
 
     def __reduce__(self):
         return (type(self), (self.key, self.partition_id, self.args[0]))
 
 
-class PartitionNotFoundError(DataplaneError, KeyError):
+class FieldNotFoundError(KeyNotFoundError):
+    """A requested field is not stored for a key. Attributes: ``key``, ``partition_id``, ``field``."""
+
+    def __init__(self, key: str, partition_id: str, field: str, message: str | None = None) -> None:
+        self.field = field
+        super().__init__(
+            key,
+            partition_id,
+            message
+            or f"select_fields entry {field!r} not found: key {key!r} in partition {partition_id!r} has no "
+            f"field {field!r} (not written yet)",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.partition_id, self.field, self.args[0]))
+
+
+class PartitionNotFoundError(DataplaneError, KeyError, ValueError):
     """The partition does not exist (never written, or cleared). Attribute: ``partition_id``."""
 
     def __init__(self, partition_id: str, message: str | None = None) -> None:
         self.partition_id = partition_id
-        super().__init__(message or f"partition {partition_id!r} does not exist; write to it first")
+        super().__init__(message or f"partition {partition_id!r} not found (never written, or cleared)")
 
     def __reduce__(self):
         return (type(self), (self.partition_id, self.args[0]))
@@ -105,6 +126,7 @@ class WireError(DataplaneError, ValueError):
 __all__ = [
     "BatchSizeError",
     "DataplaneError",
+    "FieldNotFoundError",
     "KeyNotFoundError",
     "PartitionNotFoundError",
     "ReservationExpiredError",

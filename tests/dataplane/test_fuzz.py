@@ -499,7 +499,7 @@ def _check_shard(core: ShardCore) -> list[str]:
                     bad.append(f"{pid}/{key}/{name} is in a segment with live={seg.live}")
                 if not 0 <= i < seg.num_rows:
                     bad.append(f"{pid}/{key}/{name} is row {i} of a segment of {seg.num_rows} rows")
-                if part.specs.get(name) != seg.spec:
+                if part.specs.get(name) is None or part.specs[name].family() != seg.spec.family():
                     bad.append(
                         f"{pid}/{key}/{name}: segment spec {seg.spec} != partition's {part.specs.get(name)}"
                     )
@@ -570,7 +570,7 @@ def _index_state(core: IndexCore) -> Any:
         for pid, part in core.partitions.items()
     }
     schemas = {
-        pid: {n: (repr(e.spec), e.confirmed, sorted(e.pending)) for n, e in s.items()}
+        pid: {n: (repr(e.family), e.confirmed, sorted(e.pending)) for n, e in s.items()}
         for pid, s in core.schemas.items()
     }
     return parts, schemas, {t: (p, list(n)) for t, (p, n) in core.txns.items()}

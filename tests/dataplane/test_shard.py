@@ -86,7 +86,7 @@ def test_errors_name_the_culprit():
     with pytest.raises(KeyNotFoundError, match="'y'"):
         _get(core, "p", ["a"], fields=["y"])
     with pytest.raises(SchemaError, match="'x'"):
-        _reserve_inline(core, "p", ["b"], {"x": torch.zeros(1, 3)})
+        _reserve_inline(core, "p", ["b"], {"x": torch.zeros(1, 3, dtype=torch.int64)})  # another dtype
     with pytest.raises(StoreFullError, match="shard 3.*capacity"):
         _reserve_inline(core, "p", ["b"], {"y": torch.zeros(1, 64)})
     assert core.stats()["bytes_reserved"] == 0
@@ -118,7 +118,7 @@ def test_shared_memory_put_get_and_warm_reuse():
     body, frames = _get(core, "p", keys[10:20], shm=True)
     entry = body["fields"]["x"]
     assert entry["t"] == "s" and len(entry["segs"]) == 1
-    ref, nbytes, rows, _, view = entry["segs"][0]
+    ref, nbytes, rows, _, view, _, _ = entry["segs"][0]
     assert not view  # not asked for a view: the client copies (and checks the generation)
     seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
     assert np.array_equal(seg[_wire.array_from_wire(entry["row"], frames)], x[10:20].numpy())
