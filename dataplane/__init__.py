@@ -38,6 +38,7 @@ from dataplane.api import (
 from dataplane.config import StoreConfig
 from dataplane.errors import (
     BatchSizeError,
+    BatchTimeoutError,
     DataplaneError,
     FieldNotFoundError,
     KeyNotFoundError,
@@ -53,11 +54,37 @@ from dataplane.errors import (
     WireError,
 )
 from dataplane.meta import KVBatchMeta, StoreInfo
+from dataplane.samplers import GroupSampler, Sampler, SeqlenBalancedSampler, SequentialSampler
+from dataplane.stream import (
+    StreamRequest,
+    async_consumption,
+    async_finish_partition,
+    async_next_batch,
+    async_reset_consumption,
+    consumption,
+    finish_partition,
+    next_batch,
+    reset_consumption,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchSizeError",
+    "BatchTimeoutError",
+    "GroupSampler",
+    "Sampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "StreamRequest",
+    "async_consumption",
+    "async_finish_partition",
+    "async_next_batch",
+    "async_reset_consumption",
+    "consumption",
+    "finish_partition",
+    "next_batch",
+    "reset_consumption",
     "DataplaneError",
     "FieldNotFoundError",
     "KVBatchMeta",

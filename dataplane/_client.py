@@ -102,6 +102,7 @@ class StoreClient:
             maps=self.maps,
             shm_min_bytes=self.config.shm_min_bytes,
             commit_within_s=COMMIT_WITHIN * self.config.reservation_timeout_s,
+            rpc_timeout_s=self.config.rpc_timeout_s,
         )
         self.engine = select_engine(registry)(self.route)
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)

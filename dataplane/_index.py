@@ -22,7 +22,9 @@ from typing import Any
 
 from dataplane import _auth, _protocol, _wire
 from dataplane._column_types import describe_family
-from dataplane.errors import SchemaError, WireError
+from dataplane._streams import PartitionStreams
+from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
+from dataplane.samplers import from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ class _KeyMeta:
 @dataclass
 class _PartMeta:
     keys: dict[str, _KeyMeta] = field(default_factory=dict)
+    streams: PartitionStreams = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.streams = PartitionStreams(self.keys)
 
 
 @dataclass
@@ -52,6 +58,21 @@ class _FieldSchema:
     pending: set[int] = field(default_factory=set)
 
 
+def _fieldset(fields: list[str]) -> frozenset[str]:
+    if not fields:
+        raise WireError("a consumer names at least one field to wait for")
+    return frozenset(fields)
+
+
+def _sampler(body: Any) -> Any:
+    try:
+        sampler = from_spec(body.sampler)
+        sampler.check(body.batch_size, body.dp_rank, body.dp_size, body.batch_index)
+    except ValueError as exc:
+        raise WireError(str(exc)) from exc
+    return sampler
+
+
 class IndexCore:
     """Metadata bookkeeping of the store. Plain class, tested without Ray."""
 
@@ -61,11 +82,13 @@ class IndexCore:
         self.txns: dict[int, tuple[str, list[str]]] = {}  # open put -> (pid, fields it relies on)
         self._txn_ids = itertools.count(1)
         self.registry: dict[str, Any] = {}
+        self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
 
     def handle(self, op: str, raw: Any, bufs: list[Any]) -> tuple[dict[str, Any], list]:
         """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
         body = _protocol.decode_body(op, raw, _protocol.INDEX_OPS)
-        return getattr(self, f"op_{op}")(body), []
+        result = getattr(self, f"op_{op}")(body)
+        return ({"pending": True} if result is None else result), []
 
     def op_prepare(self, body: _protocol.Prepare) -> dict[str, Any]:
         """Decide the schema of a put's new fields at once, or refuse it: ``SchemaError``.
@@ -135,12 +158,15 @@ class IndexCore:
             meta = part.keys.get(key)
             if meta is None:
                 meta = part.keys[key] = _KeyMeta()
+            before = set(meta.fields) if fields else meta.fields
             meta.fields.update(fields)
             if tags is not None and tags[i]:
                 meta.tag.update(tags[i])
+            part.streams.on_commit(key, before, meta.fields)
             out_tags.append(dict(meta.tag))
             for f in meta.fields:
                 union[f] = None
+        self.changed.add(pid)
         order = list(self.schemas.get(pid, {}))
         ordered = [f for f in order if f in union] + sorted(f for f in union if f not in order)
         return {"fields": ordered, "tags": out_tags}
@@ -150,14 +176,122 @@ class IndexCore:
         removed = 0
         if part is not None:
             for key in body.keys:
-                removed += part.keys.pop(key, None) is not None
+                if part.keys.pop(key, None) is not None:
+                    removed += 1
+                    part.streams.on_delete(key)
         return {"removed": removed}
 
     def op_drop(self, body: _protocol.Drop) -> dict[str, Any]:
         pid = body.pid
         existed = self.partitions.pop(pid, None) is not None
         self.schemas.pop(pid, None)
+        self.changed.add(pid)
         return {"existed": existed}
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def op_next(self, body: _protocol.Next) -> dict[str, Any] | None:
+        """The next batch for a consumer task, or None while not enough rows are ready (the actor
+        waits for a commit to this partition and asks again)."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            return None
+        sampler = _sampler(body)
+        keys = part.streams.take(
+            body.task,
+            _fieldset(body.fields),
+            sampler,
+            body.batch_size,
+            body.dp_rank,
+            body.dp_size,
+            body.batch_index,
+        )
+        if keys is None:
+            return None
+        return self._batch(part, body.pid, keys, body.fields)
+
+    def op_ready(self, body: _protocol.Ready) -> dict[str, Any] | None:
+        """Ready rows (key, tag) for a client-side sampler, once ``min_rows`` are ready or the
+        partition is finished; a cached choice for this DP rank and batch index first."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            return None
+        fields = _fieldset(body.fields)
+        cached = part.streams.cached(body.task, fields, body.dp_rank, body.batch_index)
+        if cached is not None:
+            return {**self._batch(part, body.pid, cached, body.fields), "cached": True}
+        _, stream = part.streams.stream(body.task, fields)
+        if len(stream.ready) < body.min_rows and not part.streams.finished:
+            return None
+        rows = [[k, part.keys[k].tag] for k in itertools.islice(stream.ready, body.limit)]
+        return {"rows": rows, "finished": part.streams.finished, "cached": False}
+
+    def op_claim(self, body: _protocol.Claim) -> dict[str, Any]:
+        part = self.partitions.get(body.pid)
+        if part is None:
+            raise PartitionNotFoundError(body.pid)
+        keys = part.streams.claim(
+            body.task,
+            _fieldset(body.fields),
+            _protocol.unique_keys(body.keys, "claim"),
+            body.dp_rank,
+            body.batch_index,
+        )
+        return self._batch(part, body.pid, keys, body.fields)
+
+    def _batch(self, part: _PartMeta, pid: str, keys: list[str], fields: list[str]) -> dict[str, Any]:
+        return {
+            "keys": keys,
+            "tags": [dict(part.keys[k].tag) for k in keys],
+            "fields": fields,
+            "finished": part.streams.finished,
+        }
+
+    def unconsume(self, pid: str, task: str, keys: list[str]) -> None:
+        """A batch's reply could not be delivered (its consumer went away): its rows are ready again."""
+        part = self.partitions.get(pid)
+        if part is not None:
+            part.streams.unconsume(task, keys)
+            self.changed.add(pid)
+
+    def timeout_error(self, op: str, body: Any, waited: float) -> Exception:
+        """What a waiting call that timed out raises: which partition, how many rows were ready."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            return PartitionNotFoundError(
+                body.pid, f"partition {body.pid!r} not found: no put created it within {waited:.1f}s"
+            )
+        fields = _fieldset(body.fields)
+        counts = part.streams.counts(body.task, fields)
+        want = body.batch_size if op == "next" else body.min_rows
+        never = [f for f in sorted(fields) if not any(f in m.fields for m in part.keys.values())]
+        hint = f"; no row holds {never} (no put wrote them yet)" if never else ""
+        return BatchTimeoutError(
+            body.pid,
+            f"after {waited:.1f}s only {counts['ready']} row(s) of partition {body.pid!r} were ready for "
+            f"task {body.task!r} (fields {sorted(fields)}), fewer than the {want} asked for; nothing "
+            f"was consumed{hint}",
+        )
+
+    def op_finish(self, body: _protocol.Drop) -> dict[str, Any]:
+        """Producers are done: consumers get what is left, then empty batches at once."""
+        part = self.partitions.setdefault(body.pid, _PartMeta())
+        part.streams.finished = True
+        self.changed.add(body.pid)
+        return {}
+
+    def op_reset(self, body: _protocol.Reset) -> dict[str, Any]:
+        part = self.partitions.get(body.pid)
+        if part is not None:
+            part.streams.reset(body.task)
+            self.changed.add(body.pid)
+        return {}
+
+    def op_consumption(self, body: _protocol.Consumption) -> dict[str, Any]:
+        part = self.partitions.get(body.pid)
+        if part is None:
+            raise PartitionNotFoundError(body.pid)
+        fields = None if body.fields is None else _fieldset(body.fields)
+        return part.streams.counts(body.task, fields)
 
     def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
         pid = body.pid
@@ -200,6 +334,8 @@ class IndexActor:
         self._creds = _auth.Credentials.from_dict(creds or {})
         self._max_message_bytes = max_message_bytes
         self._tasks: list[asyncio.Task] = []
+        self._waiting: set[asyncio.Task] = set()  # requests waiting for rows to become ready
+        self._changed: dict[str, asyncio.Future] = {}  # pid -> resolved at its next change
         self.tcp = self.ipc = ""
 
     async def start(self) -> dict[str, Any]:
@@ -227,6 +363,7 @@ class IndexActor:
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a peer that left fails: see _deliver
             _auth.secure_server(sock, self._creds, curve)
             self._tasks.append(loop.create_task(self._serve(sock)))
             return sock
@@ -251,12 +388,72 @@ class IndexActor:
             await zap.send_multipart(_auth.zap_reply(frames, self._creds))
 
     async def _serve(self, sock) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             msg = await sock.recv_multipart(copy=False)
             if len(msg) < 2:
                 continue
+            if _wire.peek_op(msg[1]) in _protocol.WAITING_OPS:  # may wait: answered by its own task
+                task = loop.create_task(self._serve_waiting(sock, msg[0], msg[1:]))
+                self._waiting.add(task)
+                task.add_done_callback(self._waiting.discard)
+                continue
             _, reply = _wire.answer(msg[1:], self.core.handle, max_frames=0, who="the index")
-            await sock.send_multipart([msg[0], *reply], copy=False)
+            await self._deliver(sock, msg[0], reply)
+            self._wake()
+
+    async def _serve_waiting(self, sock, ident, frames: list) -> None:
+        """Answer a ``next`` / ``ready`` request once rows are ready, woken by the commits that make
+        them so (no polling), or with ``BatchTimeoutError`` at its ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        rid, op, body, result = -1, None, None, None
+        try:
+            req, bufs = _wire.decode_request(frames)
+            rid, op = req.rid, req.op
+            if bufs:
+                raise WireError("the index takes metadata only")
+            body = _protocol.decode_body(op, req.body, _protocol.INDEX_OPS)
+            start = loop.time()
+            while True:
+                result = getattr(self.core, f"op_{op}")(body)
+                if result is not None:
+                    break
+                left = None if body.timeout_s is None else start + body.timeout_s - loop.time()
+                if left is not None and left <= 0:
+                    raise self.core.timeout_error(op, body, loop.time() - start)
+                changed = self._changed.get(body.pid)
+                if changed is None:
+                    changed = self._changed[body.pid] = loop.create_future()
+                try:
+                    await asyncio.wait_for(asyncio.shield(changed), left)
+                except TimeoutError:
+                    pass
+            reply = _wire.encode_reply(rid, result)
+        except Exception as exc:  # noqa: BLE001 - every request gets an answer
+            result = None
+            reply = _wire.encode_error(rid, exc)
+        delivered = await self._deliver(sock, ident, reply)
+        if not delivered and op == "next" and result is not None and result["keys"]:
+            self.core.unconsume(body.pid, body.task, result["keys"])  # its consumer went away
+            self._wake()
+
+    async def _deliver(self, sock, ident, reply: list) -> bool:
+        import zmq
+
+        try:
+            await sock.send_multipart([ident, *reply], copy=False)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected before its answer
+            logger.debug("index: a reply could not be delivered: %s", exc)
+            return False
+
+    def _wake(self) -> None:
+        """Wake the waiting requests of every partition that changed."""
+        for pid in self.core.changed:
+            fut = self._changed.pop(pid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self.core.changed.clear()
 
     async def register(self, registry: dict[str, Any]) -> None:
         self.core.registry = registry

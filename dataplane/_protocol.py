@@ -103,6 +103,54 @@ class IndexAbort(_Body):
     txn: int
 
 
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Next(_Body):
+    pid: str
+    task: str
+    batch_size: Positive
+    fields: list[str]
+    sampler: dict[str, Any] | None = None
+    dp_rank: NonNegative | None = None
+    dp_size: Positive | None = None
+    batch_index: NonNegative | None = None
+    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class Ready(_Body):
+    """Rows ready for a client-side sampler: wait until ``min_rows`` are (or the partition is finished)."""
+
+    pid: str
+    task: str
+    fields: list[str]
+    min_rows: NonNegative = 1
+    limit: Positive = 1 << 20
+    dp_rank: NonNegative | None = None
+    batch_index: NonNegative | None = None
+    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class Claim(_Body):
+    pid: str
+    task: str
+    fields: list[str]
+    keys: list[str]
+    dp_rank: NonNegative | None = None
+    batch_index: NonNegative | None = None
+
+
+class Reset(_Body):
+    pid: str
+    task: str | None = None
+
+
+class Consumption(_Body):
+    pid: str
+    task: str
+    fields: list[str] | None = None
+
+
 class ListKeys(_Body):
     pid: str | None = None
 
@@ -133,7 +181,14 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "resolve": Resolve,
     "stats": Stats,
     "ping": Ping,
+    "next": Next,
+    "ready": Ready,
+    "claim": Claim,
+    "finish": Drop,
+    "reset": Reset,
+    "consumption": Consumption,
 }
+WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or at their timeout)
 
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
@@ -161,4 +216,4 @@ def unique_keys(keys: list[str], op: str) -> list[str]:
     return keys
 
 
-__all__ = ["INDEX_OPS", "SHARD_OPS", "WireColumn", "decode_body", "unique_keys"]
+__all__ = ["INDEX_OPS", "SHARD_OPS", "WAITING_OPS", "WireColumn", "decode_body", "unique_keys"]

@@ -42,6 +42,11 @@ PROBE_S = 1.0  # a reply this late makes the transport ask whether its target di
 MAX_IDLE_SETS = 8
 
 
+def _deadline_of(calls: list[Call], default: float) -> float:
+    """The seconds a batch of calls may take: the longest any of them asks for."""
+    return max((default if c.timeout is None else c.timeout) for c in calls) if calls else default
+
+
 def next_rid() -> int:
     with _rid_lock:
         return next(_rids)
@@ -55,6 +60,7 @@ class Call:
     op: str
     body: dict[str, Any]
     bufs: list[Any] = field(default_factory=list)
+    timeout: float | None = None  # seconds (``math.inf``: no limit, only death ends it); None: rpc_timeout_s
 
 
 INDEX = -1
@@ -148,7 +154,7 @@ class SyncTransport(_Endpoints):
             sock.close(linger=0)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
-        timeout = self.timeout if timeout is None else timeout
+        timeout = _deadline_of(calls, self.timeout if timeout is None else timeout)
         socks = self._checkout()
         try:
             return self._call_many(socks, calls, timeout)
@@ -294,7 +300,8 @@ class AsyncTransport(_Endpoints):
         if self.liveness.known_dead(c.target):
             return self.died(c.target)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        start = loop.time()
+        deadline = start + timeout
         ch = self._channel(c.target)
         rid = next_rid()
         fut = loop.create_future()
@@ -302,7 +309,7 @@ class AsyncTransport(_Endpoints):
         try:
             frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
             try:  # the send is inside the deadline: a dead peer's full queue must not hang us
-                await asyncio.wait_for(ch.sock.send_multipart(frames, copy=False), timeout)
+                await asyncio.wait_for(ch.sock.send_multipart(frames, copy=False), min(timeout, 3600.0))
             except TimeoutError:
                 self._drop_channel(c.target)
                 return self.unavailable(c.target, timeout, " (its send queue stayed full)")
@@ -320,14 +327,14 @@ class AsyncTransport(_Endpoints):
                 if reply is None:  # the channel was closed under us (its target died, or a send stalled)
                     if self.liveness.known_dead(c.target):
                         return self.died(c.target)
-                    return self.unavailable(c.target, loop.time() - deadline + timeout, " (connection reset)")
+                    return self.unavailable(c.target, loop.time() - start, " (connection reset)")
                 return _unpack(reply)
         finally:
             ch.futures.pop(rid, None)
 
     async def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
-        return list(await asyncio.gather(*(self._call(c, timeout) for c in calls)))
+        return list(await asyncio.gather(*(self._call(c, _deadline_of([c], timeout)) for c in calls)))
 
     def close(self) -> None:
         for chans in list(self._loops.values()):

@@ -144,6 +144,15 @@ def answer(
         return rid, encode_error(rid, exc)
 
 
+def peek_op(frame: Any) -> str | None:
+    """The operation name of a request header frame, or None when it does not decode."""
+    try:
+        op = msgspec.msgpack.decode(_as_buffer(frame))[1]
+    except Exception:  # noqa: BLE001 - a foreign frame; answer() will say so
+        return None
+    return op if type(op) is str else None
+
+
 def peek_rid(frame: Any) -> int:
     """The request id of a header frame, or -1 when it is not one of ours."""
     try:
@@ -162,7 +171,7 @@ def rebuild_error(error: list[Any]) -> errors.DataplaneError:
         return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), attrs.get("field", "?"), msg)
     if cls is errors.KeyNotFoundError:
         return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), msg)
-    if cls is errors.PartitionNotFoundError:
+    if cls in (errors.PartitionNotFoundError, errors.BatchTimeoutError):
         return cls(attrs.get("partition_id", "?"), msg)
     if cls is errors.SchemaError:
         return cls(attrs.get("field", "?"), msg)

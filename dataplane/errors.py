@@ -107,6 +107,18 @@ class SchedulingError(DataplaneError, TimeoutError):
     """Ray could not schedule the store's actors within the deadline (not enough resources)."""
 
 
+class BatchTimeoutError(DataplaneError, TimeoutError):
+    """``next_batch`` waited ``timeout_s`` and not enough rows became ready; says how many were.
+    Attribute: ``partition_id``. Nothing was marked consumed."""
+
+    def __init__(self, partition_id: str, message: str) -> None:
+        self.partition_id = partition_id
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.partition_id, self.args[0]))
+
+
 class ReservationExpiredError(DataplaneError, TimeoutError):
     """A put stalled between reserving space and committing longer than ``reservation_timeout_s``.
 
@@ -125,6 +137,7 @@ class WireError(DataplaneError, ValueError):
 
 __all__ = [
     "BatchSizeError",
+    "BatchTimeoutError",
     "DataplaneError",
     "FieldNotFoundError",
     "KeyNotFoundError",

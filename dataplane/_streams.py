@@ -1,0 +1,213 @@
+"""Readiness and consumption of one partition's rows, per consumer task (the index's streaming state).
+
+A *stream* is one consumer task reading one set of fields. Its ``ready`` dict holds the keys that
+hold every one of those fields and that the task has not consumed, in the order the puts made them
+ready. The commit that completes a row appends it to every stream waiting for those fields
+(``on_commit``: no extra round trip from the writer, and no scan); a stream is filled by one scan of
+the partition only when a task first asks for a new set of fields. So a ``next`` call costs what
+its sampler looks at (for the built-ins, about the batch size), however many rows the partition or
+any other partition holds.
+
+Plain class, no Ray, no sockets: ``IndexCore`` owns one per partition and the index actor does the
+waiting (``_index``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.errors import WireError
+from dataplane.samplers import ReadyRows, Sampler
+
+RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
+
+
+@dataclass
+class Stream:
+    fields: frozenset[str]
+    ready: dict[str, None] = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    consumed: set[str] = field(default_factory=set)
+    streams: dict[frozenset[str], Stream] = field(default_factory=dict)
+    cache: OrderedDict[tuple, list[str]] = field(default_factory=OrderedDict)
+
+
+class PartitionStreams:
+    """The streaming state of one partition; ``keys`` is the index's key -> metadata mapping."""
+
+    def __init__(self, keys: dict[str, Any]) -> None:
+        self.keys = keys
+        self.tasks: dict[str, Task] = {}
+        self.by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
+        self.finished = False
+
+    # ---- updates from writers -------------------------------------------------------------------
+    def on_commit(self, key: str, before: set[str], now: set[str]) -> None:
+        """``key`` now holds ``now`` (it held ``before``): append it to streams it just became ready for."""
+        if not self.by_fields or len(now) == len(before):
+            return
+        for fields, streams in self.by_fields.items():
+            if fields <= now and not fields <= before:
+                for task, stream in streams:
+                    if key not in task.consumed:
+                        stream.ready[key] = None
+
+    def on_delete(self, key: str) -> None:
+        for task in self.tasks.values():
+            task.consumed.discard(key)
+            for stream in task.streams.values():
+                stream.ready.pop(key, None)
+
+    # ---- consumers -----------------------------------------------------------------------------
+    def stream(self, task_name: str, fields: frozenset[str]) -> tuple[Task, Stream]:
+        task = self.tasks.get(task_name)
+        if task is None:
+            task = self.tasks[task_name] = Task()
+        stream = task.streams.get(fields)
+        if stream is None:  # first ask for these fields: one scan, then commits keep it current
+            stream = task.streams[fields] = Stream(fields)
+            for key, meta in self.keys.items():
+                if fields <= meta.fields and key not in task.consumed:
+                    stream.ready[key] = None
+            self.by_fields.setdefault(fields, []).append((task, stream))
+        return task, stream
+
+    def rows(self, stream: Stream) -> ReadyRows:
+        return ReadyRows(stream.ready, lambda key: self.keys[key].tag)
+
+    def take(
+        self,
+        task_name: str,
+        fields: frozenset[str],
+        sampler: Sampler,
+        batch_size: int,
+        dp_rank: int | None,
+        dp_size: int | None,
+        batch_index: int | None,
+    ) -> list[str] | None:
+        """The keys this call gets (marked consumed), or None to wait for more rows."""
+        task, stream = self.stream(task_name, fields)
+        slot = (fields, dp_rank, batch_index)
+        if dp_rank is not None and batch_index is not None and slot in task.cache:
+            return task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
+        choice = sampler.sample(
+            self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=self.finished
+        )
+        if choice is None or (not choice and not self.finished):
+            return None
+        parts = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
+        chosen = [k for part in parts.values() for k in part]
+        self._check_ready(stream, chosen, type(sampler).__name__)
+        mine = parts.get(dp_rank, [])
+        if len(mine) > batch_size:
+            raise WireError(
+                f"sampler {type(sampler).__name__} returned {len(mine)} keys for a batch of {batch_size}"
+            )
+        self.consume(task, chosen)
+        if batch_index is not None:
+            for rank, keys in parts.items():
+                if rank is not None:
+                    self._remember(task, (fields, rank, batch_index), keys)
+        return mine
+
+    def claim(
+        self,
+        task_name: str,
+        fields: frozenset[str],
+        keys: list[str],
+        dp_rank: int | None,
+        batch_index: int | None,
+    ) -> list[str]:
+        """Mark ``keys`` (chosen by a client-side sampler) consumed; all must be ready for the task."""
+        task, stream = self.stream(task_name, fields)
+        self._check_ready(stream, keys, "the sampler")
+        self.consume(task, keys)
+        if dp_rank is not None and batch_index is not None:
+            self._remember(task, (fields, dp_rank, batch_index), keys)
+        return keys
+
+    def cached(self, task_name: str, fields: frozenset[str], dp_rank: int | None, batch_index: int | None):
+        task = self.tasks.get(task_name)
+        if task is None or dp_rank is None or batch_index is None:
+            return None
+        return task.cache.get((fields, dp_rank, batch_index))
+
+    @staticmethod
+    def _check_ready(stream: Stream, keys: list[str], who: str) -> None:
+        if len(set(keys)) != len(keys):
+            raise WireError(f"{who} chose a key twice")
+        bad = [k for k in keys if k not in stream.ready]
+        if bad:
+            raise WireError(
+                f"{who} chose {len(bad)} key(s) that are not ready for this task (not all of "
+                f"{sorted(stream.fields)} written, already consumed, or unknown): {bad[:5]}"
+            )
+
+    @staticmethod
+    def _remember(task: Task, slot: tuple, keys: list[str]) -> None:
+        task.cache[slot] = keys
+        while len(task.cache) > RANK_CACHE:
+            task.cache.popitem(last=False)
+
+    def consume(self, task: Task, keys: list[str]) -> None:
+        task.consumed.update(keys)
+        for stream in task.streams.values():
+            for key in keys:
+                stream.ready.pop(key, None)
+
+    def unconsume(self, task_name: str, keys: list[str]) -> None:
+        """Give back keys whose batch never reached its consumer (it went away before the reply)."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return
+        task.consumed.difference_update(keys)
+        for stream in task.streams.values():
+            back = {k: None for k in keys if k in self.keys and stream.fields <= self.keys[k].fields}
+            if back:  # first in line again
+                stream.ready = {**back, **{k: None for k in stream.ready if k not in back}}
+        for slot in [s for s, v in task.cache.items() if set(v) & set(keys)]:
+            del task.cache[slot]
+
+    def reset(self, task_name: str | None) -> None:
+        """Every row readable again for ``task_name`` (all tasks when None)."""
+        names = list(self.tasks) if task_name is None else [task_name]
+        for name in names:
+            task = self.tasks.get(name)
+            if task is None:
+                continue
+            task.consumed.clear()
+            task.cache.clear()
+            for stream in task.streams.values():
+                stream.ready = {k: None for k, meta in self.keys.items() if stream.fields <= meta.fields}
+
+    def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
+        task = self.tasks.get(task_name)
+        consumed = task.consumed if task is not None else set()
+        if fields is None:  # the fields the task asked for last; every key when it never asked
+            fields = (
+                next(reversed(task.streams), frozenset())
+                if task is not None and task.streams
+                else frozenset()
+            )
+        stream = task.streams.get(fields) if task is not None else None
+        if stream is not None and len(task.streams) == 1:  # every consumed key came through it: O(1)
+            produced, done = len(stream.ready) + len(consumed), len(consumed)
+        else:
+            produced = sum(1 for meta in self.keys.values() if fields <= meta.fields)
+            done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k].fields)
+        return {
+            "total": len(self.keys),
+            "produced": produced,
+            "consumed": len(consumed),
+            "ready": produced - done,
+            "finished": self.finished,
+            "fields": sorted(fields),
+        }
+
+
+__all__ = ["PartitionStreams", "Stream", "Task"]

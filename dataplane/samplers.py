@@ -1,0 +1,278 @@
+"""Samplers: which of the rows ready for a consumer task a ``next_batch`` call gets.
+
+A sampler has one method, ``sample(ready, batch_size, *, dp_rank, dp_size, finished)``, that looks
+at the ready rows (keys in the order the puts made them ready, with their tags) and returns:
+
+* ``None``: not enough yet, wait for more rows (``finished`` says no more will come);
+* a list of keys: this caller's batch (at most ``batch_size``);
+* a dict ``{dp_rank: keys}``: one global batch split over data-parallel ranks; the caller gets its
+  own part and the others are kept for the other ranks' calls with the same ``batch_index``.
+
+The built-in samplers below run inside the index service (it receives their name and parameters,
+never code). A sampler of your own (a subclass overriding ``sample``) runs in your process: the
+client fetches the ready rows, calls it, and claims the keys it chose.
+
+    >>> meta = dp.next_batch("step0", "train", 8, ["responses"], sampler=dp.GroupSampler("uid", 4))
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Any
+
+Choice = list[str] | dict[int, list[str]] | None
+
+
+class ReadyRows:
+    """The rows ready for one consumer: keys in ready order, each with its tag dict (read-only)."""
+
+    def __init__(self, keys: Any, tags: Any) -> None:
+        self._keys = keys  # an ordered container of keys (a dict's keys, a list)
+        self._tags = tags  # key -> tag dict (a callable)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def tag(self, key: str) -> dict:
+        return self._tags(key)
+
+
+class Sampler:
+    """Base class. Subclasses override ``sample``; the default is the sequential choice.
+
+    Built-in samplers are also described by ``spec()`` (a name and plain parameters), which is how
+    the index service learns them; a subclass of your own has no spec and runs client-side.
+    """
+
+    name: str | None = None  # set by built-in samplers the index knows
+
+    def sample(
+        self,
+        ready: ReadyRows,
+        batch_size: int,
+        *,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        finished: bool = False,
+    ) -> Choice:
+        """The keys to hand out now, ``None`` to wait for more rows (see the module docstring)."""
+        if len(ready) < batch_size and not finished:
+            return None
+        return _first(ready, batch_size)
+
+    def check(
+        self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
+    ) -> None:
+        """Raise ``ValueError`` when a call's arguments cannot work with this sampler."""
+
+    def spec(self) -> dict[str, Any] | None:
+        """``{"name": ..., **params}`` for built-ins (sent to the index); ``None`` for your own."""
+        if type(self).name is None or type(self).sample is not _BUILTIN_SAMPLE.get(type(self)):
+            return None
+        return {"name": type(self).name, **self._params()}
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+
+def _first(ready: ReadyRows, n: int) -> list[str]:
+    out = []
+    for key in ready:
+        if len(out) == n:
+            break
+        out.append(key)
+    return out
+
+
+class SequentialSampler(Sampler):
+    """The first ``batch_size`` ready rows, in the order the puts made them ready (the default)."""
+
+    name = "sequential"
+
+
+class GroupSampler(Sampler):
+    """Whole groups only: rows whose ``tags[group_tag]`` is equal form a group of ``group_size`` rows
+    (all responses of one prompt, for GRPO); a group is never split across batches or ranks.
+
+    ``batch_size`` must be a multiple of ``group_size``. Groups are handed out in the order they
+    became complete; once the partition is finished, the last batch may hold fewer groups, and
+    groups that never completed are not handed out.
+    """
+
+    name = "group"
+
+    def __init__(self, group_tag: str = "uid", group_size: int = 1) -> None:
+        if type(group_size) is not int or group_size < 1:
+            raise ValueError(f"GroupSampler: group_size must be an int >= 1, got {group_size!r}")
+        self.group_tag = group_tag
+        self.group_size = group_size
+
+    def _params(self) -> dict[str, Any]:
+        return {"group_tag": self.group_tag, "group_size": self.group_size}
+
+    def check(
+        self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
+    ) -> None:
+        if batch_size % self.group_size:
+            raise ValueError(
+                f"GroupSampler: batch_size {batch_size} is not a multiple of group_size {self.group_size}; "
+                "a group is never split"
+            )
+
+    def sample(self, ready, batch_size, *, dp_rank=None, dp_size=None, finished=False) -> Choice:
+        groups = complete_groups(ready, self.group_tag, self.group_size, batch_size // self.group_size)
+        if len(groups) * self.group_size < batch_size and not finished:
+            return None
+        return [k for g in groups for k in g]
+
+
+def complete_groups(ready: ReadyRows, group_tag: str, group_size: int, want: int) -> list[list[str]]:
+    """Up to ``want`` complete groups of ready rows, in the order they completed."""
+    partial: dict[Any, list[str]] = {}
+    done: list[list[str]] = []
+    for key in ready:
+        gid = ready.tag(key).get(group_tag, key)
+        if isinstance(gid, (list, dict)):
+            gid = repr(gid)
+        members = partial.setdefault(gid, [])
+        members.append(key)
+        if len(members) == group_size:
+            done.append(partial.pop(gid))
+            if len(done) == want:
+                break
+    return done
+
+
+class SeqlenBalancedSampler(Sampler):
+    """One global batch of ``batch_size * dp_size`` rows split over ``dp_size`` ranks so their token
+    counts (``tags[length_tag]``) are balanced (Karmarkar-Karp, largest differencing), keeping
+    groups of ``group_size`` whole. Every rank calls with its ``dp_rank`` and the same ``batch_index``.
+    """
+
+    name = "seqlen_balanced"
+
+    def __init__(
+        self, length_tag: str = "length", dp_size: int = 1, group_tag: str = "uid", group_size: int = 1
+    ) -> None:
+        for what, value in (("dp_size", dp_size), ("group_size", group_size)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"SeqlenBalancedSampler: {what} must be an int >= 1, got {value!r}")
+        self.length_tag = length_tag
+        self.dp_size = dp_size
+        self.group_tag = group_tag
+        self.group_size = group_size
+
+    def _params(self) -> dict[str, Any]:
+        return {
+            "length_tag": self.length_tag,
+            "dp_size": self.dp_size,
+            "group_tag": self.group_tag,
+            "group_size": self.group_size,
+        }
+
+    def check(
+        self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
+    ) -> None:
+        if dp_rank is None or batch_index is None:
+            raise ValueError("SeqlenBalancedSampler: every call passes dp_rank and batch_index")
+        if not 0 <= dp_rank < self.dp_size or (dp_size is not None and dp_size != self.dp_size):
+            raise ValueError(
+                f"SeqlenBalancedSampler: dp_rank {dp_rank} / dp_size {dp_size} vs {self.dp_size}"
+            )
+        if batch_size % self.group_size:
+            raise ValueError(
+                f"SeqlenBalancedSampler: batch_size {batch_size} is not a multiple of group_size "
+                f"{self.group_size}"
+            )
+
+    def sample(self, ready, batch_size, *, dp_rank=None, dp_size=None, finished=False) -> Choice:
+        total = batch_size * self.dp_size
+        if self.group_size > 1:
+            units = complete_groups(ready, self.group_tag, self.group_size, total // self.group_size)
+        else:
+            units = [[k] for k in _first(ready, total)]
+        if len(units) * self.group_size < total and not finished:
+            return None
+        lengths = [sum(_length(ready.tag(k), self.length_tag) for k in unit) for unit in units]
+        parts = balanced_partition(lengths, self.dp_size)
+        return {rank: [k for i in part for k in units[i]] for rank, part in enumerate(parts)}
+
+
+def _length(tag: dict, length_tag: str) -> float:
+    value = tag.get(length_tag)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"SeqlenBalancedSampler: a row has no numeric tag {length_tag!r} (got {value!r})")
+    return float(value)
+
+
+def balanced_partition(weights: list[float], k: int) -> list[list[int]]:
+    """Indexes of ``weights`` split into ``k`` parts of (nearly) equal count with balanced sums.
+
+    Karmarkar-Karp largest differencing: each item starts as a k-tuple of one filled part; the two
+    tuples with the largest spread are merged (largest part with smallest), until one remains. Parts
+    have ``len(weights) // k`` or one more items.
+
+    >>> balanced_partition([8, 7, 6, 5, 4, 3, 2, 1], 2)  # sums 18 and 18
+    [[0, 3, 5, 6], [1, 2, 4, 7]]
+    """
+    if k == 1:
+        return [list(range(len(weights)))]
+    # Pad with zero-weight items so every part gets the same count, then drop the padding.
+    n = len(weights)
+    pad = (-n) % k
+    items = [*weights, *([0.0] * pad)]
+    order = sorted(range(len(items)), key=lambda i: -items[i])
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    counter = 0
+    for start in range(0, len(order), k):  # equal counts: merge rows of k items at a time
+        chunk = order[start : start + k]
+        parts = [(items[i], [i]) for i in chunk]
+        parts.sort(key=lambda p: -p[0])
+        spread = parts[0][0] - parts[-1][0]
+        heapq.heappush(heap, (-spread, counter, parts))
+        counter += 1
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(a[i][0] + b[k - 1 - i][0], a[i][1] + b[k - 1 - i][1]) for i in range(k)]
+        merged.sort(key=lambda p: -p[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    parts = heap[0][2] if heap else [(0.0, []) for _ in range(k)]
+    return [sorted(i for i in idx if i < n) for _, idx in parts]
+
+
+BUILTINS: dict[str, type[Sampler]] = {
+    cls.name: cls for cls in (SequentialSampler, GroupSampler, SeqlenBalancedSampler) if cls.name
+}
+_BUILTIN_SAMPLE = {cls: cls.sample for cls in BUILTINS.values()}
+
+
+def from_spec(spec: dict[str, Any] | None) -> Sampler:
+    """The built-in sampler a spec names (the index's side: no code crosses the wire)."""
+    if not spec:
+        return SequentialSampler()
+    params = dict(spec)
+    cls = BUILTINS.get(params.pop("name", None))
+    if cls is None:
+        raise ValueError(f"unknown sampler {spec.get('name')!r}; built-in: {sorted(BUILTINS)}")
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"sampler {spec.get('name')!r}: {exc}") from exc
+
+
+__all__ = [
+    "GroupSampler",
+    "ReadyRows",
+    "Sampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "balanced_partition",
+    "complete_groups",
+    "from_spec",
+]

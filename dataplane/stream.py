@@ -1,0 +1,224 @@
+"""Streaming: consumers pull the rows that are ready for them, while producers keep writing.
+
+The index knows, per row, which fields have been written, and per consumer task which rows it has
+taken. ``next_batch`` returns rows whose fields are all written and that the task has not taken
+yet, and marks them taken; when too few are ready it waits, woken by the put that makes them ready
+(no polling). Tasks are independent: "reward" and "train" each take every row once::
+
+    import dataplane as dp
+
+    # producers (rollout workers) put rows whenever they finish them, then say they are done
+    dp.kv_batch_put(keys, "step3", {"prompts": p, "responses": r}, tags=[{"uid": u} for u in uids])
+    dp.finish_partition("step3")
+
+    # a consumer (the reward worker) takes batches as they become ready
+    while (meta := dp.next_batch("step3", "reward", 64, ["responses"], timeout_s=60)).size:
+        rewards = score(dp.kv_batch_get_by_meta(meta))
+        dp.kv_batch_put(meta.keys, "step3", {"rewards": rewards})
+
+A call that fails (bad arguments, a timeout) marks nothing consumed; a batch whose reply cannot
+reach its consumer (it went away while waiting) is given back. Taking is at most once: a consumer
+that dies after its batch arrived loses that batch for its task; ``reset_consumption`` reads again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dataplane import _ops
+from dataplane.api import _client
+from dataplane.meta import KVBatchMeta
+from dataplane.samplers import Sampler
+
+
+def _next_op(partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index):
+    return _ops.next_batch(
+        _client().route,
+        partition_id,
+        task_name,
+        batch_size,
+        fields,
+        sampler,
+        timeout_s,
+        dp_rank,
+        dp_size,
+        batch_index,
+    )
+
+
+def next_batch(
+    partition_id: str,
+    task_name: str,
+    batch_size: int,
+    fields: list[str] | str,
+    *,
+    sampler: Sampler | None = None,
+    timeout_s: float | None = None,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    batch_index: int | None = None,
+) -> KVBatchMeta:
+    """Up to ``batch_size`` rows of ``partition_id`` whose ``fields`` are all written and that
+    ``task_name`` has not taken yet; marks them taken and returns their meta (listing ``fields``).
+
+    Rows come in the order the puts made them ready, unless ``sampler`` chooses otherwise
+    (``dp.GroupSampler``, ``dp.SeqlenBalancedSampler`` or your own ``dp.Sampler`` subclass). With
+    ``dp_rank`` and ``batch_index``, every caller with the same ``(task_name, dp_rank, batch_index)``
+    gets the same keys (the TP/PP peers of one data-parallel rank); different ``dp_rank`` s get
+    different keys. After ``finish_partition``, a call gets what is left (a short batch) and then an
+    empty meta (``size == 0``) at once.
+
+    Raises:
+        BatchTimeoutError: fewer rows became ready within ``timeout_s`` (None: wait as long as it
+            takes); says how many were ready, and names fields no put has written.
+        PartitionNotFoundError: ``timeout_s`` passed and no put created the partition.
+        BatchSizeError / TypeError / ValueError: bad arguments (``batch_size < 1``, a group size that
+            does not divide ``batch_size``, ...), before anything is sent.
+
+    Example:
+        >>> meta = dp.next_batch("step0", "reward", 64, ["responses"], timeout_s=30)
+    """
+    args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
+    return _client().run(_next_op(*args))
+
+
+async def async_next_batch(
+    partition_id: str,
+    task_name: str,
+    batch_size: int,
+    fields: list[str] | str,
+    *,
+    sampler: Sampler | None = None,
+    timeout_s: float | None = None,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    batch_index: int | None = None,
+) -> KVBatchMeta:
+    """Async ``next_batch``: the wait does not block the event loop."""
+    args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
+    return await _client().arun(_next_op(*args))
+
+
+def _pid(partition_id: Any) -> str:
+    if not isinstance(partition_id, str):
+        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+    return partition_id
+
+
+def finish_partition(partition_id: str) -> None:
+    """Producers are done with ``partition_id``: consumers drain it, then get empty metas at once."""
+    _client().run(_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+
+
+async def async_finish_partition(partition_id: str) -> None:
+    await _client().arun(_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+
+
+def reset_consumption(partition_id: str, task_name: str | None = None) -> None:
+    """Make every row of ``partition_id`` readable again for ``task_name`` (every task when None)."""
+    _client().run(_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+
+
+async def async_reset_consumption(partition_id: str, task_name: str | None = None) -> None:
+    await _client().arun(_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+
+
+def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict[str, Any]:
+    """Progress of ``task_name`` over ``partition_id``: ``{"total", "produced", "ready", "consumed",
+    "finished", "fields"}``. ``produced`` counts rows holding every field in ``fields`` (default: the
+    fields the task last asked for); ``ready`` = produced and not yet taken.
+
+    Example:
+        >>> dp.consumption("step0", "reward")["ready"]
+        12
+    """
+    body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
+    return _client().run(_ops.stream_call("consumption", body))
+
+
+async def async_consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict:
+    body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
+    return await _client().arun(_ops.stream_call("consumption", body))
+
+
+@dataclass
+class StreamRequest:
+    """Ask a bridged worker method to pull its own ready batch (``next_batch``) instead of receiving a
+    meta: the driver sends this, each data-parallel rank takes the rows ready for it, and the driver
+    never sees the keys. ``chunk(n)`` gives rank ``i`` of ``n`` its ``dp_rank`` / ``dp_size``.
+
+    Example:
+        >>> wg.compute_reward(dp.StreamRequest("step3", "reward", 64, ["responses"], timeout_s=60))
+    """
+
+    partition_id: str
+    task_name: str
+    batch_size: int
+    fields: list[str]
+    sampler: Sampler | None = None
+    timeout_s: float | None = None
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    batch_index: int | None = None
+
+    allows_uneven_chunks = True
+
+    def __len__(self) -> int:
+        return self.batch_size * (self.dp_size or 1)
+
+    def chunk(self, n: int) -> list[StreamRequest]:
+        """One request per data-parallel rank: rank ``i`` of ``n``."""
+        return [
+            StreamRequest(
+                self.partition_id,
+                self.task_name,
+                self.batch_size,
+                list(self.fields),
+                self.sampler,
+                self.timeout_s,
+                i,
+                n,
+                self.batch_index,
+            )
+            for i in range(n)
+        ]
+
+    def next_batch(self) -> KVBatchMeta:
+        return next_batch(
+            self.partition_id,
+            self.task_name,
+            self.batch_size,
+            self.fields,
+            sampler=self.sampler,
+            timeout_s=self.timeout_s,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            batch_index=self.batch_index,
+        )
+
+    async def async_next_batch(self) -> KVBatchMeta:
+        return await async_next_batch(
+            self.partition_id,
+            self.task_name,
+            self.batch_size,
+            self.fields,
+            sampler=self.sampler,
+            timeout_s=self.timeout_s,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            batch_index=self.batch_index,
+        )
+
+
+__all__ = [
+    "StreamRequest",
+    "async_consumption",
+    "async_finish_partition",
+    "async_next_batch",
+    "async_reset_consumption",
+    "consumption",
+    "finish_partition",
+    "next_batch",
+    "reset_consumption",
+]
