@@ -57,6 +57,7 @@ from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.samplers import GroupSampler, Sampler, SeqlenBalancedSampler, SequentialSampler
 from dataplane.stream import (
     StreamRequest,
+    StreamResult,
     async_consumption,
     async_finish_partition,
     async_next_batch,
@@ -77,6 +78,7 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StreamRequest",
+    "StreamResult",
     "async_consumption",
     "async_finish_partition",
     "async_next_batch",

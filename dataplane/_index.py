@@ -293,6 +293,12 @@ class IndexCore:
         fields = None if body.fields is None else _fieldset(body.fields)
         return part.streams.counts(body.task, fields)
 
+    def op_consumed(self, body: _protocol.Consumed) -> dict[str, Any]:
+        """The keys ``task`` has taken from the partition (TransferQueue's per-row consumption status)."""
+        part = self.partitions.get(body.pid)
+        task = None if part is None else part.streams.tasks.get(body.task)
+        return {"keys": [] if task is None else [k for k in part.keys if k in task.consumed]}
+
     def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
         pid = body.pid
         pids = [pid] if pid is not None else list(self.partitions)

@@ -151,6 +151,11 @@ class Consumption(_Body):
     fields: list[str] | None = None
 
 
+class Consumed(_Body):
+    pid: str
+    task: str
+
+
 class ListKeys(_Body):
     pid: str | None = None
 
@@ -187,6 +192,7 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "finish": Drop,
     "reset": Reset,
     "consumption": Consumption,
+    "consumed": Consumed,
 }
 WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or at their timeout)
 

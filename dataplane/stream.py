@@ -184,6 +184,19 @@ class StreamRequest:
             for i in range(n)
         ]
 
+    @classmethod
+    def concat(cls, parts: list[StreamRequest]) -> StreamRequest:
+        """The request the parts came from (they share partition, task, batch size and fields)."""
+        first = parts[0]
+        return StreamRequest(
+            first.partition_id,
+            first.task_name,
+            first.batch_size,
+            list(first.fields),
+            first.sampler,
+            first.timeout_s,
+        )
+
     def next_batch(self) -> KVBatchMeta:
         return next_batch(
             self.partition_id,
@@ -211,8 +224,44 @@ class StreamRequest:
         )
 
 
+@dataclass
+class StreamResult:
+    """What a stage that pulled its own batches (``StreamRequest``) returns to the driver: counts,
+    no keys. Concatenating the ranks' results adds them up.
+
+    Attributes: ``partition_id``, ``task_name``, ``rows`` (taken and processed), ``batches``, and
+    ``finished`` (the partition is finished and this task has drained it).
+    """
+
+    partition_id: str
+    task_name: str
+    rows: int = 0
+    batches: int = 0
+    finished: bool = False
+
+    allows_uneven_chunks = True
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def chunk(self, n: int) -> list[StreamResult]:
+        return [self] + [StreamResult(self.partition_id, self.task_name) for _ in range(n - 1)]
+
+    @classmethod
+    def concat(cls, parts: list[StreamResult]) -> StreamResult:
+        first = parts[0]
+        return StreamResult(
+            first.partition_id,
+            first.task_name,
+            sum(p.rows for p in parts),
+            sum(p.batches for p in parts),
+            all(p.finished for p in parts),
+        )
+
+
 __all__ = [
     "StreamRequest",
+    "StreamResult",
     "async_consumption",
     "async_finish_partition",
     "async_next_batch",

@@ -46,9 +46,11 @@ _DEFAULT_KEYS = {("backend", "storage_backend"): "SimpleStorage"}  # accepted wh
 class _Settings:
     polling_mode: bool = False
     sampler: Any = None
+    controller: Any = None  # the TransferQueueController actor this process started, if any
 
 
 settings = _Settings()
+CONTROLLER_NAME = "TransferQueueController"
 
 
 def _as_dict(conf: Any) -> dict[str, Any]:
@@ -100,12 +102,44 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
             "tq.init: these TransferQueue settings have no meaning for this store and are ignored: %s",
             ", ".join(sorted(ignored)),
         )
-    _api.init(**options)
+    info = _api.init(**options)
+    _start_controller(info.extra["name"])
     return {"store": options, "polling_mode": settings.polling_mode}
+
+
+def _start_controller(store_name: str) -> None:
+    """The ``TransferQueueController`` actor TransferQueue code introspects, in the caller's namespace."""
+    import ray
+
+    from dataplane._tq_client import Controller
+
+    if settings.controller is not None:
+        return
+    if CONTROLLER_NAME in ray.util.list_named_actors():  # another process of this namespace started it
+        return  # (asked by listing: a failed get_actor of a name then created cancels the creation)
+    settings.controller = (
+        ray.remote(Controller)
+        .options(name=CONTROLLER_NAME, num_cpus=0.01, max_restarts=0)
+        .remote(store_name)
+    )
+
+
+def get_client():
+    """TransferQueue's low-level client (get_meta, get_data, put, status calls) on this store."""
+    from dataplane._tq_client import TQClient
+
+    if not _api.is_initialized():
+        init()
+    return TQClient(polling_mode=settings.polling_mode, sampler=settings.sampler)
 
 
 def close() -> None:
     """Drop this process's client (and stop the store if this process started it)."""
+    if settings.controller is not None:
+        import ray
+
+        ray.kill(settings.controller)
+        settings.controller = None
     _api.close()
 
 
@@ -191,6 +225,7 @@ async def async_kv_clear(keys, partition_id: str) -> None:
 
 __all__ = [
     "KVBatchMeta",
+    "get_client",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
     "async_kv_batch_put",

@@ -108,3 +108,49 @@ def test_async_variants(attached, pid):
     assert [t.tolist() for t in got["x"].unbind()] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
     assert sorted(listed[pid]) == ["a", "b", "c"] and by_meta["x"].tolist() == [[1.0, 1.0]]
     assert after == {pid: {}} or after == {}
+
+
+def test_controller_actor_answers_transferqueue_introspection(attached, pid):
+    import ray
+
+    tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.zeros(2, 2)}, [2]), tags=[{"i": 0}, {"i": 1}])
+    tq.kv_batch_put(["b"], pid, TensorDict({"y": torch.ones(1)}, [1]))
+    controller = ray.get_actor("TransferQueueController")
+    assert pid in ray.get(controller.list_partitions.remote())
+    snap = ray.get(controller.get_partition_snapshot.remote(pid))
+    a, b = snap.keys_mapping["a"], snap.keys_mapping["b"]
+    assert {a, b} == snap.global_indexes and snap.custom_meta[b] == {"i": 1}
+    assert snap.production_status[a, snap.field_name_mapping["x"]] == 1
+    assert snap.production_status[a, snap.field_name_mapping["y"]] == 0
+    assert snap.production_status[b, snap.field_name_mapping["y"]] == 1
+    ray.get(controller.clear_partition.remote(pid))
+    assert tq.kv_list(pid) == {}
+
+
+def test_low_level_client_streams(attached, pid):
+    client = tq.get_client()
+    data = TensorDict({"prompt": torch.arange(8).view(4, 2)}, [4])
+    meta = client.put(data, partition_id=pid)  # new rows under fresh keys
+    assert meta.size == 4 and meta.fields == ["prompt"]
+    assert not client.check_production_status(["prompt", "response"], pid)
+    client.put(TensorDict({"response": torch.ones(4, 3)}, [4]), metadata=meta)
+    assert client.check_production_status(["prompt", "response"], pid)
+    first = client.get_meta(["prompt", "response"], 3, pid, task_name="train")
+    assert first.size == 3 and client.get_data(first)["response"].shape == (3, 3)
+    # polling mode (the module's config): too few ready rows give an empty meta at once
+    assert client.get_meta(["prompt", "response"], 3, pid, task_name="train").size == 0
+    idx, status = client.get_consumption_status("train", pid)
+    assert int(status.sum()) == 3 and len(idx) == 4
+    assert not client.check_consumption_status("train", pid)
+    rest = client.get_meta(["prompt"], 1, pid, task_name="train")
+    assert rest.size == 1 and client.check_consumption_status("train", pid)
+    assert client.reset_consumption(pid, "train") and not client.check_consumption_status("train", pid)
+    everything = client.get_meta(["prompt"], 0, pid, mode="force_fetch")
+    assert sorted(everything.keys) == sorted(meta.keys)
+    fresh = client.get_meta(["z"], 2, pid, mode="insert")
+    assert fresh.size == 2 and client.get_data(KVBatchMeta.empty(pid)).batch_size == torch.Size([0])
+    client.clear_partition(pid)
+    assert pid not in client.get_partition_list()
+
+
+KVBatchMeta = dp.KVBatchMeta
