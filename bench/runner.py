@@ -52,6 +52,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("store", "bench.store_throughput", "store GB/s vs memcpy, Ray, TransferQueue", plot=True),
         Benchmark("dispatch", "bench.dispatch_overhead", "controller overhead per call vs bare Ray"),
         Benchmark("bypass", "bench.bypass", "driver-held batches vs metadata-only dispatch via the store"),
+        Benchmark("stream", "bench.stream", "next_batch, wake-up and readiness updates vs TransferQueue"),
     )
 }
 

@@ -36,7 +36,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="run a benchmark from bench/")
-    bench.add_argument("which", nargs="?", default="all", help="store | dispatch | bypass | all")
+    bench.add_argument("which", nargs="?", default="all", help="store | dispatch | bypass | stream | all")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
 
 
