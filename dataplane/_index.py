@@ -1,10 +1,10 @@
 """The index service: partitions, keys, per-key field production status, tags, and the shard registry.
 
-``IndexCore`` is the plain bookkeeping class; ``IndexActor`` is an async Ray actor that serves it
-on a zmq ROUTER socket from a task on the actor's event loop (one thread: no locks needed) and
-answers a few Ray calls used only at attach time (``info``).
+``IndexCore`` is the plain bookkeeping class; ``IndexServer`` serves it on zmq ROUTER sockets from
+one thread (no locks needed) and parks requests that wait for rows; ``IndexActor`` is the Ray actor
+around them, answering a few Ray calls used only at attach time (``info``).
 
-Design rule, enforced in ``IndexActor._serve``: the index receives metadata only. A request that
+Design rule, enforced in ``IndexServer``: the index receives metadata only. A request that
 carries any buffer frame is refused with an error, so tensor bytes can never reach it.
 
 Placement of keys is a stable hash (``_placement``), so the index is not asked where a key lives;
@@ -14,14 +14,17 @@ classifying a missing key).
 
 from __future__ import annotations
 
-import asyncio
+import heapq
 import itertools
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane import _auth, _protocol, _wire
 from dataplane._column_types import describe_family
+from dataplane._server import POLL_MS, ZmqServer
 from dataplane._streams import PartitionStreams
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
 from dataplane.samplers import from_spec
@@ -327,30 +330,135 @@ class IndexCore:
         return {}
 
 
-class IndexActor:
-    """The index as an async Ray actor (wrapped with ``ray.remote`` by ``_service``).
+@dataclass(eq=False)
+class _Waiter:
+    """A ``next`` / ``ready`` request parked until rows are ready for it (or its deadline passes)."""
 
-    Its sockets are authenticated like the shards' (``_auth``): a ZAP handler task on the actor's
-    own zmq context refuses any connection that does not present the store's credentials.
+    sock: Any
+    ident: Any
+    rid: int
+    op: str
+    body: Any
+    start: float
+    deadline: float
+    done: bool = False
+
+
+class IndexServer(ZmqServer):
+    """The index's request loop: one thread, so ``IndexCore`` needs no lock.
+
+    Requests that may wait (``next``, ``ready``) are answered at once when rows are ready; otherwise
+    they are parked per partition and re-tried, in arrival order, after every request that changed
+    that partition (a commit, a delete, a finish, ...): woken by the change, never by polling. A
+    parked request past its ``timeout_s`` is answered with ``BatchTimeoutError``. Replies use
+    mandatory routing, so a batch whose consumer has gone away cannot be delivered and is given back
+    to the task (``IndexCore.unconsume``).
     """
+
+    def __init__(self, core: IndexCore, host_ip: str, name: str, creds: _auth.Credentials, **kw: Any) -> None:
+        self.core = core
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        # Metadata only: small messages, cheaper received as bytes than as zero-copy frames.
+        kw.update(max_frames=0, mandatory=True, zero_copy=False)
+        super().__init__(core.handle, host_ip, name, creds, **kw)
+
+    def _serve_one(self, sock: Any, msg: list[Any]) -> None:
+        if len(msg) < 2:
+            return
+        ident, frames = msg[0], msg[1:]
+        if _wire.peek_op(frames[0]) in _protocol.WAITING_OPS:
+            self._start_waiting(sock, ident, frames)
+        else:
+            _, reply = _wire.answer(frames, self.core.handle, max_frames=0, who="the index")
+            self.deliver(sock, ident, reply)
+        self._recheck()
+
+    def _start_waiting(self, sock: Any, ident: Any, frames: list[Any]) -> None:
+        rid = -1
+        try:
+            req, bufs = _wire.decode_request(frames)
+            rid = req.rid
+            if bufs:
+                raise WireError("the index takes metadata only")
+            body = _protocol.decode_body(req.op, req.body, _protocol.INDEX_OPS)
+            now = time.monotonic()
+            waiter = _Waiter(sock, ident, rid, req.op, body, now, math.inf)
+            if self._try(waiter):
+                return
+            if body.timeout_s is not None:
+                waiter.deadline = now + body.timeout_s
+                heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+            self._waiters.setdefault(body.pid, []).append(waiter)
+        except Exception as exc:  # noqa: BLE001 - every request gets an answer
+            self.deliver(sock, ident, _wire.encode_error(rid, exc))
+
+    def _try(self, w: _Waiter) -> bool:
+        """Answer ``w`` if it can be answered now (its rows are ready, or it failed)."""
+        try:
+            result = getattr(self.core, f"op_{w.op}")(w.body)
+        except Exception as exc:  # noqa: BLE001 - the request gets the error, the loop goes on
+            w.done = True
+            self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, exc))
+            return True
+        if result is None:
+            return False
+        w.done = True
+        if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
+            if w.op == "next" and result["keys"]:  # its consumer went away: the rows are ready again
+                self.core.unconsume(w.body.pid, w.body.task, result["keys"])
+        return True
+
+    def _recheck(self) -> None:
+        """Re-try the parked requests of every partition that changed, oldest first."""
+        while self.core.changed:
+            pid = self.core.changed.pop()
+            waiting = self._waiters.get(pid)
+            if not waiting:
+                continue
+            self._waiters[pid] = [w for w in waiting if not w.done and not self._try(w)]
+            if not self._waiters[pid]:
+                del self._waiters[pid]
+
+    def poll_timeout_ms(self) -> int:
+        while self._deadlines and self._deadlines[0][2].done:
+            heapq.heappop(self._deadlines)
+        if not self._deadlines:
+            return POLL_MS
+        return max(0, min(POLL_MS, math.ceil((self._deadlines[0][0] - time.monotonic()) * 1000)))
+
+    def after_poll(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, w = heapq.heappop(self._deadlines)
+            if w.done or self._try(w):
+                continue
+            w.done = True
+            err = self.core.timeout_error(w.op, w.body, now - w.start)
+            self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, err))
+            waiting = self._waiters.get(w.body.pid, [])
+            if w in waiting:
+                waiting.remove(w)
+        self._recheck()
+
+
+class IndexActor:
+    """The index as a Ray actor (wrapped with ``ray.remote`` by ``_service``): its Ray methods only
+    start and describe it; every KV and streaming request reaches ``IndexServer`` over zmq, on
+    sockets that admit only the store's own peers (``_auth``)."""
 
     def __init__(self, name: str, creds: dict[str, str] | None = None, max_message_bytes: int = -1) -> None:
         self.core = IndexCore()
         self._name = name
         self._creds = _auth.Credentials.from_dict(creds or {})
         self._max_message_bytes = max_message_bytes
-        self._tasks: list[asyncio.Task] = []
-        self._waiting: set[asyncio.Task] = set()  # requests waiting for rows to become ready
-        self._changed: dict[str, asyncio.Future] = {}  # pid -> resolved at its next change
-        self.tcp = self.ipc = ""
+        self.server: IndexServer | None = None
 
-    async def start(self) -> dict[str, Any]:
+    def start(self) -> dict[str, Any]:
         import os
-        import uuid
 
         import ray
-        import zmq
-        import zmq.asyncio
 
         from dataplane._liveness import process_start
         from dataplane._segments import boot_id
@@ -358,117 +466,26 @@ class IndexActor:
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
-        ctx = zmq.asyncio.Context()  # its own: one ZAP handler per context
-        zap = ctx.socket(zmq.REP)
-        zap.setsockopt(zmq.LINGER, 0)
-        zap.bind(_auth.ZAP_ENDPOINT)
-        loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._serve_zap(zap)))
-
-        def router(curve: bool):
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a peer that left fails: see _deliver
-            _auth.secure_server(sock, self._creds, curve)
-            self._tasks.append(loop.create_task(self._serve(sock)))
-            return sock
-
-        plain = router(curve=False)
-        self.ipc = f"ipc://@{self._name}-{uuid.uuid4().hex[:12]}"
-        plain.bind(self.ipc)
-        tcp_sock = router(curve=True) if self._creds.encrypt else plain
-        self.tcp = f"tcp://{host_ip}:{tcp_sock.bind_to_random_port(f'tcp://{host_ip}')}"
+        self.server = IndexServer(
+            self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
+        ).start()
         pid = os.getpid()
         return {
-            "tcp": self.tcp,
-            "ipc": self.ipc,
+            "tcp": self.server.tcp,
+            "ipc": self.server.ipc,
             "boot_id": boot_id(),
             "pid": pid,
             "pid_start": process_start(pid),
         }
 
-    async def _serve_zap(self, zap) -> None:
-        while True:
-            frames = await zap.recv_multipart()
-            await zap.send_multipart(_auth.zap_reply(frames, self._creds))
-
-    async def _serve(self, sock) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            msg = await sock.recv_multipart(copy=False)
-            if len(msg) < 2:
-                continue
-            if _wire.peek_op(msg[1]) in _protocol.WAITING_OPS:  # may wait: answered by its own task
-                task = loop.create_task(self._serve_waiting(sock, msg[0], msg[1:]))
-                self._waiting.add(task)
-                task.add_done_callback(self._waiting.discard)
-                continue
-            _, reply = _wire.answer(msg[1:], self.core.handle, max_frames=0, who="the index")
-            await self._deliver(sock, msg[0], reply)
-            self._wake()
-
-    async def _serve_waiting(self, sock, ident, frames: list) -> None:
-        """Answer a ``next`` / ``ready`` request once rows are ready, woken by the commits that make
-        them so (no polling), or with ``BatchTimeoutError`` at its ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        rid, op, body, result = -1, None, None, None
-        try:
-            req, bufs = _wire.decode_request(frames)
-            rid, op = req.rid, req.op
-            if bufs:
-                raise WireError("the index takes metadata only")
-            body = _protocol.decode_body(op, req.body, _protocol.INDEX_OPS)
-            start = loop.time()
-            while True:
-                result = getattr(self.core, f"op_{op}")(body)
-                if result is not None:
-                    break
-                left = None if body.timeout_s is None else start + body.timeout_s - loop.time()
-                if left is not None and left <= 0:
-                    raise self.core.timeout_error(op, body, loop.time() - start)
-                changed = self._changed.get(body.pid)
-                if changed is None:
-                    changed = self._changed[body.pid] = loop.create_future()
-                try:
-                    await asyncio.wait_for(asyncio.shield(changed), left)
-                except TimeoutError:
-                    pass
-            reply = _wire.encode_reply(rid, result)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            result = None
-            reply = _wire.encode_error(rid, exc)
-        delivered = await self._deliver(sock, ident, reply)
-        if not delivered and op == "next" and result is not None and result["keys"]:
-            self.core.unconsume(body.pid, body.task, result["keys"])  # its consumer went away
-            self._wake()
-
-    async def _deliver(self, sock, ident, reply: list) -> bool:
-        import zmq
-
-        try:
-            await sock.send_multipart([ident, *reply], copy=False)
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected before its answer
-            logger.debug("index: a reply could not be delivered: %s", exc)
-            return False
-
-    def _wake(self) -> None:
-        """Wake the waiting requests of every partition that changed."""
-        for pid in self.core.changed:
-            fut = self._changed.pop(pid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        self.core.changed.clear()
-
-    async def register(self, registry: dict[str, Any]) -> None:
+    def register(self, registry: dict[str, Any]) -> None:
         self.core.registry = registry
 
-    async def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         """The registry and the client credentials: the one way a process obtains them (a Ray call)."""
         return {**self.core.registry, "credentials": self._creds.for_clients().to_dict()}
 
-    async def ping(self) -> bool:
+    def ping(self) -> bool:
         return True
 
 

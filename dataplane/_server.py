@@ -47,11 +47,18 @@ class ZmqServer:
         tick: Callable[[], None] | None = None,
         lock: threading.Lock | None = None,
         max_message_bytes: int = -1,
+        max_frames: int = _wire.MAX_FRAMES,
+        mandatory: bool = False,
+        zero_copy: bool = True,
     ) -> None:
         self._handler = handler
         self._tick = tick
         self._lock = lock or threading.Lock()
         self._creds = creds
+        self._max_frames = max_frames
+        self._mandatory = mandatory  # replies to a peer that left raise (see ``deliver``)
+        self._zero_copy = zero_copy  # receive frames as views (bulk bytes); False: small messages only
+        self.name = name
         self._ctx = zmq.Context()  # its own: one ZAP handler per context
         self._zap = self._ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
@@ -69,7 +76,7 @@ class ZmqServer:
     def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if self._mandatory else 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         _auth.secure_server(sock, self._creds, curve)
         self._socks.append(sock)
@@ -86,16 +93,13 @@ class ZmqServer:
             poller.register(sock, zmq.POLLIN)
         last_tick = time.monotonic()
         while not self._stop.is_set():
-            for sock, _ in poller.poll(POLL_MS):
+            for sock, _ in poller.poll(self.poll_timeout_ms()):
                 if sock is self._zap:
                     self._zap.send_multipart(_auth.zap_reply(self._zap.recv_multipart(), self._creds))
                     continue
-                while True:
-                    try:
-                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._serve_one(sock, msg)
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # drain, without an exception at the end
+                    self._serve_one(sock, sock.recv_multipart(zmq.NOBLOCK, copy=not self._zero_copy))
+            self.after_poll()
             now = time.monotonic()
             if self._tick is not None and now - last_tick >= TICK_S:
                 last_tick = now
@@ -108,14 +112,27 @@ class ZmqServer:
             sock.close(linger=0)
         self._ctx.term()
 
+    def poll_timeout_ms(self) -> int:
+        """How long the loop may block in one poll (subclasses with deadlines shorten it)."""
+        return POLL_MS
+
+    def after_poll(self) -> None:
+        """Runs after every poll, on the server thread (subclasses: expire deadlines)."""
+
     def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
-        rid, reply = _wire.answer(msg[1:], self._locked_handler)
+        rid, reply = _wire.answer(msg[1:], self._locked_handler, max_frames=self._max_frames, who=self.name)
+        self.deliver(sock, msg[0], reply)
+
+    def deliver(self, sock: zmq.Socket, ident: Any, reply: list[Any]) -> bool:
+        """Send ``reply`` to the peer ``ident``; False when it cannot be delivered (it left)."""
         try:
-            sock.send_multipart([msg[0], *reply], copy=False)
-        except zmq.ZMQError as exc:
-            logger.warning("could not send reply %d: %s", rid, exc)
+            sock.send_multipart([ident, *reply], copy=False)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (mandatory routing): the peer disconnected
+            logger.debug("%s: a reply could not be delivered: %s", self.name, exc)
+            return False
 
     def _locked_handler(self, op: str, body: Any, bufs: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         with self._lock:

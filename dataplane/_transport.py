@@ -194,11 +194,8 @@ class SyncTransport(_Endpoints):
                 self._fail_dead(socks, poller, calls, waiting, results)
                 continue
             for sock, _ in poller.poll(max(1, int((min(deadline, next_probe) - now) * 1000))):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # drain, without an exception at the end
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     i = waiting.pop(_wire.peek_rid(frames[0]), None)
                     if i is not None:  # else: a late reply to a request that already timed out
                         results[i] = _unpack(frames)

@@ -147,10 +147,9 @@ def answer(
 def peek_op(frame: Any) -> str | None:
     """The operation name of a request header frame, or None when it does not decode."""
     try:
-        op = msgspec.msgpack.decode(_as_buffer(frame))[1]
+        return _req_dec.decode(_as_buffer(frame)).op  # the body stays raw: not parsed twice
     except Exception:  # noqa: BLE001 - a foreign frame; answer() will say so
         return None
-    return op if type(op) is str else None
 
 
 def peek_rid(frame: Any) -> int:
