@@ -78,6 +78,7 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StreamRequest",
+    "StreamingDataset",
     "StreamResult",
     "async_consumption",
     "async_finish_partition",
@@ -126,3 +127,13 @@ __all__ = [
     "kv_put",
     "stats",
 ]
+
+
+def __getattr__(name: str):
+    # StreamingDataset subclasses torch's IterableDataset: imported on first use, so the store's own
+    # processes (shards, index), which import this package, never load torch.
+    if name == "StreamingDataset":
+        from dataplane.dataset import StreamingDataset
+
+        return StreamingDataset
+    raise AttributeError(f"module 'dataplane' has no attribute {name!r}")

@@ -101,9 +101,23 @@ class IndexCore:
         their keys live on. Returns the put's transaction id for ``commit`` / ``abort``.
         """
         pid = body.pid
+        families = self._families(pid, body.specs)
+        txn = next(self._txn_ids)
+        schema = self.schemas.setdefault(pid, {})
+        for name in body.specs:
+            entry = schema.get(name)
+            if entry is None:
+                entry = schema[name] = _FieldSchema(families[name])
+            if not entry.confirmed:
+                entry.pending.add(txn)
+        self.txns[txn] = (pid, list(body.specs))
+        return {"txn": txn}
+
+    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list]:
+        """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
         schema = self.schemas.get(pid, {})
         families = {}
-        for name, spec in body.specs.items():
+        for name, spec in specs.items():
             new_s = _wire.spec_from_wire(spec)
             new_s.check(name)
             families[name] = list(new_s.family())
@@ -115,16 +129,16 @@ class IndexCore:
                     f"column ({describe_family(old.family)}); write it with the stored dtype, or use a new "
                     "field name",
                 )
-        txn = next(self._txn_ids)
-        schema = self.schemas.setdefault(pid, schema)
-        for name in body.specs:
-            entry = schema.get(name)
-            if entry is None:
-                entry = schema[name] = _FieldSchema(families[name])
-            if not entry.confirmed:
-                entry.pending.add(txn)
-        self.txns[txn] = (pid, list(body.specs))
-        return {"txn": txn}
+        return families
+
+    def _decide(self, pid: str, specs: dict[str, Any]) -> None:
+        """Check ``specs`` against the partition's schema and record new fields as confirmed; all
+        checked before anything is recorded."""
+        families = self._families(pid, specs)
+        schema = self.schemas.setdefault(pid, {})
+        for name, family in families.items():
+            if name not in schema:
+                schema[name] = _FieldSchema(family, confirmed=True)
 
     def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
         """A prepared put gave up: new fields only it relied on are undecided again."""
@@ -145,6 +159,8 @@ class IndexCore:
         pid, keys, fields, tags = body.pid, _protocol.unique_keys(body.keys, "commit"), body.fields, body.tags
         if tags is not None and len(tags) != len(keys):
             raise WireError(f"commit: {len(tags)} tags for {len(keys)} keys")
+        if body.specs:  # a put that skipped prepare: its fields' schemas must agree (or are new)
+            self._decide(pid, body.specs)
         if body.txn is not None:
             owner = self.txns.get(body.txn, (pid, []))[0]
             if owner != pid:  # before changing anything: a txn confirms only its own partition

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -35,6 +35,7 @@ from dataplane.errors import (
     KeyNotFoundError,
     PartitionNotFoundError,
     ReservationExpiredError,
+    SchemaError,
     WireError,
 )
 from dataplane.meta import KVBatchMeta, plain_value
@@ -54,6 +55,7 @@ class Route:
     shm_min_bytes: int
     commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
     rpc_timeout_s: float = 60.0
+    schemas: dict[str, dict[str, tuple]] = field(default_factory=dict)  # pid -> confirmed families
 
 
 def _check_keys(keys: Any, partition_id: Any) -> list[str]:
@@ -120,6 +122,14 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     schemas in the first round (``prepare``), together with the shards' reservations, and any
     failure there aborts every reservation. A put that stalls between reserve and commit past most
     of ``reservation_timeout_s`` aborts instead of committing (the shards would have fenced it).
+
+    The shards commit before the index does: the index's commit is what makes rows listed and
+    ready for consumers (``next_batch``), so a row is never handed out before every shard holding
+    it can serve it, and a put whose shard commit failed is never made ready.
+
+    A small put to one shard of fields whose schema this client has seen confirmed takes one
+    request per side (``_put_inline``): the shard stores the inline rows at once, then the index
+    commits, checking the schema again.
     """
     keys = _check_keys(keys, partition_id)
     tags = _check_tags(tags, len(keys))
@@ -135,13 +145,15 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         return _meta(keys, partition_id, res[0])
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
-    calls = [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs})]
     parts: dict[int, dict[str, Any]] = {}
+    reserves = []
     for s in shards:
         call, parts[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns)
-        calls.append(call)
+        reserves.append(call)
+    if len(shards) == 1 and not parts[shards[0]] and _schema_known(route, partition_id, columns):
+        return (yield from _put_inline(route, reserves[0], body, specs, columns, groups, keys))
     started = time.monotonic()
-    results = yield calls
+    results = yield [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs}), *reserves]
     prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
     aborts = [Call(s, "abort", {"resv": r[0]["resv"]}) for s, r in reserved.items() if _ok(r)]
     if _ok(prepared):
@@ -170,10 +182,53 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
             "reservation_timeout_s); it was aborted and nothing was written. Raise reservation_timeout_s "
             "if this process is often paused this long."
         )
+    results = yield commits
+    if not all(_ok(r) for r in results):
+        yield [Call(INDEX, "abort", {"txn": prepared[0]["txn"]})]
+        _raise_partial_put([*results, None], shards, groups, keys, partition_id)
     body["txn"] = prepared[0]["txn"]
-    results = yield [*commits, Call(INDEX, "commit", body)]
-    _raise_partial_put(results, shards, groups, keys, partition_id)
-    return _meta(keys, partition_id, results[-1][0])
+    (res,) = yield [Call(INDEX, "commit", body)]
+    _raise_partial_put([*results, res], shards, groups, keys, partition_id)
+    _remember_schema(route, partition_id, specs)
+    return _meta(keys, partition_id, res[0])
+
+
+def _put_inline(route: Route, reserve: Call, body: dict, specs: dict, columns: dict, groups, keys) -> Op:
+    """One shard stores inline rows at once (``put``), then the index commits them (checking the
+    schema: ``specs``). Only for fields whose schema is confirmed, so the index has nothing to decide;
+    if it refuses all the same (the partition was dropped and re-created meanwhile with another
+    dtype), the rows just written are removed again."""
+    pid = body["pid"]
+    (res,) = yield [Call(reserve.target, "put", reserve.body, reserve.bufs)]
+    _raise_first([res])
+    (res,) = yield [Call(INDEX, "commit", {**body, "specs": specs})]
+    if not _ok(res):
+        _forget_schema(route, pid)
+        if isinstance(res, SchemaError):
+            yield [Call(reserve.target, "delete", {"pid": pid, "keys": reserve.body["keys"]})]
+            raise res
+        _raise_partial_put([(None, {}), res], [reserve.target], groups, keys, pid)
+    return _meta(keys, pid, res[0])
+
+
+def _schema_known(route: Route, pid: str, columns: dict) -> bool:
+    known = route.schemas.get(pid)
+    return known is not None and all(known.get(n) == col.spec.family() for n, col in columns.items())
+
+
+def _remember_schema(route: Route, pid: str, specs: dict) -> None:
+    known = route.schemas.setdefault(pid, {})
+    for name, spec in specs.items():
+        known[name] = _wire.spec_from_wire(spec).family()
+    if len(route.schemas) > SCHEMA_CACHE:  # a client writing many partitions keeps the newest
+        route.schemas.pop(next(iter(route.schemas)))
+
+
+def _forget_schema(route: Route, pid: str) -> None:
+    route.schemas.pop(pid, None)
+
+
+SCHEMA_CACHE = 1024  # partitions whose confirmed schemas a client remembers
 
 
 def _ok(result: Result) -> bool:
@@ -181,8 +236,11 @@ def _ok(result: Result) -> bool:
 
 
 def _raise_partial_put(results: list, shards: list[int], groups: dict, keys: list[str], pid: str) -> None:
-    """Raise, naming exactly what was written, when a put's commit round failed anywhere."""
+    """Raise, naming exactly what was written, when a put's commit failed anywhere (the shards'
+    results, then the index's: None when the index was not asked because a shard failed)."""
     shard_res, index_res = results[:-1], results[-1]
+    if index_res is None:
+        index_res = DataplaneError("not asked: a shard's commit failed, so the rows were not made ready")
     failed = [(s, r) for s, r in zip(shards, shard_res, strict=True) if not _ok(r)]
     if not failed and _ok(index_res):
         return
@@ -443,6 +501,7 @@ def clear(route: Route, keys: Sequence[str], partition_id: str) -> Op:
 def drop_partition(route: Route, partition_id: str) -> Op:
     if not isinstance(partition_id, str):
         raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+    _forget_schema(route, partition_id)
     shards = list(range(route.placement.num_shards))
     calls = [Call(s, "drop", {"pid": partition_id}) for s in shards]
     results = yield [*calls, Call(INDEX, "drop", {"pid": partition_id})]
@@ -561,7 +620,9 @@ def _next_client_side(
 
     start = time.monotonic()
     min_rows = batch_size
-    for _ in range(CLAIM_ATTEMPTS):
+    name = type(sampler).__name__
+    lost = 0  # claims that lost a race with another consumer of the task (waits do not count)
+    while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
         body = {**common, "min_rows": min_rows, "batch_index": batch_index, "timeout_s": left}
         (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left))]
@@ -575,24 +636,37 @@ def _next_client_side(
             ready, batch_size, dp_rank=common["dp_rank"], dp_size=dp_size, finished=got["finished"]
         )
         if choice is None or (not choice and not got["finished"]):
+            if got["finished"]:  # no more rows will come: what it waits for never will
+                return _stream_meta(common["pid"], {"keys": [], "tags": [], "fields": common["fields"]})
             min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
             continue
         if isinstance(choice, dict):
             raise NotImplementedError(
-                f"{type(sampler).__name__}.sample returned a split by rank; a sampler of your own returns "
+                f"{name}.sample returned a split by rank; a sampler of your own returns "
                 "the caller's keys (a list)"
             )
-        keys = list(choice)[:batch_size]
+        keys = list(choice)
+        if len(keys) > batch_size:
+            raise WireError(f"sampler {name} returned {len(keys)} keys for a batch of {batch_size}")
+        bad = [k for k in keys if k not in tags]
+        if bad:  # not a race: keys it was never shown as ready (nothing was claimed)
+            raise WireError(
+                f"{name} chose {len(bad)} key(s) that are not ready for task {common['task']!r} (not among "
+                f"the ready rows it was given: not all of {sorted(common['fields'])} written, already "
+                f"consumed, or unknown): {bad[:5]}"
+            )
         claim = {**common, "keys": keys, "batch_index": batch_index}
         (res,) = yield [Call(INDEX, "claim", claim)]
         if isinstance(res, WireError) and "not ready" in str(res):
-            continue  # another consumer of this task took some of them first: choose again
+            lost += 1  # another consumer of this task took some of them first: choose again
+            if lost < CLAIM_ATTEMPTS:
+                continue
+            raise DataplaneError(
+                f"{name}: {CLAIM_ATTEMPTS} choices in a row were taken by other consumers of task "
+                f"{common['task']!r} first; retry"
+            )
         _raise_first([res])
         return _stream_meta(common["pid"], res[0])
-    raise DataplaneError(
-        f"{type(sampler).__name__}: {CLAIM_ATTEMPTS} choices in a row were taken by other consumers of task "
-        f"{common['task']!r} first; retry"
-    )
 
 
 def _stream_meta(partition_id: str, body: dict[str, Any]) -> KVBatchMeta:

@@ -97,6 +97,7 @@ class IndexCommit(_Body):
     fields: list[str] = []
     tags: Tags = None
     txn: int | None = None
+    specs: dict[str, WireSpec] | None = None  # a put without prepare: the index checks them here
 
 
 class IndexAbort(_Body):
@@ -167,6 +168,7 @@ class Resolve(_Body):
 
 SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "reserve": Reserve,
+    "put": Reserve,  # reserve and commit at once: inline columns only
     "commit": Commit,
     "abort": Abort,
     "get": Get,

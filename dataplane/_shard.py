@@ -212,6 +212,13 @@ class ShardCore:
                 "nothing was written. Clear data (dp.kv_clear / dp.clear_partition) or raise capacity_bytes."
             )
 
+    def op_put(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
+        """Reserve and commit at once: a put whose columns all travel inline in this request."""
+        if any(f.col is None for f in body.fields.values()):
+            raise WireError("a one-step put carries every column inline")
+        reply, _ = self.op_reserve(body, bufs)
+        return self.op_commit(_protocol.Commit(resv=reply["resv"]), [])
+
     def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[dict, list]:
         resv = self._resv.get(body.resv)
         if resv is None:

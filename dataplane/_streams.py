@@ -161,17 +161,24 @@ class PartitionStreams:
                 stream.ready.pop(key, None)
 
     def unconsume(self, task_name: str, keys: list[str]) -> None:
-        """Give back keys whose batch never reached its consumer (it went away before the reply)."""
+        """Give back keys whose batch never reached its consumer (it went away before the reply).
+
+        Keys a rank-aware call took stay with their ``(dp_rank, batch_index)`` slot instead: a TP/PP
+        peer of that slot may already hold them, and a peer (or a replacement) asking that slot again
+        gets them again; given back, another rank could take them too.
+        """
         task = self.tasks.get(task_name)
         if task is None:
+            return
+        held = {k for slot_keys in task.cache.values() for k in slot_keys}
+        keys = [k for k in keys if k not in held]
+        if not keys:
             return
         task.consumed.difference_update(keys)
         for stream in task.streams.values():
             back = {k: None for k in keys if k in self.keys and stream.fields <= self.keys[k].fields}
             if back:  # first in line again
                 stream.ready = {**back, **{k: None for k in stream.ready if k not in back}}
-        for slot in [s for s, v in task.cache.items() if set(v) & set(keys)]:
-            del task.cache[slot]
 
     def reset(self, task_name: str | None) -> None:
         """Every row readable again for ``task_name`` (all tasks when None)."""

@@ -3,7 +3,8 @@
 A sampler has one method, ``sample(ready, batch_size, *, dp_rank, dp_size, finished)``, that looks
 at the ready rows (keys in the order the puts made them ready, with their tags) and returns:
 
-* ``None``: not enough yet, wait for more rows (``finished`` says no more will come);
+* ``None``: not enough yet, wait for more rows (``finished`` says no more will come: a sampler of
+  your own that still returns ``None`` then gets an empty batch);
 * a list of keys: this caller's batch (at most ``batch_size``);
 * a dict ``{dp_rank: keys}``: one global batch split over data-parallel ranks; the caller gets its
   own part and the others are kept for the other ranks' calls with the same ``batch_index``.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from typing import Any
+
+from dataplane.errors import BatchSizeError
 
 Choice = list[str] | dict[int, list[str]] | None
 
@@ -67,7 +70,8 @@ class Sampler:
     def check(
         self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
     ) -> None:
-        """Raise ``ValueError`` when a call's arguments cannot work with this sampler."""
+        """Raise ``ValueError`` when a call's arguments cannot work with this sampler (``BatchSizeError``,
+        a ``ValueError``, when it is the batch size)."""
 
     def spec(self) -> dict[str, Any] | None:
         """``{"name": ..., **params}`` for built-ins (sent to the index); ``None`` for your own."""
@@ -118,7 +122,7 @@ class GroupSampler(Sampler):
         self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
     ) -> None:
         if batch_size % self.group_size:
-            raise ValueError(
+            raise BatchSizeError(
                 f"GroupSampler: batch_size {batch_size} is not a multiple of group_size {self.group_size}; "
                 "a group is never split"
             )
@@ -184,7 +188,7 @@ class SeqlenBalancedSampler(Sampler):
                 f"SeqlenBalancedSampler: dp_rank {dp_rank} / dp_size {dp_size} vs {self.dp_size}"
             )
         if batch_size % self.group_size:
-            raise ValueError(
+            raise BatchSizeError(
                 f"SeqlenBalancedSampler: batch_size {batch_size} is not a multiple of group_size "
                 f"{self.group_size}"
             )

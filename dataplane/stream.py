@@ -17,7 +17,8 @@ yet, and marks them taken; when too few are ready it waits, woken by the put tha
         dp.kv_batch_put(meta.keys, "step3", {"rewards": rewards})
 
 A call that fails (bad arguments, a timeout) marks nothing consumed; a batch whose reply cannot
-reach its consumer (it went away while waiting) is given back. Taking is at most once: a consumer
+reach its consumer (it went away while waiting) is given back, except a rank-aware one, which stays
+with its ``(dp_rank, batch_index)``: asking that again returns it. Taking is at most once: a consumer
 that dies after its batch arrived loses that batch for its task; ``reset_consumption`` reads again.
 """
 

@@ -32,6 +32,25 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=None, help="training steps")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--summary", default="build/demo-summary.json", help="where to write the JSON summary")
+    demo.add_argument(
+        "--mode",
+        choices=["sync", "stream", "both"],
+        default="sync",
+        help="sync: one blocking call per stage; stream: stages pull ready rows and overlap; "
+        "both: sync then stream on the same seed, compared",
+    )
+    demo.add_argument(
+        "--max-staleness", type=int, default=None, help="stream mode: steps the rollout may run ahead (1)"
+    )
+    demo.add_argument(
+        "--stream-chunks", type=int, default=None, help="stream mode: reward/advantage batches per step (2)"
+    )
+    demo.add_argument(
+        "--rollout-chunks", type=int, default=None, help="stream mode: rollout calls per rank and step (1)"
+    )
+    demo.add_argument(
+        "--timeline", default=None, help="timeline JSON path (default: next to the summary; a PNG beside it)"
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -7,16 +7,25 @@ anywhere in them raises :class:`DriverDataError`, naming the method and where th
 before anything is dispatched (for arguments) or handed back (for results). It also counts the
 bytes that pass through the driver (the pickled size of arguments and results, what Ray ships
 for them), so a run can report driver traffic next to store traffic.
+
+``dp.StreamRequest`` and ``dp.StreamResult`` (and the bridge's ``StreamReport``) count as
+metadata when every field holds metadata: a stream request names a partition, a task, fields and
+a built-in sampler's parameters; a result holds counts, timings and metric dicts.
+
+:meth:`MetadataOnlyGroup.submit` starts a call without waiting (the same dispatch, execution and
+collect as a plain call, split in two): the driver can keep several stages in flight and collect
+their results later, each wait with a timeout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any
 
 import dataplane as dp
 
-__all__ = ["DriverDataError", "MetadataOnlyGroup", "check_metadata"]
+__all__ = ["DriverDataError", "MetadataOnlyGroup", "PendingCall", "check_metadata"]
 
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -53,6 +62,16 @@ def check_metadata(value: Any, method: str, where: str) -> None:
     """
     if type(value) in _PLAIN or isinstance(value, dp.KVBatchMeta):
         return  # KVBatchMeta validates itself: it refuses tensors in keys, tags and extra_info
+    if isinstance(value, (dp.StreamRequest, dp.StreamResult)):
+        for field in dataclasses.fields(value):
+            check_metadata(getattr(value, field.name), method, f"{where}.{field.name}")
+        return
+    if isinstance(value, dp.Sampler):
+        spec = value.spec()
+        if spec is None:
+            raise DriverDataError(method, where, f"sampler of its own ({type(value).__qualname__})")
+        check_metadata(spec, method, where)
+        return
     if isinstance(value, dict):
         for k, v in value.items():
             check_metadata(v, method, f"{where}[{k!r}]")
@@ -107,3 +126,87 @@ class MetadataOnlyGroup:
 
         call.__name__ = method
         return call
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start ``group.<method>(*args, **kwargs)`` and return at once; :meth:`PendingCall.result`
+        collects it. Arguments are checked (and nothing dispatched) as for a plain call.
+
+        The group method must be a controller ``GroupMethod`` (``dispatch_fn``, ``collect_fn``,
+        ``execute_fn_name``); calls to one worker from this driver run in submission order.
+
+        Raises:
+            DriverDataError: an argument holds data.
+            NotImplementedError: the dispatch padded the batch (only uneven-chunkable batches such as
+                ``KVBatchMeta`` and ``dp.StreamRequest`` can be submitted).
+
+        Example:
+            >>> request = dp.StreamRequest("step3", "reward", 64, ["responses"])
+            >>> pending = reward.submit("compute_reward", request)
+            >>> pending.result(timeout=60)  # a StreamReport
+        """
+        from controlplane.dispatch import CHUNK_INFO_KWARG, PADDING_KWARG
+
+        label = f"{self._name}.{method}"
+        check_metadata(list(args), label, "args")
+        check_metadata(kwargs, label, "kwargs")
+        bound = getattr(self._group, method)
+        group = bound.worker_group
+        per_rank_args, per_rank_kwargs = bound.dispatch_fn(group, *args, **kwargs)
+        per_rank_kwargs.pop(CHUNK_INFO_KWARG, None)
+        if per_rank_kwargs.pop(PADDING_KWARG, 0):
+            raise NotImplementedError(f"{label}: submit cannot undo padding; pass a batch that needs none")
+        refs = getattr(group, bound.execute_fn_name)(bound.method_name, *per_rank_args, **per_rank_kwargs)
+        self.driver_bytes += len(pickle.dumps((args, kwargs)))
+        return PendingCall(self, label, bound, refs)
+
+
+class PendingCall:
+    """A submitted group call: its per-rank ``ObjectRef`` s and, once collected, its result.
+
+    Attributes:
+        label: ``"<group>.<method>"``.
+    """
+
+    def __init__(self, guard: MetadataOnlyGroup, label: str, bound: Any, refs: Any) -> None:
+        self._guard = guard
+        self.label = label
+        self._bound = bound
+        self._rank_zero = not isinstance(refs, list)
+        self._refs = [refs] if self._rank_zero else list(refs)
+        self._result: Any = None
+        self._collected = False
+
+    def __repr__(self) -> str:
+        return f"<pending {self.label} ({'collected' if self._collected else 'in flight'})>"
+
+    @property
+    def refs(self) -> list[Any]:
+        """The per-rank ``ObjectRef`` s (one for a rank-zero method)."""
+        return list(self._refs)
+
+    def done(self) -> bool:
+        """True when every rank has answered (collecting then does not wait)."""
+        import ray
+
+        if self._collected:
+            return True
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0, fetch_local=False)
+        return len(ready) == len(self._refs)
+
+    def result(self, timeout: float) -> Any:
+        """Wait up to ``timeout`` seconds, collect as the plain call would, check it is metadata.
+
+        Raises:
+            TimeoutError: not every rank answered in time (the call keeps running).
+            DriverDataError: the result holds data.
+            Exception: what a rank raised (re-raised by Ray), or ``WorkerDiedError``.
+        """
+        if self._collected:
+            return self._result
+        group = self._bound.worker_group
+        values = group._wait(self._refs, timeout)  # the controller's wait: a dead worker is named
+        result = values[0] if self._rank_zero else self._bound.collect_fn(group, values)
+        check_metadata(result, self.label, "result")
+        self._guard.driver_bytes += len(pickle.dumps(result))
+        self._result, self._collected = result, True
+        return result

@@ -14,6 +14,11 @@ Two worker classes, each method bridged (``KVBatchMeta`` in, ``KVBatchMeta`` or 
 Field names are those of :mod:`workers.engine`. Settings that change per step travel in
 ``KVBatchMeta.extra_info``: ``step`` (sampling seeds), ``n`` (responses per prompt, for
 ``make_prompts``).
+
+Stream mode (``GRPOTrainer`` with ``mode="stream"``): every bridged method also takes a
+``dp.StreamRequest`` and pulls its own ready rows (see :mod:`workers.tqbridge`);
+``make_stream_prompts`` names the keys itself and tags each row with its group (``uid``) for
+``dp.GroupSampler``, and ``generate_sequences`` takes the step as a keyword.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -40,7 +46,7 @@ from workers.engine import (
     TinyCausalLM,
     compute_advantage,
 )
-from workers.tqbridge import _count, nbytes_of, tqbridge, traffic
+from workers.tqbridge import StreamReport, _count, nbytes_of, tqbridge, traffic
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,7 @@ class ActorRolloutRefWorker(RoleWorker):
         self.device = torch.device(device)
         self._register_dispatch_collect_info(ACTOR_MESH, dp_rank=self.rank, is_collect=True)
         self.actor: Actor | None = None
+        self._stream_calls: dict[int, int] = {}  # rollout calls per step (stream mode: several)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -126,11 +133,22 @@ class ActorRolloutRefWorker(RoleWorker):
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
     @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
-    def generate_sequences(self, batch: TensorDict) -> TensorDict:
-        """Sample one response per row (the rows already hold each prompt ``n`` times)."""
+    def generate_sequences(self, batch: TensorDict, step: int | None = None) -> TensorDict:
+        """Sample one response per row (the rows already hold each prompt ``n`` times).
+
+        ``step`` (stream mode, where a step's rows arrive in several calls): each call of a step
+        gets its own sampling stream. Without it the step comes from ``extra_info``.
+        """
         self._model_ready()
-        step = int(batch.get_non_tensor("step")) if "step" in batch.keys() else 0
-        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, self.rank))
+        stream = self.rank
+        if step is None:
+            step = int(batch.get_non_tensor("step")) if "step" in batch.keys() else 0
+        else:
+            call = self._stream_calls.get(step, 0)
+            self._stream_calls = {s: c for s, c in self._stream_calls.items() if s > step - 8}
+            self._stream_calls[step] = call + 1
+            stream += 4099 * call
+        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, stream))
         out = self.rollout.generate(batch.select("prompts"), n=1, generator=gen)
         return out.select("responses", "response_mask", "rollout_log_probs")
 
@@ -148,9 +166,13 @@ class ActorRolloutRefWorker(RoleWorker):
         return self.reference.compute_ref_log_prob(batch)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_METRIC, call_on_empty=True)
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
-        """One GRPO update on this rank's shard; metrics are averaged over the group."""
+        """One GRPO update on this rank's shard; metrics are averaged over the group.
+
+        Called on every rank even when its stream batch is empty: the update's all-reduces need
+        every rank (an empty shard joins with zero gradients).
+        """
         return self._model_ready().update(batch)
 
 
@@ -179,16 +201,46 @@ class RewardWorker(RoleWorker):
         step = int(meta.extra_info.get("step", 0))
         if n < 1 or meta.size % n:
             raise ValueError(f"make_prompts: {meta.size} keys is not a multiple of n={n}")
-        if not dp.is_initialized():
-            dp.init(attach_only=True)
-        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, 7919))
-        num = meta.size // n
-        prompts = self.task.sample_prompts(num, gen).repeat_interleave(n, dim=0)
-        uid = (torch.arange(num) + step * num).repeat_interleave(n)
-        data = TensorDict({"prompts": prompts, "uid": uid}, batch_size=[meta.size])
+        data = self._prompts(step, meta.size // n, n)
         stored = dp.kv_batch_put(meta.keys, meta.partition_id, fields=data, tags=meta.tags)
         _count("written_bytes", nbytes_of(data))
         return dp.KVBatchMeta(meta.keys, meta.tags, meta.partition_id, stored.fields, meta.extra_info)
+
+    def _prompts(self, step: int, num: int, n: int) -> TensorDict:
+        if not dp.is_initialized():
+            dp.init(attach_only=True)
+        gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, 7919))
+        prompts = self.task.sample_prompts(num, gen).repeat_interleave(n, dim=0)
+        uid = (torch.arange(num) + step * num).repeat_interleave(n)
+        return TensorDict({"prompts": prompts, "uid": uid}, batch_size=[num * n])
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def make_stream_prompts(self, partition_id: str, step: int, num_prompts: int, n: int) -> StreamReport:
+        """Stream mode's data source: write ``num_prompts`` prompts, each on ``n`` keys it names
+        itself (``"<step>.<prompt>.<sample>"``), tagged ``{"uid": group}`` for ``dp.GroupSampler``.
+
+        Returns a report (counts and the time span), not the keys: consumers find the rows with
+        ``next_batch``. The same prompts as ``make_prompts`` for the same step.
+        """
+        called = time.time()
+        if n < 1 or num_prompts < 1:
+            raise ValueError(f"make_stream_prompts: num_prompts={num_prompts} and n={n} must be >= 1")
+        data = self._prompts(step, num_prompts, n)
+        keys = [f"{step}.{i}.{j}" for i in range(num_prompts) for j in range(n)]
+        tags = [{"uid": int(u)} for u in data["uid"].tolist()]
+        dp.kv_batch_put(keys, partition_id, fields=data, tags=tags)
+        _count("written_bytes", nbytes_of(data))
+        span = {
+            "task": "prompts",
+            "method": "make_stream_prompts",
+            "partition": partition_id,
+            "rank": self.rank,
+            "rows": len(keys),
+            "called": called,
+            "start": called,
+            "end": time.time(),
+        }
+        return StreamReport(partition_id, "prompts", len(keys), 1, spans=[span])
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -34,7 +34,37 @@ that registered ``is_collect=True`` for that mesh (``Worker.query_collect_info``
 ``Dispatch.ONE_TO_ALL`` (every rank receives the same meta) only rank 0 writes, so the same
 rows are not written ``world_size`` times; for every other mode every rank is a collect rank.
 
-A call without a ``KVBatchMeta`` runs the method unchanged and never touches the store.
+Streaming: when an argument is a ``dp.StreamRequest`` instead (the method pulls its own ready
+rows), the bridge, on each rank:
+
+1. takes the batch with ``next_batch`` (the request that reaches rank ``i`` carries its
+   ``dp_rank`` / ``dp_size``, set by ``StreamRequest.chunk`` in the controller's DP dispatch; the
+   ranks of one replica share a ``batch_index``, see below, so they get the same keys);
+2. fetches those rows and calls the method with their ``TensorDict`` (other arguments unchanged);
+3. writes per-row outputs back from collect ranks only, as for a meta;
+4. returns a :class:`StreamReport` (a ``dp.StreamResult``: counts, no keys) with the wall-clock
+   span of the batch and the method's non-row output (metrics), so the driver never sees keys.
+
+An empty batch (the partition is finished and this task drained it) does not call the method
+unless the decorator says ``call_on_empty=True`` (a method that must join a collective, such as a
+data-parallel update, on every rank); the report says ``finished=True``.
+
+Which rows a rank gets: a request chunked by a DP or mesh dispatch has ``dp_rank`` set. The peers
+of one mesh replica (TP/PP ranks) receive the same chunk, and ``StreamRequest.chunk`` keeps
+``batch_index`` (``None`` unless the caller set it), so the bridge gives such a request a
+``batch_index`` of its own: a per-group call counter hashed with the group's name (``WG_PREFIX``),
+the partition and the task. Every rank of a group receives the same calls in the same order, so
+peers compute the same index and the store's rank-aware cache hands them the same keys (and a
+sampler that splits one batch over the DP ranks, ``dp.SeqlenBalancedSampler``, gets the same index
+from every rank), while other groups and later calls get other indexes. (For an async actor running
+calls of one task concurrently, pass ``batch_index`` yourself: the counter assumes calls start in
+the order they were sent.) An unchunked request under ``Dispatch.ONE_TO_ALL`` /
+``ALL_TO_ALL`` (every rank gets the same request, as it would the same meta) is one batch for the
+whole group: every rank takes the same keys (``dp_rank=0``). A request whose ``batch_index`` is
+set is used as given (a repeated index returns the same keys again: for retries).
+
+A call without a ``KVBatchMeta`` or ``StreamRequest`` runs the method unchanged and never touches
+the store.
 ``def`` methods use the store's blocking client (no event loop, thread or socket is created per
 call; the client's sockets are opened once per process); ``async def`` methods await the
 store's ``async_`` functions on the caller's own loop.
@@ -45,10 +75,15 @@ reports them as the bytes that went through the store rather than through the dr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import inspect
 import logging
+import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +95,7 @@ from controlplane import Dispatch, register
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BridgeError", "bridged_register", "reset_traffic", "tqbridge", "traffic"]
+__all__ = ["BridgeError", "StreamReport", "bridged_register", "reset_traffic", "tqbridge", "traffic"]
 
 
 class BridgeError(ValueError):
@@ -87,7 +122,8 @@ _traffic = {"read_bytes": 0, "written_bytes": 0, "calls": 0}
 
 
 def traffic() -> dict[str, int]:
-    """Bytes this process's bridge read from and wrote to the store, and bridged calls made.
+    """Bytes this process's bridge read from and wrote to the store, bridged calls made, and reads
+    of a stream batch that had to be repeated (see :func:`_fetch_taken`).
 
     Example:
         >>> sorted(traffic())
@@ -276,11 +312,201 @@ async def _async_finish(
     return _written(meta, data, stored)
 
 
+# ---------------------------------------------------------------------------- streaming
+
+
+@dataclasses.dataclass
+class StreamReport(dp.StreamResult):
+    """What a bridged method called with a ``dp.StreamRequest`` returns: a ``dp.StreamResult``
+    (``rows`` and ``batches`` this rank processed, counted on collect ranks only, ``finished``
+    when its batch was empty) plus what the driver may see of the work, never keys or tensors.
+
+    Attributes:
+        spans: one dict per batch processed on a collect rank: ``task``, ``method``,
+            ``partition``, ``rank``, ``rows`` and wall-clock times (``time.time()``): ``called``
+            (the call began), ``start`` (the batch was taken) and ``end`` (outputs written).
+        outputs: the method's non-row outputs (a dict of metrics, ...), one per rank that
+            returned one; per-row outputs are written to the store instead.
+
+    Concatenating reports (the controller's collect) adds the counts and joins the lists.
+    """
+
+    spans: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+
+    def chunk(self, n: int) -> list[StreamReport]:
+        return [self] + [StreamReport(self.partition_id, self.task_name) for _ in range(n - 1)]
+
+    @classmethod
+    def concat(cls, parts: list[StreamReport]) -> StreamReport:
+        total = dp.StreamResult.concat(parts)
+        return cls(
+            total.partition_id,
+            total.task_name,
+            total.rows,
+            total.batches,
+            total.finished,
+            [span for p in parts for span in getattr(p, "spans", ())],
+            [out for p in parts for out in getattr(p, "outputs", ())],
+        )
+
+
+def _first_request(args: tuple, kwargs: dict) -> dp.StreamRequest | None:
+    found = [v for v in (*args, *kwargs.values()) if isinstance(v, dp.StreamRequest)]
+    if not found:
+        return None
+    if len(found) > 1 or _first_meta(args, kwargs) is not None:
+        raise TypeError(
+            "a bridged call takes one StreamRequest and no KVBatchMeta beside it (the method gets one batch)"
+        )
+    return found[0]
+
+
+_index_lock = threading.Lock()
+_call_counts: OrderedDict[tuple, int] = OrderedDict()
+_COUNTS_KEPT = 4096  # (partition, task) call counters kept; the oldest are forgotten
+
+
+def _auto_batch_index(request: dp.StreamRequest, dp_size: int | None) -> int:
+    """The ``batch_index`` of this call: the same on every rank of one group for its n-th call of a
+    (partition, task), different across groups and calls (see the module docstring). Not per DP
+    rank: a sampler that splits one global batch over the ranks (``SeqlenBalancedSampler``) needs
+    every rank of a call to pass the same index; the store keys its cache by rank as well."""
+    group = os.environ.get("WG_PREFIX") or f"pid{os.getpid()}"
+    stream = (group, request.partition_id, request.task_name, dp_size, tuple(request.fields))
+    with _index_lock:
+        count = _call_counts.pop(stream, 0)
+        _call_counts[stream] = count + 1
+        while len(_call_counts) > _COUNTS_KEPT:
+            _call_counts.popitem(last=False)
+    digest = hashlib.blake2b(repr((*stream, count)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # 62 bits: a non-negative int the index accepts
+
+
+def _effective_request(request: dp.StreamRequest, replicated: bool) -> dp.StreamRequest:
+    """The request this rank sends: DP rank / size and a batch index settled (module docstring)."""
+    dp_rank, dp_size, batch_index = request.dp_rank, request.dp_size, request.batch_index
+    if dp_rank is None and replicated:
+        dp_rank, dp_size = 0, 1  # every rank received the same request: one batch for the group
+    if dp_rank is not None and batch_index is None:
+        batch_index = _auto_batch_index(request, dp_size)
+    return dataclasses.replace(request, dp_rank=dp_rank, dp_size=dp_size, batch_index=batch_index)
+
+
+def _swap_request(args: tuple, kwargs: dict, td: TensorDictBase) -> tuple[list, dict]:
+    new_args = [td if isinstance(a, dp.StreamRequest) else a for a in args]
+    new_kwargs = {k: td if isinstance(v, dp.StreamRequest) else v for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+class _StreamCall:
+    """One stream call on one rank: the batch taken, the timings, and the report."""
+
+    def __init__(self, request: dp.StreamRequest, replicated: bool, worker: Any, name: str) -> None:
+        self.called = time.time()
+        self.request = _effective_request(request, replicated)
+        self.rank = int(getattr(worker, "rank", 0) or 0)
+        self.name = name
+        self.meta: dp.KVBatchMeta | None = None
+        self.start = self.called
+
+    def took(self, meta: dp.KVBatchMeta) -> None:
+        self.meta = meta
+        self.start = time.time()
+
+    def report(self, output: Any, per_row: bool, collect: bool) -> StreamReport:
+        meta, req = self.meta, self.request
+        size = meta.size if meta is not None else 0
+        report = StreamReport(req.partition_id, req.task_name, finished=size == 0)
+        if output is not None and not per_row:
+            report.outputs.append(output)
+        if collect and size:
+            report.rows, report.batches = size, 1
+            report.spans.append(
+                {
+                    "task": req.task_name,
+                    "method": self.name.rsplit(".", 1)[-1],
+                    "partition": req.partition_id,
+                    "rank": self.rank,
+                    "rows": size,
+                    "called": self.called,
+                    "start": self.start,
+                    "end": time.time(),
+                }
+            )
+        return report
+
+
+def _stream_write(
+    output: Any, meta: dp.KVBatchMeta, inputs: dict, name: str, collect: bool
+) -> tuple[TensorDict | None, bool]:
+    """``(rows to write or None, whether the output is per-row data)`` for one stream batch."""
+    data = _to_write(output, meta, inputs, name)
+    if data is None:
+        return None, False
+    if not collect or meta.size == 0 or not data.keys():
+        return None, True
+    return data, True
+
+
+def _run_stream(
+    func: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    request: dp.StreamRequest,
+    replicated: bool,
+    call_on_empty: bool,
+    collect: bool,
+    name: str,
+) -> StreamReport:
+    call = _StreamCall(request, replicated, args[0] if args else None, name)
+    call.took(call.request.next_batch())
+    meta = call.meta
+    if meta.size == 0 and not call_on_empty:
+        return call.report(None, False, collect)
+    new_args, new_kwargs = _swap_request(args, kwargs, _fetch(meta))
+    inputs = _inputs_of(new_args, new_kwargs)
+    output = func(*new_args, **new_kwargs)
+    data, per_row = _stream_write(output, meta, inputs, name, collect)
+    if data is not None:
+        dp.kv_batch_put(meta.keys, meta.partition_id, fields=data)
+        _count("written_bytes", nbytes_of(data))
+    return call.report(output, per_row, collect)
+
+
+async def _async_run_stream(
+    func: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    request: dp.StreamRequest,
+    replicated: bool,
+    call_on_empty: bool,
+    collect: bool,
+    name: str,
+) -> StreamReport:
+    call = _StreamCall(request, replicated, args[0] if args else None, name)
+    call.took(await call.request.async_next_batch())
+    meta = call.meta
+    if meta.size == 0 and not call_on_empty:
+        return call.report(None, False, collect)
+    new_args, new_kwargs = _swap_request(args, kwargs, await _async_fetch(meta))
+    inputs = _inputs_of(new_args, new_kwargs)
+    output = await func(*new_args, **new_kwargs)
+    data, per_row = _stream_write(output, meta, inputs, name, collect)
+    if data is not None:
+        await dp.async_kv_batch_put(meta.keys, meta.partition_id, fields=data)
+        _count("written_bytes", nbytes_of(data))
+    return call.report(output, per_row, collect)
+
+
 # ---------------------------------------------------------------------------- the decorator
 
 
-def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make a worker method accept ``KVBatchMeta`` in place of data (see the module docstring).
+def tqbridge(
+    dispatch_mode: Any = None, *, call_on_empty: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make a worker method accept ``KVBatchMeta`` or ``dp.StreamRequest`` in place of data (see
+    the module docstring).
 
     Place it under ``@register`` with the same dispatch mode, so the bridge knows which ranks
     write back.
@@ -288,6 +514,9 @@ def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callab
     Args:
         dispatch_mode: the method's dispatch mode (a ``Dispatch`` member or a
             ``{dispatch_fn, collect_fn}`` dict); None: every rank writes back.
+        call_on_empty: for a ``StreamRequest`` whose batch is empty (partition finished and
+            drained), still call the method with an empty ``TensorDict`` (a method that must join
+            a collective on every rank); default: skip it and report ``finished=True``.
 
     Raises:
         TypeError: ``dispatch_mode`` is neither (at decoration time).
@@ -300,6 +529,9 @@ def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callab
         ...         return TensorDict({"rewards": batch["responses"].float().mean(-1)}, batch.batch_size)
     """
     is_collect = _collect_rule(dispatch_mode)
+    replicated = dispatch_mode is Dispatch.ONE_TO_ALL or dispatch_mode is Dispatch.ALL_TO_ALL
+    if not isinstance(call_on_empty, bool):
+        raise TypeError(f"call_on_empty must be a bool, got {call_on_empty!r}")
 
     def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
         name = getattr(func, "__qualname__", repr(func))
@@ -308,6 +540,14 @@ def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callab
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                request = _first_request(args, kwargs)
+                if request is not None:
+                    _ensure_store()
+                    _count("calls", 1)
+                    collect = is_collect(args[0]) if args else True
+                    return await _async_run_stream(
+                        func, args, kwargs, request, replicated, call_on_empty, collect, name
+                    )
                 meta = _first_meta(args, kwargs)
                 if meta is None:
                     return await func(*args, **kwargs)
@@ -319,11 +559,20 @@ def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callab
                 output = await func(*new_args, **new_kwargs)
                 return await _async_finish(output, meta, inputs, name, collect)
 
-            async_wrapper.__tqbridge__ = {"dispatch_mode": dispatch_mode}  # type: ignore[attr-defined]
+            async_wrapper.__tqbridge__ = {  # type: ignore[attr-defined]
+                "dispatch_mode": dispatch_mode,
+                "call_on_empty": call_on_empty,
+            }
             return async_wrapper
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            request = _first_request(args, kwargs)
+            if request is not None:
+                _ensure_store()
+                _count("calls", 1)
+                collect = is_collect(args[0]) if args else True
+                return _run_stream(func, args, kwargs, request, replicated, call_on_empty, collect, name)
             meta = _first_meta(args, kwargs)
             if meta is None:
                 return func(*args, **kwargs)
@@ -335,17 +584,23 @@ def tqbridge(dispatch_mode: Any = None) -> Callable[[Callable[..., Any]], Callab
             output = func(*new_args, **new_kwargs)
             return _finish(output, meta, inputs, name, collect)
 
-        wrapper.__tqbridge__ = {"dispatch_mode": dispatch_mode}  # type: ignore[attr-defined]
+        wrapper.__tqbridge__ = {  # type: ignore[attr-defined]
+            "dispatch_mode": dispatch_mode,
+            "call_on_empty": call_on_empty,
+        }
         return wrapper
 
     return decorator
 
 
-def bridged_register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, **register_kwargs: Any) -> Callable[..., Any]:
+def bridged_register(
+    dispatch_mode: Any = Dispatch.ALL_TO_ALL, *, call_on_empty: bool = False, **register_kwargs: Any
+) -> Callable[..., Any]:
     """``@register(dispatch_mode=M, ...)`` over ``@tqbridge(dispatch_mode=M)`` in one decorator.
 
     Args:
         dispatch_mode: the dispatch mode for both.
+        call_on_empty: passed to ``tqbridge``.
         **register_kwargs: ``execute_mode``, ``blocking``, ``materialize_futures`` for ``register``.
 
     Example:
@@ -354,7 +609,7 @@ def bridged_register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, **register_kwargs
         ...     def score(self, batch): ...
     """
     outer = register(dispatch_mode=dispatch_mode, **register_kwargs)
-    inner = tqbridge(dispatch_mode=dispatch_mode)
+    inner = tqbridge(dispatch_mode=dispatch_mode, call_on_empty=call_on_empty)
 
     def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
         return outer(inner(func))

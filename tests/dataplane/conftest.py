@@ -37,6 +37,29 @@ def start_store(**options):
     return cfg, registry, handle
 
 
+def store_fixtures(name: str, **options):
+    """A module-scoped ``store`` fixture (a store of the module's own) and an ``attached`` one (this
+    process attached to it for one test): ``store, attached = store_fixtures("t-x", num_shards=2)``."""
+    import dataplane as dp
+
+    @pytest.fixture(scope="module")
+    def store(ray_cluster):
+        dp.close()
+        cfg, registry, handle = start_store(name=name, **options)
+        yield cfg
+        dp.close()
+        handle.stop()
+
+    @pytest.fixture
+    def attached(store):
+        dp.close()  # a test before may have attached to a store of its own
+        dp.init(name=name)
+        yield store
+        dp.close()
+
+    return store, attached
+
+
 @contextlib.contextmanager
 def own_store(name: str, **options):
     """A store of the test's own (its own options), this process attached to it; stopped at the end."""

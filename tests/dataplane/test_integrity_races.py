@@ -28,7 +28,7 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE
 
-from .conftest import keys_on_shards, own_store, start_store, wait_for
+from .conftest import keys_on_shards, own_store, store_fixtures, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -40,23 +40,7 @@ MISSING = (dp.KeyNotFoundError, dp.PartitionNotFoundError)
 # ---- stores ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def store(ray_cluster):
-    """The module's store: 2 shards, unbounded capacity."""
-    dp.close()
-    cfg, registry, handle = start_store(name=STORE, num_shards=2, rpc_timeout_s=30)
-    yield cfg
-    dp.close()
-    handle.stop()
-
-
-@pytest.fixture
-def attached(store):
-    """This process attached to the module's store (a test before may have attached to its own)."""
-    dp.close()
-    dp.init(name=STORE)
-    yield store
-    dp.close()
+store, attached = store_fixtures(STORE, num_shards=2, rpc_timeout_s=30)
 
 
 # ---- helper actors (each a separate process attached to a store) ----------------------------------

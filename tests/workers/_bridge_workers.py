@@ -57,6 +57,11 @@ class BridgeWorker(Worker):
         extra = {k: batch.get_non_tensor(k) for k in batch.keys() if k not in tensors}
         return {"tensors": tensors, "extra": extra, "rows": int(batch.shape[0])}
 
+    @bridged_register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC, call_on_empty=True)
+    def rows_seen(self, batch: TensorDict) -> dict:
+        """Called even for an empty stream batch (a method that must run on every rank)."""
+        return {"rows": int(batch.shape[0]), "rank": self.rank}
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def wrong_size(self, batch: TensorDict) -> TensorDict:
