@@ -346,6 +346,10 @@ class IndexCore:
         return {}
 
 
+# Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
+_TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
+
+
 @dataclass(eq=False)
 class _Waiter:
     """A ``next`` / ``ready`` request parked until rows are ready for it (or its deadline passes)."""
@@ -384,7 +388,7 @@ class IndexServer(ZmqServer):
         if len(msg) < 2:
             return
         ident, frames = msg[0], msg[1:]
-        if _wire.peek_op(frames[0]) in _protocol.WAITING_OPS:
+        if _wire.peek_op(frames[0]) in _TAKING_OPS:
             self._start_waiting(sock, ident, frames)
         else:
             _, reply = _wire.answer(frames, self.core.handle, max_frames=0, who="the index")
@@ -422,7 +426,7 @@ class IndexServer(ZmqServer):
             return False
         w.done = True
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
-            if w.op == "next" and result["keys"]:  # its consumer went away: the rows are ready again
+            if w.op in ("next", "claim") and result["keys"]:  # its consumer went away: ready again
                 self.core.unconsume(w.body.pid, w.body.task, result["keys"])
         return True
 

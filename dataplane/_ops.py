@@ -608,7 +608,7 @@ def next_batch(
         "batch_index": batch_index,
         "timeout_s": timeout_s,
     }
-    (res,) = yield [Call(INDEX, "next", body, timeout=_wait_timeout(route, timeout_s))]
+    (res,) = yield [Call(INDEX, "next", body, timeout=_wait_timeout(route, timeout_s), exclusive=True)]
     _raise_first([res])
     return _stream_meta(partition_id, res[0])
 
@@ -625,7 +625,7 @@ def _next_client_side(
     while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
         body = {**common, "min_rows": min_rows, "batch_index": batch_index, "timeout_s": left}
-        (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left))]
+        (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left), exclusive=True)]
         _raise_first([res])
         got = res[0]
         if got.get("cached"):

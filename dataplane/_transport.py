@@ -61,6 +61,7 @@ class Call:
     body: dict[str, Any]
     bufs: list[Any] = field(default_factory=list)
     timeout: float | None = None  # seconds (``math.inf``: no limit, only death ends it); None: rpc_timeout_s
+    exclusive: bool = False  # async: on a socket of its own (waiting calls, see AsyncTransport)
 
 
 INDEX = -1
@@ -157,9 +158,16 @@ class SyncTransport(_Endpoints):
         timeout = _deadline_of(calls, self.timeout if timeout is None else timeout)
         socks = self._checkout()
         try:
-            return self._call_many(socks, calls, timeout)
-        finally:
-            self._checkin(socks)
+            results = self._call_many(socks, calls, timeout)
+        except BaseException:
+            # Interrupted (e.g. KeyboardInterrupt) with requests outstanding: close the sockets, so
+            # no late reply reaches a later call and the index sees its consumer leave (a batch it
+            # would have handed out is given back instead).
+            for sock in socks.values():
+                sock.close(linger=0)
+            raise
+        self._checkin(socks)
+        return results
 
     def _call_many(self, socks: dict[int, zmq.Socket], calls: list[Call], timeout: float) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
@@ -296,10 +304,20 @@ class AsyncTransport(_Endpoints):
     async def _call(self, c: Call, timeout: float) -> Result:
         if self.liveness.known_dead(c.target):
             return self.died(c.target)
+        if not c.exclusive:
+            return await self._exchange(c, timeout, self._channel(c.target), shared=True)
+        # A socket of its own, closed however the call ends: a waiting call that is cancelled or
+        # times out leaves the index nobody to hand a batch to, so it gives the rows back.
+        ch = _AsyncChannel(self._dealer(self._ctx, c.target))
+        try:
+            return await self._exchange(c, timeout, ch, shared=False)
+        finally:
+            ch.close()
+
+    async def _exchange(self, c: Call, timeout: float, ch: _AsyncChannel, shared: bool) -> Result:
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + timeout
-        ch = self._channel(c.target)
         rid = next_rid()
         fut = loop.create_future()
         ch.futures[rid] = fut
@@ -308,7 +326,8 @@ class AsyncTransport(_Endpoints):
             try:  # the send is inside the deadline: a dead peer's full queue must not hang us
                 await asyncio.wait_for(ch.sock.send_multipart(frames, copy=False), min(timeout, 3600.0))
             except TimeoutError:
-                self._drop_channel(c.target)
+                if shared:
+                    self._drop_channel(c.target)
                 return self.unavailable(c.target, timeout, " (its send queue stayed full)")
             while True:
                 left = deadline - loop.time()
@@ -318,7 +337,8 @@ class AsyncTransport(_Endpoints):
                     reply = await asyncio.wait_for(asyncio.shield(fut), min(left, PROBE_S))
                 except TimeoutError:
                     if await self._dead(c.target):
-                        self._drop_channel(c.target)
+                        if shared:
+                            self._drop_channel(c.target)
                         return self.died(c.target)
                     continue
                 if reply is None:  # the channel was closed under us (its target died, or a send stalled)

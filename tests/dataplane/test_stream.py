@@ -585,3 +585,22 @@ def test_next_batch_cost_does_not_grow_with_rows_of_other_partitions(attached, p
     print(f"next_batch median: {alone * 1e3:.2f} ms alone, {beside * 1e3:.2f} ms beside 50k rows")
     print(f"(putting the 50k rows and a first next_batch over them took {setup:.1f}s)")
     assert beside < 5 * alone + 0.002, f"next_batch slowed from {alone * 1e3:.2f} to {beside * 1e3:.2f} ms"
+
+
+def test_a_cancelled_waiting_call_loses_no_rows(attached, pid):
+    """A consumer that gives up (its ``async_next_batch`` cancelled) must not take the rows that
+    arrive later: its call had a socket of its own, closed on cancel, so the index cannot deliver
+    the batch and gives it back."""
+    dp.kv_batch_put(["seed"], pid, {"a": torch.zeros(1)})  # the partition exists; nothing holds "b"
+
+    async def give_up() -> None:
+        waiting = asyncio.ensure_future(dp.async_next_batch(pid, "t", 1, ["b"]))
+        while not _asked(pid, "t", ["b"]):  # bounded below by the test's own timeout
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(asyncio.wait_for(give_up(), 30))
+    dp.kv_batch_put(["row"], pid, {"b": torch.ones(1)})
+    assert dp.next_batch(pid, "t", 1, ["b"], timeout_s=10).keys == ["row"]
