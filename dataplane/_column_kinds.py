@@ -105,7 +105,11 @@ class ValueEncoder:
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous CPU copy-or-view of ``t``: at most one copy; CUDA goes through pinned memory."""
-        t = t.detach().resolve_conj().resolve_neg()
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
         if t.device.type == "cpu":
             return t.contiguous()
         if t.device.type == "cuda":

@@ -271,7 +271,7 @@ def _preview(items: list[str], limit: int = 8) -> str:
 
 
 def _meta(keys: list[str], partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
-    return KVBatchMeta(keys=keys, tags=body["tags"], partition_id=partition_id, fields=body["fields"])
+    return KVBatchMeta._trusted(keys, body["tags"], partition_id, body["fields"])
 
 
 def _reserve_call(route: Route, s: int, pid: str, keys: list[str], pos: np.ndarray, columns: dict) -> tuple:
@@ -670,7 +670,7 @@ def _next_client_side(
 
 
 def _stream_meta(partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
-    return KVBatchMeta(body["keys"], body["tags"], partition_id, body["fields"])
+    return KVBatchMeta._trusted(body["keys"], body["tags"], partition_id, body["fields"])
 
 
 def stream_call(op: str, body: dict[str, Any]) -> Op:

@@ -128,7 +128,7 @@ class ZmqServer:
     def deliver(self, sock: zmq.Socket, ident: Any, reply: list[Any]) -> bool:
         """Send ``reply`` to the peer ``ident``; False when it cannot be delivered (it left)."""
         try:
-            sock.send_multipart([ident, *reply], copy=False)
+            sock.send_multipart([ident, *reply], copy=not _wire.zero_copy(reply))
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (mandatory routing): the peer disconnected
             logger.debug("%s: a reply could not be delivered: %s", self.name, exc)

@@ -182,9 +182,8 @@ class SyncTransport(_Endpoints):
                 sock = socks[c.target] = self._dealer(self._ctx, c.target)
             rid = next_rid()
             try:
-                sock.send_multipart(
-                    _wire.encode_request(rid, c.op, c.body, c.bufs), copy=False, flags=zmq.NOBLOCK
-                )
+                frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
+                sock.send_multipart(frames, copy=not _wire.zero_copy(frames), flags=zmq.NOBLOCK)
             except zmq.Again:
                 results[i] = self.unavailable(c.target, 0.0, " (its send queue is full)")
                 continue
@@ -324,7 +323,8 @@ class AsyncTransport(_Endpoints):
         try:
             frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
             try:  # the send is inside the deadline: a dead peer's full queue must not hang us
-                await asyncio.wait_for(ch.sock.send_multipart(frames, copy=False), min(timeout, 3600.0))
+                send = ch.sock.send_multipart(frames, copy=not _wire.zero_copy(frames))
+                await asyncio.wait_for(send, min(timeout, 3600.0))
             except TimeoutError:
                 if shared:
                     self._drop_channel(c.target)

@@ -64,6 +64,14 @@ WireError = errors.WireError
 MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
 
 
+SMALL_MESSAGE = 1 << 16  # below this many bytes, copying a frame is cheaper than sending it zero-copy
+
+
+def zero_copy(frames: list[Any]) -> bool:
+    """Whether to send ``frames`` without copying (only worth it for large buffers)."""
+    return sum(memoryview(f).nbytes for f in frames) >= SMALL_MESSAGE
+
+
 def _as_buffer(frame: Any) -> memoryview:
     buf = getattr(frame, "buffer", None)
     return buf if buf is not None else memoryview(frame)

@@ -140,6 +140,20 @@ class KVBatchMeta:
         self.fields = fields
         self.extra_info = _plain(extra, "KVBatchMeta extra_info")
 
+    @classmethod
+    def _trusted(cls, keys: list[str], tags: list[dict], partition_id: str, fields: list[str] | None):
+        """A meta built from what the index service answered (msgpack-decoded, so plain by
+        construction, keys unique): skips the checks user input needs. Not for user values."""
+        meta = object.__new__(cls)
+        meta.keys, meta.tags, meta.partition_id, meta.fields, meta.extra_info = (
+            keys,
+            tags,
+            partition_id,
+            fields,
+            {},
+        )
+        return meta
+
     # -- size ---------------------------------------------------------------------------------
 
     @property
