@@ -48,6 +48,29 @@ def make_sampler(sampler: Any, config: dict[str, Any] | None = None) -> Sampler 
     return _SAMPLERS[name](config or {})
 
 
+class TQBatchMeta(KVBatchMeta):
+    """A ``KVBatchMeta`` that also answers the ``BatchMeta`` attributes TransferQueue code reads:
+    ``global_indexes`` (here the keys: the row identifiers this store has), ``is_ready`` and
+    ``field_names``."""
+
+    @classmethod
+    def of(cls, meta: KVBatchMeta) -> TQBatchMeta:
+        return cls._trusted(meta.keys, meta.tags, meta.partition_id, meta.fields)
+
+    @property
+    def global_indexes(self) -> list[str]:
+        return list(self.keys)
+
+    @property
+    def is_ready(self) -> bool:
+        """Every row of a fetched meta is ready; an empty meta is not (TransferQueue's rule)."""
+        return self.size > 0
+
+    @property
+    def field_names(self) -> list[str]:
+        return sorted(self.fields or [])
+
+
 class TQClient:
     """TransferQueue's ``TransferQueueClient`` calls (and their ``async_`` twins) on this store.
 
@@ -75,6 +98,13 @@ class TQClient:
         """``fetch``: the next ready rows for ``task_name`` (``next_batch``; in polling mode an empty
         meta when too few are ready, else it waits); ``force_fetch``: every row of the partition;
         ``insert``: ``batch_size`` fresh keys for a later ``put(data, metadata=...)``."""
+        return TQBatchMeta.of(
+            self._get_meta(data_fields, batch_size, partition_id, mode, task_name, sampling_config)
+        )
+
+    def _get_meta(
+        self, data_fields, batch_size, partition_id, mode, task_name, sampling_config
+    ) -> KVBatchMeta:
         fields = [data_fields] if isinstance(data_fields, str) else list(data_fields)
         if mode == "insert":
             keys = [uuid.uuid4().hex for _ in range(batch_size)]
@@ -273,4 +303,4 @@ class Controller:
         return snap if snap.keys_mapping or partition_id in api.kv_list() else None
 
 
-__all__ = ["Controller", "Snapshot", "TQClient", "make_sampler", "snapshot"]
+__all__ = ["Controller", "Snapshot", "TQBatchMeta", "TQClient", "make_sampler", "snapshot"]

@@ -25,6 +25,10 @@ What differs from TransferQueue, and why:
   with one warning naming them.
 * **``close()``** stops the store only in the process that started it; in TransferQueue any caller
   kills the shared controller.
+* **Metas are key-based**: ``get_client().get_meta`` returns a ``KVBatchMeta`` that also answers
+  ``global_indexes`` (the keys), ``is_ready`` and ``field_names``. A ``TransferQueueController``
+  actor answers TransferQueue's introspection calls, in the ``transfer_queue`` namespace and in the
+  caller's. TransferQueue's own KV end-to-end suite passes unchanged against this module.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ _DEFAULT_KEYS = {("backend", "storage_backend"): "SimpleStorage"}  # accepted wh
 class _Settings:
     polling_mode: bool = False
     sampler: Any = None
-    controller: Any = None  # the TransferQueueController actor this process started, if any
+    controller: list | None = None  # the TransferQueueController actors this process started
 
 
 settings = _Settings()
 CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
 
 
 def _as_dict(conf: Any) -> dict[str, Any]:
@@ -108,20 +113,26 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
 
 
 def _start_controller(store_name: str) -> None:
-    """The ``TransferQueueController`` actor TransferQueue code introspects, in the caller's namespace."""
+    """The ``TransferQueueController`` actor TransferQueue code introspects: in the namespace
+    TransferQueue 0.1.11 uses (``transfer_queue``) and, when it differs, in the caller's own (where
+    older TransferQueue code looks it up with a bare ``ray.get_actor``)."""
     import ray
 
     from dataplane._tq_client import Controller
 
-    if settings.controller is not None:
+    if settings.controller:
         return
-    if CONTROLLER_NAME in ray.util.list_named_actors():  # another process of this namespace started it
-        return  # (asked by listing: a failed get_actor of a name then created cancels the creation)
-    settings.controller = (
-        ray.remote(Controller)
-        .options(name=CONTROLLER_NAME, num_cpus=0.01, max_restarts=0)
-        .remote(store_name)
-    )
+    here = ray.get_runtime_context().namespace
+    named = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+    started = []
+    for namespace in dict.fromkeys([CONTROLLER_NAMESPACE, here]):
+        # (asked by listing: a failed get_actor of a name then created cancels the creation)
+        if (namespace, CONTROLLER_NAME) not in named:  # else another process started it
+            actor = ray.remote(Controller).options(
+                name=CONTROLLER_NAME, namespace=namespace, num_cpus=0.01, max_restarts=0
+            )
+            started.append(actor.remote(store_name))
+    settings.controller = started
 
 
 def get_client():
@@ -138,7 +149,8 @@ def close() -> None:
     if settings.controller is not None:
         import ray
 
-        ray.kill(settings.controller)
+        for actor in settings.controller:
+            ray.kill(actor)
         settings.controller = None
     _api.close()
 

@@ -115,7 +115,8 @@ def test_controller_actor_answers_transferqueue_introspection(attached, pid):
 
     tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.zeros(2, 2)}, [2]), tags=[{"i": 0}, {"i": 1}])
     tq.kv_batch_put(["b"], pid, TensorDict({"y": torch.ones(1)}, [1]))
-    controller = ray.get_actor("TransferQueueController")
+    controller = ray.get_actor("TransferQueueController")  # in the caller's namespace
+    assert ray.get_actor("TransferQueueController", namespace="transfer_queue")  # and TransferQueue's
     assert pid in ray.get(controller.list_partitions.remote())
     snap = ray.get(controller.get_partition_snapshot.remote(pid))
     a, b = snap.keys_mapping["a"], snap.keys_mapping["b"]
@@ -137,8 +138,12 @@ def test_low_level_client_streams(attached, pid):
     assert client.check_production_status(["prompt", "response"], pid)
     first = client.get_meta(["prompt", "response"], 3, pid, task_name="train")
     assert first.size == 3 and client.get_data(first)["response"].shape == (3, 3)
+    assert (
+        first.is_ready and first.global_indexes == first.keys and first.field_names == ["prompt", "response"]
+    )
     # polling mode (the module's config): too few ready rows give an empty meta at once
-    assert client.get_meta(["prompt", "response"], 3, pid, task_name="train").size == 0
+    empty = client.get_meta(["prompt", "response"], 3, pid, task_name="train")
+    assert empty.size == 0 and empty.global_indexes == [] and not empty.is_ready
     idx, status = client.get_consumption_status("train", pid)
     assert int(status.sum()) == 3 and len(idx) == 4
     assert not client.check_consumption_status("train", pid)
