@@ -6,15 +6,17 @@ drives these generators with blocking sockets, the async client with ``zmq.async
 (``_client.drive`` / ``_client.adrive``), so the two never drift.
 
 Round trips (R = one parallel batch of requests, at most one per shard plus the index):
-    put   2R: [index.prepare + shard.reserve] then [shard.commit + index.commit]
-          (shared memory: the client copies into the reserved segments between the two)
+    put   3R: [index.prepare + shard.reserve], [shard.commit], [index.commit]
+          (shared memory: the client copies into the reserved segments after the first; the index
+          commits last, so no row is listed or handed out before the shards can serve it)
+          2R for a small put to one shard of a known schema: [shard.put], [index.commit]
     get   1R: shard.get per shard (index.resolve only to explain a missing key)
     clear 1R, list 1R (index only), stats 1R.
+Streaming operations are in ``_stream_ops``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -545,136 +547,3 @@ def stats(route: Route, trim: bool = False) -> Op:
 
 
 __all__ = ["Op", "Route", "clear", "drop_partition", "get", "list_keys", "put", "stats"]
-
-
-# ---- streaming --------------------------------------------------------------------------------------
-
-CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
-
-
-def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
-    if not isinstance(task_name, str) or not task_name:
-        raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
-    if type(batch_size) is not int or batch_size < 1:
-        raise BatchSizeError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if isinstance(fields, str):
-        fields = [fields]
-    fields = list(fields) if fields is not None else []
-    if not fields or any(type(f) is not str for f in fields):
-        raise TypeError(f"fields must name at least one field (a list of str), got {fields!r}")
-    return fields
-
-
-def _wait_timeout(route: Route, timeout_s: float | None) -> float:
-    """The transport deadline of a waiting call: its own timeout plus a round trip (none: no limit)."""
-    return math.inf if timeout_s is None else timeout_s + route.rpc_timeout_s
-
-
-def next_batch(
-    route: Route,
-    partition_id: str,
-    task_name: str,
-    batch_size: int,
-    fields: Any,
-    sampler: Any,
-    timeout_s: float | None,
-    dp_rank: int | None,
-    dp_size: int | None,
-    batch_index: int | None,
-) -> Op:
-    """The next batch of rows ready for ``task_name`` (see ``dataplane.stream.next_batch``)."""
-    from dataplane.samplers import Sampler
-
-    fields = _check_stream_args(partition_id, task_name, batch_size, fields)
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s < 0):
-        raise ValueError(f"timeout_s must be None or a number >= 0, got {timeout_s!r}")
-    if sampler is not None and not isinstance(sampler, Sampler):
-        raise TypeError(f"sampler must be a dataplane Sampler, not {type(sampler).__name__}")
-    if sampler is not None:
-        sampler.check(batch_size, dp_rank, dp_size, batch_index)
-    spec = None if sampler is None else sampler.spec()
-    common = {"pid": partition_id, "task": task_name, "fields": fields, "dp_rank": dp_rank}
-    if sampler is not None and spec is None:  # a sampler of the caller's own: it runs here
-        return (
-            yield from _next_client_side(route, common, sampler, batch_size, dp_size, batch_index, timeout_s)
-        )
-    body = {
-        **common,
-        "batch_size": batch_size,
-        "sampler": spec,
-        "dp_size": dp_size,
-        "batch_index": batch_index,
-        "timeout_s": timeout_s,
-    }
-    (res,) = yield [Call(INDEX, "next", body, timeout=_wait_timeout(route, timeout_s), exclusive=True)]
-    _raise_first([res])
-    return _stream_meta(partition_id, res[0])
-
-
-def _next_client_side(
-    route: Route, common: dict, sampler: Any, batch_size: int, dp_size, batch_index, timeout_s
-) -> Op:
-    from dataplane.samplers import ReadyRows
-
-    start = time.monotonic()
-    min_rows = batch_size
-    name = type(sampler).__name__
-    lost = 0  # claims that lost a race with another consumer of the task (waits do not count)
-    while True:
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
-        body = {**common, "min_rows": min_rows, "batch_index": batch_index, "timeout_s": left}
-        (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left), exclusive=True)]
-        _raise_first([res])
-        got = res[0]
-        if got.get("cached"):
-            return _stream_meta(common["pid"], got)
-        tags = dict((k, t) for k, t in got["rows"])
-        ready = ReadyRows([k for k, _ in got["rows"]], tags.__getitem__)
-        choice = sampler.sample(
-            ready, batch_size, dp_rank=common["dp_rank"], dp_size=dp_size, finished=got["finished"]
-        )
-        if choice is None or (not choice and not got["finished"]):
-            if got["finished"]:  # no more rows will come: what it waits for never will
-                return _stream_meta(common["pid"], {"keys": [], "tags": [], "fields": common["fields"]})
-            min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
-            continue
-        if isinstance(choice, dict):
-            raise NotImplementedError(
-                f"{name}.sample returned a split by rank; a sampler of your own returns "
-                "the caller's keys (a list)"
-            )
-        keys = list(choice)
-        if len(keys) > batch_size:
-            raise WireError(f"sampler {name} returned {len(keys)} keys for a batch of {batch_size}")
-        bad = [k for k in keys if k not in tags]
-        if bad:  # not a race: keys it was never shown as ready (nothing was claimed)
-            raise WireError(
-                f"{name} chose {len(bad)} key(s) that are not ready for task {common['task']!r} (not among "
-                f"the ready rows it was given: not all of {sorted(common['fields'])} written, already "
-                f"consumed, or unknown): {bad[:5]}"
-            )
-        claim = {**common, "keys": keys, "batch_index": batch_index}
-        (res,) = yield [Call(INDEX, "claim", claim)]
-        if isinstance(res, WireError) and "not ready" in str(res):
-            lost += 1  # another consumer of this task took some of them first: choose again
-            if lost < CLAIM_ATTEMPTS:
-                continue
-            raise DataplaneError(
-                f"{name}: {CLAIM_ATTEMPTS} choices in a row were taken by other consumers of task "
-                f"{common['task']!r} first; retry"
-            )
-        _raise_first([res])
-        return _stream_meta(common["pid"], res[0])
-
-
-def _stream_meta(partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
-    return KVBatchMeta._trusted(body["keys"], body["tags"], partition_id, body["fields"])
-
-
-def stream_call(op: str, body: dict[str, Any]) -> Op:
-    """One streaming bookkeeping call to the index (finish, reset, consumption)."""
-    (res,) = yield [Call(INDEX, op, body)]
-    _raise_first([res])
-    return res[0]

@@ -244,10 +244,10 @@ async def _in_thread(fn, *args, **kwargs):
 
 
 def _consumed_keys(partition_id: str, task_name: str, snap: Snapshot) -> set[str]:
-    from dataplane import _ops
+    from dataplane import _stream_ops
 
     body = {"pid": partition_id, "task": task_name}
-    return set(api._client().run(_ops.stream_call("consumed", body))["keys"])
+    return set(api._client().run(_stream_ops.stream_call("consumed", body))["keys"])
 
 
 @dataclass
@@ -264,14 +264,16 @@ class Snapshot:
 
 def snapshot(partition_id: str) -> Snapshot:
     """The partition's keys (numbered in put order), tags, fields and which key holds which field."""
-    from dataplane import _ops
+    from dataplane import _stream_ops
 
     client = api._client()
     listed = api.kv_list(partition_id).get(partition_id, {})
     snap = Snapshot(partition_id)
     if not listed:
         return snap
-    known = client.run(_ops.stream_call("resolve", {"pid": partition_id, "keys": list(listed)}))["known"]
+    known = client.run(_stream_ops.stream_call("resolve", {"pid": partition_id, "keys": list(listed)}))[
+        "known"
+    ]
     for i, (key, tag) in enumerate(listed.items()):
         snap.keys_mapping[key] = i
         snap.global_indexes.add(i)

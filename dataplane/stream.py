@@ -27,14 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dataplane import _ops
+from dataplane import _stream_ops
 from dataplane.api import _client
 from dataplane.meta import KVBatchMeta
 from dataplane.samplers import Sampler
 
 
 def _next_op(partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index):
-    return _ops.next_batch(
+    return _stream_ops.next_batch(
         _client().route,
         partition_id,
         task_name,
@@ -109,20 +109,20 @@ def _pid(partition_id: Any) -> str:
 
 def finish_partition(partition_id: str) -> None:
     """Producers are done with ``partition_id``: consumers drain it, then get empty metas at once."""
-    _client().run(_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+    _client().run(_stream_ops.stream_call("finish", {"pid": _pid(partition_id)}))
 
 
 async def async_finish_partition(partition_id: str) -> None:
-    await _client().arun(_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+    await _client().arun(_stream_ops.stream_call("finish", {"pid": _pid(partition_id)}))
 
 
 def reset_consumption(partition_id: str, task_name: str | None = None) -> None:
     """Make every row of ``partition_id`` readable again for ``task_name`` (every task when None)."""
-    _client().run(_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+    _client().run(_stream_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
 
 
 async def async_reset_consumption(partition_id: str, task_name: str | None = None) -> None:
-    await _client().arun(_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+    await _client().arun(_stream_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
 
 
 def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict[str, Any]:
@@ -135,12 +135,12 @@ def consumption(partition_id: str, task_name: str, fields: list[str] | None = No
         12
     """
     body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    return _client().run(_ops.stream_call("consumption", body))
+    return _client().run(_stream_ops.stream_call("consumption", body))
 
 
 async def async_consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict:
     body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    return await _client().arun(_ops.stream_call("consumption", body))
+    return await _client().arun(_stream_ops.stream_call("consumption", body))
 
 
 @dataclass
