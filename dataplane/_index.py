@@ -387,32 +387,30 @@ class IndexServer(ZmqServer):
     def _serve_one(self, sock: Any, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
-        ident, frames = msg[0], msg[1:]
-        if _wire.peek_op(frames[0]) in _TAKING_OPS:
-            self._start_waiting(sock, ident, frames)
-        else:
-            _, reply = _wire.answer(frames, self.core.handle, max_frames=0, who="the index")
-            self.deliver(sock, ident, reply)
-        self._recheck()
-
-    def _start_waiting(self, sock: Any, ident: Any, frames: list[Any]) -> None:
-        rid = -1
+        ident, frames, rid = msg[0], msg[1:], -1
         try:
             req, bufs = _wire.decode_request(frames)
             rid = req.rid
-            if bufs:
-                raise WireError("the index takes metadata only")
-            body = _protocol.decode_body(req.op, req.body, _protocol.INDEX_OPS)
-            now = time.monotonic()
-            waiter = _Waiter(sock, ident, rid, req.op, body, now, math.inf)
-            if self._try(waiter):
-                return
-            if body.timeout_s is not None:
-                waiter.deadline = now + body.timeout_s
-                heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
-            self._waiters.setdefault(body.pid, []).append(waiter)
+            _wire.check_frames(req, bufs, 0, "the index")
+            if req.op in _TAKING_OPS:
+                self._start_waiting(sock, ident, req)
+            else:
+                self.deliver(sock, ident, _wire.answer_request(req, bufs, self.core.handle))
         except Exception as exc:  # noqa: BLE001 - every request gets an answer
             self.deliver(sock, ident, _wire.encode_error(rid, exc))
+        self._recheck()
+
+    def _start_waiting(self, sock: Any, ident: Any, req: Any) -> None:
+        """Answer a taking request now if it can be, else park it until its partition changes."""
+        body = _protocol.decode_body(req.op, req.body, _protocol.INDEX_OPS)
+        now = time.monotonic()
+        waiter = _Waiter(sock, ident, req.rid, req.op, body, now, math.inf)
+        if self._try(waiter):
+            return
+        if body.timeout_s is not None:
+            waiter.deadline = now + body.timeout_s
+            heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        self._waiters.setdefault(body.pid, []).append(waiter)
 
     def _try(self, w: _Waiter) -> bool:
         """Answer ``w`` if it can be answered now (its rows are ready, or it failed)."""

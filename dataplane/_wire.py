@@ -137,27 +137,32 @@ def answer(
     try:
         req, bufs = decode_request(frames)
         rid = req.rid
-        if len(bufs) > max_frames:
-            if max_frames == 0:
-                raise WireError(
-                    f"{who} takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
-                    "frame(s); tensor bytes go to the shards"
-                )
-            raise WireError(f"{who}: a request carries at most {max_frames} buffer frames, got {len(bufs)}")
+        check_frames(req, bufs, max_frames, who)
+    except Exception as exc:  # noqa: BLE001 - every request gets an answer
+        return rid, encode_error(rid, exc)
+    return rid, answer_request(req, bufs, handler)
+
+
+def check_frames(req: _RawRequest, bufs: list[memoryview], max_frames: int, who: str) -> None:
+    """Refuse a request that carries more buffer frames than the service takes."""
+    if len(bufs) > max_frames:
+        if max_frames == 0:
+            raise WireError(
+                f"{who} takes metadata only: the {req.op!r} request carried {len(bufs)} buffer "
+                "frame(s); tensor bytes go to the shards"
+            )
+        raise WireError(f"{who}: a request carries at most {max_frames} buffer frames, got {len(bufs)}")
+
+
+def answer_request(req: _RawRequest, bufs: list[memoryview], handler: Callable[..., Any]) -> list[Any]:
+    """The reply frames to a decoded request: ``handler``'s answer, or the error it raised."""
+    try:
         body, out = handler(req.op, req.body, bufs)
-        return rid, encode_reply(rid, body, out)
+        return encode_reply(req.rid, body, out)
     except Exception as exc:  # noqa: BLE001 - every request gets an answer
         if not isinstance(exc, errors.DataplaneError):
-            logger.debug("request %d failed", rid, exc_info=True)
-        return rid, encode_error(rid, exc)
-
-
-def peek_op(frame: Any) -> str | None:
-    """The operation name of a request header frame, or None when it does not decode."""
-    try:
-        return _req_dec.decode(_as_buffer(frame)).op  # the body stays raw: not parsed twice
-    except Exception:  # noqa: BLE001 - a foreign frame; answer() will say so
-        return None
+            logger.debug("request %d failed", req.rid, exc_info=True)
+        return encode_error(req.rid, exc)
 
 
 def peek_rid(frame: Any) -> int:
@@ -267,6 +272,8 @@ def array_from_wire(idx: int, buffers: list[memoryview], length: int | None = No
 __all__ = [
     "PROTOCOL_VERSION",
     "answer",
+    "answer_request",
+    "check_frames",
     "Reply",
     "Request",
     "WireError",
