@@ -198,31 +198,26 @@ class StreamRequest:
             first.timeout_s,
         )
 
-    def next_batch(self) -> KVBatchMeta:
-        return next_batch(
+    def _op(self):
+        return _next_op(
             self.partition_id,
             self.task_name,
             self.batch_size,
             self.fields,
-            sampler=self.sampler,
-            timeout_s=self.timeout_s,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            batch_index=self.batch_index,
+            self.sampler,
+            self.timeout_s,
+            self.dp_rank,
+            self.dp_size,
+            self.batch_index,
         )
 
+    def next_batch(self) -> KVBatchMeta:
+        """``next_batch`` with this request's arguments."""
+        return _client().run(self._op())
+
     async def async_next_batch(self) -> KVBatchMeta:
-        return await async_next_batch(
-            self.partition_id,
-            self.task_name,
-            self.batch_size,
-            self.fields,
-            sampler=self.sampler,
-            timeout_s=self.timeout_s,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            batch_index=self.batch_index,
-        )
+        """``async_next_batch`` with this request's arguments."""
+        return await _client().arun(self._op())
 
 
 @dataclass

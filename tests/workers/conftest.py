@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from tests.workers._bridge_workers import BridgeWorker
+
 
 @pytest.fixture(scope="session")
 def store(ray_cluster):
@@ -15,3 +18,13 @@ def store(ray_cluster):
     yield info
     if owned:
         dp.close()
+
+
+@pytest.fixture(scope="module")
+def pair(store):
+    """A group of two bridge workers (one per module that asks), removed at the module's end."""
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(BridgeWorker))
+    yield wg
+    wg.kill()
+    pool.remove()

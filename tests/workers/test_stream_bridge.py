@@ -12,7 +12,6 @@ import torch
 from tensordict import TensorDict
 
 import dataplane as dp
-from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from tests.workers._bridge_workers import BridgeWorker
 from workers import MetadataOnlyGroup
 from workers.driver_guard import DriverDataError, check_metadata
@@ -107,15 +106,6 @@ def test_driver_guard_takes_stream_requests_and_reports_as_metadata() -> None:
 
 
 # ---- through a real two-worker group -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pair(store):
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(BridgeWorker))
-    yield wg
-    wg.kill()
-    pool.remove()
 
 
 def test_group_dp_stream_processes_each_produced_row_once(pair, pid) -> None:

@@ -11,7 +11,6 @@ import torch
 from tensordict import TensorDict
 
 import dataplane as dp
-from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from tests.workers._bridge_workers import BridgeWorker
 from workers import BridgeError
 from workers.tqbridge import traffic
@@ -111,15 +110,6 @@ def test_empty_meta_gives_an_empty_batch_without_a_store_read(store) -> None:
 
 
 # ---- through a real two-worker group -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pair(store):
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(BridgeWorker))
-    yield wg
-    wg.kill()
-    pool.remove()
 
 
 def test_group_mesh_writes_from_the_collect_rank_only(pair, meta) -> None:
