@@ -8,15 +8,28 @@ from __future__ import annotations
 import os
 
 AUTO_PADDING_ENV = "CONTROLPLANE_AUTO_PADDING"
+# verl's switch (``DataProtoConfig.auto_padding`` reads it too), honoured so verl launch
+# scripts that export it behave the same here.
+VERL_AUTO_PADDING_ENV = "VERL_AUTO_PADDING"
 FUTURE_TIMEOUT_ENV = "CONTROLPLANE_FUTURE_TIMEOUT_S"
 
 # How long a worker (or the driver) waits for the parts of a BatchFuture before giving up.
 DEFAULT_FUTURE_TIMEOUT_S = 600.0
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_AUTO_PADDING_SWITCHES = (AUTO_PADDING_ENV, VERL_AUTO_PADDING_ENV)
+
+
 def auto_padding_enabled() -> bool:
-    """True when ``CONTROLPLANE_AUTO_PADDING`` is ``1``/``true``/``yes`` (any case)."""
-    return os.environ.get(AUTO_PADDING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    """True when ``CONTROLPLANE_AUTO_PADDING`` or ``VERL_AUTO_PADDING`` is ``1``/``true``/``yes``/``on``.
+
+    Example:
+        >>> os.environ["VERL_AUTO_PADDING"] = "1"
+        >>> auto_padding_enabled()
+        True
+    """
+    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in _AUTO_PADDING_SWITCHES)
 
 
 def future_timeout_s() -> float:

@@ -26,12 +26,14 @@ def start_group(
     num_cpus: float,
     namespace: str | None,
     ready_timeout_s: float,
+    device_name: str = "cuda",
 ) -> None:
     """Start one actor per slot of ``pool`` for ``wg`` and wait until every constructor ran.
 
     Raises:
         TypeError: ``pool`` is not a Ray pool.
-        ValueError: the group wants GPUs from a CPU-only pool.
+        ValueError: the group wants GPUs from a CPU-only pool, or a device the pool was not
+            placed with.
         WorkerDiedError: a constructor failed (the message names the worker).
     """
     if not isinstance(pool, RayResourcePool):
@@ -40,7 +42,7 @@ def start_group(
     if use_gpu and not pool.use_gpu:
         raise ValueError(f"the group asks for GPUs but pool {pool.name_prefix} was built with use_gpu=False")
     check_worker_env(worker_env)
-    slots = pool.bundle_slots(strategy="STRICT_PACK" if bin_pack else "PACK")
+    slots = pool.bundle_slots(strategy="STRICT_PACK" if bin_pack else "PACK", device_name=device_name)
     places = places_for(slots)
     if master[0] is None:
         master = master_addr_port(slots[0])
@@ -48,7 +50,7 @@ def start_group(
     workers, names = launch_workers(
         wg.ray_cls_with_init, places, prefix=wg.name_prefix, master=(master[0], int(master[1])),
         use_gpu=use_gpu, num_gpus=1.0 / pool.max_colocate_count, num_cpus=num_cpus,
-        detached=detached, worker_env=worker_env, namespace=namespace,
+        detached=detached, worker_env=worker_env, namespace=namespace, device_name=device_name,
     )
     wg._set_workers(workers, names)
     try:

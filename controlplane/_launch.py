@@ -1,4 +1,12 @@
-"""Starting the actors of a worker group on a pool's slots, with per-rank environments."""
+"""Starting the actors of a worker group on a pool's slots, with per-rank environments.
+
+Ranks follow the pool's slot order. Each actor is named ``{prefix}{Class}_{pg}:{i}`` (its
+placement group's index in the group and its position there, as verl names them), while
+``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` describe the *node* the actor landed on: the group's ranks
+on one node are counted together even when they come from several placement groups. A worker
+with an accelerator gets ``LOCAL_RANK=0`` (Ray narrows its visible devices to its own); see
+``controlplane._devices`` for the ``RAY_EXPERIMENTAL_NOSET_*`` case.
+"""
 
 from __future__ import annotations
 
@@ -21,28 +29,60 @@ PROTECTED_ENV = (
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where one rank runs and what it is told about itself."""
+    """Where one rank runs and what it is told about itself.
+
+    ``pg_index`` / ``index_in_pg`` name the actor (consecutive slots of one placement group);
+    ``local_rank`` / ``local_world_size`` count the group's ranks on the node ``node_id``.
+    """
 
     rank: int
-    node_index: int
+    pg_index: int
+    index_in_pg: int
     local_rank: int
     local_world_size: int
     slot: BundleSlot
+    node_id: str = ""
 
 
-def places_for(slots: Sequence[BundleSlot]) -> list[RankPlace]:
-    """Rank places from slots: consecutive slots on one placement group form one node."""
-    groups: list[list[BundleSlot]] = []
+def slot_node_ids(slots: Sequence[BundleSlot]) -> list[str]:
+    """The node id each slot's bundle was placed on (placement groups must be ready)."""
+    import ray.util
+
+    tables: dict[Any, dict] = {}
+    nodes = []
     for slot in slots:
-        if groups and groups[-1][0].placement_group == slot.placement_group:
-            groups[-1].append(slot)
+        pg = slot.placement_group
+        if pg not in tables:
+            tables[pg] = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+        node = tables[pg].get(slot.bundle_index)
+        if node is None:
+            raise RuntimeError(f"bundle {slot.bundle_index} of placement group {pg.id.hex()} is not placed")
+        nodes.append(str(node))
+    return nodes
+
+
+def places_for(slots: Sequence[BundleSlot], node_ids: Sequence[str] | None = None) -> list[RankPlace]:
+    """Rank places from slots, in slot order.
+
+    Args:
+        slots: the pool's slots in rank order.
+        node_ids: the node of every slot (queried from Ray when omitted).
+    """
+    from controlplane._devices import local_ranks_by_node
+
+    node_ids = list(node_ids) if node_ids is not None else slot_node_ids(slots)
+    if len(node_ids) != len(slots):
+        raise ValueError(f"{len(node_ids)} node ids for {len(slots)} slots")
+    local = local_ranks_by_node(node_ids)
+    places: list[RankPlace] = []
+    pg_index, index_in_pg = -1, 0
+    for rank, slot in enumerate(slots):
+        if places and places[-1].slot.placement_group == slot.placement_group:
+            index_in_pg += 1
         else:
-            groups.append([slot])
-    places, rank = [], 0
-    for node_index, group in enumerate(groups):
-        for local_rank, slot in enumerate(group):
-            places.append(RankPlace(rank, node_index, local_rank, len(group), slot))
-            rank += 1
+            pg_index, index_in_pg = pg_index + 1, 0
+        places.append(RankPlace(rank, pg_index, index_in_pg, local[rank][0], local[rank][1], slot,
+                                node_ids[rank]))
     return places
 
 
@@ -71,15 +111,19 @@ def check_worker_env(worker_env: dict[str, str] | None) -> None:
 
 
 def rank_env(place: RankPlace, world_size: int, master: tuple[str, int], prefix: str,
-             worker_env: dict[str, str] | None) -> dict[str, str]:
-    """The environment variables of one rank (user ``worker_env`` first, protected keys last)."""
+             worker_env: dict[str, str] | None, *, accelerator: bool = False) -> dict[str, str]:
+    """The environment variables of one rank (user ``worker_env`` first, protected keys last).
+
+    ``accelerator``: the rank gets a device, so ``LOCAL_RANK`` is its device index among the
+    devices Ray lets it see (0), not its position on the node.
+    """
     check_worker_env(worker_env)
     env = {k: str(v) for k, v in (worker_env or {}).items()}
     env.update({
         "WORLD_SIZE": str(world_size),
         "RANK": str(place.rank),
         "LOCAL_WORLD_SIZE": str(place.local_world_size),
-        "LOCAL_RANK": str(place.local_rank),
+        "LOCAL_RANK": "0" if accelerator else str(place.local_rank),
         "RAY_LOCAL_WORLD_SIZE": str(place.local_world_size),
         "MASTER_ADDR": master[0],
         "MASTER_PORT": str(master[1]),
@@ -108,15 +152,23 @@ def launch_workers(
     detached: bool,
     worker_env: dict[str, str] | None,
     namespace: str | None = None,
+    device_name: str = "cuda",
 ) -> tuple[list[Any], list[str]]:
-    """Start one actor per place (without waiting); returns handles and names in rank order."""
+    """Start one actor per place (without waiting); returns handles and names in rank order.
+
+    The runtime environment of a ``@ray.remote(runtime_env=...)`` class and of
+    ``update_options`` is kept; the group's per-rank variables are added to its ``env_vars``.
+    """
+    from controlplane._devices import accelerator_resource
+
     cls_name = actor_class_name(ray_cls_with_init.cls)
-    base_runtime_env = dict(ray_cls_with_init._options.get("runtime_env") or {})
+    base_runtime_env = _base_runtime_env(ray_cls_with_init)
+    has_device = use_gpu and accelerator_resource(device_name) is not None
     workers, names = [], []
     for place in places:
-        name = f"{prefix}{cls_name}_{place.node_index}:{place.local_rank}"
+        name = f"{prefix}{cls_name}_{place.pg_index}:{place.index_in_pg}"
         env = {**(base_runtime_env.get("env_vars") or {}),
-               **rank_env(place, len(places), master, prefix, worker_env)}
+               **rank_env(place, len(places), master, prefix, worker_env, accelerator=has_device)}
         options: dict[str, Any] = {"name": name, "runtime_env": {**base_runtime_env, "env_vars": env}}
         if detached:
             options["lifetime"] = "detached"
@@ -126,7 +178,20 @@ def launch_workers(
             placement_group=place.slot.placement_group,
             placement_group_bundle_idx=place.slot.bundle_index,
             use_gpu=use_gpu, num_gpus=num_gpus, num_cpus=num_cpus, options=options,
+            device_name=device_name,
         )
         workers.append(handle)
         names.append(name)
     return workers, names
+
+
+def _base_runtime_env(ray_cls_with_init: Any) -> dict[str, Any]:
+    """The class's ``@ray.remote`` runtime env overlaid with ``update_options``' (env vars merged)."""
+    defaults = getattr(ray_cls_with_init.cls, "_default_options", None) or {}  # @ray.remote(...) options
+    decorated = dict(defaults.get("runtime_env") or {})
+    updated = dict(ray_cls_with_init._options.get("runtime_env") or {})
+    env_vars = {**(decorated.get("env_vars") or {}), **(updated.get("env_vars") or {})}
+    merged = {**decorated, **updated}
+    if env_vars:
+        merged["env_vars"] = env_vars
+    return merged

@@ -5,10 +5,17 @@ A *batch* is a sequence of samples along dim 0. Supported, without this package 
 * ``TensorDict`` with at least one batch dimension (tensor, jagged and non-tensor entries);
 * ``list`` and ``tuple``;
 * any object whose class has a ``chunk(n)`` method and a ``concat`` classmethod and which
-  supports ``len()`` (for example ``dataplane.KVBatchMeta``). Optional extras such a class may
-  offer: ``allows_uneven_chunks = True`` (class attribute: chunks may differ in size, so it is
-  never padded), ``pad(k)`` / ``trim(k)`` (return a copy with ``k`` rows added / removed at the
-  end) and ``__getitem__`` with a slice.
+  supports ``len()`` (for example ``dataplane.KVBatchMeta`` or verl's ``DataProto``). Optional
+  extras such a class may offer:
+
+  - ``allows_uneven_chunks = True`` (class attribute: chunks may differ in size, so it is never
+    padded);
+  - ``is_padding_enabled()`` (verl's name): the batch asks for auto padding; a batch without
+    it may instead carry verl's flag ``meta_info["_verl_auto_padding"] = True``;
+  - ``pad(k)`` (returns a padded copy) or verl's ``padding(k)`` (pads in place: it is called on
+    a shallow copy, so the caller's batch keeps its size), and ``trim(k)``;
+  - ``__getitem__`` with a slice (used to trim padding and to take rows);
+  - a future type for non-blocking calls (see ``controlplane.future.future_maker``).
 
 Nothing here mutates its input: chunks are views or new objects, padding builds a new batch.
 Padding repeats the last sample (whole samples, never partial rows).
@@ -23,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from collections.abc import Sequence
@@ -34,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # Attribute set by enable_auto_padding on objects that take attributes (TensorDict, user classes).
 AUTO_PADDING_ATTR = "_controlplane_auto_padding"
+# verl's per-batch padding flag, kept in DataProto.meta_info (DataProtoConfig.auto_padding_key).
+VERL_AUTO_PADDING_KEY = "_verl_auto_padding"
 
 
 class AutoPadList(list):
@@ -72,8 +82,31 @@ def enable_auto_padding(batch: Any) -> Any:
 
 
 def auto_padding_requested(batch: Any) -> bool:
-    """True if ``batch`` was marked with ``enable_auto_padding`` or ``CONTROLPLANE_AUTO_PADDING`` is on."""
-    return bool(getattr(batch, AUTO_PADDING_ATTR, False)) or _config.auto_padding_enabled()
+    """True if padding ``batch`` to a multiple of the ranks was asked for, by any of:
+
+    * ``enable_auto_padding(batch)`` (or the class attribute ``_controlplane_auto_padding = True``);
+    * the batch itself: ``batch.is_padding_enabled()`` (verl's ``DataProto``: its own flag or
+      ``DataProtoConfig.auto_padding``), or ``batch.meta_info["_verl_auto_padding"]``;
+    * the environment: ``CONTROLPLANE_AUTO_PADDING=1`` or ``VERL_AUTO_PADDING=1``.
+
+    Example:
+        >>> auto_padding_requested(DataProto.from_dict({"a": torch.zeros(3)}, auto_padding=True))
+        True
+    """
+    if getattr(batch, AUTO_PADDING_ATTR, False) or _config.auto_padding_enabled():
+        return True
+    if is_tensordict(batch) or isinstance(batch, list | tuple):
+        return False
+    return _batch_wants_padding(batch)
+
+
+def _batch_wants_padding(batch: Any) -> bool:
+    """The batch's own say (duck typing verl's ``DataProto``, which is never imported here)."""
+    ask = getattr(batch, "is_padding_enabled", None)
+    if callable(ask):
+        return bool(ask())
+    meta = getattr(batch, "meta_info", None)
+    return isinstance(meta, dict) and bool(meta.get(VERL_AUTO_PADDING_KEY, False))
 
 
 def _is_generic_batch(x: Any) -> bool:
@@ -150,8 +183,8 @@ def chunk(x: Any, n: int, *, name: str = "batch") -> list[Any]:
     if size is not None and size % n and not uneven_ok:
         raise ValueError(
             f"{name} has {size} samples, which does not divide into {n} equal chunks; make the "
-            f"size a multiple of {n} or enable auto padding (enable_auto_padding(batch) or "
-            f"{_config.AUTO_PADDING_ENV}=1)"
+            f"size a multiple of {n} or enable auto padding (enable_auto_padding(batch), "
+            f"{_config.AUTO_PADDING_ENV}=1 or {_config.VERL_AUTO_PADDING_ENV}=1)"
         )
     bounds = _bounds(chunk_sizes(size, n)) if size is not None else []
     if is_tensordict(x) and n > 1:
@@ -232,10 +265,30 @@ def pad(x: Any, k: int, *, name: str = "batch") -> Any:
     pad_fn = getattr(x, "pad", None)
     if callable(pad_fn):
         return pad_fn(k)
+    if callable(getattr(x, "padding", None)):
+        return _pad_in_place_on_copy(x, k, name)
     raise TypeError(
-        f"{name} of type {type(x).__name__} cannot be padded (it has no pad(k)); make its size "
-        "divisible by the number of ranks"
+        f"{name} of type {type(x).__name__} cannot be padded (it has neither pad(k) nor padding(k)); "
+        "make its size divisible by the number of ranks"
     )
+
+
+def _pad_in_place_on_copy(x: Any, k: int, name: str) -> Any:
+    """verl's ``DataProto.padding(k)`` pads in place by rebinding its fields; doing it on a shallow
+    copy leaves the caller's batch as it was (checked: a class that mutates shared state fails)."""
+    before = length(x)
+    padded = copy.copy(x)
+    padded.padding(k)
+    if length(x) != before:
+        raise TypeError(
+            f"{type(x).__name__}.padding({k}) changed the caller's {name} through a shallow copy; "
+            "give the class a pad(k) method that returns a new batch"
+        )
+    if length(padded) != before + k:
+        raise ValueError(
+            f"{type(x).__name__}.padding({k}) gave {length(padded)} samples, expected {before + k}"
+        )
+    return padded
 
 
 def trim(x: Any, k: int) -> Any:

@@ -6,7 +6,9 @@ A bound method runs on the driver: dispatch -> execute -> wait -> collect -> unp
 * execute: ``execute_all_async`` / ``execute_rank_zero_async`` on the group (``ObjectRef``s);
 * wait: ``wg._wait`` (a dead worker raises an error naming it), only when ``blocking``;
 * collect: the mode's ``collect_fn`` (over ``ObjectRef``s when not blocking: a concat mode
-  then returns a ``BatchFuture``); with rank-zero execution the single result is returned as is;
+  then returns a ``BatchFuture``, or the batch class's own future type, e.g. verl's
+  ``DataProtoFuture`` for a ``DataProto``: see ``future.future_maker``); with rank-zero
+  execution the single result is returned as is;
 * unpad: padded samples are removed from the result, whatever its type.
 
 Example:
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from controlplane.decorator import MAGIC_ATTR, Execute, get_dispatch_fn, get_execute_fn_name
 from controlplane.dispatch import CHUNK_INFO_KWARG, PADDING_KWARG, ChunkInfo, unpad_result
-from controlplane.future import BatchFuture
+from controlplane.future import BatchFuture, wrap_future
+from controlplane.per_rank import mark_dispatched
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +64,45 @@ class GroupMethod:
         return f"<group method {self.method_name} ({self.execute_fn_name}, blocking={self.blocking})>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        launched = self.launch(*args, **kwargs)
+        output = launched.refs
+        if self.blocking:
+            output = self.worker_group._wait(output)
+        return self.finish(launched, output)
+
+    def launch(self, *args: Any, **kwargs: Any) -> Launched:
+        """Dispatch and start the call on the ranks, without waiting (the first half of a call)."""
         wg = self.worker_group
         args, kwargs = self.dispatch_fn(wg, *args, **kwargs)
         pad = kwargs.pop(PADDING_KWARG, 0)
         info: ChunkInfo | None = kwargs.pop(CHUNK_INFO_KWARG, None)
         if not isinstance(pad, int) or pad < 0:
             raise TypeError(f"{self.method_name}: dispatch reported padding {pad!r}; expected an int >= 0")
-        output = self._execute(self.method_name, *args, **kwargs)
-        if self.blocking:
-            output = wg._wait(output)
+        args, kwargs = mark_dispatched(args, kwargs)  # per_rank: scatter dispatch output exactly, no guess
+        return Launched(self._execute(self.method_name, *args, **kwargs), pad, info)
+
+    def finish(self, launched: Launched, output: Any) -> Any:
+        """Collect and unpad ``output`` (values, or the launched refs when not waiting): the second half."""
         if self._rank_zero:
             return output
-        result = self.collect_fn(wg, output)
+        pad, info = launched.pad, launched.info
+        result = self.collect_fn(self.worker_group, output)
         if isinstance(result, BatchFuture) and info is not None:
             _size_future(result, info)
+            if info.future_maker is not None:
+                own = wrap_future(info.future_maker, result, pad)  # already without padding
+                if own is not None:
+                    return own
         return unpad_result(self.collect_fn, result, pad, None if info is None else info.sizes)
+
+
+class Launched(NamedTuple):
+    """A started group call: ``refs`` (a list per rank, or rank 0's single ref), the samples
+    padding added, and what the dispatch chunked."""
+
+    refs: Any
+    pad: int
+    info: ChunkInfo | None
 
 
 def _size_future(future: BatchFuture, info: ChunkInfo) -> None:

@@ -7,8 +7,8 @@ entry per rank (rank ``i`` gets entry ``i``). A collect function turns the per-r
 
 Two reserved kwargs travel from dispatch to the binding, which pops them before execution:
 ``PADDING_KWARG`` (an int: samples appended by auto padding) and ``CHUNK_INFO_KWARG`` (a
-``ChunkInfo``: per-rank number of samples sent and whether chunks may be uneven, used to unpad
-per-rank results and to size futures).
+``ChunkInfo``: per-rank number of samples sent, whether chunks may be uneven and the batch
+class's own future type, used to unpad per-rank results and to size or build futures).
 
 Example:
     >>> @register(dispatch_mode=make_nd_compute_dispatch_fn("train"))
@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import ray
 
 from controlplane import batch
-from controlplane.future import BatchFuture
+from controlplane.future import BatchFuture, FutureMaker, future_maker
+from controlplane.per_rank import Broadcast, PerRank
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,23 @@ CHUNK_INFO_KWARG = "_controlplane_chunks"
 
 
 class ChunkInfo(NamedTuple):
-    """What a chunking dispatch sent: samples per rank (``None`` if unknown), uneven allowed."""
+    """What a chunking dispatch sent: samples per rank (``None`` if unknown), uneven allowed, and
+    how a non-blocking result is wrapped (the batch class's own future; ``None``: ``BatchFuture``)."""
 
     sizes: list[int] | None
     uneven: bool
+    future_maker: FutureMaker | None = None
+
+
+class Split(NamedTuple):
+    """What ``split_batches`` made of the arguments (see there)."""
+
+    args: list[list[Any]]
+    kwargs: dict[str, list[Any]]
+    pad: int
+    sizes: list[int] | None
+    uneven: bool
+    future_maker: FutureMaker | None
 
 
 def _arg_name(key: int | str) -> str:
@@ -51,9 +65,15 @@ def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[t
 
 
 def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-    """Scatter when *every* argument is a list of ``world_size`` entries, else replicate all."""
+    """Scatter when *every* argument is a list of ``world_size`` entries, else replicate all.
+
+    With a ``PerRank`` / ``Broadcast`` argument nothing is guessed: the arguments are replicated,
+    and each rank then takes its own entry of every ``PerRank`` (see ``controlplane.per_rank``).
+    """
     n = worker_group.world_size
     values = list(args) + list(kwargs.values())
+    if any(isinstance(v, PerRank | Broadcast) for v in values):
+        return dispatch_one_to_all(worker_group, *args, **kwargs)
     if values and all(isinstance(v, list) and len(v) == n for v in values):
         return tuple(args), dict(kwargs)
     return dispatch_one_to_all(worker_group, *args, **kwargs)
@@ -100,17 +120,18 @@ def collect_rank_zero(worker_group: Any, output: Any) -> Any:
 # ------------------------------------------------------------------ chunking
 def split_batches(
     n: int, args: Sequence[Any], kwargs: dict[str, Any], *, mode: str, replicate_first: bool = False
-) -> tuple[list[list[Any]], dict[str, list[Any]], int, list[int] | None, bool]:
+) -> Split:
     """Chunk every batch argument into ``n`` pieces, replicate the others.
 
     Pads with repeated last samples when the size does not divide ``n`` and padding was
-    requested (``enable_auto_padding`` on any batch argument, or ``CONTROLPLANE_AUTO_PADDING=1``).
-    The caller's objects are never modified.
+    requested (see ``batch.auto_padding_requested``: a mark or flag on any batch argument,
+    ``CONTROLPLANE_AUTO_PADDING=1`` or ``VERL_AUTO_PADDING=1``). The caller's objects are never
+    modified.
 
     Returns:
-        ``(args_chunks, kwargs_chunks, pad, sizes, uneven)``: per-argument lists of ``n``
-        pieces, the number of padded samples, the size of each piece (``None`` if unknown) and
-        whether every batch argument allowed uneven chunks.
+        A ``Split``: per-argument lists of ``n`` pieces (``args``, ``kwargs``), the number of
+        padded samples, the size of each piece (``None`` if unknown), whether every batch
+        argument allowed uneven chunks, and the first batch argument's ``future_maker``.
 
     Raises:
         ValueError: no batch argument, batch arguments of different sizes, or a size that does
@@ -124,6 +145,7 @@ def split_batches(
     if not batch_keys:
         raise ValueError(f"Dispatch.{mode} needs at least one batch argument (TensorDict, list, ...)")
     values = dict(items)
+    maker = future_maker(values[batch_keys[0]])  # from the caller's batch, before any padding
     lengths = {key: batch.length(values[key]) for key in batch_keys}
     known = {key: size for key, size in lengths.items() if size is not None}
     if len(set(known.values())) > 1:
@@ -148,7 +170,7 @@ def split_batches(
     sizes = _piece_sizes(chunked[batch_keys[0]])
     args_out = [chunked[i] for i in range(len(args))]
     kwargs_out = {k: chunked[k] for k in kwargs}
-    return args_out, kwargs_out, pad, sizes, uneven
+    return Split(args_out, kwargs_out, pad, sizes, uneven, maker)
 
 
 def _is_batch_arg(key: int | str, value: Any) -> bool:
@@ -167,10 +189,10 @@ def _proto(mode: str, replicate_first: bool = False) -> Callable[..., tuple[tupl
         if replicate_first and (not args or not callable(args[0])):
             raise TypeError(f"Dispatch.{mode} needs a callable as the first argument")
         n = worker_group.world_size
-        args_out, kwargs_out, pad, sizes, uneven = split_batches(
+        args_out, kwargs_out, pad, sizes, uneven, maker = split_batches(
             n, args, kwargs, mode=mode, replicate_first=replicate_first
         )
-        kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(sizes, uneven)
+        kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(sizes, uneven, maker)
         if pad:
             kwargs_out[PADDING_KWARG] = pad
         return tuple(args_out), kwargs_out
@@ -269,7 +291,7 @@ class NdComputeDispatch:
     def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         dp_of_rank = _mesh_layout(worker_group, self.mesh_name)
         dp_size = max(dp_of_rank) + 1
-        args_chunks, kwargs_chunks, pad, sizes, uneven = split_batches(
+        args_chunks, kwargs_chunks, pad, sizes, uneven, maker = split_batches(
             dp_size, args, kwargs, mode=f"nd compute (mesh {self.mesh_name!r})"
         )
 
@@ -282,7 +304,7 @@ class NdComputeDispatch:
         args_out = tuple(scatter(p) for p in args_chunks)
         kwargs_out: dict[str, Any] = {k: scatter(p) for k, p in kwargs_chunks.items()}
         rank_sizes = None if sizes is None else [sizes[d] for d in dp_of_rank]
-        kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(rank_sizes, uneven)
+        kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(rank_sizes, uneven, maker)
         if pad:
             kwargs_out[PADDING_KWARG] = pad
         return args_out, kwargs_out

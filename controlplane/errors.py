@@ -18,3 +18,16 @@ class WorkerDiedError(ControlPlaneError):
         super().__init__(message)
         self.rank = rank
         self.worker_name = worker_name
+
+
+class MeshConflictError(ControlPlaneError, ValueError, AssertionError):
+    """A mesh name is registered twice on one worker; the message names the mesh, the worker and
+    both registrations.
+
+    Also a ``ValueError`` (what this package raised before) and an ``AssertionError`` (what verl's
+    ``Worker.set_dispatch_collect`` raises), so code written for either keeps catching it.
+    """
+
+    def __init__(self, message: str, *, mesh_name: str | None = None) -> None:
+        super().__init__(message)
+        self.mesh_name = mesh_name

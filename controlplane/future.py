@@ -8,6 +8,10 @@ fetches only the upstream parts that hold those rows (``materialize``). When the
 part sizes turn out wrong (a method returned a different number of rows than it received),
 the worker falls back to fetching every part, so the answer is always right.
 
+A batch class may name its own future type instead (verl's ``DataProto`` -> ``DataProtoFuture``):
+see ``future_maker``. Such a future is built from the per-rank refs and a collect function, and
+is resolved on the worker by its own ``get()``.
+
 Example:
     >>> fut = producer_wg.generate(batch)          # registered blocking=False
     >>> out = consumer_wg.score(fut)               # each consumer rank pulls only its rows
@@ -17,8 +21,10 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -274,11 +280,150 @@ def _select(local: Any, index: np.ndarray) -> Any:
     raise TypeError(f"cannot pick padded/reordered rows of a {type(local).__name__}")
 
 
+# ---------------------------------------------------------------- foreign future types
+# A function that wraps per-rank results: ``maker(refs, collect_fn) -> future``, where
+# ``collect_fn(list of fetched parts) -> batch``.
+FutureMaker = Callable[[list, Callable[[list], Any]], Any]
+
+# Argument types that are never futures: checked first, since every worker call checks every argument.
+_PLAIN = (list, tuple, dict, str, bytes, int, float, bool)
+
+
+def is_batch_future(value: Any) -> bool:
+    """True for a ``BatchFuture`` or a foreign batch future (duck typing verl's ``DataProtoFuture``):
+    an object with a ``get()`` method and a non-empty list of ``ray.ObjectRef`` in ``futures``.
+
+    Example:
+        >>> is_batch_future(wg.generate_later(batch))   # a blocking=False PROTO call
+        True
+    """
+    if isinstance(value, BatchFuture):
+        return True
+    if value is None or isinstance(value, _PLAIN) or batch.is_tensordict(value):
+        return False
+    if not callable(getattr(type(value), "get", None)):
+        return False
+    try:
+        refs = getattr(value, "futures", None)
+    except Exception:  # an object with an exotic __getattr__ is simply not a future
+        return False
+    return isinstance(refs, list | tuple) and bool(refs) and all(isinstance(r, ray.ObjectRef) for r in refs)
+
+
+def future_maker(value: Any) -> FutureMaker | None:
+    """How a non-blocking call whose batch argument is ``value`` wraps its per-rank results.
+
+    Looked up on the batch's class, first match wins:
+
+    1. ``make_future(refs, collect_fn)``: a classmethod (or staticmethod) building any future;
+    2. ``future_type``: a class called as ``future_type(collect_fn=collect_fn, futures=refs)``
+       (the fields of verl's ``DataProtoFuture``);
+    3. the batch is itself a foreign future (``is_batch_future``): results get the same type;
+    4. verl's naming: the class's module defines ``<ClassName>Future`` with a ``get`` method
+       (``verl.protocol.DataProto`` -> ``DataProtoFuture``), used as in 2.
+
+    ``None`` (lists, TensorDicts, ``BatchFuture``, classes without any of these) means the
+    call returns a ``BatchFuture``. ``refs`` hold no padded samples: they are removed first.
+
+    Example:
+        >>> class MyBatch:
+        ...     future_type = MyBatchFuture     # MyBatchFuture(collect_fn=..., futures=[...])
+        >>> wg.generate_later(MyBatch(...))      # -> a MyBatchFuture
+    """
+    if value is None or isinstance(value, BatchFuture | list | tuple) or batch.is_tensordict(value):
+        return None
+    cls = type(value)
+    hook = getattr(cls, "make_future", None)
+    if callable(hook):
+        return hook
+    ftype = getattr(cls, "future_type", None)
+    if ftype is None and is_batch_future(value):
+        ftype = cls
+    if ftype is None:
+        ftype = _sibling_future_type(cls)
+    if ftype is None:
+        return None
+    if not callable(ftype):
+        raise TypeError(f"{cls.__name__}.future_type must be a class, got {type(ftype).__name__}")
+    return functools.partial(_construct_future, ftype)
+
+
+def _sibling_future_type(cls: type) -> type | None:
+    module = sys.modules.get(getattr(cls, "__module__", ""))
+    candidate = getattr(module, f"{cls.__name__}Future", None) if module is not None else None
+    if isinstance(candidate, type) and callable(getattr(candidate, "get", None)):
+        return candidate
+    return None
+
+
+def _construct_future(ftype: type, refs: list, collect_fn: Callable[[list], Any]) -> Any:
+    return ftype(collect_fn=collect_fn, futures=refs)
+
+
+def wrap_future(maker: FutureMaker, future: BatchFuture, pad: int) -> Any:
+    """The batch class's own future over the parts of ``future``, without ``pad`` padded samples.
+
+    Padded samples sit at the end: parts holding only padding are dropped, and the one part
+    that holds both is trimmed by a small Ray task next to the data (the driver fetches
+    nothing), so a future type that knows nothing of padding still resolves to the real rows.
+
+    Returns:
+        The new future, or ``None`` when padding cannot be located (unknown part sizes).
+    """
+    refs = list(future.refs)
+    if pad:
+        if future.part_sizes is None:
+            return None
+        refs = unpadded_refs(refs, future.part_sizes, pad)
+    return maker(refs, batch.concat)
+
+
+def unpadded_refs(refs: Sequence[ray.ObjectRef], sizes: Sequence[int], pad: int) -> list[ray.ObjectRef]:
+    """``refs`` without the last ``pad`` samples of their concatenation (see ``wrap_future``)."""
+    remaining = sum(sizes) - pad
+    if remaining < 0:
+        raise ValueError(f"cannot remove {pad} padded samples from parts of sizes {list(sizes)}")
+    kept: list[ray.ObjectRef] = []
+    for ref, size in zip(refs, sizes, strict=True):
+        if remaining <= 0:
+            break
+        if size <= remaining:
+            kept.append(ref)
+        else:
+            kept.append(_trim_part.remote(ref, size, size - remaining))
+        remaining -= size
+    return kept
+
+
+def _trim_expected(part: Any, expected: int, k: int) -> Any:
+    got = batch.length(part)
+    if got != expected:
+        raise ValueError(
+            f"cannot remove padding: a rank returned {got} samples for the {expected} it received; "
+            "a padded non-blocking call needs one output row per input row"
+        )
+    return batch.trim(part, k)
+
+
+# num_cpus=0: a bookkeeping task must never wait for a CPU slot held by the workers.
+_trim_part = ray.remote(num_cpus=0)(_trim_expected)
+
+
 def materialize(value: Any) -> Any:
-    """``value.get()`` if it is a ``BatchFuture``, else ``value`` (used by the register wrapper)."""
-    return value.get() if isinstance(value, BatchFuture) else value
+    """``value.get()`` if it is a batch future (``is_batch_future``), else ``value``."""
+    return value.get() if is_batch_future(value) else value
 
 
 async def materialize_async(value: Any) -> Any:
-    """``await value.get_async()`` if it is a ``BatchFuture``, else ``value``."""
-    return await value.get_async() if isinstance(value, BatchFuture) else value
+    """Like ``materialize`` for coroutines: awaits instead of blocking the actor's event loop.
+
+    A foreign future without ``get_async`` is resolved in a thread, since its ``get()`` blocks.
+    """
+    if isinstance(value, BatchFuture):
+        return await value.get_async()
+    if not is_batch_future(value):
+        return value
+    get_async = getattr(value, "get_async", None)
+    if callable(get_async):
+        return await get_async()
+    return await asyncio.get_running_loop().run_in_executor(None, value.get)

@@ -99,8 +99,10 @@ class RayResourcePool(ResourcePool):
     """A pool backed by Ray placement groups: one per node entry, one bundle per process.
 
     Each bundle is ``{"CPU": max_colocate_count, "GPU": 1 if use_gpu}`` (plus ``accelerator_type``
-    at 1e-4 if given). Placement groups are created lazily, on the first call that needs them,
-    and are ordered by node IP (numerically, ties kept in creation order) on every call.
+    at 1e-4 if given); the accelerator resource follows the ``device_name`` the placement groups
+    are first built for (``"cuda"``: ``GPU``, ``"npu"``: ``NPU``, ``"cpu"``: none), as in verl.
+    Placement groups are created lazily, on the first call that needs them, and are ordered by
+    node IP (numerically, ties kept in creation order) on every call.
 
     Args:
         process_on_nodes: processes per node, e.g. ``[4]`` or ``[2, 3]``.
@@ -109,6 +111,10 @@ class RayResourcePool(ResourcePool):
         max_colocate_count: worker groups that may share one bundle.
         detached: placement groups outlive this driver.
         accelerator_type: optional Ray accelerator resource to pin.
+        n_gpus_per_node: informational only.
+        device_name: the accelerator of the bundles when ``use_gpu`` (``"cuda"``, ``"npu"``,
+            ``"cpu"``); an extension of verl's signature, which takes it per
+            :meth:`get_placement_groups` call (that argument still wins there).
         placement_timeout_s: how long to wait for placement before raising
             :class:`ResourceShortageError`.
 
@@ -128,8 +134,13 @@ class RayResourcePool(ResourcePool):
         accelerator_type: str | None = None,
         n_gpus_per_node: int = 8,
         placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+        device_name: str = "cuda",
     ) -> None:
+        from controlplane._devices import accelerator_resource
+
         super().__init__(process_on_nodes, max_colocate_count, n_gpus_per_node)
+        accelerator_resource(device_name)  # an unknown name fails here, not at placement
+        self.device_name = device_name
         self.use_gpu = bool(use_gpu)
         self.name_prefix = name_prefix if name_prefix is not None else _random_prefix()
         self.detached = detached
@@ -137,25 +148,38 @@ class RayResourcePool(ResourcePool):
         self.placement_timeout_s = placement_timeout_s
         self.pgs: list | None = None
         self._strategy: str | None = None
+        self._device_resource: str | None = None  # the accelerator the placement groups hold
 
-    def bundle_spec(self) -> dict[str, float]:
-        """The resources of one bundle (one process slot)."""
+    def bundle_spec(self, device_name: str | None = None) -> dict[str, float]:
+        """The resources of one bundle (one process slot) for workers on ``device_name``.
+
+        Raises:
+            ValueError: an unknown ``device_name``.
+        """
+        from controlplane._devices import accelerator_resource
+
         spec: dict[str, float] = {"CPU": float(self.max_colocate_count)}
-        if self.use_gpu:
-            spec["GPU"] = 1.0
+        resource = accelerator_resource(device_name or self.device_name)
+        if self.use_gpu and resource is not None:
+            spec[resource] = 1.0
         if self.accelerator_type:
             spec[f"accelerator_type:{self.accelerator_type}"] = 1e-4
         return spec
 
     def get_placement_groups(
-        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str = "cuda"
+        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
     ) -> list:
         """Create (once) and return the placement groups, sorted by node IP.
 
+        ``device_name`` (default: the pool's) picks the accelerator resource of the bundles when
+        they are created.
+
         Raises:
             ResourceShortageError: the cluster cannot place them within ``placement_timeout_s``.
+            ValueError: the groups already exist with another accelerator than ``device_name``'s.
         """
         if self.pgs is not None:
+            self._check_device(device_name)
             if strategy != self._strategy:
                 logger.debug("pool %s already placed with %s; ignoring %s", self.name_prefix,
                               self._strategy, strategy)
@@ -163,16 +187,34 @@ class RayResourcePool(ResourcePool):
         from controlplane._placement import create_placement_groups
 
         prefix = name or f"{self.name_prefix}rlplane_group_{'_'.join(map(str, self._store))}:"
+        spec = self.bundle_spec(device_name)
         self.pgs = create_placement_groups(
-            self._store, self.bundle_spec(), strategy=strategy, name_prefix=prefix,
+            self._store, spec, strategy=strategy, name_prefix=prefix,
             detached=self.detached, timeout_s=self.placement_timeout_s,
         )
         self._strategy = strategy
+        self._device_resource = self._accelerator_of(spec)
         return list(self.pgs)
 
-    def bundle_slots(self, strategy: str = "STRICT_PACK") -> list[BundleSlot]:
+    def _accelerator_of(self, spec: dict[str, float]) -> str | None:
+        return next((k for k in spec if k != "CPU" and not k.startswith("accelerator_type:")), None)
+
+    def _check_device(self, device_name: str | None) -> None:
+        """A placed pool serves only workers of the accelerator its bundles hold."""
+        from controlplane._devices import accelerator_resource
+
+        if device_name is None or self.pgs is None or not self.use_gpu or self._device_resource is None:
+            return  # CPU-only bundles (or adopted placement groups): nothing to mismatch
+        wanted = accelerator_resource(device_name)
+        if wanted is not None and wanted != self._device_resource:
+            raise ValueError(
+                f"pool {self.name_prefix} was placed with {self._device_resource} bundles; "
+                f"device_name={device_name!r} needs {wanted}"
+            )
+
+    def bundle_slots(self, strategy: str = "STRICT_PACK", device_name: str | None = None) -> list[BundleSlot]:
         """Every process slot in rank order (creates the placement groups if needed)."""
-        pgs = self.get_placement_groups(strategy=strategy)
+        pgs = self.get_placement_groups(strategy=strategy, device_name=device_name)
         return [BundleSlot(pg, i) for pg in pgs for i in range(pg.bundle_count)]
 
     @property
@@ -189,7 +231,7 @@ class RayResourcePool(ResourcePool):
         self.pgs = None
 
     def _compat_key(self) -> tuple:
-        return (self.use_gpu, self.max_colocate_count, self.detached, self.accelerator_type)
+        return (self.use_gpu, self.max_colocate_count, self.detached, self.accelerator_type, self.device_name)
 
 
 class SubRayResourcePool(RayResourcePool):
@@ -235,10 +277,11 @@ class SubRayResourcePool(RayResourcePool):
         return pool
 
     def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
-                             device_name: str = "cuda") -> list:
+                             device_name: str | None = None) -> list:
         return list(self.pgs or [])
 
-    def bundle_slots(self, strategy: str = "STRICT_PACK") -> list[BundleSlot]:
+    def bundle_slots(self, strategy: str = "STRICT_PACK", device_name: str | None = None) -> list[BundleSlot]:
+        self._check_device(device_name)
         return list(self._slots)
 
     @property
@@ -283,6 +326,7 @@ def _pool_kwargs(pool: RayResourcePool, name_prefix: str) -> dict[str, Any]:
         "accelerator_type": pool.accelerator_type,
         "n_gpus_per_node": pool.n_gpus_per_node,
         "placement_timeout_s": pool.placement_timeout_s,
+        "device_name": pool.device_name,
     }
 
 
@@ -316,6 +360,7 @@ def split_resource_pool(pool: RayResourcePool, split_size: int | Sequence[int]) 
     for i, size in enumerate(sizes):
         kwargs = _pool_kwargs(pool, f"{pool.name_prefix}_split_{i}")
         pieces.append(SubRayResourcePool._from_slots(slots[start:start + size], **kwargs))
+        pieces[-1]._device_resource = pool._device_resource
         pieces[-1].start_bundle_index = getattr(pool, "start_bundle_index", 0) + start
         start += size
     return pieces
@@ -325,21 +370,25 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> SubRayRes
     """Join two pools: ranks of ``rp1`` first, then those of ``rp2``.
 
     Raises:
-        ValueError: the pools differ in ``use_gpu``, ``max_colocate_count``, ``detached`` or
-            ``accelerator_type``, or share a slot.
+        ValueError: the pools differ in ``use_gpu``, ``max_colocate_count``, ``detached``,
+            ``accelerator_type`` or ``device_name``, or share a slot.
 
     Example:
         >>> whole = merge_resource_pool(*split_resource_pool(pool, 2))
     """
     if rp1._compat_key() != rp2._compat_key():
         raise ValueError(
-            "cannot merge pools with different (use_gpu, max_colocate_count, detached, accelerator_type): "
+            "cannot merge pools with different "
+            "(use_gpu, max_colocate_count, detached, accelerator_type, device_name): "
             f"{rp1.name_prefix}={rp1._compat_key()} vs {rp2.name_prefix}={rp2._compat_key()}"
         )
     slots = rp1.bundle_slots() + rp2.bundle_slots()
     if len(set(slots)) != len(slots):
         raise ValueError(f"pools {rp1.name_prefix} and {rp2.name_prefix} overlap; cannot merge")
-    return SubRayResourcePool._from_slots(slots, **_pool_kwargs(rp1, f"{rp1.name_prefix}_{rp2.name_prefix}"))
+    kwargs = _pool_kwargs(rp1, f"{rp1.name_prefix}_{rp2.name_prefix}")
+    merged = SubRayResourcePool._from_slots(slots, **kwargs)
+    merged._device_resource = rp1._device_resource or rp2._device_resource
+    return merged
 
 
 @dataclass

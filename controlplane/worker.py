@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from controlplane._devices import apply_local_rank
 from controlplane.decorator import Dispatch, Execute, register
+from controlplane.errors import MeshConflictError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,57 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an int") from exc
 
 
+class DispatchCollectInfo(dict):
+    """``Worker.get_dispatch_collect``'s result, in verl's format.
+
+    ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``: a plain
+    ``dict`` for ``**`` and pickling. The keys ``"dispatch"`` / ``"collect"`` (this package's
+    earlier format) are read as aliases but never listed, so ``**info`` stays valid.
+    """
+
+    _ALIASES = {"dispatch": "dispatch_dp_rank", "collect": "collect_dp_rank"}
+
+    def __missing__(self, key: str) -> Any:
+        if key in self._ALIASES:
+            return self[self._ALIASES[key]]
+        raise KeyError(key)
+
+
+def _pick_source_mesh(
+    mesh_name: str,
+    dispatch: Mapping[str, int] | int,
+    collect: Mapping[str, bool] | bool,
+    source_mesh: str | None,
+) -> tuple[int, bool]:
+    """The one ``(dp_rank, is_collect)`` to copy out of another worker's mesh tables."""
+    if not (isinstance(dispatch, Mapping) and isinstance(collect, Mapping)):
+        raise TypeError(
+            f"set_dispatch_collect({mesh_name!r}): dispatch_dp_rank and collect_dp_rank must both be "
+            f"dicts (from get_dispatch_collect()) or both plain values, got {type(dispatch).__name__} "
+            f"and {type(collect).__name__}"
+        )
+    if set(dispatch) != set(collect):
+        raise ValueError(
+            f"set_dispatch_collect({mesh_name!r}): dispatch meshes {sorted(dispatch)} and collect meshes "
+            f"{sorted(collect)} differ"
+        )
+    if source_mesh is not None:
+        if source_mesh not in dispatch:
+            raise ValueError(
+                f"set_dispatch_collect({mesh_name!r}): source mesh {source_mesh!r} is not among "
+                f"{sorted(dispatch)}"
+            )
+        return dispatch[source_mesh], bool(collect[source_mesh])
+    choices = {(dispatch[m], bool(collect[m])) for m in dispatch}
+    if len(choices) != 1:
+        detail = "no mesh" if not choices else f"meshes {sorted(dispatch)} with different info"
+        raise ValueError(
+            f"set_dispatch_collect({mesh_name!r}): the source worker has {detail}; "
+            "pass source_mesh=<one of its meshes>"
+        )
+    return next(iter(choices))
+
+
 class Worker:
     """Base class of group workers: rank info from the environment, mesh info for nd dispatch.
 
@@ -71,7 +124,10 @@ class Worker:
         cuda_visible_devices: optional device list to export (used when sharing a process).
     """
 
+    fused_worker_attr_name = "fused_worker_dict"  # verl's name for the sibling-role dict
+
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
+        apply_local_rank()  # LOCAL_RANK = this actor's device among those it sees (verl's rule)
         self._world_size = _env_int("WORLD_SIZE", 1)
         self._rank = _env_int("RANK", 0)
         self._local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
@@ -84,6 +140,12 @@ class Worker:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
         self._dispatch_dp_rank: dict[str, int] = {}
         self._collect_dp_rank: dict[str, bool] = {}
+        # Filled by a FusedWorker with its role instances, so sibling roles reach each other.
+        self.fused_worker_dict: dict[str, Any] = {}
+
+    def get_fused_worker_by_name(self, worker_name: str) -> Any:
+        """The sibling role ``worker_name`` of a fused worker, or None (verl's accessor)."""
+        return self.fused_worker_dict.get(worker_name)
 
     # ---- rank information -------------------------------------------------------------
     @property
@@ -128,16 +190,27 @@ class Worker:
         """Declare this rank's data-parallel rank in ``mesh_name`` and whether its output is kept.
 
         Raises:
-            ValueError: ``mesh_name`` was already registered on this worker, or ``dp_rank`` < 0.
+            MeshConflictError: ``mesh_name`` was already registered on this worker (also a
+                ``ValueError`` and an ``AssertionError``).
+            ValueError: ``dp_rank`` < 0.
         """
-        if mesh_name in self._dispatch_dp_rank:
-            raise ValueError(
-                f"mesh {mesh_name!r} is already registered on {type(self).__name__} rank {self.rank}"
-            )
+        self._check_mesh_free(mesh_name, dp_rank, is_collect)
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r} for mesh {mesh_name!r}")
         self._dispatch_dp_rank[mesh_name] = dp_rank
         self._collect_dp_rank[mesh_name] = bool(is_collect)
+
+    def _check_mesh_free(self, mesh_name: str, dp_rank: Any, is_collect: Any) -> None:
+        # verl refuses any second registration of a name, even with equal values; so do we, so
+        # that copying two roles' meshes under one name cannot silently keep the first.
+        if mesh_name in self._dispatch_dp_rank or mesh_name in self._collect_dp_rank:
+            raise MeshConflictError(
+                f"mesh {mesh_name!r} is already registered on {type(self).__name__} rank {self.rank} "
+                f"(dp_rank={self._dispatch_dp_rank.get(mesh_name)}, "
+                f"is_collect={self._collect_dp_rank.get(mesh_name)}); refusing dp_rank={dp_rank}, "
+                f"is_collect={is_collect}. Register each mesh once, or copy it under a new name",
+                mesh_name=mesh_name,
+            )
 
     def _mesh_missing(self, mesh_name: str) -> ValueError:
         return ValueError(
@@ -165,12 +238,54 @@ class Worker:
     def _query_collect_info(self, mesh_name: str) -> bool:
         return self.query_collect_info(mesh_name)
 
-    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:
-        """Copies of the registered meshes: ``{"dispatch": {mesh: dp_rank}, "collect": {mesh: bool}}``."""
-        return {"dispatch": dict(self._dispatch_dp_rank), "collect": dict(self._collect_dp_rank)}
+    def get_dispatch_collect(self) -> DispatchCollectInfo:
+        """This worker's registered meshes, as keyword arguments for ``set_dispatch_collect``.
 
-    def set_dispatch_collect(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
-        """Register a mesh under a new name, e.g. to re-export a sub-worker's mesh."""
+        Returns copies (changing them does not change the worker):
+        ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``,
+        verl's format. The older keys ``"dispatch"`` / ``"collect"`` still read the same dicts.
+
+        Example (a fused worker re-exporting its roles' meshes, as verl's engine workers do):
+            >>> self.set_dispatch_collect("ref", **self.ref.get_dispatch_collect())
+            >>> self.set_dispatch_collect("actor", **self.actor.get_dispatch_collect())
+        """
+        return DispatchCollectInfo(
+            dispatch_dp_rank=dict(self._dispatch_dp_rank), collect_dp_rank=dict(self._collect_dp_rank)
+        )
+
+    def set_dispatch_collect(
+        self,
+        mesh_name: str,
+        dispatch_dp_rank: Mapping[str, int] | int,
+        collect_dp_rank: Mapping[str, bool] | bool,
+        *,
+        source_mesh: str | None = None,
+    ) -> None:
+        """Register ``mesh_name`` on this worker with another worker's mesh info.
+
+        Args:
+            mesh_name: the name to register here.
+            dispatch_dp_rank, collect_dp_rank: the source worker's ``{mesh: dp_rank}`` and
+                ``{mesh: is_collect}`` (what ``get_dispatch_collect()`` returns), or a plain
+                ``dp_rank`` and ``is_collect``.
+            source_mesh: which of the source's meshes to copy; needed only when the source has
+                several meshes that disagree (verl silently took the last one).
+
+        Raises:
+            MeshConflictError: ``mesh_name`` is already registered here (an ``AssertionError``
+                too, as in verl).
+            ValueError: the source has no mesh, lacks ``source_mesh``, or has several
+                disagreeing meshes and no ``source_mesh`` was given.
+
+        Example:
+            >>> fused.set_dispatch_collect("actor", **actor.get_dispatch_collect())
+            >>> fused.query_dispatch_info("actor") == actor.query_dispatch_info("actor")
+            True
+        """
+        if isinstance(dispatch_dp_rank, Mapping) or isinstance(collect_dp_rank, Mapping):
+            dp_rank, is_collect = _pick_source_mesh(mesh_name, dispatch_dp_rank, collect_dp_rank, source_mesh)
+        else:
+            dp_rank, is_collect = dispatch_dp_rank, collect_dp_rank
         self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect)
 
     # ---- built-in group methods -----------------------------------------------------------

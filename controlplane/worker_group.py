@@ -39,6 +39,10 @@ class WorkerGroup:
     """
 
     def __init__(self, resource_pool: ResourcePool | None, **kwargs: Any) -> None:
+        if kwargs:  # a misspelt option must not be dropped silently
+            from controlplane._strict import init_parameter_names, unknown_kwargs_error
+
+            raise unknown_kwargs_error(f"{type(self).__name__}()", kwargs, init_parameter_names(type(self)))
         self._is_init_with_detached_workers = resource_pool is None
         self._process_dispatch_config = resource_pool() if resource_pool is not None else None
         self._workers: list[Any] = []
@@ -142,14 +146,6 @@ class WorkerGroup:
         raise NotImplementedError
 
 
-def _per_rank_error(what: str, value: Any, world_size: int) -> TypeError:
-    got = f"list of length {len(value)}" if isinstance(value, list) else type(value).__name__
-    return TypeError(
-        f"{what} must be a per-rank list of length {world_size}, got {got}; "
-        f"wrap a broadcast value as [value] * {world_size} or register the method with Dispatch.ONE_TO_ALL"
-    )
-
-
 class RayWorkerGroup(WorkerGroup):
     """A group of Ray actors driven as one.
 
@@ -170,6 +166,21 @@ class RayWorkerGroup(WorkerGroup):
         ready_timeout_s: how long to wait for every actor's constructor.
         call_timeout_s: default deadline of every wait for results (None: no deadline; a dead
             worker still raises :class:`WorkerDiedError` at once).
+        device_name: the accelerator each worker gets when the group uses GPUs, as in verl:
+            ``"cuda"`` (Ray's ``GPU`` resource), ``"npu"`` (the ``NPU`` resource) or ``"cpu"``
+            (no accelerator); default: the pool's ``device_name``. The pool's placement groups
+            are built with the same resource.
+        ray_wait_register_center_timeout: verl's name for ``ready_timeout_s`` (wins if given).
+        profile_steps, worker_nsight_options: verl's profiler settings, accepted and ignored
+            (with a warning).
+
+    Raises:
+        TypeError: an unknown keyword argument (named, with the closest known one).
+        ValueError: an unknown ``device_name``; GPUs asked of a CPU-only pool.
+
+    Example:
+        >>> wg = RayWorkerGroup(pool, RayClassWithInitArgs(MyWorker), name_prefix="actor",
+        ...                     call_timeout_s=600, device_name="cuda")
     """
 
     def __init__(
@@ -190,9 +201,25 @@ class RayWorkerGroup(WorkerGroup):
         namespace: str | None = None,
         ready_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
+        device_name: str | None = None,
+        ray_wait_register_center_timeout: float | None = None,
+        profile_steps: Any = None,
+        worker_nsight_options: Any = None,
         **kwargs: Any,
     ) -> None:
+        from controlplane._devices import accelerator_resource
+
         super().__init__(resource_pool, **kwargs)
+        if device_name is None:  # verl passes it explicitly; here the pool's is the default
+            device_name = getattr(resource_pool, "device_name", "cuda")
+        accelerator_resource(device_name)  # an unknown device name fails before anything starts
+        self.device_name = device_name
+        if ray_wait_register_center_timeout is not None:
+            ready_timeout_s = ray_wait_register_center_timeout
+        if profile_steps is not None or worker_nsight_options is not None:
+            # verl's trainer passes its profiler settings; accepted so its code runs, but said aloud.
+            logger.warning("RayWorkerGroup: profile_steps / worker_nsight_options are accepted for verl "
+                           "compatibility and ignored (no profiler integration here)")
         self.call_timeout_s = call_timeout_s
         if ray_cls_with_init is not None and not isinstance(ray_cls_with_init, ClassWithInitArgs):
             raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {ray_cls_with_init!r}")
@@ -213,7 +240,8 @@ class RayWorkerGroup(WorkerGroup):
 
             start_group(self, resource_pool, bin_pack=bin_pack, detached=detached,
                         master=(master_addr, master_port), use_gpu=use_gpu, worker_env=worker_env,
-                        num_cpus=num_cpus_per_worker, namespace=namespace, ready_timeout_s=ready_timeout_s)
+                        num_cpus=num_cpus_per_worker, namespace=namespace, ready_timeout_s=ready_timeout_s,
+                        device_name=device_name)
         if ray_cls_with_init is not None:
             self._bind(ray_cls_with_init.user_cls)
 
@@ -269,17 +297,41 @@ class RayWorkerGroup(WorkerGroup):
                    worker_names=worker_names, worker_handles=worker_handles, namespace=namespace, **kwargs)
 
     # ---- colocated roles -------------------------------------------------------------------
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
-        """One group view per role of a colocated class, over the same actors (same processes).
+    def _colocated_role_classes(self) -> dict[str, type]:
+        """``{role: user class}`` of this group's colocated or fused class (empty otherwise)."""
+        from controlplane.colocate import role_classes
 
-        Each view binds only its role's ``@register`` methods, unprefixed, and keeps its own
-        mesh-info cache.
+        if self.ray_cls_with_init is None:
+            return {}
+        roles = role_classes(self.ray_cls_with_init.user_cls)
+        return roles or dict(getattr(self.ray_cls_with_init, "colocated_roles", None) or {})
+
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+        """One group view per role of a colocated or fused class, over the same actors.
+
+        Each view binds only its role's ``@register`` methods, unprefixed (verl's
+        ``wg.actor_step`` is ``views["actor"].step``), routes them to the role's instance in the
+        shared process, and keeps its own mesh-info cache. Works the same for
+        :func:`create_colocated_worker_cls` and fused classes (verl sends the latter to
+        :meth:`spawn_fused`; here both paths give the same views).
+
+        Raises:
+            ValueError: a role that the group's class does not hold (none for a plain class).
+
+        Example:
+            >>> views = wg.spawn({"actor", "critic"})
+            >>> views["actor"].generate(batch)
         """
-        roles = getattr(self.ray_cls_with_init, "colocated_roles", None) or {}
+        roles = self._colocated_role_classes()
+        prefix_set = list(prefix_set)
+        unknown = [role for role in prefix_set if role not in roles]
+        if unknown:
+            owner = self.ray_cls_with_init.user_cls.__name__ if self.ray_cls_with_init else "None"
+            raise ValueError(
+                f"role {unknown[0]!r} is not in this colocated group ({owner}); roles: {sorted(roles)}"
+            )
         views = {}
         for role in prefix_set:
-            if role not in roles:
-                raise ValueError(f"role {role!r} is not in this colocated group; roles: {sorted(roles)}")
             view = type(self)(resource_pool=None, name_prefix=self.name_prefix,
                               worker_names=self._worker_names, worker_handles=self._workers,
                               call_timeout_s=self.call_timeout_s)
@@ -293,16 +345,48 @@ class RayWorkerGroup(WorkerGroup):
             views[role] = view
         return views
 
+    def spawn_fused(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+        """:meth:`spawn` for a group of a fused class (:mod:`controlplane.fused`), by verl's name.
+
+        verl returns deep copies of the whole group with the role's methods added on top; here
+        each view holds only its role's methods (the fused class's own methods stay on ``self``).
+
+        Raises:
+            TypeError: the group's class is not a fused worker class.
+
+        Example:
+            >>> views = wg.spawn_fused({"actor", "critic"})
+        """
+        from controlplane.fused import is_fused_worker_cls
+
+        user_cls = self.ray_cls_with_init.user_cls if self.ray_cls_with_init is not None else None
+        if not is_fused_worker_cls(user_cls):
+            name = getattr(user_cls, "__name__", repr(user_cls))
+            raise TypeError(f"spawn_fused needs a group of a fused worker class, not {name}; build it with "
+                            "create_colocated_worker_raw_cls or create_colocated_worker_cls_fused")
+        return self.spawn(prefix_set)
+
     def fuse(self, prefix_set: Iterable[str]) -> None:
-        """Spawn role views once and expose them as attributes: ``wg.actor.method(...)``."""
+        """Spawn role views (once per role) and expose them as attributes: ``wg.actor.method(...)``.
+
+        Raises:
+            ValueError: a role name is already an attribute of the group, or an unknown role.
+
+        Example:
+            >>> wg.fuse({"actor", "critic"})
+            >>> wg.actor.generate(batch), wg.critic.value(batch)
+        """
         prefix_set = list(prefix_set)
         for role in prefix_set:
             if hasattr(self, role) and not (self.wg_dict and role in self.wg_dict):
                 raise ValueError(f"role {role!r} clashes with an attribute of {type(self).__name__}")
-        if self.wg_dict is None:
-            self.wg_dict = self.spawn(prefix_set)
-        for role, view in self.wg_dict.items():
-            setattr(self, role, view)
+        # verl spawns only on the first call; later calls with new roles would silently miss them
+        self.wg_dict = dict(self.wg_dict or {})
+        missing = [role for role in prefix_set if role not in self.wg_dict]
+        if missing:
+            self.wg_dict.update(self.spawn(missing))
+        for role in prefix_set:
+            setattr(self, role, self.wg_dict[role])
 
     # ---- execution -------------------------------------------------------------------------
     def _actor_methods(self, method_name: str) -> list[Any]:
@@ -317,26 +401,29 @@ class RayWorkerGroup(WorkerGroup):
         return methods
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method_name`` on every rank; every arg/kwarg is a per-rank list (rank i gets [i]).
+        """Call ``method_name`` on every rank; returns one ``ObjectRef`` per rank, in rank order.
+
+        Arguments follow verl's rule (see :mod:`controlplane.per_rank`): when every positional
+        and keyword argument is a ``list`` of length ``world_size``, rank ``i`` gets element
+        ``i`` of each; otherwise every rank gets all arguments whole. ``PerRank(values)`` and
+        ``Broadcast(value)`` say it explicitly (then only ``PerRank`` arguments are scattered).
 
         Raises:
-            TypeError: an argument is not a list of length ``world_size``.
+            ValueError: a ``PerRank`` argument whose length is not ``world_size``.
+            WorkerDiedError: the aliveness check already found a dead worker.
+
+        Example:
+            >>> ray.get(wg.execute_all_async("foo", 3))             # broadcast
+            [5, 5, 5, 5]
+            >>> ray.get(wg.execute_all_async("foo", [1, 2, 3, 4]))  # scattered
+            [3, 4, 5, 6]
         """
+        from controlplane.per_rank import split_for_ranks
+
         self._raise_if_known_dead()
-        n = len(self._workers)
-        for i, arg in enumerate(args):
-            if not isinstance(arg, list) or len(arg) != n:
-                raise _per_rank_error(f"{method_name}: positional arg {i}", arg, n)
-        for key, value in kwargs.items():
-            if not isinstance(value, list) or len(value) != n:
-                raise _per_rank_error(f"{method_name}: kwarg {key!r}", value, n)
+        calls = split_for_ranks(args, kwargs, len(self._workers), method_name)
         methods = self._actor_methods(method_name)
-        if not args and not kwargs:
-            return [m.remote() for m in methods]
-        return [
-            m.remote(*[a[r] for a in args], **{k: v[r] for k, v in kwargs.items()})
-            for r, m in enumerate(methods)
-        ]
+        return [m.remote(*a, **k) for m, (a, k) in zip(methods, calls, strict=True)]
 
     execute_all = execute_all_async
 
@@ -345,14 +432,24 @@ class RayWorkerGroup(WorkerGroup):
         return self._wait(self.execute_all_async(method_name, *args, **kwargs))
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method_name`` on rank 0 only. Per-rank lists (every arg a list of length
-        ``world_size``, as dispatch produces) are reduced to their element 0."""
+        """Call ``method_name`` on rank 0 only; returns its ``ObjectRef``.
+
+        As in verl, the arguments reach rank 0 whole: a list of length ``world_size`` is *not*
+        cut to its first element. ``PerRank(values)`` gives rank 0 ``values[0]`` and
+        ``Broadcast(value)`` gives ``value``; a bound ``Execute.RANK_ZERO`` method's dispatch
+        output is marked per rank by the binding, so rank 0 gets its own entry.
+
+        Raises:
+            ValueError: a ``PerRank`` argument whose length is not ``world_size``.
+
+        Example:
+            >>> ray.get(wg.execute_rank_zero_async("total", [1, 2]))   # rank 0 gets [1, 2]
+            3
+        """
+        from controlplane.per_rank import for_rank_zero
+
         self._raise_if_known_dead()
-        n = len(self._workers)
-        values = list(args) + list(kwargs.values())
-        if values and all(isinstance(v, list) and len(v) == n for v in values):
-            args = tuple(a[0] for a in args)
-            kwargs = {k: v[0] for k, v in kwargs.items()}
+        args, kwargs = for_rank_zero(args, kwargs, len(self._workers), method_name)
         return self._actor_methods(method_name)[0].remote(*args, **kwargs)
 
     execute_rank_zero = execute_rank_zero_async

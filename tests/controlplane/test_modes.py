@@ -9,9 +9,6 @@ from tensordict import TensorDict
 from controlplane import (
     Dispatch,
     Execute,
-    RayClassWithInitArgs,
-    RayResourcePool,
-    RayWorkerGroup,
     Worker,
     make_nd_compute_dispatch_fn,
     register,
@@ -21,6 +18,7 @@ from controlplane import decorator as _decorator
 from controlplane.batch import enable_auto_padding
 from controlplane.dispatch import collect_all
 from controlplane.future import BatchFuture
+from tests.controlplane._groups import started_groups
 
 pytestmark = pytest.mark.ray
 
@@ -106,19 +104,10 @@ def rows(n: int) -> TensorDict:
 
 @pytest.fixture(scope="module")
 def groups(ray_session):
-    pool4 = RayResourcePool([4], use_gpu=False, max_colocate_count=1)
-    pool2 = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    producer = consumer = None
     try:
-        producer = RayWorkerGroup(pool4, RayClassWithInitArgs(ModeWorker))
-        consumer = RayWorkerGroup(pool2, RayClassWithInitArgs(Consumer))
-        yield producer, consumer
+        with started_groups((4, ModeWorker), (2, Consumer)) as (producer, consumer):
+            yield producer, consumer
     finally:
-        for g in (producer, consumer):
-            if g is not None:
-                g.kill()
-        pool4.remove()
-        pool2.remove()
         _decorator._DISPATCH_REGISTRY.pop(TWO_TO_ALL, None)
         Dispatch.remove(TWO_TO_ALL.name)
 

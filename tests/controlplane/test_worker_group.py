@@ -6,6 +6,7 @@ import pytest
 
 from controlplane import (
     ClassWithInitArgs,
+    PerRank,
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
@@ -107,15 +108,14 @@ def test_execute_primitives(wg4: RayWorkerGroup) -> None:
     assert ray.get(refs) == [2, 3, 4, 5]
     assert wg4.execute_all_sync("plain", x=[0, 0, 0, 0]) == [1, 1, 1, 1]
     assert wg4.execute_rank_zero_sync("plain", 41) == 42
-    assert wg4.execute_rank_zero_sync("plain", [7, 8, 9, 10]) == 8  # per-rank lists -> element 0
+    assert wg4.execute_rank_zero_sync("plain", PerRank([7, 8, 9, 10])) == 8  # explicit: element 0
     assert wg4.only_zero(5) == (0, 5)  # Execute.RANK_ZERO: rank 0 gets its element, not the list
     assert wg4.scatter([1, 2, 3, 4]) == [10, 20, 30, 40]
     assert wg4.execute_func_rank_zero(add_one, 41) == 42  # built-in Worker methods
     assert wg4.execute_with_func_generator(tag_with_rank, [5, 6, 7, 8]) == [(5, 0), (6, 1), (7, 2), (8, 3)]
-    with pytest.raises(TypeError, match=r"kwarg 'x' must be a per-rank list of length 4, got int"):
-        wg4.execute_all_async("plain", x=3)
-    with pytest.raises(TypeError, match=r"positional arg 0 .* list of length 2"):
-        wg4.execute_all_async("plain", [1, 2])
+    assert wg4.execute_all_sync("plain", x=3) == [4] * 4  # not a per-rank list: broadcast (verl)
+    with pytest.raises(ValueError, match=r"plain: positional argument 0 is PerRank with 2 values"):
+        wg4.execute_all_async("plain", PerRank([1, 2]))
 
 
 def test_attach_by_handles_shares_actors(wg4: RayWorkerGroup) -> None:
@@ -139,22 +139,21 @@ def test_sharing_with_lands_on_the_same_node(wg4: RayWorkerGroup) -> None:
 
 def test_heterogeneous_nodes_and_spanning_sub_pool(ray_session) -> None:
     # Each node entry is its own placement group (STRICT_PACK); on the one-node test cluster both
-    # land on the head, which is all rank / local-rank assignment looks at.
+    # land on the head, so local ranks count the group's ranks on that node across both groups.
     pool = RayResourcePool([1, 2], use_gpu=False, max_colocate_count=1)
     whole = None
     try:
         whole = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker))
         envs = whole.env()
-        by_node: dict[str, list[int]] = {}
-        for e in envs:
-            by_node.setdefault(e["LOCAL_WORLD_SIZE"], []).append(int(e["LOCAL_RANK"]))
-        assert by_node == {"1": [0], "2": [0, 1]}  # each node its own local world size
+        assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [("0", "3"), ("1", "3"),
+                                                                            ("2", "3")]
         assert [e["RANK"] for e in envs] == ["0", "1", "2"]
-        # a slice spanning both nodes: one slot on each, so local ranks restart per node
+        assert [n.rsplit("EnvWorker_", 1)[1] for n in whole.worker_names] == ["0:0", "1:0", "1:1"]
+        # a slice spanning both placement groups: local ranks restart per *node*, not per group
         spanning, _ = split_resource_pool(pool, [2, 1])
         assert spanning.store == [1, 1]
-        places = places_for(spanning.bundle_slots())
-        assert [(p.rank, p.node_index, p.local_rank, p.local_world_size) for p in places] == [
+        places = places_for(spanning.bundle_slots(), node_ids=["n0", "n1"])
+        assert [(p.rank, p.pg_index, p.local_rank, p.local_world_size) for p in places] == [
             (0, 0, 0, 1), (1, 1, 0, 1)]
         env = rank_env(places[1], 2, ("10.0.0.1", 1234), "px", {"EXTRA": "1"})
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
