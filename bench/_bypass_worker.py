@@ -55,7 +55,7 @@ class BypassWorker(Worker):
         """Classic path: the chunk arrives by value; return the new field for the driver to concat."""
         return _step(data)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, bridge=False)  # moves its own data
     def store_step(self, meta: Any) -> Any:
         """Store path: fetch this shard by meta, compute, write back under the same keys, return meta."""
         import dataplane as dp

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from controlplane import bridge as _bridge
 from controlplane import dispatch as _d
 from controlplane._enum import DynamicEnum
 from controlplane.future import BatchFuture, materialize, materialize_async
@@ -184,14 +185,23 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
+    *,
+    bridge: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a worker method for binding onto its worker group.
+
+    The method also *bridges* (see ``controlplane.bridge``): called with an argument that
+    implements the bridge protocol (``dataplane.KVBatchMeta``, ``dataplane.StreamRequest``), it
+    receives that argument's rows, and its per-row outputs are written back from the collect
+    ranks of ``dispatch_mode`` only. A call with plain data runs the method unchanged.
 
     Args:
         dispatch_mode: a ``Dispatch`` member or a ``{"dispatch_fn", "collect_fn"}`` dict.
         execute_mode: ``Execute.ALL`` or ``Execute.RANK_ZERO`` (``Dispatch.RANK_ZERO`` implies it).
         blocking: wait for the result (``False`` returns ``ObjectRef``s or a ``BatchFuture``).
         materialize_futures: resolve ``BatchFuture`` arguments on the worker before the call.
+        bridge: ``False`` hands bridging arguments (a ``KVBatchMeta``) to the method as they are,
+            for a method that works with the metadata itself (e.g. writes rows for new keys).
 
     Raises:
         ValueError / TypeError: at decoration time, for an unknown mode or a malformed dict.
@@ -203,7 +213,8 @@ def register(
     _validate_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute) or execute_mode not in Execute:
         raise TypeError(f"execute_mode must be an Execute member, got {execute_mode!r}")
-    for flag, value in (("blocking", blocking), ("materialize_futures", materialize_futures)):
+    flags = {"blocking": blocking, "materialize_futures": materialize_futures, "bridge": bridge}
+    for flag, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     if dispatch_mode is Dispatch.RANK_ZERO:
@@ -218,7 +229,14 @@ def register(
     def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(func):
             raise TypeError(f"@register must decorate a function, got {type(func).__name__}")
-        if inspect.iscoroutinefunction(func):
+        # A function already wrapped by a bridge decorator is re-bridged with this dispatch mode,
+        # so the bridge's collect ranks are always the dispatch's (one writer per replica).
+        original, options = _bridge.unwrap(func)
+        if bridge:
+            func = _bridge.bridged(original, dispatch_mode, call_on_empty=options.get("call_on_empty", False))
+        else:
+            func = original
+        if inspect.iscoroutinefunction(original):
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -76,6 +76,22 @@ def _str_list(value: Any, attr: str, noun: str, what: str) -> list[str]:
     return items
 
 
+class WorkerBridgeForwarder:
+    """The ``__worker_bridge__`` of metas and stream requests: forwards to
+    ``dataplane._worker_bridge``, imported on the first bridged call so that this module stays
+    free of torch for processes that only handle metadata."""
+
+    def run(self, call: Any) -> Any:
+        from dataplane._worker_bridge import WorkerBridge
+
+        return WorkerBridge().run(call)
+
+    async def arun(self, call: Any) -> Any:
+        from dataplane._worker_bridge import WorkerBridge
+
+        return await WorkerBridge().arun(call)
+
+
 @dataclass(eq=True)
 class KVBatchMeta:
     """Which rows of the store a batch is made of: keys, their tags, a partition and field names.
@@ -114,6 +130,8 @@ class KVBatchMeta:
     extra_info: dict | None = field(default=None)
 
     allows_uneven_chunks: ClassVar[bool] = True
+    # Makes ``@register`` methods take a meta for their rows (see ``controlplane.bridge``).
+    __worker_bridge__: ClassVar[WorkerBridgeForwarder] = WorkerBridgeForwarder()
 
     def __post_init__(self) -> None:
         keys = _str_list(self.keys, "keys", "keys", "key")
@@ -284,17 +302,22 @@ class KVBatchMeta:
         return self._derive(range(self.size), fields)
 
     def reorder(self, indices: Sequence[int]) -> KVBatchMeta:
-        """The batch in a new order: row ``i`` of the result is row ``indices[i]`` of this one.
+        """Put the rows in a new order, in place, and return this meta: row ``i`` becomes the row
+        that was at ``indices[i]``.
 
+        In place as verl's ``DataProto.reorder`` and TransferQueue's ``BatchMeta.reorder`` (trainers
+        that balance sequence lengths ignore the return value); returning ``self`` also lets it chain.
         ``indices`` must be a permutation of ``range(size)`` (ints, numpy ints or an integer tensor).
 
         Raises:
-            ValueError: ``indices`` is not a permutation of ``range(size)``.
+            ValueError: ``indices`` is not a permutation of ``range(size)`` (the meta is unchanged).
         """
         idx = [operator.index(i) for i in indices]
         if sorted(idx) != list(range(self.size)):
             raise ValueError(f"reorder needs a permutation of range({self.size}), got {idx[:16]}")
-        return self._derive(idx, self.fields)
+        self.keys = [self.keys[i] for i in idx]
+        self.tags = [self.tags[i] for i in idx]
+        return self
 
     # -- serialization ------------------------------------------------------------------------
 

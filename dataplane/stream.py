@@ -29,7 +29,7 @@ from typing import Any
 
 from dataplane import _stream_ops
 from dataplane.api import _client
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, WorkerBridgeForwarder
 from dataplane.samplers import Sampler
 
 
@@ -164,6 +164,8 @@ class StreamRequest:
     batch_index: int | None = None
 
     allows_uneven_chunks = True
+    # Makes ``@register`` methods pull their batch for it (see ``controlplane.bridge``).
+    __worker_bridge__ = WorkerBridgeForwarder()
 
     def __len__(self) -> int:
         return self.batch_size * (self.dp_size or 1)

@@ -1,17 +1,14 @@
 """workers: where the data plane and the control plane meet.
 
-The ``tqbridge`` wrapper, engine workers on a small torch model, and a GRPO trainer
-whose driver handles metadata only.
-
-``from workers import tqbridge`` gives the decorator (the module of the same name,
-``workers/tqbridge.py``, also holds the byte counters and :class:`BridgeError`).
+Engine workers on a small torch model, a GRPO trainer whose driver handles metadata only,
+and the bridge: a ``@register`` method called with a ``dataplane.KVBatchMeta`` receives its
+shard's rows and writes its per-row outputs back (``workers.tqbridge`` explains it and keeps the
+``tqbridge`` / ``bridged_register`` decorators as aliases).
 
 Example:
     >>> from controlplane import Dispatch, Worker, register
-    >>> from workers import tqbridge
     >>> class Scorer(Worker):
-    ...     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    ...     @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    ...     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)   # register bridges by itself
     ...     def score(self, batch): ...
 """
 

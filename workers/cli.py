@@ -49,6 +49,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--rollout-chunks", type=int, default=None, help="stream mode: rollout calls per rank and step (1)"
     )
     demo.add_argument(
+        "--driver-actor",
+        action="store_true",
+        help="run the trainer in a Ray actor (verl's TaskRunner): this process only waits",
+    )
+    demo.add_argument(
+        "--colocate",
+        action="store_true",
+        default=None,
+        help="run the reward role in the actor's processes (one pool, create_colocated_worker_cls)",
+    )
+    demo.add_argument(
         "--timeline", default=None, help="timeline JSON path (default: next to the summary; a PNG beside it)"
     )
 

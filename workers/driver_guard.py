@@ -131,33 +131,25 @@ class MetadataOnlyGroup:
         """Start ``group.<method>(*args, **kwargs)`` and return at once; :meth:`PendingCall.result`
         collects it. Arguments are checked (and nothing dispatched) as for a plain call.
 
-        The group method must be a controller ``GroupMethod`` (``dispatch_fn``, ``collect_fn``,
-        ``execute_fn_name``); calls to one worker from this driver run in submission order.
+        The group method must be a controller ``GroupMethod`` (its ``launch`` and ``finish`` are the
+        two halves of a plain call, padding and unpadding included); calls to one worker from this
+        driver run in submission order.
 
         Raises:
             DriverDataError: an argument holds data.
-            NotImplementedError: the dispatch padded the batch (only uneven-chunkable batches such as
-                ``KVBatchMeta`` and ``dp.StreamRequest`` can be submitted).
 
         Example:
             >>> request = dp.StreamRequest("step3", "reward", 64, ["responses"])
             >>> pending = reward.submit("compute_reward", request)
             >>> pending.result(timeout=60)  # a StreamReport
         """
-        from controlplane.dispatch import CHUNK_INFO_KWARG, PADDING_KWARG
-
         label = f"{self._name}.{method}"
         check_metadata(list(args), label, "args")
         check_metadata(kwargs, label, "kwargs")
         bound = getattr(self._group, method)
-        group = bound.worker_group
-        per_rank_args, per_rank_kwargs = bound.dispatch_fn(group, *args, **kwargs)
-        per_rank_kwargs.pop(CHUNK_INFO_KWARG, None)
-        if per_rank_kwargs.pop(PADDING_KWARG, 0):
-            raise NotImplementedError(f"{label}: submit cannot undo padding; pass a batch that needs none")
-        refs = getattr(group, bound.execute_fn_name)(bound.method_name, *per_rank_args, **per_rank_kwargs)
+        launched = bound.launch(*args, **kwargs)
         self.driver_bytes += len(pickle.dumps((args, kwargs)))
-        return PendingCall(self, label, bound, refs)
+        return PendingCall(self, label, bound, launched)
 
 
 class PendingCall:
@@ -167,10 +159,12 @@ class PendingCall:
         label: ``"<group>.<method>"``.
     """
 
-    def __init__(self, guard: MetadataOnlyGroup, label: str, bound: Any, refs: Any) -> None:
+    def __init__(self, guard: MetadataOnlyGroup, label: str, bound: Any, launched: Any) -> None:
         self._guard = guard
         self.label = label
         self._bound = bound
+        self._launched = launched
+        refs = launched.refs
         self._rank_zero = not isinstance(refs, list)
         self._refs = [refs] if self._rank_zero else list(refs)
         self._result: Any = None
@@ -205,7 +199,7 @@ class PendingCall:
             return self._result
         group = self._bound.worker_group
         values = group._wait(self._refs, timeout)  # the controller's wait: a dead worker is named
-        result = values[0] if self._rank_zero else self._bound.collect_fn(group, values)
+        result = self._bound.finish(self._launched, values[0] if self._rank_zero else values)
         check_metadata(result, self.label, "result")
         self._guard.driver_bytes += len(pickle.dumps(result))
         self._result, self._collected = result, True

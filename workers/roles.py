@@ -46,7 +46,7 @@ from workers.engine import (
     TinyCausalLM,
     compute_advantage,
 )
-from workers.tqbridge import StreamReport, _count, nbytes_of, tqbridge, traffic
+from workers.tqbridge import StreamReport, count, nbytes_of, tqbridge, traffic
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,6 @@ class ActorRolloutRefWorker(RoleWorker):
         return self.actor
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
-    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
     def generate_sequences(self, batch: TensorDict, step: int | None = None) -> TensorDict:
         """Sample one response per row (the rows already hold each prompt ``n`` times).
 
@@ -153,20 +152,18 @@ class ActorRolloutRefWorker(RoleWorker):
         return out.select("responses", "response_mask", "rollout_log_probs")
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
-    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """``old_log_probs`` under the current weights."""
         return self._model_ready().compute_log_prob(batch)
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
-    @tqbridge(dispatch_mode=_ON_ACTOR_MESH)
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """``ref_log_probs`` of the frozen initial policy."""
         self._model_ready()
         return self.reference.compute_ref_log_prob(batch)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_METRIC, call_on_empty=True)
+    @tqbridge(call_on_empty=True)
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         """One GRPO update on this rank's shard; metrics are averaged over the group.
 
@@ -190,12 +187,12 @@ class RewardWorker(RoleWorker):
         self.reward = PatternReward(self.task)
         self.seed = seed
 
-    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    @register(dispatch_mode=Dispatch.RANK_ZERO, bridge=False)
     def make_prompts(self, meta: dp.KVBatchMeta) -> dp.KVBatchMeta:
         """Write ``prompts`` and ``uid`` for the keys of ``meta`` (``extra_info``: ``n``, ``step``).
 
-        The keys hold ``len(meta) // n`` prompts, each repeated on ``n`` adjacent keys. Not bridged:
-        the keys hold nothing yet, so there is nothing to fetch; it writes directly.
+        The keys hold ``len(meta) // n`` prompts, each repeated on ``n`` adjacent keys. Not bridged
+        (``bridge=False``): the keys hold nothing yet, so there is nothing to fetch; it writes directly.
         """
         n = int(meta.extra_info.get("n", 1))
         step = int(meta.extra_info.get("step", 0))
@@ -203,7 +200,7 @@ class RewardWorker(RoleWorker):
             raise ValueError(f"make_prompts: {meta.size} keys is not a multiple of n={n}")
         data = self._prompts(step, meta.size // n, n)
         stored = dp.kv_batch_put(meta.keys, meta.partition_id, fields=data, tags=meta.tags)
-        _count("written_bytes", nbytes_of(data))
+        count("written_bytes", nbytes_of(data))
         return dp.KVBatchMeta(meta.keys, meta.tags, meta.partition_id, stored.fields, meta.extra_info)
 
     def _prompts(self, step: int, num: int, n: int) -> TensorDict:
@@ -229,7 +226,7 @@ class RewardWorker(RoleWorker):
         keys = [f"{step}.{i}.{j}" for i in range(num_prompts) for j in range(n)]
         tags = [{"uid": int(u)} for u in data["uid"].tolist()]
         dp.kv_batch_put(keys, partition_id, fields=data, tags=tags)
-        _count("written_bytes", nbytes_of(data))
+        count("written_bytes", nbytes_of(data))
         span = {
             "task": "prompts",
             "method": "make_stream_prompts",
@@ -243,19 +240,16 @@ class RewardWorker(RoleWorker):
         return StreamReport(partition_id, "prompts", len(keys), 1, spans=[span])
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, batch: TensorDict) -> TensorDict:
         """``rewards`` from the task's rule."""
         return self.reward.compute_reward(batch)
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
-    @tqbridge(dispatch_mode=Dispatch.RANK_ZERO)
     def compute_advantage(self, batch: TensorDict) -> TensorDict:
         """GRPO ``advantages`` over the whole batch (rank 0 only, so every group is whole)."""
         return compute_advantage(batch)
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
-    @tqbridge(dispatch_mode=Dispatch.RANK_ZERO)
     def reward_metrics(self, batch: TensorDict) -> dict[str, Any]:
         """Summary of a scored batch: mean/min/max reward and mean response length."""
         rewards = batch["rewards"].float()

@@ -71,11 +71,12 @@ import time
 from typing import Any
 
 import dataplane as dp
-from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from controlplane import RayClassWithInitArgs
 from workers import timeline
 from workers.driver_guard import MetadataOnlyGroup, PendingCall
-from workers.roles import ActorRolloutRefWorker, RewardWorker
+from workers.task_runner import run_in_actor
 from workers.tqbridge import StreamReport
+from workers.wiring import ROLE_WORKERS, Groups, Role, build_groups, pool_manager
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class TrainerConfig:
             the reward stage still starts on the rows of the first rank to finish.
         stream_timeout_s: stream mode: how long a stage waits for its rows (``next_batch``) and
             the driver for a result before giving up.
+        colocate: run the reward role in the actor's processes (verl's single global pool:
+            ``create_colocated_worker_cls`` and ``spawn``) instead of a process of its own.
     """
 
     steps: int = 40
@@ -138,6 +141,7 @@ class TrainerConfig:
     stream_chunks: int = 2
     rollout_chunks: int = 1
     stream_timeout_s: float = 120.0
+    colocate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "n", "dp", "num_shards", "stream_chunks", "rollout_chunks"):
@@ -163,6 +167,11 @@ class TrainerConfig:
                     f"stream mode: the {rows} rows of a step must divide into rollout_chunks="
                     f"{self.rollout_chunks} calls on each of dp={self.dp} ranks"
                 )
+            if self.colocate and (rows // self.stream_chunks) % self.dp:
+                raise ValueError(
+                    f"stream mode with colocate: the {rows // self.stream_chunks} rows of a reward batch "
+                    f"must divide over the dp={self.dp} ranks that score them"
+                )
             if self.prompts_per_step % self.dp:
                 raise ValueError(
                     f"stream mode: prompts_per_step={self.prompts_per_step} must divide over dp={self.dp} "
@@ -184,24 +193,22 @@ class GRPOTrainer:
         self.cfg = cfg
         self._owns_store = not dp.is_initialized()
         dp.init(num_shards=cfg.num_shards)
-        self._pools = [
-            RayResourcePool([cfg.dp], use_gpu=cfg.use_gpu, max_colocate_count=1),
-            RayResourcePool([1], use_gpu=False, max_colocate_count=1),
-        ]
         device = "cuda" if cfg.use_gpu else "cpu"
-        actor_cls = RayClassWithInitArgs(
-            ActorRolloutRefWorker, cfg.task, cfg.model, cfg.actor, cfg.seed, device
-        )
-        reward_cls = RayClassWithInitArgs(RewardWorker, cfg.task, cfg.seed)
-        self._groups: list[RayWorkerGroup] = []
+        specs = {
+            Role.ActorRolloutRef: RayClassWithInitArgs(
+                ROLE_WORKERS[Role.ActorRolloutRef], cfg.task, cfg.model, cfg.actor, cfg.seed, device
+            ),
+            Role.Reward: RayClassWithInitArgs(ROLE_WORKERS[Role.Reward], cfg.task, cfg.seed),
+        }
         self.history: list[dict[str, float]] = []
         self.timeline: list[dict[str, Any]] = []  # spans: see workers.timeline
         self.stream_counts: dict[str, dict[str, int]] = {}  # stream mode: task -> rows / consumed
+        self._groups: Groups | None = None
         try:
-            self._groups.append(RayWorkerGroup(self._pools[0], actor_cls))
-            self._groups.append(RayWorkerGroup(self._pools[1], reward_cls))
-            self.actor = MetadataOnlyGroup(self._groups[0], "actor")
-            self.reward = MetadataOnlyGroup(self._groups[1], "reward")
+            manager = pool_manager(cfg.dp, colocate=cfg.colocate, use_gpu=cfg.use_gpu)
+            self._groups = build_groups(manager, specs)
+            self.actor = MetadataOnlyGroup(self._groups.views[Role.ActorRolloutRef], "actor")
+            self.reward = MetadataOnlyGroup(self._groups.views[Role.Reward], "reward")
             self.actor.init_model()
         except BaseException:
             self.close()  # leave no actors, placement groups or owned store behind
@@ -306,8 +313,10 @@ class GRPOTrainer:
         per_rank = rows // (cfg.rollout_chunks * cfg.dp)  # rollout rows per call on every actor rank
         for _ in range(cfg.rollout_chunks):
             calls.append(("rollout", actor("generate_sequences", req("rollout", per_rank, _GEN), step=index)))
+        # Each scoring rank takes its share (several ranks when the reward role is colocated).
+        per_scorer = rows // chunks // self.reward.group.world_size
         for _ in range(chunks):
-            calls.append(("reward", reward("compute_reward", req("reward", rows // chunks, _SCORE))))
+            calls.append(("reward", reward("compute_reward", req("reward", per_scorer, _SCORE))))
         calls.append(("reward_metrics", reward("reward_metrics", req("reward_metrics", rows, _METRICS))))
         for _ in range(chunks):
             advantage = req("advantage", rows // chunks, _ADV, groups=True)
@@ -458,12 +467,8 @@ class GRPOTrainer:
 
         Idempotent.
         """
-        groups, self._groups = self._groups, []
-        pools, self._pools = self._pools, []
-        for group in groups:
-            group.kill()
-        for pool in pools:
-            pool.remove()
+        if self._groups is not None:
+            self._groups.close()
         if self._owns_store and dp.is_initialized():
             dp.close()
 
@@ -519,19 +524,38 @@ def format_comparison(summaries: dict[str, dict[str, Any]]) -> str:
     return table
 
 
+_RUN_TIMEOUT_S = 3600.0  # the demo's whole run in a driver actor (a few minutes on 2 cores)
+
+
+def _run_here(cfg: TrainerConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train in this process with a progress bar; returns ``(summary, timeline run)``."""
+    trainer = None
+    try:
+        t0 = time.perf_counter()
+        trainer = GRPOTrainer(cfg)
+        setup_s = time.perf_counter() - t0
+        summary = trainer.fit(progress=True)
+        summary["setup_seconds"] = setup_s
+        return summary, trainer.timeline_run(summary)
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
 def cli(args: argparse.Namespace) -> int:
     """``rlplane demo``: train on an embedded store and a local Ray; print and save the summary and
     the timeline (JSON, and a PNG when matplotlib is installed).
 
     ``--mode both`` trains twice on the same seed, sync then stream (fresh workers, the same store
-    and Ray), and prints both side by side.
+    and Ray), and prints both side by side. ``--driver-actor`` runs each trainer in a Ray actor
+    (``workers.task_runner``); ``--colocate`` puts the reward role in the actor's processes.
     """
     import ray
 
     mode = getattr(args, "mode", "sync") or "sync"
     modes = list(MODES) if mode == "both" else [mode]
     extra: dict[str, Any] = {"steps": args.steps} if args.steps else {}
-    for name in ("max_staleness", "stream_chunks", "rollout_chunks"):
+    for name in ("max_staleness", "stream_chunks", "rollout_chunks", "colocate"):
         if getattr(args, name, None) is not None:
             extra[name] = getattr(args, name)
     configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
@@ -552,18 +576,11 @@ def cli(args: argparse.Namespace) -> int:
     try:
         dp.init(num_shards=configs[modes[0]].num_shards)
         for m, cfg in configs.items():
-            trainer = None
-            try:
-                t0 = time.perf_counter()
-                trainer = GRPOTrainer(cfg)
-                setup_s = time.perf_counter() - t0
-                summary = trainer.fit(progress=True)
-                summary["setup_seconds"] = setup_s
-                summaries[m] = summary
-                runs.append(trainer.timeline_run(summary))
-            finally:
-                if trainer is not None:
-                    trainer.close()
+            if getattr(args, "driver_actor", False):
+                summaries[m], run = run_in_actor(cfg, timeout_s=_RUN_TIMEOUT_S)
+            else:
+                summaries[m], run = _run_here(cfg)
+            runs.append(run)
     finally:
         if owns_store and dp.is_initialized():
             dp.close()

@@ -173,16 +173,25 @@ def test_select_fields():
 
 
 def test_reorder_accepts_ints_numpy_and_tensors():
+    assert make(4).reorder([3, 1, 0, 2]).keys == ["k3", "k1", "k0", "k2"]
+    assert make(4).reorder(np.array([1, 0, 3, 2])).tags[0] == {"i": 1}
+    assert make(4).reorder(torch.argsort(torch.tensor([4, 3, 2, 1]))).keys == ["k3", "k2", "k1", "k0"]
+
+
+def test_reorder_is_in_place_as_in_verl_and_transferqueue():
+    """verl trainers call ``batch.reorder(idx)`` and ignore the result (sequence balancing)."""
     meta = make(4)
-    assert meta.reorder([3, 1, 0, 2]).keys == ["k3", "k1", "k0", "k2"]
-    assert meta.reorder(np.array([1, 0, 3, 2])).tags[0] == {"i": 1}
-    assert meta.reorder(torch.argsort(torch.tensor([4, 3, 2, 1]))).keys == ["k3", "k2", "k1", "k0"]
+    meta.reorder([3, 1, 0, 2])
+    assert meta.keys == ["k3", "k1", "k0", "k2"] and [t["i"] for t in meta.tags] == [3, 1, 0, 2]
+    assert meta.reorder([1, 0, 2, 3]) is meta and meta.keys[:2] == ["k1", "k3"]
 
 
 @pytest.mark.parametrize("bad", [[0, 1, 2], [0, 0, 1, 2], [0, 1, 2, 4]])
 def test_reorder_needs_a_permutation(bad):
+    meta = make(4)
     with pytest.raises(ValueError, match="permutation of range"):
-        make(4).reorder(bad)
+        meta.reorder(bad)
+    assert meta == make(4)
 
 
 def test_empty():

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+import dataplane as dp
 from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
 from workers import bridged_register, tqbridge
 
@@ -19,14 +20,12 @@ class BridgeWorker(Worker):
         is_collect = self.rank == 0 if collect is None else collect
         self._register_dispatch_collect_info("pair", dp_rank=0, is_collect=is_collect)
 
-    @register(dispatch_mode=PAIR)
-    @tqbridge(dispatch_mode=PAIR)
+    @register(dispatch_mode=PAIR)  # register alone bridges, with the mesh's collect ranks
     def double(self, batch: TensorDict) -> TensorDict:
         # rank 1 would write a visibly different value if it wrote at all
         return TensorDict({"y2": batch["x"] * 2 + 1000 * self.rank}, batch.batch_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def add_one(self, batch: TensorDict) -> TensorDict:
         batch["y"] = batch["x"] + 1  # returns its input with a new field: only "y" is written
         return batch
@@ -66,3 +65,23 @@ class BridgeWorker(Worker):
     @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def wrong_size(self, batch: TensorDict) -> TensorDict:
         return TensorDict({"bad": torch.zeros(batch.shape[0] + 1)}, [batch.shape[0] + 1])
+
+    @register(dispatch_mode=PAIR)
+    @tqbridge(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)  # disagrees with register: register's mode wins
+    def mismatched(self, batch: TensorDict) -> TensorDict:
+        return TensorDict({"m": batch["x"] + 1000 * self.rank}, batch.batch_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, bridge=False)
+    def raw(self, meta: dp.KVBatchMeta) -> list:
+        """Not bridged: gets the meta itself."""
+        return [type(meta).__name__, meta.size]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def decode(self, batch: TensorDict, vary: bool = False) -> TensorDict:
+        """Per-row strings and chat messages (columns) and a batch-level value (extra_info)."""
+        rows = batch["x"].tolist()
+        out = TensorDict({}, batch.batch_size)
+        out["text"] = NonTensorStack(*[f"row {x}" for x in rows])
+        out["chat"] = NonTensorStack(*[NonTensorData([{"role": "user", "content": str(x)}]) for x in rows])
+        out.set_non_tensor("temperature", 0.5 + self.rank * vary)
+        return out

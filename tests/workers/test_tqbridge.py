@@ -139,3 +139,47 @@ def test_group_metrics_per_rank(pair, meta) -> None:
 def test_group_error_reaches_the_driver(pair, meta) -> None:
     with pytest.raises(Exception, match="wrong_size"):
         pair.wrong_size(meta)
+
+
+# ---- @register alone bridges (verl's register wraps every method with the bridge) --------------
+
+
+def test_register_alone_round_trips_a_meta_through_a_dp_group(pair, meta) -> None:
+    out = pair.add_one(meta)  # only @register(DP_COMPUTE_PROTO) on the method
+    assert isinstance(out, dp.KVBatchMeta) and out.keys == meta.keys and "y" in out.fields
+    assert torch.equal(_stored(meta, "y"), torch.arange(ROWS) + 1)
+
+
+def test_register_and_bridge_modes_cannot_disagree(pair, meta) -> None:
+    """The bridge says DP_COMPUTE_PROTO (every rank writes), register says the mesh (rank 0 only):
+    both ranks got all rows; rank 1's values would differ, and the old code let it write them."""
+    out = pair.mismatched(meta)
+    assert "m" in out.fields
+    assert _stored(meta, "m").tolist() == list(range(ROWS))
+
+
+def test_register_bridge_false_hands_over_the_meta(pair, meta) -> None:
+    assert pair.raw(meta) == ["KVBatchMeta", 3, "KVBatchMeta", 3]
+
+
+def test_non_tensor_outputs_are_kept(pair, meta) -> None:
+    out = pair.decode(meta)
+    stored = dp.kv_batch_get(meta.keys, meta.partition_id, ["text", "chat"])
+    assert stored["text"].tolist() == [f"row {x}" for x in range(ROWS)]
+    assert stored["chat"].tolist()[4] == [{"role": "user", "content": "4"}]
+    # batch-level values go to extra_info
+    assert out.extra_info == {"scale": 3, "temperature": 0.5}
+    assert {"text", "chat"} <= set(out.fields)
+
+
+def test_conflicting_batch_level_outputs_are_named(pair, meta) -> None:
+    """Ranks that return different batch-level values cannot be merged into one meta (as in
+    TransferQueue's concat); the rows are written, and the error names the entry."""
+    with pytest.raises(ValueError, match=r"extra_info\['temperature'\] conflicts"):
+        pair.decode(meta, vary=True)
+    assert _stored(meta, "text").tolist()[0] == "row 0"
+
+
+def test_local_non_tensor_output_and_passthrough_extra_info(meta) -> None:
+    out = BridgeWorker().decode(meta)
+    assert out.extra_info == {"scale": 3, "temperature": 0.5}

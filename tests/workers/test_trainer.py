@@ -186,3 +186,31 @@ def test_demo_both_modes_in_process_writes_summary_and_timeline(store, tmp_path)
         assert {s["task"] for s in run["spans"]} >= {"rollout", "reward", "advantage", "update"}
         assert all(s["start"] <= s["end"] for s in run["spans"])
     assert dp.is_initialized()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_colocated_roles_in_a_driver_actor(store, tmp_path) -> None:
+    """verl's layout: both roles on one pool (create_colocated_worker_cls + spawn), and the trainer
+    itself in a Ray actor (TaskRunner); the driver only waits for the summary."""
+    out = tmp_path / "actor-summary.json"
+    argv = ["demo", "--steps", "2", "--colocate", "--driver-actor", "--mode", "both", "--summary", str(out)]
+    trainer_module.cli(build_parser().parse_args(argv))
+    record = json.loads(out.read_text())
+    for mode, summary in record["runs"].items():
+        assert summary["mode"] == mode and summary["steps"] == 2, mode
+        assert summary["trainer_pid"] != os.getpid()
+        assert 0 < summary["driver_bytes"] < summary["store_bytes"]
+    stream = record["runs"]["stream"]
+    for task in STREAM_TASKS:  # two scoring ranks still take every row exactly once
+        assert stream["stream_rows"][task]["rows"] == stream["stream_rows"][task]["consumed"], task
+
+
+def test_role_wiring_maps_both_roles_to_one_pool_when_colocated() -> None:
+    from workers.wiring import Role, pool_manager
+
+    shared = pool_manager(2, colocate=True, use_gpu=False)
+    assert set(shared.mapping.values()) == {"global_pool"}
+    assert shared.resource_pool_spec == {"global_pool": [2]}
+    apart = pool_manager(2, colocate=False, use_gpu=False)
+    assert apart.mapping[Role.Reward] == "reward_pool" and apart.resource_pool_spec["actor_pool"] == [2]
