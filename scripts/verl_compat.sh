@@ -29,6 +29,9 @@ else
   "$PYTHON" -m pip install --quiet --no-deps --target "$TARGET" "verl==$VERL_VERSION"
 fi
 
+# verl.protocol imports omegaconf at module level (its only hard import besides torch/numpy).
+"$PYTHON" -m pip install --quiet --target "$TARGET" "omegaconf>=2.3,<2.4"
+
 # 2. stub modules verl.protocol imports but never uses on these paths.
 cat > "$STUBS/transformers.py" <<'PY'
 """Stub: verl.utils.torch_functional imports names from transformers at module level."""
