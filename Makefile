@@ -5,7 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: demo test lint bench bench-quick install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,9 +26,16 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 # Benchmarks need the `bench` extra (matplotlib, transferqueue==0.1.11 for side-by-side runs).
-bench: $(STAMP)
+$(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/rlplane bench all
+
+# Controller bypass in under a minute (64 MiB, 2 workers): build/bench/bypass.json and bypass.png.
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/rlplane bench bypass --quick --out build/bench
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

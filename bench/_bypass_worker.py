@@ -1,13 +1,19 @@
-"""The worker the controller-bypass benchmark (``bench.bypass``) runs.
+"""The workers the controller-bypass benchmark (``bench.bypass``) runs: producers and consumers.
 
-Imported by the driver and, through the pickled class, by every Ray worker process.
+Imported by the driver and, through the pickled classes, by every Ray worker process. A step is
+a producer stage (a rollout: make the step's rows) followed by a consumer stage (compute one new
+field from them); the paths differ only in how the rows get from one stage to the next:
 
-* ``BypassWorker.classic_step``: ``Dispatch.DP_COMPUTE_PROTO`` as the controller does it: the driver
-  chunks its batch (each chunk a compact copy, so every sample is sent once) and ships it by value.
-* ``BypassWorker.store_step``: receives a ``KVBatchMeta`` chunk, fetches its rows from the store,
-  writes the new field back under the same keys and returns the updated meta.
+* ``floor``: producers make their rows and drop them; each consumer makes its own rows locally
+  (``step_floor``). No data moves: the compute alone.
+* ``classic``: producers return their rows to the driver (``produce_classic``, concatenated by
+  ``DP_COMPUTE_PROTO``); the driver dispatches them by value to ``step``, which returns the field.
+* ``store``: producers write to the store and return a ``KVBatchMeta`` (``produce_store``); the
+  driver dispatches meta chunks to the same ``step``, which ``@register`` bridges: the worker
+  fetches its rows, and the field is written back under the same keys.
+* ``tq``: the same through TransferQueue 0.1.11's KV API (``produce_tq``, ``step_tq``).
 
-Both compute the same field, ``old_log_probs * 2``.
+Every consumer spot-checks the rows it received (``check_rows``) on every step.
 """
 
 from __future__ import annotations
@@ -15,51 +21,152 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bench._bypass_data import FIELDS, RowBuffers, check_rows, compute, densify
 from controlplane import Dispatch, Worker, register
 
-IN_FIELDS = ("prompts", "responses", "old_log_probs")
-SOURCE = "old_log_probs"
-OUT = "log_probs_x2"
+
+def _nbytes(td: Any) -> int:
+    return sum(v.numel() * v.element_size() for v in td.values())
 
 
-def _step(data: Any) -> Any:
-    from tensordict import TensorDict
+class _BypassWorker(Worker):
+    """Common setup: attach to the store (and TransferQueue), report where this worker runs."""
 
-    return TensorDict({OUT: data[SOURCE] * 2}, batch_size=data.batch_size)
-
-
-class BypassWorker(Worker):
-    """The worker under test: the same step on a driver-sent batch or on store metadata.
-
-    Example:
-        >>> wg = RayWorkerGroup(pool, RayClassWithInitArgs(BypassWorker, "bench-bypass"))
-        >>> wg.attach_store()
-        >>> wg.classic_step(batch)[OUT].shape == batch[SOURCE].shape
-        True
-    """
-
-    def __init__(self, store_name: str) -> None:
+    def __init__(self, seq: int) -> None:
         super().__init__()
-        self.store_name = store_name
+        self.seq = seq
+        self.stored_bytes = 0  # bytes this process wrote to the store itself (not through the bridge)
+        self.tq: Any = None
+        self.rows = RowBuffers()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def attach_store(self) -> int:
-        """Attach to the driver's store (untimed) and return this worker's pid."""
+    def setup(self, store_name: str, transport: str, use_tq: bool) -> dict[str, Any]:
+        """Attach to the driver's store (never start one) and, if asked, to TransferQueue; untimed."""
+        import ray
+
         import dataplane as dp
 
-        dp.init(name=self.store_name)
-        return os.getpid()
+        info = dp.init(attach_only=True, name=store_name, transport=transport)
+        if use_tq:
+            import transfer_queue as tq
+
+            tq.init()  # finds the driver's controller and only makes this process's client
+            self.tq = tq
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "node_ip": _node_ip(),
+            "store_transport": info.transport,  # shm, zmq or mixed: this worker's path to the shards
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_seq(self, seq: int) -> None:
+        """Tokens per row for the next point (the row size changes with the payload)."""
+        self.seq = seq
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def store_traffic(self, reset: bool = False) -> dict[str, int]:
+        """Bytes this process moved through the store: its own puts and the bridge's reads and writes."""
+        from workers.tqbridge import reset_traffic, traffic
+
+        out = {**traffic(), "stored_bytes": self.stored_bytes}
+        if reset:
+            reset_traffic()
+            self.stored_bytes = 0
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def teardown(self) -> None:
+        """Drop this process's clients; never stop the shared store or TransferQueue's controller."""
+        import dataplane as dp
+
+        if self.tq is not None:
+            import transfer_queue.interface as tqi
+
+            # tq.close() would kill the controller, which the driver owns: close only our client.
+            client = getattr(tqi, "_TQ_CLIENT", None)
+            if client is not None:
+                client.close()
+                tqi._TQ_CLIENT = None
+            self.tq = None
+        dp.close()
+
+
+class BypassProducer(_BypassWorker):
+    """The producer stage: makes the step's rows for its chunk of ``prompts`` (a TensorDict of row ids).
+
+    Example:
+        >>> producers = RayWorkerGroup(pool, RayClassWithInitArgs(BypassProducer, seq=4096))
+        >>> producers.setup("bench-bypass", "auto", False)
+        >>> batch = producers.produce_classic(prompts, 0)   # the rows, concatenated in the driver
+    """
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def produce_floor(self, prompts: Any, step: int) -> int:
+        """Floor: make the rows and drop them; return the row count only."""
+        return len(self.rows.make(prompts["row"], self.seq, step))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def classic_step(self, data: Any) -> Any:
-        """Classic path: the chunk arrives by value; return the new field for the driver to concat."""
-        return _step(data)
+    def produce_classic(self, prompts: Any, step: int) -> Any:
+        """Classic: return the rows for the driver to concatenate."""
+        return self.rows.make(prompts["row"], self.seq, step)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, bridge=False)  # moves its own data
-    def store_step(self, meta: Any) -> Any:
-        """Store path: fetch this shard by meta, compute, write back under the same keys, return meta."""
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def produce_store(self, prompts: Any, step: int, partition: str) -> Any:
+        """Store: write the rows under keys ``r<row id>``; return their ``KVBatchMeta``."""
         import dataplane as dp
 
+        td = self.rows.make(prompts["row"], self.seq, step)
+        self.stored_bytes += _nbytes(td)
+        return dp.kv_batch_put([f"r{i}" for i in prompts["row"].tolist()], partition, td)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def produce_tq(self, prompts: Any, step: int, partition: str) -> Any:
+        """TransferQueue: the same through ``transfer_queue.kv_batch_put``; returns its ``KVBatchMeta``."""
+        td = self.rows.make(prompts["row"], self.seq, step)
+        return self.tq.kv_batch_put([f"r{i}" for i in prompts["row"].tolist()], partition, td)
+
+
+class BypassConsumer(_BypassWorker):
+    """The consumer stage: computes ``new_log_probs`` from rows it makes, receives or fetches.
+
+    Example:
+        >>> consumers = RayWorkerGroup(pool, RayClassWithInitArgs(BypassConsumer, seq=4096))
+        >>> consumers.setup("bench-bypass", "auto", False)
+        >>> meta = consumers.step(meta, 0)   # bridged: fetch, compute, write back, return the meta
+    """
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def step_floor(self, prompts: Any, step: int, check: bool = False) -> Any:
+        """Floor: make this chunk's rows here, compute; return the output only when ``check``."""
+        td = self.rows.make(prompts["row"], self.seq, step)
+        check_rows("floor", td, step)
+        out = compute(td)
+        return out if check else len(out)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def step(self, data: Any, step: int, path: str = "classic") -> Any:
+        """Classic (``data`` is the rows) and store (``data`` is a ``KVBatchMeta``, bridged) alike."""
+        check_rows(path, data, step)
+        return compute(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def step_tq(self, meta: Any, step: int) -> Any:
+        """TransferQueue: fetch by keys, compute, write the field back; return TransferQueue's meta."""
         if len(meta) == 0:
             return meta
-        return dp.kv_batch_put(meta.keys, meta.partition_id, _step(dp.kv_batch_get_by_meta(meta)))
+        got = self.tq.kv_batch_get(meta.keys, meta.partition_id, select_fields=list(FIELDS))
+        td = densify(got, self.seq)  # TransferQueue returns dense fields as jagged nested tensors
+        check_rows("tq", td, step)
+        return self.tq.kv_batch_put(meta.keys, meta.partition_id, compute(td))
+
+
+def _node_ip() -> str:
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - only a label for the records
+        return "?"

@@ -1,4 +1,4 @@
-"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench store|dispatch|bypass|all [--out DIR]``.
+"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench store|dispatch|bypass|stream|all [--out DIR]``.
 
 Each benchmark is a module in ``bench`` exposing ``main(argv: list[str] | None) -> int``. The runner
 starts each one in a child Python process (a fresh Ray per benchmark, and one benchmark's crash or
@@ -37,6 +37,7 @@ class Benchmark:
     module: str
     description: str
     plot: bool = False
+    out: str = "bench/results"  # where its results go unless --out says otherwise
 
     def argv(self, out: pathlib.Path) -> list[str]:
         args = ["--json", str(out / f"{self.module.rsplit('.', 1)[-1]}.json")]
@@ -51,7 +52,12 @@ BENCHMARKS: dict[str, Benchmark] = {
     for b in (
         Benchmark("store", "bench.store_throughput", "store GB/s vs memcpy, Ray, TransferQueue", plot=True),
         Benchmark("dispatch", "bench.dispatch_overhead", "controller overhead per call vs bare Ray"),
-        Benchmark("bypass", "bench.bypass", "driver-held batches vs metadata-only dispatch via the store"),
+        Benchmark(
+            "bypass",
+            "bench.bypass",
+            "controller bypass: floor, classic, store, TransferQueue",
+            out="build/bench",
+        ),  # also writes bypass.png and bypass.run.json there
         Benchmark("stream", "bench.stream", "next_batch, wake-up and readiness updates vs TransferQueue"),
     )
 }
@@ -62,10 +68,13 @@ def is_built(bench: Benchmark) -> bool:
     return importlib.util.find_spec(bench.module) is not None
 
 
-def run_one(bench: Benchmark, out: pathlib.Path, timeout_s: float = BENCH_TIMEOUT_S) -> int:
-    """Run ``bench`` in a child process, streaming its output; return its exit status."""
+def run_one(
+    bench: Benchmark, out: pathlib.Path, timeout_s: float = BENCH_TIMEOUT_S, extra: list[str] | None = None
+) -> int:
+    """Run ``bench`` in a child process (``extra``: more flags for it), streaming its output; return
+    its exit status."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", _CHILD, bench.module, *bench.argv(out)]
+    cmd = [sys.executable, "-c", _CHILD, bench.module, *bench.argv(out), *(extra or [])]
     print(f"== rlplane bench {bench.name}: {bench.description}", flush=True)
     try:
         return subprocess.run(cmd, timeout=timeout_s, check=False).returncode
@@ -74,9 +83,33 @@ def run_one(bench: Benchmark, out: pathlib.Path, timeout_s: float = BENCH_TIMEOU
         return 124
 
 
+def split_out(extra: list[str], out: str | None) -> tuple[str | None, list[str]]:
+    """Take ``--out DIR`` / ``--out=DIR`` out of a benchmark's own flags; returns (out, the rest).
+
+    Example:
+        >>> split_out(["--quick", "--out", "build/bench"], "bench/results")
+        ('build/bench', ['--quick'])
+    """
+    rest: list[str] = []
+    it = iter(extra)
+    for arg in it:
+        if arg == "--out":
+            out = next(it, out)
+        elif arg.startswith("--out="):
+            out = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return out, rest
+
+
 def cli(args: argparse.Namespace) -> int:
-    """Entry point for ``rlplane bench <which> [--out DIR]`` (``args.which``, ``args.out``)."""
-    out = pathlib.Path(args.out)
+    """Entry point for ``rlplane bench <which> [--out DIR] [flags of the benchmark]``.
+
+    Reads ``args.which``, ``args.out`` (None: each benchmark's own ``out``) and ``args.bench_args``:
+    the flags after the name, passed to that benchmark's ``main`` after the runner's own ``--json``,
+    so the benchmark's parser checks them and a flag given there wins.
+    """
+    out_text, extra = split_out(list(getattr(args, "bench_args", None) or []), args.out)
     if args.which == "all":
         selected = list(BENCHMARKS.values())
     elif args.which in BENCHMARKS:
@@ -85,13 +118,16 @@ def cli(args: argparse.Namespace) -> int:
         names = ", ".join([*BENCHMARKS, "all"])
         print(f"rlplane bench: unknown benchmark {args.which!r}; choose one of {names}", file=sys.stderr)
         return 2
+    if extra and len(selected) > 1:
+        print(f"rlplane bench all: flags {extra} belong to one benchmark; name it", file=sys.stderr)
+        return 2
     status = 0
     for bench in selected:
         if not is_built(bench):
             print(f"-- rlplane bench {bench.name}: {bench.module} is not built yet; skipped", flush=True)
             status = status if args.which == "all" else 2
             continue
-        rc = run_one(bench, out)
+        rc = run_one(bench, pathlib.Path(out_text or bench.out), extra=extra)
         if rc:
             print(f"!! rlplane bench {bench.name} exited with status {rc}", flush=True)
         status = status or rc

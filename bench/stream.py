@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -134,15 +135,16 @@ def _writer_class(system: str):
                 tq.init()
                 self.put = lambda k, pid, f: tq.kv_put(key=k, partition_id=pid, fields=f)
 
-        def write(self, prefix: str, pid: str, n: int, start_at: float) -> float:
+        def write(self, prefix: str, pid: str, n: int, start_at: float) -> tuple[float, float]:
+            """Seconds the ``n`` puts took, and the CPU seconds this process spent on them."""
             import torch
 
             while time.time() < start_at:  # all writers start together
                 time.sleep(0.001)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _process_cpu()
             for i in range(n):
                 self.put(f"{prefix}-{i}", pid, {FIELD: torch.tensor(i)})
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, _process_cpu() - c0
 
         def ready(self) -> bool:
             return True
@@ -150,23 +152,58 @@ def _writer_class(system: str):
     return Writer
 
 
-def _updates(system: str, writers: int, per_writer: int) -> dict[str, Any]:
+def _process_cpu(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread: zmq's I/O threads too) of a process (default: this one)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def _updates(
+    system: str, writers: int, per_writer: int, servers: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Rows per second of ``writers`` processes putting 1-key rows, and the CPU each side spent per row
+    (``servers``: name -> pid of the store's own processes, measured around the run)."""
     import ray
 
     cls = _writer_class(system)
     actors = [cls.remote() for _ in range(writers)]
     ray.get([a.ready.remote() for a in actors], timeout=120)
+    servers = servers or {}
     try:
         start_at = time.time() + 1.0
         pid = f"updates-{system}"
-        secs = ray.get(
+        before = {name: _process_cpu(p) for name, p in servers.items()}
+        load = os.getloadavg()[0]
+        runs = ray.get(
             [a.write.remote(f"w{i}", pid, per_writer, start_at) for i, a in enumerate(actors)], timeout=600
         )
+        after = {name: _process_cpu(p) for name, p in servers.items()}
     finally:
         for a in actors:
             ray.kill(a)
     total = writers * per_writer
-    return {"rows": total, "seconds": max(secs), "rows_per_s": total / max(secs)}
+    secs = max(r[0] for r in runs)
+    cpu_us = {"writers": sum(r[1] for r in runs) / total * 1e6}
+    cpu_us.update({name: (after[name] - before[name]) / total * 1e6 for name in servers})
+    return {
+        "rows": total,
+        "seconds": secs,
+        "rows_per_s": total / secs,
+        "cpu_us_per_row": cpu_us,
+        "load_avg_1m_at_start": load,
+    }
+
+
+def _server_pids() -> dict[str, int]:
+    """The embedded store's index and shard processes (same host), for CPU accounting."""
+    from dataplane import api
+
+    registry = api._client().registry
+    pids = {"index": registry["index"]["pid"]}
+    pids.update({f"shard{i}": s["pid"] for i, s in enumerate(registry["shards"])})
+    return pids
 
 
 def run_store(cfg: argparse.Namespace) -> dict[str, Any]:
@@ -190,7 +227,7 @@ def run_store(cfg: argparse.Namespace) -> dict[str, Any]:
         out["wakeup"] = _wakeup(
             "store", lambda k, pid, f: dp.kv_put(k, pid, {f: torch.tensor(0)}), cfg.wakeups, cfg.tq_poll_s
         )
-        out["updates"] = _updates("store", cfg.writers, cfg.updates)
+        out["updates"] = _updates("store", cfg.writers, cfg.updates, _server_pids())
         return out
     finally:
         dp.close()
@@ -307,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_row("dataplane", store))
     print(_row("TransferQueue 0.1.11", tq))
+    updates = store["updates"]
+    print(
+        "dataplane readiness updates, CPU per row (us): "
+        + ", ".join(f"{name} {us:.0f}" for name, us in updates["cpu_us_per_row"].items())
+        + f" (writers: all {cfg.writers} together; load average {updates['load_avg_1m_at_start']:.2f})"
+    )
     print(f"\n{'check':<22} {'value':>10} {'target':>9}  verdict  what")
     for c in checks:
         print(f"{c.name:<22} {_common.fmt(c.value):>10} {c.op} {c.target:<6}  {c.verdict:<7}  {c.what}")

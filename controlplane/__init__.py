@@ -19,7 +19,13 @@ from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithIni
 from controlplane.colocate import create_colocated_worker_cls
 from controlplane.decorator import Dispatch, Execute, register, register_dispatch_mode, update_dispatch_mode
 from controlplane.dispatch import make_nd_compute_dispatch_fn
-from controlplane.errors import ControlPlaneError, MeshConflictError, ResourceShortageError, WorkerDiedError
+from controlplane.errors import (
+    ControlPlaneError,
+    MeshConflictError,
+    ResourceShortageError,
+    WorkerCallError,
+    WorkerDiedError,
+)
 from controlplane.fused import create_colocated_worker_cls_fused, create_colocated_worker_raw_cls
 from controlplane.per_rank import Broadcast, PerRank
 from controlplane.resource_pool import (
@@ -59,6 +65,7 @@ __all__ = [
     "ControlPlaneError",
     "MeshConflictError",
     "ResourceShortageError",
+    "WorkerCallError",
     "WorkerDiedError",
     "PerRank",
     "Broadcast",

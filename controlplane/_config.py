@@ -16,6 +16,11 @@ FUTURE_TIMEOUT_ENV = "CONTROLPLANE_FUTURE_TIMEOUT_S"
 # How long a worker (or the driver) waits for the parts of a BatchFuture before giving up.
 DEFAULT_FUTURE_TIMEOUT_S = 600.0
 
+# After one rank of a group call fails, how long the driver waits for the other ranks before it
+# reports: ranks failing on the same bug finish within this, and all of them are named. A rank
+# still running then (e.g. blocked in a collective with the failed one) is not waited for.
+FAILURE_GRACE_S = 1.0
+
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _AUTO_PADDING_SWITCHES = (AUTO_PADDING_ENV, VERL_AUTO_PADDING_ENV)

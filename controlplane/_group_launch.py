@@ -54,7 +54,7 @@ def start_group(
     )
     wg._set_workers(workers, names)
     try:
-        wg._wait([w.__ray_ready__.remote() for w in workers], timeout=ready_timeout_s)
+        wg._wait([w.__ray_ready__.remote() for w in workers], timeout=ready_timeout_s, method="__init__")
     except BaseException:
         wg.kill()
         raise

@@ -67,7 +67,7 @@ class GroupMethod:
         launched = self.launch(*args, **kwargs)
         output = launched.refs
         if self.blocking:
-            output = self.worker_group._wait(output)
+            output = self.worker_group._wait(output, method=self.method_name)
         return self.finish(launched, output)
 
     def launch(self, *args: Any, **kwargs: Any) -> Launched:
@@ -125,7 +125,8 @@ def bind_group_method(
     """Build the driver-side callable for one worker method.
 
     Args:
-        worker_group: provides ``world_size``, ``_wait`` and the ``execute_fn_name`` method.
+        worker_group: provides ``world_size``, ``_wait(refs, timeout=None, method=None)`` and the
+            ``execute_fn_name`` method.
         method_name: the actor method each rank runs.
         dispatch_fn, collect_fn: the mode's functions (see ``controlplane.dispatch``).
         execute_fn_name: ``"execute_all_async"`` or ``"execute_rank_zero_async"``.
@@ -159,6 +160,29 @@ def registered_methods(user_cls: type) -> dict[str, dict[str, Any]]:
         if isinstance(attrs, dict):
             found[name] = attrs
     return found
+
+
+def missing_method_hint(user_cls: type, name: str) -> str:
+    """Why ``wg.<name>`` is not a group method of a group of ``user_cls``, and what to do.
+
+    Example:
+        >>> missing_method_hint(MyWorker, "helper")
+        "MyWorker.helper is not decorated with @register, so the group has no method for it: ..."
+    """
+    import difflib
+
+    cls_name = user_cls.__name__
+    if callable(getattr(user_cls, name, None)):
+        return (f"{cls_name}.{name} is not decorated with @register, so the group has no method for it: "
+                f"decorate it (@register(dispatch_mode=Dispatch.ONE_TO_ALL), or the mode it needs), or call "
+                f"it on every worker as wg.execute_all_sync({name!r}, ...)")
+    from controlplane.worker import Worker
+
+    base = registered_methods(Worker)  # the Worker base's own (execute_func_rank_zero, ...) are noise here
+    registered = sorted(n for n in registered_methods(user_cls) if n not in base and not n.startswith("_"))
+    close = difflib.get_close_matches(name, registered, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{cls_name} has no method {name!r}{hint}; its @register methods: {registered}"
 
 
 def bind_worker_methods(worker_group: Any, user_cls: type, prefix: str = "") -> list[str]:

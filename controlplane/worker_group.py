@@ -142,7 +142,7 @@ class WorkerGroup:
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
 
-    def _wait(self, refs: Any, timeout: float | None = None) -> Any:
+    def _wait(self, refs: Any, timeout: float | None = None, method: str | None = None) -> Any:
         raise NotImplementedError
 
 
@@ -275,7 +275,18 @@ class RayWorkerGroup(WorkerGroup):
     def _bind(self, user_cls: type) -> list[str]:
         from controlplane.binding import bind_worker_methods
 
+        self._bound_cls = user_cls
         return bind_worker_methods(self, user_cls)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup failed: say why a worker method is not a group method.
+        message = f"{type(self).__name__!r} object has no attribute {name!r}"
+        user_cls = self.__dict__.get("_bound_cls")
+        if name.startswith("_") or user_cls is None:
+            raise AttributeError(message)
+        from controlplane.binding import missing_method_hint
+
+        raise AttributeError(f"{message}; {missing_method_hint(user_cls, name)}")
 
     @classmethod
     def from_detached(
@@ -429,7 +440,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """:meth:`execute_all_async`, then wait for every result."""
-        return self._wait(self.execute_all_async(method_name, *args, **kwargs))
+        return self._wait(self.execute_all_async(method_name, *args, **kwargs), method=method_name)
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method_name`` on rank 0 only; returns its ``ObjectRef``.
@@ -455,27 +466,45 @@ class RayWorkerGroup(WorkerGroup):
     execute_rank_zero = execute_rank_zero_async
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        return self._wait(self.execute_rank_zero_async(method_name, *args, **kwargs))
+        return self._wait(self.execute_rank_zero_async(method_name, *args, **kwargs), method=method_name)
 
-    def _wait(self, refs: Any, timeout: float | None = None) -> Any:
-        """``ray.get`` that turns a dead worker into :class:`WorkerDiedError` naming it.
+    def _wait(self, refs: Any, timeout: float | None = None, method: str | None = None) -> Any:
+        """``ray.get`` of per-rank results that reports a failure once, naming the rank(s).
+
+        Args:
+            refs: one ``ObjectRef`` per rank (rank order), or rank 0's single ref.
+            timeout: seconds; default ``call_timeout_s``.
+            method: the worker method, for the error message.
 
         Raises:
+            WorkerCallError: ranks raised; names them, the method and the first rank's error, and
+                is also an instance of that error's class (``except KeyError`` still works).
             WorkerDiedError: a worker died before answering.
-            TimeoutError: ``timeout`` (default ``call_timeout_s``) seconds passed first.
+            TimeoutError: ``timeout`` seconds passed first (the refs can be waited on again).
         """
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
+
+        from controlplane._results import get_results
 
         if timeout is None:
             timeout = self.call_timeout_s
         try:
-            return ray.get(refs, timeout=timeout)
-        except RayActorError as exc:
-            raise self._died(exc) from exc
+            return get_results(refs, timeout, method=self._call_label(method), world_size=self.world_size,
+                               died=self._died_rank)
         except GetTimeoutError as exc:
             self._check_alive(timeout_s=0.5)  # a death explains the timeout better than the timeout
             raise TimeoutError(f"group {self.name_prefix}: no result within {timeout}s") from exc
+
+    def _call_label(self, method: str | None) -> str:
+        """``"<WorkerClass>.<method>"`` (``"<role>.<method>"`` for a role view) for messages."""
+        owner = self._role or getattr(getattr(self.ray_cls_with_init, "user_cls", None), "__name__", None)
+        name = method or "a call"
+        return f"{owner}.{name}" if owner and method else f"{name} of group {self.name_prefix}"
+
+    def _died_rank(self, rank: int, exc: BaseException) -> WorkerDiedError:
+        if 0 <= rank < len(self._worker_names):
+            return dead_worker_error(rank, self._worker_names[rank], exc)
+        return self._died(exc)
 
     def _died(self, exc: BaseException) -> WorkerDiedError:
         actor_id = getattr(exc, "actor_id", None)

@@ -39,6 +39,8 @@ from dataplane.config import StoreConfig
 from dataplane.errors import (
     BatchSizeError,
     BatchTimeoutError,
+    ClusterAuthError,
+    ClusterConnectError,
     DataplaneError,
     FieldNotFoundError,
     KeyNotFoundError,
@@ -49,6 +51,7 @@ from dataplane.errors import (
     SchemaError,
     SerializationError,
     ShardUnavailableError,
+    StaleMetaError,
     StoreFullError,
     StoreNotInitializedError,
     WireError,
@@ -73,6 +76,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchSizeError",
     "BatchTimeoutError",
+    "ClusterAuthError",
+    "ClusterConnectError",
     "GroupSampler",
     "Sampler",
     "SeqlenBalancedSampler",
@@ -99,6 +104,7 @@ __all__ = [
     "SchemaError",
     "SerializationError",
     "ShardUnavailableError",
+    "StaleMetaError",
     "StoreConfig",
     "StoreFullError",
     "StoreInfo",

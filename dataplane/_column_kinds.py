@@ -26,6 +26,19 @@ from dataplane.meta import plain_value
 
 logger = logging.getLogger(__name__)
 
+
+class _FxTracingNoise(logging.Filter):
+    """Drops one torch warning, "is_fx_tracing will return true for both fx.symbolic_trace and
+    torch.export...": torch's own ``nested_tensor_from_jagged`` calls its deprecated
+    ``is_fx_tracing()``, so every process that decodes a jagged column printed it once, though
+    nothing traces anything. Only that message, only on that torch logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNoise())
+
 PICKLE_ENV = "DATAPLANE_ALLOW_PICKLE"
 _warned_pickle = False
 
@@ -53,8 +66,23 @@ def _u8_of_array(arr: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
+_NUMPY_DTYPES = {
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+}
+
+
 def _tensor_bytes(name: str, t: torch.Tensor) -> memoryview:
     """Zero-copy uint8 view of a contiguous CPU tensor's elements."""
+    if t.dtype in _NUMPY_DTYPES and t.numel():  # one torch call, not three (every field of every put)
+        return memoryview(t.numpy()).cast("B")
     try:
         return memoryview(t.reshape(-1).view(torch.uint8).numpy())
     except (RuntimeError, TypeError) as e:
@@ -69,8 +97,14 @@ class ValueEncoder:
     """Encodes the fields of one batch; ``finish()`` waits once for all CUDA -> pinned host copies."""
 
     def __init__(self, allow_pickle: bool = False) -> None:
-        self.allow_pickle = allow_pickle or _env_allows_pickle()
+        self._allow_pickle = allow_pickle
         self._cuda_pending = False
+
+    @property
+    def allow_pickle(self) -> bool:
+        # The environment is read only when a value needs pickle: a lookup per put costs more than
+        # encoding a small tensor row.
+        return self._allow_pickle or _env_allows_pickle()
 
     def finish(self) -> None:
         if self._cuda_pending:
@@ -127,6 +161,12 @@ class ValueEncoder:
         _check_rows(name, t.shape[0], num_rows)
         data = _tensor_bytes(name, self._host(t))
         return Column(ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape[1:])), num_rows, data)
+
+    def dense_row(self, name: str, t: torch.Tensor) -> Column:
+        """One row of a dense field from a strided CPU tensor (without the batch dim): the column
+        ``_dense(name, t[None], 1)`` makes."""
+        spec = ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape))
+        return Column(spec, 1, _tensor_bytes(name, self._host(t)))
 
     def _numpy(self, name: str, arr: np.ndarray, num_rows: int) -> Column:
         if arr.ndim == 0:

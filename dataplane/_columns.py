@@ -98,6 +98,11 @@ def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict
         >>> cols["tokens"].spec.shape, cols["text"].num_rows
         ((3,), 1)
     """
+    if type(fields) is dict and all(_plain_row(k, v) for k, v in fields.items()):
+        # The common small put (a dict of CPU tensors): the same columns as the general path below
+        # would make, without its per-value dispatch (it costs more than the encoding itself).
+        enc = ValueEncoder(allow_pickle)
+        return {name: enc.dense_row(name, value) for name, value in fields.items()}
     batch_size = getattr(fields, "batch_size", None)
     if batch_size is not None and len(batch_size) >= 1:
         if batch_size[0] != 1:
@@ -118,6 +123,16 @@ def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict
         else:
             rows[name] = [value]
     return encode_fields(rows, 1, allow_pickle=allow_pickle)
+
+
+def _plain_row(name: Any, value: Any) -> bool:
+    return (
+        type(name) is str
+        and type(value) is torch.Tensor
+        and value.layout == torch.strided
+        and value.device.type == "cpu"
+        and not value.is_nested
+    )
 
 
 def _field_items(fields: Mapping[str, Any]) -> list[tuple[str, Any]]:

@@ -60,6 +60,7 @@ def gather_view(parts: Sequence[tuple[Column, Any]]) -> Column | None:
     """A zero-copy Column when the request is one contiguous ascending run of rows of one part, else None.
 
     Example:
+        >>> import torch
         >>> from dataplane._columns import encode_fields
         >>> col = encode_fields({"x": torch.arange(4)}, 4)["x"]
         >>> gather_view([(col, [1, 2])]).num_rows, gather_view([(col, [2, 1])])

@@ -190,6 +190,19 @@ class IndexCore:
         ordered = [f for f in order if f in union] + sorted(f for f in union if f not in order)
         return {"fields": ordered, "tags": out_tags}
 
+    def op_commits(self, body: _protocol.Commits) -> dict[str, Any]:
+        """Several independent commits (a shard passing on the puts it stored since its last batch):
+        each gets its own answer, ``{"ok": reply}`` or ``{"err": [class, message, attrs]}``. A commit
+        that is refused changed nothing (``op_commit`` checks everything first), so its shard can take
+        the rows back."""
+        results: list[dict[str, Any]] = []
+        for item in body.items:
+            try:
+                results.append({"ok": self.op_commit(item)})
+            except Exception as exc:  # noqa: BLE001 - one refused commit does not refuse the others
+                results.append({"err": _wire.error_fields(exc)})
+        return {"results": results}
+
     def op_delete(self, body: _protocol.Delete) -> dict[str, Any]:
         part = self.partitions.get(body.pid)
         removed = 0
@@ -380,8 +393,7 @@ class IndexServer(ZmqServer):
         self._waiters: dict[str, list[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
-        # Metadata only: small messages, cheaper received as bytes than as zero-copy frames.
-        kw.update(max_frames=0, mandatory=True, zero_copy=False)
+        kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core.handle, host_ip, name, creds, **kw)
 
     def _serve_one(self, sock: Any, msg: list[Any]) -> None:

@@ -9,7 +9,8 @@ Round trips (R = one parallel batch of requests, at most one per shard plus the 
     put   3R: [index.prepare + shard.reserve], [shard.commit], [index.commit]
           (shared memory: the client copies into the reserved segments after the first; the index
           commits last, so no row is listed or handed out before the shards can serve it)
-          2R for a small put to one shard of a known schema: [shard.put], [index.commit]
+          1R for a small put to one shard of a known schema: [shard.put_ready] (the shard stores
+          the rows, then commits them in the index, then answers)
     get   1R: shard.get per shard (index.resolve only to explain a missing key)
     clear 1R, list 1R (index only), stats 1R.
 Streaming operations are in ``_stream_ops``.
@@ -129,9 +130,9 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     ready for consumers (``next_batch``), so a row is never handed out before every shard holding
     it can serve it, and a put whose shard commit failed is never made ready.
 
-    A small put to one shard of fields whose schema this client has seen confirmed takes one
-    request per side (``_put_inline``): the shard stores the inline rows at once, then the index
-    commits, checking the schema again.
+    A small put to one shard of fields whose schema this client has seen confirmed takes one round
+    trip (``_put_inline``): the shard stores the inline rows at once, then commits them in the index
+    itself (which checks the schema again) before it answers.
     """
     keys = _check_keys(keys, partition_id)
     tags = _check_tags(tags, len(keys))
@@ -153,7 +154,7 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         call, parts[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns)
         reserves.append(call)
     if len(shards) == 1 and not parts[shards[0]] and _schema_known(route, partition_id, columns):
-        return (yield from _put_inline(route, reserves[0], body, specs, columns, groups, keys))
+        return (yield from _put_inline(route, reserves[0], body, columns, groups, keys))
     started = time.monotonic()
     results = yield [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs}), *reserves]
     prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
@@ -195,22 +196,24 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     return _meta(keys, partition_id, res[0])
 
 
-def _put_inline(route: Route, reserve: Call, body: dict, specs: dict, columns: dict, groups, keys) -> Op:
-    """One shard stores inline rows at once (``put``), then the index commits them (checking the
-    schema: ``specs``). Only for fields whose schema is confirmed, so the index has nothing to decide;
-    if it refuses all the same (the partition was dropped and re-created meanwhile with another
-    dtype), the rows just written are removed again."""
+def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, keys) -> Op:
+    """One round trip: the shard stores the inline rows at once, then commits them in the index itself
+    (``put_ready``, see ``_shard_server``), and answers with the index's reply. Only for fields whose
+    schema is confirmed, so the index has nothing to decide; if it refuses all the same (the partition
+    was dropped and re-created meanwhile with another dtype), the shard takes the rows back and passes
+    the refusal on. When the index did not answer, the rows are stored but not ready: said exactly."""
     pid = body["pid"]
-    (res,) = yield [Call(reserve.target, "put", reserve.body, reserve.bufs)]
-    _raise_first([res])
-    (res,) = yield [Call(INDEX, "commit", {**body, "specs": specs})]
+    (res,) = yield [Call(reserve.target, "put_ready", {**reserve.body, "tags": body["tags"]}, reserve.bufs)]
     if not _ok(res):
-        _forget_schema(route, pid)
         if isinstance(res, SchemaError):
-            yield [Call(reserve.target, "delete", {"pid": pid, "keys": reserve.body["keys"]})]
-            raise res
-        _raise_partial_put([(None, {}), res], [reserve.target], groups, keys, pid)
-    return _meta(keys, pid, res[0])
+            _forget_schema(route, pid)
+        raise res
+    reply = res[0]
+    if "index_error" in reply:
+        _forget_schema(route, pid)
+        index_error = _wire.rebuild_error(reply["index_error"])
+        _raise_partial_put([(None, {}), index_error], [reserve.target], groups, keys, pid)
+    return _meta(keys, pid, reply)
 
 
 def _schema_known(route: Route, pid: str, columns: dict) -> bool:
@@ -250,6 +253,13 @@ def _raise_partial_put(results: list, shards: list[int], groups: dict, keys: lis
     first = failed[0][1] if failed else index_res
     if not done and not _ok(index_res):
         raise first  # nothing anywhere was written
+    if not failed:  # every shard wrote its rows; the index did not confirm recording them
+        raise _with_message(
+            first,
+            f"a put to partition {pid!r} committed only in part: shards {done} wrote their rows, but the "
+            f"index did not confirm recording them ({index_res}); keys {_preview(keys)} are stored but "
+            "may not be listed nor ready for consumers. Write those keys again, or clear them.",
+        )
     lost = [keys[i] for s, _ in failed for i in groups[s]]
     index_note = "the index recorded the put" if _ok(index_res) else f"the index did not ({index_res})"
     raise _with_message(

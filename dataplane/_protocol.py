@@ -50,6 +50,13 @@ class Reserve(_Body):
     version: int = -1
 
 
+class PutReady(Reserve):
+    """A one-step put (every column inline) that the shard then makes ready in the index itself:
+    ``tags`` are passed on to the index's commit."""
+
+    tags: Tags = None
+
+
 class Commit(_Body):
     resv: int
     offsets: dict[str, NonNegative] = {}
@@ -98,6 +105,12 @@ class IndexCommit(_Body):
     tags: Tags = None
     txn: int | None = None
     specs: dict[str, WireSpec] | None = None  # a put without prepare: the index checks them here
+
+
+class Commits(_Body):
+    """Several independent commits in one request (a shard passing on the puts it stored)."""
+
+    items: list[IndexCommit]
 
 
 class IndexAbort(_Body):
@@ -169,6 +182,7 @@ class Resolve(_Body):
 SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "reserve": Reserve,
     "put": Reserve,  # reserve and commit at once: inline columns only
+    "put_ready": PutReady,  # the same, then the shard commits the rows in the index (see _shard_server)
     "commit": Commit,
     "abort": Abort,
     "get": Get,
@@ -181,6 +195,7 @@ SHARD_OPS: dict[str, type[msgspec.Struct]] = {
 INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "prepare": Prepare,
     "commit": IndexCommit,
+    "commits": Commits,
     "abort": IndexAbort,
     "delete": Delete,
     "drop": Drop,

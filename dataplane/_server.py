@@ -15,6 +15,7 @@ that sends a bigger one before it is ever buffered whole.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,8 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dataplane import _auth, _wire
+from dataplane._transport import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,11 @@ Handler = Callable[[str, Any, list[memoryview]], tuple[dict[str, Any], list[Any]
 
 POLL_MS = 100
 TICK_S = 0.25
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# Plain ints: pyzmq's flag enums cost a few microseconds per operation, paid on every request.
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
 
 
 class ZmqServer:
@@ -49,7 +57,6 @@ class ZmqServer:
         max_message_bytes: int = -1,
         max_frames: int = _wire.MAX_FRAMES,
         mandatory: bool = False,
-        zero_copy: bool = True,
     ) -> None:
         self._handler = handler
         self._tick = tick
@@ -57,7 +64,6 @@ class ZmqServer:
         self._creds = creds
         self._max_frames = max_frames
         self._mandatory = mandatory  # replies to a peer that left raise (see ``deliver``)
-        self._zero_copy = zero_copy  # receive frames as views (bulk bytes); False: small messages only
         self.name = name
         self._ctx = zmq.Context()  # its own: one ZAP handler per context
         self._zap = self._ctx.socket(zmq.REP)
@@ -72,6 +78,17 @@ class ZmqServer:
         self.tcp = f"tcp://{host_ip}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
+        self._poller = zmq.Poller()
+        self._watched: dict[zmq.Socket, Callable[[], None]] = {}  # more sockets the loop serves
+        # Open connections (``rlplane store status`` shows a shard's as its clients), counted from
+        # each socket's accept/disconnect events, whose value is the connection's file descriptor.
+        # Watched before the routers are registered: poll() reports in registration order, so a
+        # connection is counted before its first request is answered (its accept event came first).
+        self._peers: set[tuple[int, int]] = set()
+        self.connections = 0
+        for which, sock in enumerate(self._socks):
+            mon = sock.get_monitor_socket(_CONNECTION_EVENTS)
+            self.watch(mon, functools.partial(self._count_connections, which, mon))  # thread not started
 
     def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -86,8 +103,27 @@ class ZmqServer:
         self._thread.start()
         return self
 
+    def watch(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
+        """Serve ``sock`` from the loop too: ``on_readable()`` runs when it has messages. Call on the
+        server thread (from a handler or ``after_poll``); ``unwatch`` before closing the socket."""
+        self._watched[sock] = on_readable
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _count_connections(self, which: int, mon: zmq.Socket) -> None:
+        while mon.getsockopt(zmq.EVENTS) & _POLLIN:
+            event = recv_monitor_message(mon, _NOBLOCK)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._peers.add((which, event["value"]))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._peers.discard((which, event["value"]))
+        self.connections = len(self._peers)  # read by other threads: one int, replaced whole
+
+    def unwatch(self, sock: zmq.Socket) -> None:
+        if self._watched.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._zap, zmq.POLLIN)
         for sock in self._socks:
             poller.register(sock, zmq.POLLIN)
@@ -97,8 +133,20 @@ class ZmqServer:
                 if sock is self._zap:
                     self._zap.send_multipart(_auth.zap_reply(self._zap.recv_multipart(), self._creds))
                     continue
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # drain, without an exception at the end
-                    self._serve_one(sock, sock.recv_multipart(zmq.NOBLOCK, copy=not self._zero_copy))
+                watcher = self._watched.get(sock)
+                if watcher is not None:
+                    watcher()
+                    continue
+                # Drain, without an exception at the end: the poll said a message is there, so the
+                # socket is asked (a call that costs microseconds) only after each one served.
+                readable = True
+                while readable or sock.getsockopt(_EVENTS) & _POLLIN:
+                    readable = False
+                    try:
+                        frames = recv_frames(sock, _NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._serve_one(sock, frames)
             self.after_poll()
             now = time.monotonic()
             if self._tick is not None and now - last_tick >= TICK_S:
@@ -108,7 +156,7 @@ class ZmqServer:
                         self._tick()
                     except Exception:  # noqa: BLE001 - housekeeping must never kill the loop
                         logger.exception("server tick failed")
-        for sock in [*self._socks, self._zap]:
+        for sock in [*self._socks, self._zap, *self._watched]:
             sock.close(linger=0)
         self._ctx.term()
 
@@ -128,7 +176,7 @@ class ZmqServer:
     def deliver(self, sock: zmq.Socket, ident: Any, reply: list[Any]) -> bool:
         """Send ``reply`` to the peer ``ident``; False when it cannot be delivered (it left)."""
         try:
-            sock.send_multipart([ident, *reply], copy=not _wire.zero_copy(reply))
+            send_frames(sock, [ident, *reply])
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (mandatory routing): the peer disconnected
             logger.debug("%s: a reply could not be delivered: %s", self.name, exc)

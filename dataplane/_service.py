@@ -1,4 +1,5 @@
-"""Start, find and stop the store service (index + shards as named Ray actors), and its CLI.
+"""Start, find and stop the store service (index + shards as named Ray actors); its CLI is
+``_service_cli``.
 
 The service's actors are named ``<name>-index`` and ``<name>-shard-<i>`` in the Ray namespace
 ``rlplane`` (``config.NAMESPACE``), so any process of the cluster finds them. ``rlplane store
@@ -20,17 +21,14 @@ store whatever state it is in, and ``dp.init()`` clears such remnants before sta
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane._auth import Credentials
 from dataplane.config import NAMESPACE, StoreConfig
-from dataplane.errors import DataplaneError, SchedulingError, StoreNotInitializedError
+from dataplane.errors import SchedulingError, StoreNotInitializedError
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +191,17 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
                 "Lower num_cpus, num_shards, or add resources."
             )
         infos = ray.get(refs)
+        # Shards commit small puts in the index themselves (``_shard_server``): tell them where it is
+        # before any client can learn of them.
+        index_entry = {**infos[0], "name": cfg.index_name()}
+        ray.get([s.link_index.remote(index_entry) for s in handle.shards], timeout=cfg.schedule_timeout_s)
         registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:]}
         ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)
         registry["credentials"] = Credentials.from_dict(creds).for_clients().to_dict()
     except BaseException:
         handle.stop()
         raise
-    logger.info(
+    logger.debug(  # dp.init and the CLI say it to the user
         "started store %r: %d shard(s) on %d node(s)", cfg.name, n, len({s["node_id"] for s in infos[1:]})
     )
     return registry, handle
@@ -227,74 +229,4 @@ def stop_named(cfg: StoreConfig) -> bool:
     return True
 
 
-# ---- CLI: rlplane store start|status|stop ---------------------------------------------------------
-
-
-def _connect(address: str) -> None:
-    import os
-    import subprocess
-
-    import ray
-
-    if address == "local":
-        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-        probe = subprocess.run([ray_bin, "status"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            subprocess.run([ray_bin, "start", "--head", "--include-dashboard=false"], check=True)
-        address = "auto"
-    ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
-
-
-def _say(text: str) -> None:
-    """CLI output (the one place this package writes to stdout)."""
-    sys.stdout.write(text + "\n")
-
-
-def cli(args: argparse.Namespace) -> int:
-    """Entry point of ``rlplane store start|status|stop`` (see ``workers.cli``)."""
-    import ray
-
-    from dataplane import api
-
-    try:
-        _connect(getattr(args, "address", "auto") or "auto")
-    except (ConnectionError, RuntimeError) as exc:
-        logger.error("cannot reach a Ray cluster at %r: %s", args.address, exc)
-        _say(f"rlplane store: no Ray cluster at {args.address!r} ({exc}); use --address local to start one")
-        return 1
-    cfg = StoreConfig.from_options(
-        num_shards=getattr(args, "shards", None),
-        capacity_bytes=getattr(args, "capacity", None),
-        encrypt=bool(getattr(args, "encrypt", False)),
-        detached=True,
-    )
-    try:
-        if args.store_action == "start":
-            if find_service(cfg) is not None:
-                _say(f"store {cfg.name!r} is already running in namespace {NAMESPACE!r}")
-                return 0
-            registry, _ = start_service(cfg)
-            _say(f"started store {cfg.name!r}: {len(registry['shards'])} shard(s), namespace {NAMESPACE!r}")
-            return 0
-        if args.store_action == "status":
-            try:
-                api.init(attach_only=True)
-            except StoreNotInitializedError as exc:
-                _say(f"rlplane store status: {exc}")
-                return 1
-            _say(json.dumps(api.stats(), indent=2, default=str))
-            api.close()
-            return 0
-        if args.store_action == "stop":
-            stopped = stop_named(cfg)
-            _say(f"stopped store {cfg.name!r}" if stopped else f"no store {cfg.name!r} was running")
-            return 0
-    except DataplaneError as exc:
-        _say(f"rlplane store {args.store_action}: {exc}")
-        return 1
-    finally:
-        ray.shutdown()
-    return 2
-
-
-__all__ = ["ServiceHandle", "cli", "find_service", "start_service", "stop_named", "store_actor_names"]
+__all__ = ["ServiceHandle", "find_service", "start_service", "stop_named", "store_actor_names"]

@@ -93,6 +93,15 @@ class _Partition:
 
 
 @dataclass
+class PutUndo:
+    """What takes back the rows of one ``put_ready`` (``ShardCore.undo_put``)."""
+
+    pid: str
+    keys: list[str]
+    segs: dict[str, Segment]  # field -> the segment the put made
+
+
+@dataclass
 class _Reservation:
     pid: str
     keys: list[str]
@@ -130,11 +139,15 @@ class ShardCore:
         self._resv_ids = itertools.count(1)
         self.expired = 0
         self.host_memory = host_memory_bytes()
+        self.ready_puts = 0  # put_ready requests stored and passed on to the index (by ShardServer)
+        self.ready_batches = 0  # the index requests that carried them
 
     # ---- dispatch ---------------------------------------------------------------------------
     def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[dict, list]:
         """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
         body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
+        if op == "put_ready":  # its reply waits for the index: only the shard's server can answer it
+            raise WireError("'put_ready' is served by the shard's server (ShardServer), not by ShardCore")
         return getattr(self, f"op_{op}")(body, bufs)
 
     # ---- put --------------------------------------------------------------------------------
@@ -214,12 +227,63 @@ class ShardCore:
 
     def op_put(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
         """Reserve and commit at once: a put whose columns all travel inline in this request."""
+        self._put_inline(body, bufs)
+        return {}, []
+
+    def _put_inline(self, body: _protocol.Reserve, bufs: list[memoryview]) -> dict[str, Segment]:
         if any(f.col is None for f in body.fields.values()):
             raise WireError("a one-step put carries every column inline")
         reply, _ = self.op_reserve(body, bufs)
-        return self.op_commit(_protocol.Commit(resv=reply["resv"]), [])
+        return self._commit(_protocol.Commit(resv=reply["resv"]), [])
+
+    def put_ready(self, body: _protocol.PutReady, bufs: list[memoryview]) -> tuple[dict[str, Any], PutUndo]:
+        """Store a one-step put now (``op_put``); returns the index commit that makes its rows ready
+        (sent on by ``ShardServer``) and what takes the rows back if the index refuses it.
+
+        The commit is built here from what this shard stored (partition, keys, fields, specs), so it
+        can only name rows that are readable here; the client adds nothing but the tags.
+        """
+        segs = self._put_inline(body, bufs)
+        commit = {
+            "pid": body.pid,
+            "keys": body.keys,
+            "fields": list(body.fields),
+            "tags": body.tags,
+            "specs": {name: f.spec for name, f in body.fields.items()},
+        }
+        return commit, PutUndo(body.pid, body.keys, segs)
+
+    def undo_put(self, undo: PutUndo) -> None:
+        """Take back the rows of a ``put_ready`` the index refused (it recorded nothing), except where a
+        later put has replaced them already. The put's fields that no row holds any more lose their
+        spec here too, so a refused dtype does not make this shard refuse the one the index decided
+        (the index, which keeps every partition's schema, still checks each put)."""
+        part = self.partitions.get(undo.pid)
+        if part is None:
+            return
+        for key in undo.keys:
+            row = part.rows.get(key)
+            if row is None:
+                continue
+            for name, seg in undo.segs.items():
+                loc = row.get(name)
+                if loc is not None and loc[0] is seg:
+                    del row[name]
+                    self._unref(seg)
+            if not row:
+                del part.rows[key]
+        for name in undo.segs:  # rare (a refused put): a scan of the partition is fine
+            if name in part.specs and not any(name in row for row in part.rows.values()):
+                del part.specs[name]
+        if not part.rows and not part.specs:
+            del self.partitions[undo.pid]
 
     def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[dict, list]:
+        self._commit(body, bufs)
+        return {}, []
+
+    def _commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> dict[str, Segment]:
+        """Attach a reservation's rows to their keys; returns the segment made for each field."""
         resv = self._resv.get(body.resv)
         if resv is None:
             raise ReservationExpiredError(
@@ -253,6 +317,7 @@ class ShardCore:
             raise
         self._take(body.resv)
         part = self.partitions.setdefault(resv.pid, _Partition())
+        made: dict[str, Segment] = {}
         for name, entry in resv.fields.items():
             spec = entry["spec"]
             part.specs.setdefault(name, spec)
@@ -265,6 +330,7 @@ class ShardCore:
                 )
             self.used += seg.accounted
             self.heap_bytes += seg.heap_bytes
+            made[name] = seg
             for i, key in enumerate(resv.keys):
                 row = part.rows.get(key)
                 if row is None:
@@ -274,7 +340,7 @@ class ShardCore:
                 seg.live += 1
                 if old is not None:
                     self._unref(old[0])
-        return {}, []
+        return made
 
     def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[dict, list]:
         resv = self._resv.get(body.resv)
@@ -416,6 +482,8 @@ class ShardCore:
             "bytes_used": self.used,
             "bytes_reserved": self.pending,
             "reservations_expired": self.expired,
+            "ready_puts": self.ready_puts,
+            "ready_batches": self.ready_batches,
             "bytes_resident": self.pool.bytes_resident + self.heap_bytes,
             "bytes_warm": self.pool.bytes_warm,
             "bytes_heap": self.heap_bytes,
@@ -441,4 +509,4 @@ class ShardCore:
         self.pool.close_all()
 
 
-__all__ = ["Segment", "ShardCore"]
+__all__ = ["PutUndo", "Segment", "ShardCore"]

@@ -1,21 +1,252 @@
-"""The shard's process side: a Ray actor holding a ``ShardCore`` served by a ``ZmqServer`` thread.
+"""The shard's process side: a Ray actor holding a ``ShardCore`` served by a ``ShardServer`` thread.
 
-The actor's Ray methods are used only to start, describe and stop the shard; every KV operation
+The actor's Ray methods are used only to start, describe, link and stop the shard; every KV operation
 reaches it over zmq, on sockets that admit only the store's own peers (``_auth``). Runs on the
 shard's node.
+
+``ShardServer`` also makes small puts ready in the index itself (``put_ready``), so a writer's small
+put costs it one round trip instead of two (one to the shard, one to the index):
+
+1. the shard stores the rows (they are readable from now on) and queues the index commit, built
+   from what it stored (partition, keys, fields, specs; the client adds only the tags);
+2. after each pass over its sockets it sends every queued commit in one ``commits`` request to the
+   index (one message however many writers' puts it stored in that pass);
+3. when the index answers, the shard answers each writer: the index's reply (fields and tags) on
+   success; on a refusal (the index recorded nothing) it takes the rows back first and passes the
+   error on, so nothing of the put stays; when the index does not answer within half of
+   ``rpc_timeout_s``, or its process is found dead, the writer learns that the rows are stored but
+   not ready (``index_error``), as when a put's index commit fails on the client's path.
+
+So a row is still ready (handed out by ``next_batch``, listed) only once its shard can serve it, and
+a writer's put returns only after both have recorded it (read-after-write for every reader).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
+from dataplane import _protocol, _wire
 from dataplane._auth import Credentials
-from dataplane._liveness import process_start
+from dataplane._liveness import Liveness, Target, process_start
 from dataplane._segments import boot_id
 from dataplane._server import ZmqServer
-from dataplane._shard import ShardCore
+from dataplane._shard import PutUndo, ShardCore
+from dataplane._transport import INDEX, PROBE_S, Endpoint, _Endpoints, next_rid, recv_frames, send_frames
+from dataplane.errors import WireError
+
+logger = logging.getLogger(__name__)
+
+INDEX_WAIT = 0.5  # of rpc_timeout_s: a shard answers its writer well before the writer gives up
+MAX_BATCH = 256  # queued index commits sent at once even in the middle of a busy pass
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+
+
+@dataclass(eq=False)
+class _Forward:
+    """One stored ``put_ready`` whose writer waits for the index."""
+
+    sock: Any
+    ident: Any
+    rid: int
+    commit: dict[str, Any]
+    undo: PutUndo
+
+
+@dataclass(eq=False)
+class _Sent:
+    """A ``commits`` request in flight to the index."""
+
+    items: list[_Forward]
+    started: float
+    deadline: float
+    next_probe: float
+
+
+class ShardServer(ZmqServer):
+    """The shard's request loop: ``ShardCore`` operations, and ``put_ready`` passed on to the index."""
+
+    def __init__(
+        self,
+        core: ShardCore,
+        host_ip: str,
+        name: str,
+        creds: Credentials,
+        *,
+        rpc_timeout_s: float,
+        lock: threading.Lock,
+        max_message_bytes: int = -1,
+    ) -> None:
+        super().__init__(
+            core.handle, host_ip, name, creds, tick=core.tick, lock=lock, max_message_bytes=max_message_bytes
+        )
+        self.core = core
+        self._index_wait_s = INDEX_WAIT * rpc_timeout_s
+        self._link: _Endpoints | None = None  # set by ``link`` before any client learns of this shard
+        self._dealer: zmq.Socket | None = None  # created on the server thread
+        self._outbox: list[_Forward] = []
+        self._sent: dict[int, _Sent] = {}
+
+    def link(self, index: dict[str, Any]) -> None:
+        """Where the index listens (its registry entry), so this shard can commit puts there."""
+        local = index["boot_id"] == boot_id()
+        creds = self._creds.for_clients()
+        address = index["ipc"] if local else index["tcp"]
+        endpoint = Endpoint(address, index["name"], creds.encrypt and not local)
+        target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
+        self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
+        if len(msg) < 2:
+            return
+        ident, frames, rid = msg[0], msg[1:], -1
+        try:
+            req, bufs = _wire.decode_request(frames)
+            rid = req.rid
+            _wire.check_frames(req, bufs, self._max_frames, self.name)
+            if req.op == "put_ready":
+                self._put_ready(sock, ident, req, bufs)  # answered once the index has
+                return
+            reply = _wire.answer_request(req, bufs, self._locked_handler)
+        except Exception as exc:  # noqa: BLE001 - every request gets an answer
+            reply = _wire.encode_error(rid, exc)
+        self.deliver(sock, ident, reply)
+
+    def _put_ready(self, sock: zmq.Socket, ident: Any, req: Any, bufs: list[memoryview]) -> None:
+        if self._link is None:
+            raise WireError(f"{self.name} is not linked to the store's index yet; nothing was written")
+        body = _protocol.decode_body(req.op, req.body, _protocol.SHARD_OPS)
+        with self._lock:
+            commit, undo = self.core.put_ready(body, bufs)
+        self._outbox.append(_Forward(sock, ident, req.rid, commit, undo))
+        if len(self._outbox) >= MAX_BATCH:
+            self._send_outbox()
+
+    def after_poll(self) -> None:
+        if self._outbox:
+            self._send_outbox()
+        if self._sent:
+            self._check_sent()
+
+    # ---- to the index and back -------------------------------------------------------------------
+    def _send_outbox(self) -> None:
+        items, self._outbox = self._outbox, []
+        link = self._link
+        assert link is not None  # _put_ready queues nothing before the link
+        if link.liveness.known_dead(INDEX):  # found dead before: these commits are not even sent
+            self._refuse(items, link.died(INDEX))
+            return
+        try:
+            sock = self._index_socket(link)
+            rid = next_rid()
+            frames = _wire.encode_request(rid, "commits", {"items": [f.commit for f in items]})
+            send_frames(sock, frames, _NOBLOCK)
+        except zmq.Again:  # not queued: the index never sees these commits
+            self._refuse(items, link.unavailable(INDEX, 0.0, " (its send queue is full)"))
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. out of file descriptors: not sent either
+            self._refuse(items, exc)
+            return
+        now = time.monotonic()
+        self._sent[rid] = _Sent(items, now, now + self._index_wait_s, now + PROBE_S)
+        self.core.ready_puts += len(items)  # counted for stats(): how many puts one request carries
+        self.core.ready_batches += 1
+
+    def _index_socket(self, link: _Endpoints) -> zmq.Socket:
+        if self._dealer is None:
+            self._dealer = link._dealer(self._ctx, INDEX)
+            self.watch(self._dealer, self._on_index_reply)
+        return self._dealer
+
+    def _drop_index_socket(self) -> None:
+        if self._dealer is not None:
+            self.unwatch(self._dealer)
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    def _on_index_reply(self) -> None:
+        sock = self._dealer
+        while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
+            frames = recv_frames(sock, _NOBLOCK)
+            try:
+                rep, _ = _wire.decode_reply(frames)
+            except WireError:
+                logger.warning("%s: an undecodable reply from the index was dropped", self.name)
+                continue
+            sent = self._sent.pop(rep.rid, None)
+            if sent is None:  # the answer to a request that already timed out
+                continue
+            try:
+                self._settle(sent, rep)
+            except Exception:  # noqa: BLE001 - the loop serves every other request all the same
+                logger.exception("%s: answering %d puts from the index failed", self.name, len(sent.items))
+
+    def _settle(self, sent: _Sent, rep: _wire.Reply) -> None:
+        """Answer the writers of one ``commits`` request from the index's reply."""
+        if rep.error is not None:  # the whole request was refused: the index recorded none of it
+            self._refuse(sent.items, _rebuild(rep.error))
+            return
+        results = rep.body.get("results")
+        if not isinstance(results, list) or len(results) != len(sent.items):
+            self._not_ready(sent.items, WireError(f"the index answered {len(sent.items)} commits malformed"))
+            return
+        for fwd, res in zip(sent.items, results, strict=True):
+            ok = res.get("ok") if isinstance(res, dict) else None
+            if isinstance(ok, dict):
+                self.deliver(fwd.sock, fwd.ident, _wire.encode_reply(fwd.rid, ok))
+            elif isinstance(res, dict) and "err" in res:
+                self._refuse([fwd], _rebuild(res["err"]))
+            else:
+                self._not_ready([fwd], WireError("the index answered a commit malformed"))
+
+    def _refuse(self, items: list[_Forward], exc: BaseException) -> None:
+        """The index recorded nothing of these puts: take their rows back, then pass ``exc`` on."""
+        with self._lock:
+            for fwd in items:
+                self.core.undo_put(fwd.undo)
+        for fwd in items:
+            self.deliver(fwd.sock, fwd.ident, _wire.encode_error(fwd.rid, exc))
+
+    def _not_ready(self, items: list[_Forward], exc: BaseException) -> None:
+        """Whether the index recorded these puts is unknown: their rows stay, and the writers are told
+        (taking the rows back could leave the index listing rows no shard holds)."""
+        for fwd in items:
+            reply = {"index_error": _wire.error_fields(exc)}
+            self.deliver(fwd.sock, fwd.ident, _wire.encode_reply(fwd.rid, reply))
+
+    def _check_sent(self) -> None:
+        link = self._link
+        assert link is not None
+        now = time.monotonic()
+        for rid, sent in list(self._sent.items()):
+            if now >= sent.deadline:
+                del self._sent[rid]
+                self._not_ready(sent.items, link.unavailable(INDEX, now - sent.started))
+            elif now >= sent.next_probe and link.liveness.targets[INDEX].local:
+                # Only a /proc read here: asking Ray about a remote index could stall this loop.
+                sent.next_probe = now + PROBE_S
+                if link.liveness.dead(INDEX):
+                    for r, s in list(self._sent.items()):
+                        del self._sent[r]
+                        self._not_ready(s.items, link.died(INDEX))
+                    self._drop_index_socket()
+                    return
+
+
+def _rebuild(error: Any) -> BaseException:
+    try:
+        return _wire.rebuild_error(error)
+    except (TypeError, ValueError, AttributeError):
+        return WireError(f"the index answered with a malformed error {error!r}")
 
 
 class ShardActor:
@@ -38,12 +269,12 @@ class ShardActor:
         limit = cfg["max_message_bytes"]
         if capacity_bytes is not None:  # no frame can be larger than what the shard may hold
             limit = min(limit, capacity_bytes + (1 << 20))
-        self.server = ZmqServer(
-            self.core.handle,
+        self.server = ShardServer(
+            self.core,
             ip,
             f"{cfg['name']}-shard{shard_id}",
             Credentials.from_dict(creds),
-            tick=self.core.tick,
+            rpc_timeout_s=cfg["rpc_timeout_s"],
             lock=self._lock,
             max_message_bytes=limit,
         ).start()
@@ -60,8 +291,17 @@ class ShardActor:
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
+    def link_index(self, index: dict[str, Any]) -> bool:
+        """Learn the index's endpoints (``ShardServer.link``); called once by the store's starter."""
+        self.server.link(index)
+        return True
+
     def ping(self) -> bool:
         return True
+
+    def clients(self) -> int:
+        """Open connections to this shard: one per client socket (``rlplane store status``)."""
+        return self.server.connections
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -74,4 +314,4 @@ class ShardActor:
         return True
 
 
-__all__ = ["ShardActor"]
+__all__ = ["ShardActor", "ShardServer"]

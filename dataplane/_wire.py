@@ -103,15 +103,20 @@ def encode_reply(rid: int, body: dict[str, Any], buffers: list[Any] | None = Non
     return [_req_enc.encode(Reply(rid, body)), *(buffers or [])]
 
 
-def encode_error(rid: int, exc: BaseException) -> list[Any]:
-    """Frames of a failed reply carrying ``exc`` (class name, message and culprit attributes)."""
+def error_fields(exc: BaseException) -> list[Any]:
+    """``[class name, message, culprit attributes]``: how ``exc`` crosses the wire (``rebuild_error``)."""
     attrs = {}
     for name in ("key", "partition_id", "field", "shard"):
         if hasattr(exc, name):
             attrs[name] = getattr(exc, name)
     name = type(exc).__name__ if isinstance(exc, errors.DataplaneError) else "DataplaneError"
     msg = str(exc) if isinstance(exc, errors.DataplaneError) else f"{type(exc).__name__}: {exc}"
-    return [_req_enc.encode(Reply(rid, {}, [name, msg, attrs]))]
+    return [name, msg, attrs]
+
+
+def encode_error(rid: int, exc: BaseException) -> list[Any]:
+    """Frames of a failed reply carrying ``exc`` (class name, message and culprit attributes)."""
+    return [_req_enc.encode(Reply(rid, {}, error_fields(exc)))]
 
 
 def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
@@ -285,6 +290,7 @@ __all__ = [
     "decode_request",
     "encode_error",
     "encode_reply",
+    "error_fields",
     "encode_request",
     "peek_rid",
     "rebuild_error",

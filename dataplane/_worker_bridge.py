@@ -49,6 +49,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from dataplane import api
+from dataplane.errors import FieldNotFoundError, KeyNotFoundError, PartitionNotFoundError, StaleMetaError
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest, StreamResult
 
@@ -150,18 +151,39 @@ def _ensure_store() -> None:
         api.init(attach_only=True)
 
 
-def _fetch(meta: KVBatchMeta) -> TensorDictBase:
+def _stale(meta: KVBatchMeta, exc: KeyNotFoundError | PartitionNotFoundError, name: str) -> StaleMetaError:
+    """The short error for a meta whose rows are gone: no store internals, says what to pass instead."""
+    if isinstance(exc, KeyNotFoundError):
+        return StaleMetaError(exc.key, meta.partition_id, name)
+    return StaleMetaError(
+        meta.keys[0], meta.partition_id, name,
+        f"{name} got a stale KVBatchMeta: partition {meta.partition_id!r} was cleared (or never "
+        "written), so its keys have no data; pass the meta a put returned after the clear",
+    )
+
+
+def _fetch(meta: KVBatchMeta, name: str) -> TensorDictBase:
     if meta.size == 0:
         return _with_extra(TensorDict({}, batch_size=[0]), meta)
-    td = api.kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+    try:
+        td = api.kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+    except FieldNotFoundError:
+        raise  # the rows exist; a field is missing (its own clear message)
+    except (KeyNotFoundError, PartitionNotFoundError) as exc:
+        raise _stale(meta, exc, name) from None  # the store's internals add nothing for the caller
     count("read_bytes", nbytes_of(td))
     return _with_extra(td, meta)
 
 
-async def _async_fetch(meta: KVBatchMeta) -> TensorDictBase:
+async def _async_fetch(meta: KVBatchMeta, name: str) -> TensorDictBase:
     if meta.size == 0:
         return _with_extra(TensorDict({}, batch_size=[0]), meta)
-    td = await api.async_kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+    try:
+        td = await api.async_kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+    except FieldNotFoundError:
+        raise
+    except (KeyNotFoundError, PartitionNotFoundError) as exc:
+        raise _stale(meta, exc, name) from None
     count("read_bytes", nbytes_of(td))
     return _with_extra(td, meta)
 
@@ -171,9 +193,11 @@ def _replace(args: tuple, kwargs: dict, kind: type, value_of: Callable[[Any], An
     return new_args, {k: value_of(v) if isinstance(v, kind) else v for k, v in kwargs.items()}
 
 
-async def _async_swap(args: tuple, kwargs: dict) -> tuple[list, dict]:
-    new_args = [await _async_fetch(a) if isinstance(a, KVBatchMeta) else a for a in args]
-    new_kwargs = {k: await _async_fetch(v) if isinstance(v, KVBatchMeta) else v for k, v in kwargs.items()}
+async def _async_swap(args: tuple, kwargs: dict, name: str) -> tuple[list, dict]:
+    new_args = [await _async_fetch(a, name) if isinstance(a, KVBatchMeta) else a for a in args]
+    new_kwargs = {
+        k: await _async_fetch(v, name) if isinstance(v, KVBatchMeta) else v for k, v in kwargs.items()
+    }
     return new_args, new_kwargs
 
 
@@ -245,7 +269,7 @@ def _written(meta: KVBatchMeta, out: _Output, stored: KVBatchMeta) -> KVBatchMet
 
 
 def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
-    new_args, new_kwargs = _replace(call.args, call.kwargs, KVBatchMeta, _fetch)
+    new_args, new_kwargs = _replace(call.args, call.kwargs, KVBatchMeta, lambda m: _fetch(m, call.name))
     inputs = _inputs_of(new_args, new_kwargs)
     output = call.func(*new_args, **new_kwargs)
     out = _split(output, meta, inputs, call.name)
@@ -256,7 +280,7 @@ def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
 
 
 async def _arun_meta(call: Any, meta: KVBatchMeta) -> Any:
-    new_args, new_kwargs = await _async_swap(call.args, call.kwargs)
+    new_args, new_kwargs = await _async_swap(call.args, call.kwargs, call.name)
     inputs = _inputs_of(new_args, new_kwargs)
     output = await call.func(*new_args, **new_kwargs)
     out = _split(output, meta, inputs, call.name)
@@ -387,7 +411,9 @@ def _run_stream(call: Any, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(stream.request.next_batch()):
         return stream.report()
-    new_args, new_kwargs = _replace(call.args, call.kwargs, StreamRequest, lambda _r: _fetch(stream.meta))
+    new_args, new_kwargs = _replace(
+        call.args, call.kwargs, StreamRequest, lambda _r: _fetch(stream.meta, call.name)
+    )
     inputs = _inputs_of(new_args, new_kwargs)
     output = call.func(*new_args, **new_kwargs)
     rows = stream.rows_to_write(output, inputs)
@@ -401,7 +427,7 @@ async def _arun_stream(call: Any, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(await stream.request.async_next_batch()):
         return stream.report()
-    td = await _async_fetch(stream.meta)
+    td = await _async_fetch(stream.meta, call.name)
     new_args, new_kwargs = _replace(call.args, call.kwargs, StreamRequest, lambda _r: td)
     inputs = _inputs_of(new_args, new_kwargs)
     output = await call.func(*new_args, **new_kwargs)

@@ -21,9 +21,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dataplane import _ops
+from dataplane import _connect, _ops
 from dataplane._client import StoreClient
 from dataplane._service import ServiceHandle, find_service, start_service, stop_named
+from dataplane._units import format_bytes
 from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
 from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
@@ -54,15 +55,25 @@ def _client() -> StoreClient:
 # ---- lifecycle ------------------------------------------------------------------------------------
 
 
-def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
+def init(*, address: str | None = None, attach_only: bool = False, **options: Any) -> StoreInfo:
     """Connect this process to the store, starting an embedded one if none runs.
 
-    Calls ``ray.init()`` if Ray is not initialised. Idempotent: later calls return the same info.
-    When a service named ``name`` (default "dataplane") already runs, this process attaches to it
-    and only ``transport`` among ``options`` applies; otherwise it starts an embedded service
+    Joins Ray first if this process has not (``address``). Idempotent: later calls return the same
+    info. When a service named ``name`` (default "dataplane") already runs, this process attaches to
+    it and only ``transport`` among ``options`` applies; otherwise it starts an embedded service
     with ``options`` (see ``StoreConfig``), owned by this process and stopped by ``close()`` or at exit.
+    Either way it logs one line through the ``dataplane`` logger ("attached to store ..." or
+    "started an embedded store ..."); a driver whose program has not configured ``logging`` gets a
+    stderr handler on that logger so the line shows (``logging.getLogger("dataplane").setLevel(
+    logging.WARNING)`` silences it; in Ray workers the line is DEBUG).
 
     Args:
+        address: the Ray cluster to join when Ray is not initialised in this process yet (the same
+            meaning as ``rlplane ... --address``): ``None`` does what ``ray.init()`` does
+            (``RAY_ADDRESS``, else the cluster ``ray start`` started on this machine, else a new local
+            Ray); ``"local"`` a new Ray of this process's own; ``"auto"`` the running cluster (error
+            if none); ``"HOST:PORT"`` the cluster whose head listens there. With Ray already
+            initialised, ``HOST:PORT`` must name that cluster and the other forms are not used.
         attach_only: raise ``StoreNotInitializedError`` instead of starting a store.
         **options: ``StoreConfig`` fields (``num_shards``, ``capacity_bytes``, ``num_cpus``,
             ``transport``, ``rpc_timeout_s``, ...).
@@ -72,6 +83,10 @@ def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
 
     Raises:
         SchedulingError: Ray could not place the store's actors within ``schedule_timeout_s``.
+        ClusterConnectError: no Ray cluster answers at ``address``.
+        ClusterAuthError: the cluster at ``address`` refused this process's authentication token.
+        ValueError: ``address`` has none of the forms above, or names another cluster than the one
+            this process has joined.
 
     Example:
         >>> info = dp.init(num_shards=2)
@@ -79,13 +94,15 @@ def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
         2
     """
     with _state.lock:
-        if _state.client is not None:
-            return _state.info  # type: ignore[return-value]
         import ray
 
+        if ray.is_initialized():
+            _connect.check_joined(address)
+        if _state.client is not None:
+            return _state.info  # type: ignore[return-value]
         if not ray.is_initialized():
             # Keep the context: if it is garbage collected, actor creations in flight get cancelled.
-            _state.ray_ctx = ray.init(logging_level=logging.WARNING)
+            _state.ray_ctx = _connect.connect(address)
         cfg = StoreConfig.from_options(**options)
         import tensordict  # noqa: F401 - import the codec's dependencies now, not on the first get
 
@@ -132,7 +149,50 @@ def init(*, attach_only: bool = False, **options: Any) -> StoreInfo:
         if not _state.atexit:
             atexit.register(close)
             _state.atexit = True
+        _announce(_state.info)
         return _state.info
+
+
+def _announce(info: StoreInfo) -> None:
+    """The one line saying what ``init`` did: INFO in a driver, DEBUG in Ray workers (one per worker
+    would flood the driver's terminal through Ray's log forwarding)."""
+    import ray
+
+    nodes = len(set(info.shard_nodes))
+    capacity = "unlimited" if info.capacity_bytes is None else format_bytes(info.capacity_bytes)
+    where = f"{info.num_shards} shard(s) on {nodes} node(s), capacity {capacity}, transport {info.transport}"
+    name = info.extra.get("name", "dataplane")
+    if info.owned:
+        line = (
+            f"started an embedded store {name!r} ({where}); it lives as long as this process (dp.close() "
+            "stops it); `rlplane store start` runs one that outlives it"
+        )
+    else:
+        line = f"attached to store {name!r} ({where}) in Ray namespace {info.namespace!r}"
+    # (ray.get_runtime_context() would start a Ray if none were up: ask only when one is.)
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        logger.debug(line)
+        return
+    _ensure_visible()
+    logger.info(line)
+
+
+def _ensure_visible() -> None:
+    """Let the package's INFO lines reach a program that never configured ``logging``.
+
+    Without any handler Python prints WARNING and above only, so "started an embedded store" would
+    vanish. When neither the root logger nor the ``dataplane`` logger has a handler, the ``dataplane``
+    logger gets one (stderr, INFO). A program that configures logging, before or after, decides
+    itself; ``logging.getLogger("dataplane").setLevel(logging.WARNING)`` silences the line.
+    """
+    package = logging.getLogger("dataplane")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("dataplane: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
 
 
 def close() -> None:
@@ -333,8 +393,8 @@ def stats(trim: bool = False) -> dict[str, Any]:
 
     Each entry of ``stats()["shards"]`` has ``bytes_used`` (live data), ``bytes_resident`` (memory
     the shard holds, including warm free segments kept for reuse), ``bytes_warm``, ``pid``,
-    ``node_id``, ``capacity_bytes`` and ``transport`` (this client's path to it). ``trim=True`` first
-    gives every warm segment back to the OS.
+    ``node_id``, ``host`` (its node's IP), ``capacity_bytes`` and ``transport`` (this client's path
+    to it). ``trim=True`` first gives every warm segment back to the OS.
 
     Example:
         >>> dp.stats()["shards"][0]["bytes_used"]
@@ -354,6 +414,7 @@ def _stats_dict(client: StoreClient, shards: list[dict], index: dict) -> dict[st
                 "name": client.config.shard_name(i),
                 "pid": info["pid"],
                 "node_id": info["node_id"],
+                "host": info["tcp"].rsplit("//", 1)[-1].rsplit(":", 1)[0],  # the node's IP
                 "transport": "shm" if client.shm[i] else "zmq",
             }
         )

@@ -69,6 +69,35 @@ class PartitionNotFoundError(DataplaneError, KeyError, ValueError):
         return (type(self), (self.partition_id, self.args[0]))
 
 
+class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
+    """A bridged method was called with a ``KVBatchMeta`` whose rows are no longer stored (its
+    partition or keys were cleared since the meta was made, or never written). Raised on the
+    worker, before the method runs. Attributes: ``key`` (the first missing key, or the meta's
+    first key when the whole partition is gone), ``partition_id``, ``method``.
+
+    Also a ``KeyNotFoundError`` and a ``PartitionNotFoundError``, so either ``except`` catches it.
+    Not recoverable with this meta: pass the meta a put returned after the clear.
+    """
+
+    # The message says all a caller needs: a group call failing with it does not chain the worker's
+    # traceback (the controller honours this class attribute; see controlplane.errors).
+    __concise_error__ = True
+
+    def __init__(self, key: str, partition_id: str, method: str, message: str | None = None) -> None:
+        self.key = key
+        self.partition_id = partition_id
+        self.method = method
+        # Not super().__init__: the two parents' constructors take different arguments.
+        DataplaneError.__init__(
+            self,
+            message or f"{method} got a stale KVBatchMeta: key {key!r} is not in partition {partition_id!r} "
+            "(cleared, or never written); pass the meta a put returned after the clear",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.partition_id, self.method, self.args[0]))
+
+
 class SchemaError(DataplaneError, ValueError):
     """A field's dtype, shape or kind does not match the column already stored. Attribute: ``field``."""
 
@@ -135,9 +164,31 @@ class WireError(DataplaneError, ValueError):
     """A request or reply could not be decoded or broke the protocol (names what was wrong)."""
 
 
+class ClusterConnectError(DataplaneError, ConnectionError):
+    """This process could not connect to the Ray cluster at ``address`` (``dp.init(address=...)``,
+    ``rlplane ... --address``): nothing answers there, or it is not a Ray cluster this process can
+    join. Attribute: ``address``. Recoverable: start the cluster, or fix the address; the message
+    says which."""
+
+    def __init__(self, address: str, message: str) -> None:
+        self.address = address
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.address, self.args[0]))
+
+
+class ClusterAuthError(ClusterConnectError, PermissionError):
+    """The Ray cluster at ``address`` exists but refused this process's authentication token (Ray's
+    token authentication, ``RAY_AUTH_MODE=token``), or this process has no token to offer. The
+    message says where Ray looks for the token. Recoverable: give this process the cluster's token."""
+
+
 __all__ = [
     "BatchSizeError",
     "BatchTimeoutError",
+    "ClusterAuthError",
+    "ClusterConnectError",
     "DataplaneError",
     "FieldNotFoundError",
     "KeyNotFoundError",
@@ -148,6 +199,7 @@ __all__ = [
     "SchemaError",
     "SerializationError",
     "ShardUnavailableError",
+    "StaleMetaError",
     "StoreFullError",
     "StoreNotInitializedError",
     "WireError",

@@ -155,6 +155,13 @@ class SeqlenBalancedSampler(Sampler):
     """One global batch of ``batch_size * dp_size`` rows split over ``dp_size`` ranks so their token
     counts (``tags[length_tag]``) are balanced (Karmarkar-Karp, largest differencing), keeping
     groups of ``group_size`` whole. Every rank calls with its ``dp_rank`` and the same ``batch_index``.
+
+    Once the partition is finished, the last global batch may be short, but only if every rank still
+    gets at least one row (one group): an empty batch tells a rank that the partition is drained, so
+    a split that gave some ranks rows and others none would make the ranks run different numbers of
+    steps, and a data-parallel job hangs in its next collective. A remainder of fewer rows (groups)
+    than ranks is therefore not handed out, like ``DistributedSampler(drop_last=True)``: every rank
+    gets an empty batch at the same batch index, and those rows stay ready (``dp.consumption``).
     """
 
     name = "seqlen_balanced"
@@ -201,6 +208,8 @@ class SeqlenBalancedSampler(Sampler):
             units = [[k] for k in _first(ready, total)]
         if len(units) * self.group_size < total and not finished:
             return None
+        if len(units) < self.dp_size:  # finished, too few left to give every rank a row: none
+            return {rank: [] for rank in range(self.dp_size)}
         lengths = [sum(_length(ready.tag(k), self.length_tag) for k in unit) for unit in units]
         parts = balanced_partition(lengths, self.dp_size)
         return {rank: [k for i in part for k in units[i]] for rank, part in enumerate(parts)}

@@ -1,36 +1,175 @@
-"""The ``rlplane`` command line: ``store start|status|stop``, ``demo`` and ``bench``.
+"""The rlplane command line: store start|status|stop, demo and bench (``rlplane --help``).
 
-Each subcommand imports its package lazily, so ``rlplane --help`` is instant.
+Each subcommand imports its package lazily, so ``rlplane --help`` is instant. ``--address`` has one
+meaning in every subcommand (``dataplane._connect``): ``local`` a new Ray of the command's own,
+``auto`` the running cluster, ``HOST:PORT`` the cluster whose head listens there.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
+
+DESCRIPTION = (
+    "rlplane: a data plane for RL post-training. Run the batch store as a service on a Ray cluster "
+    "(store), train the GRPO demo on it (demo), or measure it (bench)."
+)
+# What --address means, in every subcommand's help (one meaning everywhere: dataplane._connect).
+AUTO_FORM = "auto = the running cluster (RAY_ADDRESS, else the one `ray start` started on this machine)"
+HOST_FORM = "HOST:PORT = the cluster whose head listens there"
+LOCAL_FORM = "local = a new Ray of this command's own"
+STORE_EPILOG = (
+    "exit status: 0 done; 1 the cluster or the store refused (the printed line says why); 2 bad arguments"
+)
+DEMO_EPILOG = (
+    "exit status: 0 the mean reward of the last 10% of steps is above that of the first 10% (with "
+    "--steps 1 there is nothing to compare: 0, and a line says the rise was not judged); 1 it is not "
+    "(a line says so); 2 bad arguments"
+)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" after each option whose default says something: not for flags, nor for
+    ``None`` (the help says what happens then), nor where the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        if "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser and subparser of the CLI formats its help the same way."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def version() -> str:
+    """The installed rlplane's version (package metadata), else the one in the source tree's pyproject.
+
+    Example:
+        >>> version().count(".") >= 1  # e.g. "0.1.0"
+        True
+    """
+    from importlib import metadata
+
+    try:
+        return metadata.version("rlplane")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        import tomllib
+
+        pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1.
+
+    Example:
+        >>> positive_int("3")
+        3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def size(text: str) -> int:
+    """argparse type: a byte size such as ``1073741824``, ``512M``, ``1G`` or ``2GiB`` (``_units``)."""
+    from dataplane._units import parse_size  # only when the option is given: `--help` stays instant
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_store(sub: argparse._SubParsersAction) -> None:
-    store = sub.add_parser("store", help="run the batch store as a service on a Ray cluster")
+    store = sub.add_parser(
+        "store",
+        help="run the batch store as a service on a Ray cluster",
+        description="Run the batch store (an index and N shards, detached Ray actors) as a service that "
+        "outlives this command; any process of the cluster attaches with dp.init().",
+        epilog=STORE_EPILOG,
+    )
     actions = store.add_subparsers(dest="store_action", required=True, metavar="{start,status,stop}")
-    start = actions.add_parser("start", help="start the index service and shards as detached actors")
-    start.add_argument("--shards", type=int, default=None, help="number of storage shards")
-    start.add_argument(
-        "--address", default="auto", help="Ray address: 'auto', HOST:PORT, or 'local' to start a local head"
+    start = actions.add_parser(
+        "start",
+        help="start the index service and shards as detached actors",
+        description="Start the store on a Ray cluster; print what runs and the line that attaches to it. "
+        "A store already running with other options is left as it is, and the options that differ "
+        "are named (exit 1).",
+        epilog=STORE_EPILOG,
     )
-    start.add_argument("--capacity", type=int, default=None, help="byte capacity of the whole store")
     start.add_argument(
-        "--encrypt", action="store_true", help="encrypt traffic between hosts (CURVE: ~3x slower over tcp)"
+        "--shards", type=positive_int, default=None, help="storage shards (default: one per alive Ray node)"
     )
-    for name in ("status", "stop"):
-        p = actions.add_parser(name, help=f"{name} the store service")
-        p.add_argument("--address", default="auto", help="Ray address of the cluster")
+    start.add_argument(
+        "--address",
+        default="auto",
+        help=f"the Ray cluster to start the store on: {AUTO_FORM}; {HOST_FORM}; local = a new Ray head "
+        "on this machine, started in the background (`ray start --head`) so that it outlives this command",
+    )
+    start.add_argument(
+        "--capacity",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="byte capacity of the whole store, split evenly over the shards: bytes, or a number with K, "
+        "M, G or T, powers of 1024 (1G = 1 GiB; KB and KiB mean the same), e.g. 512M, 1.5G "
+        "(default: unlimited)",
+    )
+    start.add_argument(
+        "--encrypt",
+        action="store_true",
+        default=None,
+        help="encrypt traffic between hosts (CURVE: ~3x slower over tcp)",
+    )
+    status = actions.add_parser(
+        "status",
+        help="show the running store: a row per shard (node, memory, capacity, partitions, clients)",
+        epilog=STORE_EPILOG,
+    )
+    status.add_argument("--json", action="store_true", help="print dp.stats() as JSON (bytes as integers)")
+    stop = actions.add_parser("stop", help="stop the store service (its data is gone)", epilog=STORE_EPILOG)
+    for p in (status, stop):
+        p.add_argument(
+            "--address",
+            default="auto",
+            help=f"the Ray cluster the store runs on: {AUTO_FORM}; {HOST_FORM} (local, a new Ray, holds no "
+            "store)",
+        )
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    demo = sub.add_parser("demo", help="run the GRPO demo trainer on an embedded store and a local Ray")
-    demo.add_argument("--steps", type=int, default=None, help="training steps")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo",
+        help="run the GRPO demo trainer on an embedded store and a local Ray",
+        description="Train a small causal transformer with GRPO; the driver holds metadata only. Prints a "
+        "progress bar and a summary table, and writes the summary and a timeline next to --summary.",
+        epilog=DEMO_EPILOG,
+    )
+    demo.add_argument(
+        "--address",
+        default="local",
+        help=f"the Ray to train on: {LOCAL_FORM}, stopped at the end; {AUTO_FORM}; {HOST_FORM}. The demo "
+        "uses the store running there, or starts one of its own for the run",
+    )
+    demo.add_argument("--steps", type=positive_int, default=40, help="training steps")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seed of the model weights, the prompts and the sampling"
+    )
     demo.add_argument("--summary", default="build/demo-summary.json", help="where to write the JSON summary")
     demo.add_argument(
         "--mode",
@@ -40,13 +179,22 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "both: sync then stream on the same seed, compared",
     )
     demo.add_argument(
-        "--max-staleness", type=int, default=None, help="stream mode: steps the rollout may run ahead (1)"
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="stream mode: steps the rollout may run ahead of the update (default: 1)",
     )
     demo.add_argument(
-        "--stream-chunks", type=int, default=None, help="stream mode: reward/advantage batches per step (2)"
+        "--stream-chunks",
+        type=positive_int,
+        default=None,
+        help="stream mode: reward/advantage batches per step (default: 2)",
     )
     demo.add_argument(
-        "--rollout-chunks", type=int, default=None, help="stream mode: rollout calls per rank and step (1)"
+        "--rollout-chunks",
+        type=positive_int,
+        default=None,
+        help="stream mode: rollout calls per rank and step (default: 1)",
     )
     demo.add_argument(
         "--driver-actor",
@@ -65,15 +213,29 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark from bench/")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark from bench/",
+        epilog="flags after the benchmark's name go to it: `rlplane bench bypass --help` lists bypass's "
+        "(--quick, --payload, --workers, --address, --transport, ...)",
+    )
     bench.add_argument("which", nargs="?", default="all", help="store | dispatch | bypass | stream | all")
-    bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    bench.add_argument(
+        "--out", default=None, help="folder for the results (default: bench/results; bypass: build/bench)"
+    )
+    # Everything after the name is the benchmark's own (its parser checks it); argparse.REMAINDER
+    # also swallows a later --out, which bench.runner takes back out.
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlplane", description=__doc__.splitlines()[0])
+    """The ``rlplane`` parser: every subcommand, with plain-text help that shows the defaults."""
+    parser = _Parser(prog="rlplane", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{store,demo,bench}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{store,demo,bench}", parser_class=_Parser
+    )
     _add_store(sub)
     _add_demo(sub)
     _add_bench(sub)
@@ -84,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command == "store":
-        from dataplane import _service
+        from dataplane import _service_cli
 
-        return _service.cli(args)
+        return _service_cli.cli(args)
     if args.command == "demo":
-        from workers import trainer
+        from workers import demo
 
-        return trainer.cli(args)
+        return demo.cli(args)
     if args.command == "bench":
         from bench import runner
 

@@ -43,9 +43,9 @@ class DriverDataError(TypeError):
             "(dp.kv_batch_put) and pass its KVBatchMeta, or return plain numbers"
         )
         self.method, self.where, self.kind = method, where, kind
-        self.args = (method, where, kind)
 
     def __reduce__(self) -> tuple:
+        # Rebuilt from its fields (args holds only the message), so str() is the message after pickle too.
         return (DriverDataError, (self.method, self.where, self.kind))
 
 
@@ -193,12 +193,14 @@ class PendingCall:
         Raises:
             TimeoutError: not every rank answered in time (the call keeps running).
             DriverDataError: the result holds data.
-            Exception: what a rank raised (re-raised by Ray), or ``WorkerDiedError``.
+            WorkerCallError: ranks raised (names them; also of the first cause's class).
+            WorkerDiedError: a worker died.
         """
         if self._collected:
             return self._result
         group = self._bound.worker_group
-        values = group._wait(self._refs, timeout)  # the controller's wait: a dead worker is named
+        # The controller's wait: one error naming the failed ranks (or the dead worker).
+        values = group._wait(self._refs, timeout, method=self._bound.method_name)
         result = self._bound.finish(self._launched, values[0] if self._rank_zero else values)
         check_metadata(result, self.label, "result")
         self._guard.driver_bytes += len(pickle.dumps(result))

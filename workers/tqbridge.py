@@ -50,8 +50,17 @@ def tqbridge(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Let a method take a ``KVBatchMeta`` or a ``dp.StreamRequest`` in place of its data.
 
-    Under ``@register`` this is redundant (``register`` bridges with its own dispatch mode) except
-    for ``call_on_empty``; alone, it bridges a method of a plain local object.
+    A bridged method called with a ``KVBatchMeta`` receives, on the worker, the ``TensorDict`` of
+    that meta's rows (fetched from the store; ``extra_info`` items as non-tensor entries). If it
+    returns a ``TensorDict`` with one row per key, the new fields are written back under the same
+    keys (from collect ranks only) and the caller gets the meta with those fields added; any other
+    return value (a dict of metrics, ``None``) comes back unchanged. Called with ordinary data, the
+    method runs unchanged. ``def`` and ``async def`` methods are both supported.
+
+    ``@register`` already bridges every method with its own dispatch mode, so under ``@register``
+    this decorator only adds ``call_on_empty``; alone, it bridges a method of a plain local object.
+    (``workers.tqbridge`` the module is ``sys.modules["workers.tqbridge"]``; its docstring has the
+    full contract.)
 
     Args:
         dispatch_mode: decides the collect ranks when not under ``@register`` (None: every rank
@@ -64,10 +73,33 @@ def tqbridge(
         TypeError: ``call_on_empty`` is not a bool.
 
     Example:
+        A worker method bridged by ``@register`` alone; the driver holds metadata only:
+
         >>> class Scorer(Worker):
+        ...     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)   # each rank gets its chunk
+        ...     def score(self, batch):                              # a TensorDict of its rows
+        ...         return TensorDict({"rewards": batch["responses"].float().mean(-1)},
+        ...                           batch.batch_size)
+        >>> meta = dp.kv_batch_put(keys, "step0", TensorDict({"responses": responses}, [len(keys)]))
+        >>> meta = scorer_wg.score(meta)           # a KVBatchMeta in, a KVBatchMeta out
+        >>> meta.fields
+        ['responses', 'rewards']
+
+        ``tqbridge`` itself, for a streamed method that must join a collective on every rank:
+
+        >>> class Trainer(Worker):
         ...     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-        ...     @tqbridge(call_on_empty=True)      # join the collective even when drained
+        ...     @tqbridge(call_on_empty=True)      # called even when the stream is drained
         ...     def update(self, batch): ...
+
+        Bridging a method of a plain local object (no group):
+
+        >>> class Local:
+        ...     @tqbridge()
+        ...     def double(self, batch):
+        ...         return TensorDict({"y": batch["x"] * 2}, batch.batch_size)
+        >>> Local().double(meta).fields          # read from and written to the store in-process
+        ['x', 'y']
     """
     if not isinstance(call_on_empty, bool):
         raise TypeError(f"call_on_empty must be a bool, got {call_on_empty!r}")

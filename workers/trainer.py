@@ -60,12 +60,9 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import logging
-import pathlib
 import sys
 import time
 from typing import Any
@@ -74,13 +71,12 @@ import dataplane as dp
 from controlplane import RayClassWithInitArgs
 from workers import timeline
 from workers.driver_guard import MetadataOnlyGroup, PendingCall
-from workers.task_runner import run_in_actor
 from workers.tqbridge import StreamReport
 from workers.wiring import ROLE_WORKERS, Groups, Role, build_groups, pool_manager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainerConfig", "GRPOTrainer", "cli", "format_summary"]
+__all__ = ["MODES", "TrainerConfig", "GRPOTrainer"]
 
 # The fields each call reads; the driver asks for no more than that.
 _GEN = ["prompts"]
@@ -396,7 +392,11 @@ class GRPOTrainer:
 
     # ---- a run --------------------------------------------------------------------------------
     def fit(self, progress: bool = False) -> dict[str, Any]:
-        """Run ``cfg.steps`` steps in ``cfg.mode``; return the summary (see :func:`format_summary`)."""
+        """Run ``cfg.steps`` steps in ``cfg.mode``; return the summary (``workers.demo.format_summary``).
+
+        ``reward_first`` / ``reward_last`` are the mean of the per-step mean rewards over the first /
+        last ``reward_window`` steps (10% of the steps, at least one); ``seconds`` is training only.
+        """
         bar = None
         if progress:
             from tqdm import tqdm
@@ -428,7 +428,7 @@ class GRPOTrainer:
                 bar.close()
         elapsed = time.perf_counter() - t0
         rewards = [m["reward/mean"] for m in self.history[-self.cfg.steps :]]
-        k = max(1, min(3, len(rewards) // 2))
+        k = max(1, len(rewards) // 10)  # the first and last 10% of the steps, at least one each
         spans = self.timeline[spans0:]
         summary = {
             "mode": self.cfg.mode,
@@ -436,8 +436,11 @@ class GRPOTrainer:
             "samples_per_step": self.cfg.prompts_per_step * self.cfg.n,
             "dp": self.cfg.dp,
             "seed": self.cfg.seed,
+            "reward_window": k,
             "reward_first": sum(rewards[:k]) / k,
             "reward_last": sum(rewards[-k:]) / k,
+            "reward_min": min(rewards),
+            "reward_max": max(rewards),
             "reward_history": rewards,
             "loss_last": self.history[-1]["actor/pg_loss"],
             "seconds": elapsed,
@@ -471,140 +474,3 @@ class GRPOTrainer:
             self._groups.close()
         if self._owns_store and dp.is_initialized():
             dp.close()
-
-
-def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    mode = summary.get("mode", "sync")
-    if mode == "stream":
-        mode += (
-            f" (max staleness {summary['max_staleness']}, rollout {summary.get('rollout_chunks', 1)} "
-            f"call/rank, reward+advantage {summary['stream_chunks']} batches/step)"
-        )
-    rows = [
-        ("mode", mode),
-        ("steps", f"{summary['steps']}  ({summary['samples_per_step']} samples/step)"),
-        ("mean reward, start", f"{summary['reward_first']:.3f}"),
-        ("mean reward, end", f"{summary['reward_last']:.3f}"),
-        ("steps/s", f"{summary['steps_per_s']:.2f}"),
-        ("bytes via driver", f"{summary['driver_bytes']:,}"),
-        ("bytes via store", f"{summary['store_bytes']:,}"),
-    ]
-    if "overlap_s" in summary and "seconds" in summary:
-        rows.append(("tasks overlapping", f"{summary['overlap_s']:.2f} s of {summary['seconds']:.2f} s"))
-    return rows
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: " | ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
-    line = "-" * len(fmt(["-" * w for w in widths]))
-    head = [fmt(header), line] if any(header) else []
-    return "\n".join([line, *head, *(fmt(r) for r in rows), line])
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The end-of-run table.
-
-    Example:
-        >>> print(format_summary({"steps": 2, "reward_first": 0.1, "reward_last": 0.2, "steps_per_s": 1.0,
-        ...                       "driver_bytes": 10, "store_bytes": 100, "samples_per_step": 8}))
-    """
-    return _table(["", ""], [[k, v] for k, v in _rows(summary)])
-
-
-def format_comparison(summaries: dict[str, dict[str, Any]]) -> str:
-    """One table, a column per mode (``rlplane demo --mode both``), and the stream/sync speed ratio."""
-    modes = list(summaries)
-    per_mode = {m: dict(_rows({**summaries[m], "mode": m})) for m in modes}
-    names = [k for k, _ in _rows(summaries[modes[0]]) if k != "mode"]
-    table = _table(["", *modes], [[k, *(per_mode[m].get(k, "") for m in modes)] for k in names])
-    if {"sync", "stream"} <= set(modes):
-        ratio = summaries["stream"]["steps_per_s"] / summaries["sync"]["steps_per_s"]
-        table += f"\nstream / sync steps/s: {ratio:.2f}x (same seed, same store and Ray)"
-    return table
-
-
-_RUN_TIMEOUT_S = 3600.0  # the demo's whole run in a driver actor (a few minutes on 2 cores)
-
-
-def _run_here(cfg: TrainerConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Train in this process with a progress bar; returns ``(summary, timeline run)``."""
-    trainer = None
-    try:
-        t0 = time.perf_counter()
-        trainer = GRPOTrainer(cfg)
-        setup_s = time.perf_counter() - t0
-        summary = trainer.fit(progress=True)
-        summary["setup_seconds"] = setup_s
-        return summary, trainer.timeline_run(summary)
-    finally:
-        if trainer is not None:
-            trainer.close()
-
-
-def cli(args: argparse.Namespace) -> int:
-    """``rlplane demo``: train on an embedded store and a local Ray; print and save the summary and
-    the timeline (JSON, and a PNG when matplotlib is installed).
-
-    ``--mode both`` trains twice on the same seed, sync then stream (fresh workers, the same store
-    and Ray), and prints both side by side. ``--driver-actor`` runs each trainer in a Ray actor
-    (``workers.task_runner``); ``--colocate`` puts the reward role in the actor's processes.
-    """
-    import ray
-
-    mode = getattr(args, "mode", "sync") or "sync"
-    modes = list(MODES) if mode == "both" else [mode]
-    extra: dict[str, Any] = {"steps": args.steps} if args.steps else {}
-    for name in ("max_staleness", "stream_chunks", "rollout_chunks", "colocate"):
-        if getattr(args, name, None) is not None:
-            extra[name] = getattr(args, name)
-    configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        # A Ray of its own ("local": never attach to a cluster RAY_ADDRESS points at). Logical
-        # CPUs: the demo's placement groups need 3 bundles; the actors use 0.1 CPU each.
-        ray.init(
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
-    owns_store = not dp.is_initialized()
-    summaries: dict[str, dict[str, Any]] = {}
-    runs: list[dict[str, Any]] = []
-    try:
-        dp.init(num_shards=configs[modes[0]].num_shards)
-        for m, cfg in configs.items():
-            if getattr(args, "driver_actor", False):
-                summaries[m], run = run_in_actor(cfg, timeout_s=_RUN_TIMEOUT_S)
-            else:
-                summaries[m], run = _run_here(cfg)
-            runs.append(run)
-    finally:
-        if owns_store and dp.is_initialized():
-            dp.close()
-        if started_ray:
-            ray.shutdown()
-    out = pathlib.Path(args.summary)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if len(modes) == 1:
-        record, text = summaries[modes[0]], format_summary(summaries[modes[0]])
-    else:
-        record = {"mode": "both", "runs": summaries}
-        record["stream_vs_sync_steps_per_s"] = (
-            summaries["stream"]["steps_per_s"] / summaries["sync"]["steps_per_s"]
-        )
-        text = format_comparison(summaries)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    timeline_json = timeline.write(runs, getattr(args, "timeline", None) or timeline.timeline_path(out))
-    png, note = timeline.plot(runs, timeline_json.with_suffix(".png"))
-    lines = [
-        text,
-        f"summary written to {out}",
-        f"timeline written to {timeline_json}" + (f" and {png}" if png else ""),
-    ]
-    if note:
-        lines.append(note)
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0 if all(s["reward_last"] > s["reward_first"] for s in summaries.values()) else 1

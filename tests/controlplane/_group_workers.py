@@ -102,3 +102,16 @@ def add_one(x: int) -> int:
 
 def tag_with_rank(worker: Worker, batch: list) -> list:
     return [(v, worker.rank) for v in batch]
+
+
+class FlakyWorker(Worker):
+    """Fails on the ranks it is told to: for the error-report tests (one error naming the ranks)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_on(self, ranks: list[int], tag: str = "") -> int:
+        if self.rank in ranks:
+            raise KeyError(f"no key on rank {self.rank}{tag}")
+        return self.rank
+
+    def forgot_register(self) -> int:  # not decorated: the group must say so when it is called
+        return self.rank

@@ -117,7 +117,7 @@ class ActorGroup:
         first = {k: v[0] for k, v in kwargs.items()}
         return getattr(self.workers[0], name).remote(*[a[0] for a in args], **first)
 
-    def _wait(self, refs, timeout=120):
+    def _wait(self, refs, timeout=120, method=None):
         import ray
 
         return ray.get(refs, timeout=timeout)

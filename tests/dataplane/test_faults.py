@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import ray
@@ -70,6 +71,28 @@ def test_dead_index_store_is_stopped_and_started_afresh(ray_cluster, pid):
         assert info.owned and info.num_shards == 1
         dp.kv_batch_put(["a"], pid, {"x": torch.zeros(1, 2)})
         assert dp.kv_batch_get(["a"], pid)["x"].shape == (1, 2)
+
+
+def test_a_one_round_trip_put_names_a_dead_index_within_seconds(ray_cluster, pid):
+    # A small put of a confirmed schema goes to its shard only, which commits it in the index itself
+    # (``_shard_server``): with the index dead, the shard finds out by its process (not by waiting
+    # out rpc_timeout_s) and the writer learns exactly what happened to its row.
+    with own_store("t-fault-put-ready", num_shards=1, rpc_timeout_s=60) as (cfg, registry):
+        dp.kv_put("a", pid, {"x": torch.tensor(1)})  # x confirmed: the next put takes one round trip
+        _kill(cfg.index_name(), registry["index"]["pid"])
+        started = time.monotonic()
+        with pytest.raises(dp.ShardUnavailableError) as err:
+            dp.kv_put("b", pid, {"x": torch.tensor(2)})
+        took = time.monotonic() - started
+        msg = str(err.value)
+        assert err.value.shard == cfg.index_name() and "is dead" in msg, msg
+        assert "committed only in part" in msg, msg
+        assert "['b'] (1 in all) are stored but may not be listed" in msg, msg
+        assert took < 15, f"took {took:.1f}s: the shard waited for its deadline instead of probing"
+        assert dp.kv_batch_get(["b"], pid)["x"].tolist() == [2]  # stored on its shard, as said
+        with pytest.raises(dp.ShardUnavailableError, match="is dead") as err:  # and now: nothing written
+            dp.kv_put("c", pid, {"x": torch.tensor(3)})
+        assert "committed only in part" not in str(err.value)
 
 
 def test_init_clears_a_broken_store_before_starting_one(ray_cluster):

@@ -114,3 +114,30 @@ def test_placement_is_stable_and_covers_every_key():
     assert set(groups) == {0, 1, 2}
     assert p.shard_of("part", "k7") == HashPlacement(3).shard_of("part", "k7")  # no per-process salt
     assert HashPlacement(1).group("part", keys)[0].tolist() == list(range(100))
+
+
+def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
+    core = IndexCore()
+    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}})
+    res = call(
+        core,
+        "commits",
+        {
+            "items": [
+                {"pid": "p", "keys": ["b"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}},
+                {"pid": "p", "keys": ["c"], "fields": ["x"], "specs": {"x": ["dense", "float32", []]}},
+                {
+                    "pid": "p",
+                    "keys": ["d"],
+                    "fields": ["y"],
+                    "tags": [{"t": 1}],
+                    "specs": {"y": ["dense", "int8", []]},
+                },
+            ]
+        },
+    )["results"]
+    assert res[0] == {"ok": {"fields": ["x"], "tags": [{}]}}
+    name, msg, attrs = res[1]["err"]
+    assert name == "SchemaError" and attrs["field"] == "x" and "float32" in msg
+    assert res[2] == {"ok": {"fields": ["y"], "tags": [{"t": 1}]}}
+    assert sorted(call(core, "list", {"pid": "p"})["list"]["p"]) == ["a", "b", "d"]  # "c" was not recorded

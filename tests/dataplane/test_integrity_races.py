@@ -67,6 +67,14 @@ class Client:
         dp.kv_batch_put([key], pid, {"x": torch.full((1, numel), value)})
         return True
 
+    def recreate(self, pid: str, key: str) -> bool:
+        """Drop ``pid``, then create it again with field x as float32 (one row, ``key``)."""
+        import dataplane as dp
+
+        dp.clear_partition(pid)
+        dp.kv_put(key, pid, {"x": torch.tensor(0.5)})
+        return True
+
     def cycle(self, rounds: int, numel: int, pid_a: str, pid_b: str) -> int:
         """Put 'k' (1.0) to ``pid_a``, clear it, put 's' (2.0) to ``pid_b``, clear it; ``rounds`` times."""
         import dataplane as dp
@@ -313,6 +321,29 @@ def test_new_field_dtype_cannot_split_across_shards(attached):
 
 
 # ---- 4. a put that fails does not half-commit ----------------------------------------------------------
+
+
+def test_a_refused_one_round_trip_put_leaves_nothing_behind(attached, pid):
+    """A small put of a schema this client has seen confirmed is one round trip: its shard stores the
+    row, then commits it in the index. When the index refuses (another process dropped the partition
+    and created it again with another dtype), the shard takes the row back before answering: the put
+    leaves nothing, and the shard then takes the dtype the index decided.
+    Bug guarded: the row stayed on its shard, readable but never listed nor ready."""
+    a, b = keys_on_shards(pid, 2)
+    dp.kv_put(a, pid, {"x": torch.tensor(1)})  # x confirmed as int64 for this client
+    other = Client.remote(STORE)
+    try:
+        assert ray.get(other.recreate.remote(pid, b), timeout=60)  # x is float32 now, on b's shard
+    finally:
+        ray.kill(other)
+    with pytest.raises(dp.SchemaError) as err:
+        dp.kv_put(a, pid, {"x": torch.tensor(2)})
+    assert err.value.field == "x" and "float32" in str(err.value)
+    with pytest.raises(dp.KeyNotFoundError, match=repr(a)):
+        dp.kv_batch_get([a], pid)
+    assert list(dp.kv_list(pid)[pid]) == [b]
+    dp.kv_put(a, pid, {"x": torch.tensor(3.0)})  # the index's dtype, on the shard that refused int64
+    assert dp.kv_batch_get([a, b], pid)["x"].tolist() == [3.0, 0.5]
 
 
 @pytest.mark.parametrize("numel", [4, 300_000], ids=["inline", "shared-memory"])

@@ -342,6 +342,37 @@ def test_seqlen_balanced_sampler_in_the_index_serves_each_rank_its_part():
     assert again == parts[1]
 
 
+def test_seqlen_balanced_sampler_after_finish_ends_every_rank_at_the_same_batch_index():
+    """Once the partition is finished, a last global batch too small to give every rank a row is not
+    split: an empty batch tells a rank the partition is drained, so handing one rank rows and another
+    nothing for the same batch index would make the ranks run different numbers of steps (a data-
+    parallel job then hangs in its next collective). The rows stay ready, not consumed."""
+    core = IndexCore()
+    put(core, "p", [f"k{i}" for i in range(7)], ["x"], tags=[{"length": 10 + i} for i in range(7)])
+    spec = SeqlenBalancedSampler("length", dp_size=4).spec()
+    kw = {"sampler": spec, "dp_size": 4}
+    first = [nxt(core, "p", "t", 1, ["x"], dp_rank=r, batch_index=0, **kw) for r in range(4)]
+    assert [len(p) for p in first] == [1, 1, 1, 1]
+    call(core, "finish", {"pid": "p"})
+    # 3 rows left for 4 ranks: every rank of batch index 1 gets an empty batch, whichever asks first
+    for order in ([3, 0, 1, 2], [0, 1, 2, 3]):
+        got = {r: nxt(core, "p", "t", 1, ["x"], dp_rank=r, batch_index=1, **kw) for r in order}
+        assert got == {0: [], 1: [], 2: [], 3: []}, got
+    counts = call(core, "consumption", {"pid": "p", "task": "t"})
+    assert counts["consumed"] == 4 and counts["ready"] == 3  # left for reset_consumption, not lost
+    # enough left for every rank: the short last batch is split, every rank gets some
+    put(core, "q", [f"k{i}" for i in range(6)], ["x"], tags=[{"length": 10 + i} for i in range(6)])
+    call(core, "finish", {"pid": "q"})
+    parts = [nxt(core, "q", "t", 2, ["x"], dp_rank=r, batch_index=0, **kw) for r in range(4)]
+    assert sorted(len(p) for p in parts) == [1, 1, 2, 2] and len({k for p in parts for k in p}) == 6
+    assert [nxt(core, "q", "t", 2, ["x"], dp_rank=r, batch_index=1, **kw) for r in range(4)] == [[]] * 4
+    # the sampler on its own: the same rule
+    s = SeqlenBalancedSampler("length", dp_size=2)
+    tags = {"a": {"length": 3}}
+    assert s.sample(rows(["a"], tags), 2, dp_rank=0, finished=True) == {0: [], 1: []}
+    assert s.sample(rows([], tags), 2, dp_rank=0, finished=True) == {0: [], 1: []}
+
+
 # ---- IndexCore: bad input is refused and consumes nothing --------------------------------------------------
 
 

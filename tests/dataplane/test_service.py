@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -248,9 +249,15 @@ def test_cli_start_status_stop_and_two_drivers(ray_cluster):
     def rl(*args):
         return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
 
-    started = rl("start", "--shards", "1", "--address", addr, "--capacity", str(64 << 20))
+    started = rl("start", "--shards", "1", "--address", addr, "--capacity", "64M")
     assert started.returncode == 0 and "started store" in started.stdout, started.stdout + started.stderr
+    # what it started, and the line that attaches to it
+    assert "1 shard on 1 node" in started.stdout and "capacity 64.0 MiB" in started.stdout, started.stdout
+    assert f'dp.init(address="{addr}")' in started.stdout, started.stdout
     try:
+        again = rl("start", "--shards", "2", "--address", addr)  # other options: named, exit 1
+        assert again.returncode == 1, again.stdout + again.stderr
+        assert "already running, with other options than asked: --shards 1 (asked 2)" in again.stdout
         other = _run(
             f"""
             import ray, torch, dataplane as dp
@@ -267,7 +274,14 @@ def test_cli_start_status_stop_and_two_drivers(ray_cluster):
         assert dp.kv_batch_get(["from-other"], "shared")["x"].tolist() == [[3.0, 3.0]]
         dp.close()
         status = rl("status", "--address", addr)
-        assert status.returncode == 0 and '"bytes_used"' in status.stdout and "shared" in status.stdout
+        assert status.returncode == 0, status.stdout + status.stderr
+        lines = status.stdout.splitlines()
+        assert "1 shard(s) on 1 node(s)" in lines[0] and "of 64.0 MiB" in lines[0], status.stdout
+        assert lines[1].split()[-1] == "clients" and lines[2].split()[7:9] == ["64.0", "MiB"], status.stdout
+        assert "shared (1 keys)" in status.stdout
+        machine = json.loads(rl("status", "--address", addr, "--json").stdout)
+        assert machine["shards"][0]["capacity_bytes"] == 64 << 20 and machine["address"] == addr
+        assert machine["shards"][0]["clients"] == 0 and machine["partitions"] == {"shared": 1}
     finally:
         dp.close()
         stopped = rl("stop", "--address", addr)

@@ -169,3 +169,64 @@ def test_shard_side_modules_do_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
+    """A ``put_ready`` as ``ShardServer`` serves it: the rows stored, the index commit to send on."""
+    from dataplane import _protocol
+
+    cols = encode_fields(fields, len(keys))
+    bufs: list = []
+    body = {
+        "pid": pid,
+        "keys": keys,
+        "fields": {
+            n: {
+                "spec": _wire.spec_to_wire(c.spec),
+                "nbytes": len(c.data),
+                "col": _wire.column_to_wire(c, bufs),
+            }
+            for n, c in cols.items()
+        },
+        "tags": tags,
+    }
+    frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]
+    typed = _protocol.decode_body("put_ready", msgspec.msgpack.encode(body), _protocol.SHARD_OPS)
+    return core.put_ready(typed, frames)
+
+
+def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
+    core = ShardCore(0)
+    with pytest.raises(Exception, match="served by the shard's server"):  # never through ShardCore.handle
+        call(core, "put_ready", {"pid": "p", "keys": ["a"], "fields": {}}, [])
+    commit, _ = _put_ready(core, "p", ["a", "b"], {"x": torch.tensor([1, 2])}, tags=[{"t": 1}, None])
+    # the index commit names what this shard stored, with the client's tags, nothing else
+    assert commit == {
+        "pid": "p",
+        "keys": ["a", "b"],
+        "fields": ["x"],
+        "tags": [{"t": 1}, None],
+        "specs": {"x": ("dense", "int64", [])},
+    }
+    body, frames = _get(core, "p", ["a", "b"])  # readable before the index is asked
+    assert np.frombuffer(
+        _wire.column_from_wire(body["fields"]["x"]["col"], frames).data, np.int64
+    ).tolist() == [
+        1,
+        2,
+    ]
+    used = core.stats()["bytes_used"]
+    # a refused put of a new field y to "a" and a new key "c": only what that put wrote goes
+    _, undo = _put_ready(core, "p", ["a", "c"], {"y": torch.tensor([1.5, 2.5])})
+    # meanwhile a later put replaced "c"'s y: the undo must leave that one alone
+    _, later = _put_ready(core, "p", ["c"], {"y": torch.tensor([9.0])})
+    core.undo_put(undo)
+    assert set(core.partitions["p"].rows["a"]) == {"x"} and set(core.partitions["p"].rows["c"]) == {"y"}
+    assert "y" in core.partitions["p"].specs  # still held by "c"
+    core.undo_put(later)
+    assert "c" not in core.partitions["p"].rows and "y" not in core.partitions["p"].specs
+    assert core.stats()["bytes_used"] == used
+    # a refused put into a partition it created leaves no partition behind
+    _, undo = _put_ready(core, "q", ["a"], {"x": torch.tensor([1.0])})
+    core.undo_put(undo)
+    assert "q" not in core.partitions and core.stats()["partitions"] == {"p": 2}

@@ -66,6 +66,17 @@ class Peer:
             dp.kv_batch_put(ks, pid, {"b": _col(ks, 2.0)})
         return len(keys)
 
+    def put_rows(self, pid: str, keys: list[str]) -> list[str]:
+        """``kv_put`` each key (fields "a" and "b" = 2 * a): small puts, one round trip each once this
+        process has seen the schema confirmed. Returns the keys that were not listed by the index when
+        their put returned (read-after-write: none)."""
+        unlisted = []
+        for i, k in enumerate(keys):
+            dp.kv_put(k, pid, {"a": torch.tensor(float(_num(k))), "b": torch.tensor(2.0 * _num(k))})
+            if i % 8 == 0 and k not in dp.kv_list(pid).get(pid, {}):
+                unlisted.append(k)
+        return unlisted
+
     def drain(self, pid: str, task: str, batch_size: int, fields: list[str], **kw) -> dict:
         """Take batches until the (finished) partition gives an empty one, reading each batch back:
         ``{"batches": keys per batch, "unreadable": errors of reads that found a row incomplete}``."""
@@ -153,6 +164,31 @@ def test_concurrent_producers_and_consumers_take_every_row_once_per_task(attache
     print({f"{task}/{i}": sum(map(len, r["batches"])) for (task, i), r in got.items()})
     unreadable = [e for r in got.values() for e in r["unreadable"]]  # see test_a_row_handed_out_...
     assert not unreadable, f"{len(unreadable)} batches were not readable at once: {unreadable[:2]}"
+
+
+def test_one_key_puts_of_concurrent_writers_are_ready_once_and_readable_at_once(attached, peers, pid):
+    """A 1-key put of a known schema is one round trip: its shard stores the row, then commits it in
+    the index (the puts of concurrent writers batched into one index request) and only then answers.
+    Three writer processes put at once while a fourth drains: every row is taken exactly once and is
+    readable the moment it is handed out, and every put returned only once its row was listed."""
+    writers, consumer = peers[:3], peers[3]
+    keys = [_keys(f"w{i}", 60, start=100 * i) for i in range(3)]
+    before = dp.stats()["shards"]
+    draining = consumer.drain.remote(pid, "t", 7, ["a", "b"])
+    unlisted = ray.get([w.put_rows.remote(pid, ks) for w, ks in zip(writers, keys, strict=True)], timeout=120)
+    assert unlisted == [[], [], []], f"puts returned before the index listed their rows: {unlisted}"
+    dp.finish_partition(pid)
+    got = ray.get(draining, timeout=60)
+    assert not got["unreadable"], got["unreadable"][:2]
+    taken = [k for b in got["batches"] for k in b]
+    assert sorted(taken) == sorted(k for ks in keys for k in ks) and len(set(taken)) == len(taken)
+    after = dp.stats()["shards"]
+    puts, batches = (
+        sum(a[n] - b[n] for a, b in zip(after, before, strict=True)) for n in ("ready_puts", "ready_batches")
+    )
+    # every put but each writer's first (which has the schema confirmed) took one round trip
+    assert puts == 3 * 59 and 1 <= batches <= puts, (puts, batches)
+    print(f"{puts} one-round-trip puts in {batches} index requests")
 
 
 def test_a_row_handed_out_is_readable_at_once(attached, pid):

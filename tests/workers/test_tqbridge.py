@@ -102,6 +102,17 @@ def test_wrong_batch_size_names_the_method(meta) -> None:
         BridgeWorker().wrong_size(meta)
 
 
+def test_stale_meta_is_one_short_error(meta) -> None:
+    dp.kv_clear(meta.keys[:1], meta.partition_id)
+    with pytest.raises(dp.StaleMetaError, match=r"add_one got a stale KVBatchMeta: key 'k0' is") as info:
+        BridgeWorker().add_one(meta)
+    assert isinstance(info.value, dp.KeyNotFoundError) and info.value.key == "k0"
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no store internals chained
+    dp.clear_partition(meta.partition_id)
+    with pytest.raises(dp.PartitionNotFoundError, match=rf"partition '{meta.partition_id}' was cleared"):
+        BridgeWorker().add_one(meta)
+
+
 def test_empty_meta_gives_an_empty_batch_without_a_store_read(store) -> None:
     before = traffic()["read_bytes"]
     empty = dp.KVBatchMeta([], partition_id="nowhere", extra_info={"scale": 2})
@@ -137,8 +148,24 @@ def test_group_metrics_per_rank(pair, meta) -> None:
 
 
 def test_group_error_reaches_the_driver(pair, meta) -> None:
-    with pytest.raises(Exception, match="wrong_size"):
+    import pickle
+
+    with pytest.raises(BridgeError, match=r"wrong_size returned a TensorDict of batch size 4 for a") as info:
         pair.wrong_size(meta)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)  # the message, not the args
+
+
+def test_group_call_with_a_stale_meta_reports_one_line(pair, meta) -> None:
+    from controlplane import WorkerCallError
+
+    dp.clear_partition(meta.partition_id)
+    with pytest.raises(WorkerCallError) as info:
+        pair.add_one(meta)
+    err = info.value
+    assert isinstance(err, dp.StaleMetaError) and err.failed_ranks == [0, 1]
+    assert str(err).startswith("BridgeWorker.add_one failed on ranks 0, 1 of 2; rank 0 raised StaleMetaError")
+    assert "\n" not in str(err) and err.__cause__ is None  # the worker's traceback is not chained
+    assert "pass the meta a put returned after the clear" in str(err)
 
 
 # ---- @register alone bridges (verl's register wraps every method with the bridge) --------------

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 from workers import DriverDataError, MetadataOnlyGroup
-from workers import trainer as trainer_module
+from workers import demo as demo_module
 from workers.cli import build_parser
 from workers.trainer import STREAM_TASKS, GRPOTrainer, TrainerConfig
 
@@ -104,18 +104,23 @@ def test_reward_improves_over_a_short_run(store) -> None:
 
 
 @pytest.mark.slow
-def test_demo_cli_writes_the_summary(tmp_path) -> None:
+def test_demo_cli_runs_one_step_and_says_the_rise_was_not_judged(tmp_path) -> None:
     # Its own process: the demo starts and stops a local Ray, which a test session must not do.
+    # One step: the smallest run must work, exit 0, and say that a rise cannot be judged.
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "workers.cli", "demo", "--steps", "2", "--summary", str(out)]
+    cmd = [sys.executable, "-m", "workers.cli", "demo", "--steps", "1", "--summary", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert out.exists(), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.exists(), proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     for key in ("steps", "reward_first", "reward_last", "driver_bytes", "store_bytes", "steps_per_s"):
         assert key in summary
-    assert summary["steps"] == 2
-    assert "mean reward, end" in proc.stdout
+    assert summary["steps"] == 1 and summary["reward_window"] == 1
+    assert summary["setup_seconds"] > 0 and summary["startup_seconds"] > 0 and summary["seconds"] > 0
+    rows = ("mean reward, last 10% of steps", "reward range", "setup, s", "training, s", "bytes via store")
+    for row in rows:
+        assert row in proc.stdout, proc.stdout
+    assert "whether the reward rises was not judged" in proc.stdout
 
 
 def test_stream_config_is_checked() -> None:
@@ -174,7 +179,7 @@ def test_demo_both_modes_in_process_writes_summary_and_timeline(store, tmp_path)
     # Ray and the store are already up in this process: the demo attaches and leaves them running.
     out = tmp_path / "demo-summary.json"
     args = build_parser().parse_args(["demo", "--steps", "2", "--mode", "both", "--summary", str(out)])
-    trainer_module.cli(args)
+    assert demo_module.cli(args) in (0, 1)  # learning in 2 steps is not the point here
     record = json.loads(out.read_text())
     assert record["mode"] == "both" and set(record["runs"]) == {"sync", "stream"}
     for mode, summary in record["runs"].items():
@@ -195,7 +200,7 @@ def test_colocated_roles_in_a_driver_actor(store, tmp_path) -> None:
     itself in a Ray actor (TaskRunner); the driver only waits for the summary."""
     out = tmp_path / "actor-summary.json"
     argv = ["demo", "--steps", "2", "--colocate", "--driver-actor", "--mode", "both", "--summary", str(out)]
-    trainer_module.cli(build_parser().parse_args(argv))
+    demo_module.cli(build_parser().parse_args(argv))
     record = json.loads(out.read_text())
     for mode, summary in record["runs"].items():
         assert summary["mode"] == mode and summary["steps"] == 2, mode

@@ -73,7 +73,7 @@ def clipped_pg_loss(
     Example:
         >>> z = torch.zeros(1, 2, requires_grad=True)
         >>> loss, frac = clipped_pg_loss(z, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.2)
-        >>> float(loss), float(frac)
+        >>> loss.item(), frac.item()
         (-1.0, 0.0)
     """
     ratio = torch.exp(log_probs - old_log_probs)

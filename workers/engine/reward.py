@@ -31,9 +31,11 @@ class PatternReward:
     Example:
         >>> task = CountingTask(vocab_size=8, prompt_len=2, response_len=3)
         >>> reward = PatternReward(task)
-        >>> p = torch.tensor([[2, 3]]); r = torch.tensor([[4, 5, 2]])
-        >>> reward.score(p, r, torch.ones(1, 3)).tolist()
+        >>> p = torch.tensor([[2, 3]])            # content tokens 2..7 form a cycle: 7 -> 2
+        >>> reward.score(p, torch.tensor([[4, 5, 6]]), torch.ones(1, 3)).tolist()
         [1.0]
+        >>> round(reward.score(p, torch.tensor([[4, 5, 2]]), torch.ones(1, 3)).item(), 3)  # 5 -> 2 misses
+        0.667
     """
 
     def __init__(self, task: CountingTask) -> None:

@@ -1,0 +1,376 @@
+"""The ``rlplane`` command line: help, version, sizes, addresses, the store's and the demo's output.
+
+Most of it is tested on the functions that parse and format, without Ray. The commands themselves
+run in subprocesses elsewhere: ``tests/dataplane/test_service.py`` (``store start|status|stop`` on
+the session's cluster) and ``tests/workers/test_trainer.py`` (``demo --steps 1``).
+
+Authentication: the session's Ray cluster does not use token authentication, so a refused token
+is tested on ``classify_failure`` with the text Ray 2.60 writes. It was captured from a real head
+(``RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<a> ray start --head --port 6399``) joined with another token
+(``RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<b> rlplane store start --address 127.0.0.1:6399``), which
+printed the one ``ClusterAuthError`` line and exited 1 within two seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import socket
+from importlib import metadata
+
+import pytest
+
+from dataplane import _connect
+from dataplane._service_cli import describe, format_status, option_differences
+from dataplane._units import format_bytes, parse_size
+from dataplane.errors import ClusterAuthError, ClusterConnectError
+from workers.cli import build_parser
+from workers.demo import format_summary, judge, reward_window
+
+# What Ray 2.60 wrote when a head refused this process's token (see the module docstring).
+RAY_REFUSED_LOG = (
+    "[2026-12-02 02:44:04,930 W 13126 13126] gcs_client.cc:210: Failed to get cluster ID from GCS server: "
+    "Unauthenticated: RPC error: InvalidAuthToken: Authentication token is missing or incorrect"
+)
+RAY_REFUSED_EXC = "ConnectionError: Failed to connect to Ray cluster at 192.0.2.2:6399"
+RAY_NO_TOKEN_EXC = (
+    "AuthenticationError: Token authentication is enabled but no authentication token was found"
+)
+RAY_TIMEOUT_LOG = (
+    "gcs_client.cc:210: Failed to get cluster ID from GCS server: TimedOut: Timed out while waiting for GCS "
+    "to become available."
+)
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_plain_text_with_defaults(capsys) -> None:
+    texts = {
+        argv: _help(capsys, *argv)
+        for argv in [
+            (),
+            ("store",),
+            ("store", "start"),
+            ("store", "status"),
+            ("store", "stop"),
+            ("demo",),
+            ("bench",),
+        ]
+    }
+    for argv, text in texts.items():
+        assert "``" not in text, f"rlplane {' '.join(argv)} --help shows docstring markup:\n{text}"
+    start, demo = texts[("store", "start")], texts[("demo",)]
+    assert (
+        "(default: auto)" in start and "(default: unlimited)" in start and "one per alive Ray node" in start
+    )
+    assert "(default: local)" in demo and "(default: 40)" in demo
+    flat = " ".join(demo.split())
+    assert "--seed SEED seed of the model weights" in flat and "(default: 0)" in flat
+    # --address: one meaning, said in each command's help
+    for argv in [("store", "start"), ("store", "status"), ("store", "stop"), ("demo",)]:
+        flat = " ".join(texts[argv].split())
+        assert "auto = the running cluster" in flat and "HOST:PORT = the cluster whose head" in flat, argv
+    assert "local = a new Ray" in " ".join(demo.split())
+    assert "exit status" in " ".join(demo.split()) and "not judged" in " ".join(demo.split())
+
+
+def test_version_comes_from_the_package_metadata(capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rlplane {metadata.version('rlplane')}"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4096", 4096),
+        ("1G", 1 << 30),
+        ("1gb", 1 << 30),
+        ("1GiB", 1 << 30),
+        ("512MiB", 512 << 20),
+        ("512m", 512 << 20),
+        ("2GB", 2 << 30),
+        ("1.5G", 3 << 29),
+        ("64K", 64 << 10),
+        ("100B", 100),
+    ],
+)
+def test_sizes_parse_in_powers_of_1024(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+    args = build_parser().parse_args(["store", "start", "--capacity", text])
+    assert args.capacity == expected
+
+
+@pytest.mark.parametrize("bad", ["1X", "G", "-1G", "0", "1.3", "ten", "1iB", ""])
+def test_a_bad_size_is_refused_naming_it(bad: str, capsys) -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(bad)
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["store", "start", f"--capacity={bad}"])  # "=": "-1G" is a value
+    assert done.value.code == 2
+    assert f"--capacity: invalid size {bad!r}" in capsys.readouterr().err
+
+
+def test_sizes_print_in_binary_units() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1536, 3 << 20, 3 << 30, None)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "3.00 GiB",
+        "unlimited",
+    ]
+
+
+def test_steps_must_be_at_least_one(capsys) -> None:
+    assert build_parser().parse_args(["demo", "--steps", "1"]).steps == 1
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["demo", "--steps", bad])
+        assert "--steps" in capsys.readouterr().err
+
+
+def test_address_forms() -> None:
+    assert _connect.parse_address("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert _connect.parse_address("head.example:1234") == ("head.example", 1234)
+    for form in (None, "local", "auto"):
+        assert _connect.parse_address(form) is None
+    for bad in ("10.0.0.5", "ray://10.0.0.5:10001", ":6379", "host:0", "host:99999", "localx"):
+        with pytest.raises(ValueError, match="HOST:PORT") as err:
+            _connect.parse_address(bad)
+        assert repr(bad) in str(err.value)
+
+
+def test_a_refused_token_is_named_as_such() -> None:
+    assert _connect.classify_failure(f"{RAY_REFUSED_EXC}\n{RAY_REFUSED_LOG}\n{RAY_REFUSED_LOG}") == "refused"
+    assert _connect.classify_failure(RAY_NO_TOKEN_EXC) == "no_token"
+    assert _connect.classify_failure(f"{RAY_REFUSED_EXC}\n{RAY_TIMEOUT_LOG}") == "unreachable"
+    err = _connect.failure_error("10.0.0.5:6379", "refused", "Ray: InvalidAuthToken")
+    assert isinstance(err, ClusterAuthError) and isinstance(err, ConnectionError)
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) and again.address == "10.0.0.5:6379"
+    text = str(again)
+    assert "\n" not in text and "10.0.0.5:6379" in text and "refused" in text
+    assert "RAY_AUTH_TOKEN" in text and "RAY_AUTH_MODE=token" in text
+    missing = _connect.failure_error("auto", "unreachable", "Ray: no cluster")
+    assert type(missing) is ClusterConnectError and "ray start --head" in str(missing)
+
+
+def test_ray_log_lines_written_to_fd2_are_captured() -> None:
+    with _connect.captured_stderr() as lines:
+        os.write(2, f"{RAY_REFUSED_LOG}\n".encode())
+    assert lines == [RAY_REFUSED_LOG]
+
+
+def test_nothing_listening_is_reported_at_once() -> None:
+    with socket.socket() as s:  # a port nothing listens on: bound, never listened
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(ClusterConnectError, match="no Ray cluster answers at 127.0.0.1") as err:
+            _connect.probe(address, timeout_s=5)
+    assert not isinstance(err.value, ClusterAuthError) and err.value.address == address
+
+
+_REGISTRY = {
+    "config": {"name": "dataplane", "capacity_bytes": 1 << 30, "encrypt": False},
+    "shards": [
+        {"tcp": "tcp://10.0.0.5:4000", "node_id": "ab12cd34ef56"},
+        {"tcp": "tcp://10.0.0.6:4000", "node_id": "99aa88bb77cc"},
+    ],
+}
+
+
+def test_start_describes_the_store_and_names_options_that_differ() -> None:
+    text = describe(_REGISTRY)
+    assert text.startswith("store 'dataplane': 2 shards on 2 nodes (10.0.0.5, 10.0.0.6)")
+    assert "capacity 1.00 GiB (512.0 MiB per shard)" in text
+    same = {"shards": 2, "capacity": 1 << 30, "encrypt": None}
+    assert option_differences(_REGISTRY, same) == []
+    assert option_differences(_REGISTRY, {"shards": None, "capacity": None, "encrypt": None}) == []
+    differ = option_differences(_REGISTRY, {"shards": 3, "capacity": 512 << 20, "encrypt": True})
+    assert differ == [
+        "--shards 2 (asked 3)",
+        "--capacity 1.00 GiB (asked 512.0 MiB)",
+        "--encrypt off (asked on)",
+    ]
+
+
+def test_status_is_a_table() -> None:
+    shards = [
+        {
+            "shard": i,
+            "host": f"10.0.0.{5 + i}",
+            "node_id": f"{i}bcdef0123",
+            "bytes_used": used,
+            "bytes_resident": used + (1 << 20),
+            "capacity_bytes": None,
+            "partitions": {"step0": 3 + i},
+        }
+        for i, used in enumerate((3 << 20, 5 << 30))
+    ]
+    stats = {
+        "name": "dataplane",
+        "shards": shards,
+        "partitions": {"step0": 7},
+        "bytes_used": (3 << 20) + (5 << 30),
+    }
+    lines = format_status(stats, [2, None], "10.0.0.5:6379").splitlines()
+    assert "2 shard(s) on 2 node(s)" in lines[0] and "5.00 GiB used of unlimited" in lines[0]
+    assert lines[1].split() == [
+        "shard",
+        "node",
+        "used",
+        "in",
+        "memory",
+        "capacity",
+        "partitions",
+        "rows",
+        "clients",
+    ]
+    assert lines[2].split() == [
+        "0",
+        "10.0.0.5",
+        "(0bcdef01)",
+        "3.0",
+        "MiB",
+        "4.0",
+        "MiB",
+        "unlimited",
+        "1",
+        "3",
+        "2",
+    ]
+    assert lines[3].split()[-1] == "?"  # a shard that did not say how many clients it has
+    assert "step0 (7 keys)" in lines[4]
+    assert not any("null" in line or "None" in line for line in lines)
+
+
+def _summary(steps: int, first: float, last: float) -> dict:
+    return {
+        "mode": "sync",
+        "steps": steps,
+        "reward_window": reward_window(steps),
+        "reward_first": first,
+        "reward_last": last,
+        "reward_history": [first, last],
+        "samples_per_step": 8,
+        "steps_per_s": 2.0,
+        "seconds": 3.0,
+        "setup_seconds": 2.0,
+        "startup_seconds": 1.5,
+        "driver_bytes": 10,
+        "store_bytes": 5000,
+    }
+
+
+def test_demo_says_whether_the_reward_rose() -> None:
+    assert [reward_window(n) for n in (1, 2, 9, 10, 40, 41)] == [1, 1, 1, 1, 4, 4]
+    status, line = judge(_summary(40, 0.1, 0.7))
+    assert status == 0 and "rose" in line and "first 4 steps" in line
+    status, line = judge(_summary(40, 0.5, 0.5))
+    assert status == 1 and "did not rise" in line and "exit status 1" in line
+    status, line = judge(_summary(1, 0.2, 0.2))
+    assert status == 0 and "not judged" in line
+
+
+def test_demo_summary_says_what_it_shows() -> None:
+    table = format_summary(_summary(40, 0.1, 0.7))
+    rows = {
+        line.split("|")[0].strip(): line.split("|")[1].strip() for line in table.splitlines() if "|" in line
+    }
+    assert rows["mean reward, first 10% of steps"] == "0.100  (steps 1-4)"
+    assert rows["mean reward, last 10% of steps"] == "0.700  (steps 37-40)"
+    assert rows["reward range (per-step means)"] == "0.100 .. 0.700"
+    assert rows["setup, s"] == "3.5  (Ray and store 1.5, workers and model 2.0)"
+    assert rows["training, s"] == "3.0" and rows["steps/s (training)"] == "2.00"
+    assert rows["bytes via store"] == "5,000  (4.9 KiB)"
+
+
+def test_init_says_what_it_did(ray_session, caplog) -> None:
+    from dataplane import api
+    from dataplane.meta import StoreInfo
+
+    info = StoreInfo("rlplane", 2, ("n1", "n1"), owned=True, capacity_bytes=1 << 30, extra={"name": "s"})
+    with caplog.at_level(logging.INFO, logger="dataplane"):
+        api._announce(info)
+        api._announce(StoreInfo("rlplane", 1, ("n1",), owned=False, extra={"name": "s"}))
+    said = [r.getMessage() for r in caplog.records if r.name == "dataplane.api"]
+    assert said[0].startswith("started an embedded store 's' (2 shard(s) on 1 node(s), capacity 1.00 GiB")
+    assert said[1].startswith("attached to store 's' (1 shard(s) on 1 node(s), capacity unlimited")
+    # A program that configured no logging still sees the line: the package logger gets a handler.
+    root, package = logging.getLogger(), logging.getLogger("dataplane")
+    saved = root.handlers[:], package.handlers[:], package.level
+    try:
+        root.handlers[:], package.handlers[:] = [], []
+        package.setLevel(logging.NOTSET)
+        api._ensure_visible()
+        assert package.level == logging.INFO and len(package.handlers) == 1
+        assert isinstance(package.handlers[0], logging.StreamHandler)
+        api._ensure_visible()  # once only
+        assert len(package.handlers) == 1
+    finally:
+        root.handlers[:], package.handlers[:] = saved[0], saved[1]
+        package.setLevel(saved[2])  # also clears the loggers' cached levels
+
+
+def test_store_cli_refuses_local_for_status(capsys) -> None:
+    from dataplane import _service_cli
+
+    args = argparse.Namespace(store_action="status", address="local", json=False)
+    assert _service_cli.cli(args) == 2
+    assert "holds no store" in capsys.readouterr().out
+
+
+def test_init_refuses_an_address_of_another_cluster(ray_session) -> None:
+    import ray
+
+    import dataplane as dp
+
+    here = ray.get_runtime_context().gcs_address
+    with pytest.raises(ValueError, match="already joined the Ray cluster at") as err:
+        dp.init(address="127.0.0.1:1")  # a port no Ray head uses
+    assert here in str(err.value) and "127.0.0.1:1" in str(err.value)
+
+
+def test_a_store_server_counts_its_open_connections() -> None:
+    """What ``store status`` shows as a shard's clients: connections open now, closed ones gone."""
+    import time
+
+    import zmq
+
+    from dataplane._auth import Credentials, secure_client
+    from dataplane._server import ZmqServer
+
+    def settles_at(n: int) -> bool:
+        deadline = time.monotonic() + 10
+        while server.connections != n and time.monotonic() < deadline:
+            time.sleep(0.01)  # the server thread counts from zmq's socket events
+        return server.connections == n
+
+    creds = Credentials.new(encrypt=False)
+    server = ZmqServer(lambda op, body, bufs: ({}, []), "127.0.0.1", "count", creds).start()
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for endpoint in (server.ipc, server.tcp):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, creds.for_clients(), False)
+            sock.connect(endpoint)
+            socks.append(sock)
+        assert settles_at(2), server.connections
+        socks.pop().close()
+        assert settles_at(1), server.connections
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+        ctx.term()
