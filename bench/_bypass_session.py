@@ -51,6 +51,7 @@ class Session:
         self.paths = [p for p in cfg.paths if p != "tq"]
         self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its pool), until stopped
         self._spawned: dict[int, Any] = {}  # consumer groups started ahead, by size
+        self._attached: dict[int, list[dict[str, Any]]] = {}  # and where their workers run
         self.setup_s: dict[str, float] = {}  # seconds per phase outside the timed steps
         self._stack = contextlib.ExitStack()
 
@@ -59,17 +60,20 @@ class Session:
         cfg = self.cfg
         try:
             self._timed("ray", self._start_ray)
-            self._timed("store", self._start_store)
-            # TransferQueue starts actors of its own (seconds on a small host): it comes up while
-            # the worker processes start; their setup, which attaches to it, waits for it.
+            # Everything slow to start overlaps: TransferQueue's actors come up while the store and
+            # the worker processes start, and each group's attach (imports, store client) is sent
+            # as soon as the group stands; only their TransferQueue clients wait for TransferQueue.
             tq_start = None
             if "tq" in cfg.paths:
                 self._stack.callback(self._close_tq)  # before the groups': they detach from it first
                 tq_start = _Background(self._start_tq, "TransferQueue start (tq.init)")
             try:
+                self._timed("store", self._start_store)
                 self.producers = self._timed("producers", lambda: self._spawn(BypassProducer, cfg.producers))
+                attaching = [self.producers.attach(*self._attach_args)]
                 first = cfg.workers[0]
                 self._spawned[first] = self._timed("consumers", lambda: self._spawn(BypassConsumer, first))
+                attaching.append(self._spawned[first].attach(*self._attach_args))
             except BaseException:
                 if tq_start is not None:
                     tq_start.wait(cfg.call_timeout_s)  # let it finish before tearing down under it
@@ -82,7 +86,9 @@ class Session:
             self.raw = cfg.raw_zmq if cfg.raw_zmq is not None else (cfg.transport == "zmq" or multi_node)
             if self.raw:
                 self.paths.append(RAW)
-            self.producer_nodes = self._timed("producers", lambda: self._setup(self.producers))
+            self.producer_nodes, self._attached[first] = self._timed(
+                "attach", lambda: self._finish_attach([self.producers, self._spawned[first]], attaching)
+            )
         except BaseException:
             self._stack.close()
             raise
@@ -178,10 +184,27 @@ class Session:
         self._stack.callback(self._stop, wg)
         return wg
 
-    def _setup(self, wg: Any) -> list[dict[str, Any]]:
-        """Attach a group's workers to the store (and TransferQueue); where each one runs."""
-        nodes = wg.setup(self.store_name, DP_TRANSPORT[self.cfg.transport], self.tq is not None)
-        log.info("%d workers on %s", len(nodes), sorted({n["node_ip"] for n in nodes}))
+    @property
+    def _attach_args(self) -> tuple[str, str]:
+        return self.store_name, DP_TRANSPORT[self.cfg.transport]
+
+    def _finish_attach(self, groups: list[Any], attaching: list[list[Any]]) -> list[list[dict[str, Any]]]:
+        """Wait for the groups' ``attach`` calls (then attach them to TransferQueue); where workers run."""
+        import ray
+
+        pending = [ref for refs in attaching for ref in refs]
+        if self.tq is not None:
+            pending += [ref for wg in groups for ref in wg.attach_tq()]
+        try:
+            ray.get(pending, timeout=self.cfg.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            took = self.cfg.call_timeout_s
+            raise TimeoutError(
+                f"bypass: workers did not attach to store {self.store_name!r} within {took:.0f} s"
+            ) from None
+        nodes = [ray.get(refs) for refs in attaching]
+        for found in nodes:
+            log.info("%d workers on %s", len(found), sorted({n["node_ip"] for n in found}))
         return nodes
 
     def _stop(self, wg: Any) -> None:
@@ -193,7 +216,9 @@ class Session:
         """A consumer group of ``n`` workers for the points of one group size; stopped afterwards."""
         wg = self._spawned.pop(n, None) or self._timed("consumers", lambda: self._spawn(BypassConsumer, n))
         try:
-            nodes = self._timed("consumers", lambda: self._setup(wg))
+            nodes = self._attached.pop(n, None) or self._timed(
+                "attach", lambda: self._finish_attach([wg], [wg.attach(*self._attach_args)])[0]
+            )
             yield wg, nodes
         finally:
             self._timed("teardown", lambda: self._stop(wg))

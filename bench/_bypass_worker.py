@@ -39,19 +39,16 @@ class _BypassWorker(Worker):
         self.tq: Any = None
         self.rows = RowBuffers()
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def setup(self, store_name: str, transport: str, use_tq: bool) -> dict[str, Any]:
-        """Attach to the driver's store (never start one) and, if asked, to TransferQueue; untimed."""
+    # Not blocking: the driver starts every group's attach at once and waits for them together, so
+    # the workers' imports (torch, the store's client) overlap instead of running group by group.
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def attach(self, store_name: str, transport: str) -> dict[str, Any]:
+        """Attach to the driver's store (never start one); return where this worker runs. Untimed."""
         import ray
 
         import dataplane as dp
 
         info = dp.init(attach_only=True, name=store_name, transport=transport)
-        if use_tq:
-            import transfer_queue as tq
-
-            tq.init()  # finds the driver's controller and only makes this process's client
-            self.tq = tq
         ctx = ray.get_runtime_context()
         return {
             "rank": self.rank,
@@ -60,6 +57,14 @@ class _BypassWorker(Worker):
             "node_ip": _node_ip(),
             "store_transport": info.transport,  # shm, zmq or mixed: this worker's path to the shards
         }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def attach_tq(self) -> None:
+        """Make this process's TransferQueue client (the driver's controller must run). Untimed."""
+        import transfer_queue as tq
+
+        tq.init()  # finds the driver's controller and only makes this process's client
+        self.tq = tq
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_seq(self, seq: int) -> None:
@@ -99,7 +104,7 @@ class BypassProducer(_BypassWorker):
 
     Example:
         >>> producers = RayWorkerGroup(pool, RayClassWithInitArgs(BypassProducer, seq=4096))
-        >>> producers.setup("bench-bypass", "auto", False)
+        >>> ray.get(producers.attach("bench-bypass", "auto"))
         >>> batch = producers.produce_classic(prompts, 0)   # the rows, concatenated in the driver
     """
 
@@ -134,7 +139,7 @@ class BypassConsumer(_BypassWorker):
 
     Example:
         >>> consumers = RayWorkerGroup(pool, RayClassWithInitArgs(BypassConsumer, seq=4096))
-        >>> consumers.setup("bench-bypass", "auto", False)
+        >>> ray.get(consumers.attach("bench-bypass", "auto"))
         >>> meta = consumers.step(meta, 0)   # bridged: fetch, compute, write back, return the meta
     """
 
