@@ -216,7 +216,8 @@ def render(result: Report) -> str:
         width = max(len(c.name) for c in checks)
         lines.append(f"{'check':<{width}}  {'value':>7}  target   verdict")
         for c in checks:
-            lines.append(f"{c.name:<{width}}  {_common.fmt(c.value):>7}  {c.op} {_common.fmt(c.target):<5}  {c.verdict}")
+            value, target = _common.fmt(c.value), _common.fmt(c.target)
+            lines.append(f"{c.name:<{width}}  {value:>7}  {c.op} {target:<5}  {c.verdict}")
     placed: dict[int, dict[str, Any]] = {}
     for r in result.records:
         nodes, ids = r.get("nodes") or {}, r.get("node_ids") or {}

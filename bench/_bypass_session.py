@@ -110,7 +110,7 @@ class Session:
 
         if ray.is_initialized():
             return
-        from dataplane._connect import connect  # one meaning of --address in every rlplane command
+        from dataplane.service.connect import connect  # one meaning of --address in every rlplane command
 
         cfg = self.cfg
         if cfg.address not in (None, "local"):

@@ -142,7 +142,7 @@ class BypassConfig:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
         if self.address is not None:
-            from dataplane._connect import parse_address
+            from dataplane.service.connect import parse_address
 
             parse_address(self.address)  # raises ValueError naming the forms that work
         for payload in self.payloads:

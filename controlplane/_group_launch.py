@@ -48,9 +48,17 @@ def start_group(
         master = master_addr_port(slots[0])
     wg._master_addr, wg._master_port = master[0], str(master[1])
     workers, names = launch_workers(
-        wg.ray_cls_with_init, places, prefix=wg.name_prefix, master=(master[0], int(master[1])),
-        use_gpu=use_gpu, num_gpus=1.0 / pool.max_colocate_count, num_cpus=num_cpus,
-        detached=detached, worker_env=worker_env, namespace=namespace, device_name=device_name,
+        wg.ray_cls_with_init,
+        places,
+        prefix=wg.name_prefix,
+        master=(master[0], int(master[1])),
+        use_gpu=use_gpu,
+        num_gpus=1.0 / pool.max_colocate_count,
+        num_cpus=num_cpus,
+        detached=detached,
+        worker_env=worker_env,
+        namespace=namespace,
+        device_name=device_name,
     )
     wg._set_workers(workers, names)
     try:
@@ -59,5 +67,3 @@ def start_group(
         wg.kill()
         raise
     logger.info("group %s: %d workers ready (%s)", wg.name_prefix, len(workers), names)
-
-

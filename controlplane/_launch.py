@@ -22,8 +22,15 @@ logger = logging.getLogger(__name__)
 
 # Environment a group sets for each rank; user-provided worker_env may not override these.
 PROTECTED_ENV = (
-    "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "WG_PREFIX", "WG_BACKEND", "RAY_LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WG_PREFIX",
+    "WG_BACKEND",
+    "RAY_LOCAL_WORLD_SIZE",
 )
 
 
@@ -81,8 +88,9 @@ def places_for(slots: Sequence[BundleSlot], node_ids: Sequence[str] | None = Non
             index_in_pg += 1
         else:
             pg_index, index_in_pg = pg_index + 1, 0
-        places.append(RankPlace(rank, pg_index, index_in_pg, local[rank][0], local[rank][1], slot,
-                                node_ids[rank]))
+        places.append(
+            RankPlace(rank, pg_index, index_in_pg, local[rank][0], local[rank][1], slot, node_ids[rank])
+        )
     return places
 
 
@@ -110,8 +118,15 @@ def check_worker_env(worker_env: dict[str, str] | None) -> None:
         raise ValueError(f"worker_env may not override the group's environment variables {clash}")
 
 
-def rank_env(place: RankPlace, world_size: int, master: tuple[str, int], prefix: str,
-             worker_env: dict[str, str] | None, *, accelerator: bool = False) -> dict[str, str]:
+def rank_env(
+    place: RankPlace,
+    world_size: int,
+    master: tuple[str, int],
+    prefix: str,
+    worker_env: dict[str, str] | None,
+    *,
+    accelerator: bool = False,
+) -> dict[str, str]:
     """The environment variables of one rank (user ``worker_env`` first, protected keys last).
 
     ``accelerator``: the rank gets a device, so ``LOCAL_RANK`` is its device index among the
@@ -119,17 +134,19 @@ def rank_env(place: RankPlace, world_size: int, master: tuple[str, int], prefix:
     """
     check_worker_env(worker_env)
     env = {k: str(v) for k, v in (worker_env or {}).items()}
-    env.update({
-        "WORLD_SIZE": str(world_size),
-        "RANK": str(place.rank),
-        "LOCAL_WORLD_SIZE": str(place.local_world_size),
-        "LOCAL_RANK": "0" if accelerator else str(place.local_rank),
-        "RAY_LOCAL_WORLD_SIZE": str(place.local_world_size),
-        "MASTER_ADDR": master[0],
-        "MASTER_PORT": str(master[1]),
-        "WG_PREFIX": prefix,
-        "WG_BACKEND": "ray",
-    })
+    env.update(
+        {
+            "WORLD_SIZE": str(world_size),
+            "RANK": str(place.rank),
+            "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "LOCAL_RANK": "0" if accelerator else str(place.local_rank),
+            "RAY_LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1]),
+            "WG_PREFIX": prefix,
+            "WG_BACKEND": "ray",
+        }
+    )
     return env
 
 
@@ -167,8 +184,10 @@ def launch_workers(
     workers, names = [], []
     for place in places:
         name = f"{prefix}{cls_name}_{place.pg_index}:{place.index_in_pg}"
-        env = {**(base_runtime_env.get("env_vars") or {}),
-               **rank_env(place, len(places), master, prefix, worker_env, accelerator=has_device)}
+        env = {
+            **(base_runtime_env.get("env_vars") or {}),
+            **rank_env(place, len(places), master, prefix, worker_env, accelerator=has_device),
+        }
         options: dict[str, Any] = {"name": name, "runtime_env": {**base_runtime_env, "env_vars": env}}
         if detached:
             options["lifetime"] = "detached"
@@ -177,7 +196,10 @@ def launch_workers(
         handle = ray_cls_with_init(
             placement_group=place.slot.placement_group,
             placement_group_bundle_idx=place.slot.bundle_index,
-            use_gpu=use_gpu, num_gpus=num_gpus, num_cpus=num_cpus, options=options,
+            use_gpu=use_gpu,
+            num_gpus=num_gpus,
+            num_cpus=num_cpus,
+            options=options,
             device_name=device_name,
         )
         workers.append(handle)

@@ -63,8 +63,12 @@ class AlivenessWatcher:
     called once from the watcher thread. Nothing aborts the driver.
     """
 
-    def __init__(self, probe: LivenessProbe, every_n_seconds: float,
-                 on_dead: Callable[[WorkerDiedError], None] | None = None) -> None:
+    def __init__(
+        self,
+        probe: LivenessProbe,
+        every_n_seconds: float,
+        on_dead: Callable[[WorkerDiedError], None] | None = None,
+    ) -> None:
         self._probe = probe
         self._every = every_n_seconds
         self._on_dead = on_dead

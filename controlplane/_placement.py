@@ -35,8 +35,11 @@ def _available_per_node() -> dict[str, dict[str, float]]:
 
 def _fmt(resources: dict[str, float]) -> str:
     hidden = ("memory", "object_store_memory")
-    keep = {k: round(v, 3) for k, v in sorted(resources.items())
-            if not k.startswith("node:") and "_group_" not in k and k not in hidden}
+    keep = {
+        k: round(v, 3)
+        for k, v in sorted(resources.items())
+        if not k.startswith("node:") and "_group_" not in k and k not in hidden
+    }
     return str(keep)
 
 
@@ -52,9 +55,11 @@ def check_fits(demands: Sequence[tuple[str, int, dict[str, float]]], *, use_avai
     Raises:
         ResourceShortageError: naming the first demand that does not fit and what is missing.
     """
-    per_node = _available_per_node() if use_available else {
-        n["NodeID"]: dict(n.get("Resources", {})) for n in _alive_nodes()
-    }
+    per_node = (
+        _available_per_node()
+        if use_available
+        else {n["NodeID"]: dict(n.get("Resources", {})) for n in _alive_nodes()}
+    )
     free = {node_id: dict(res) for node_id, res in per_node.items()}
     order = sorted(demands, key=lambda d: -d[1] * sum(d[2].values()))
     for label, count, spec in order:
@@ -62,8 +67,9 @@ def check_fits(demands: Sequence[tuple[str, int, dict[str, float]]], *, use_avai
         target = next((nid for nid, have in free.items() if _fits(need, have)), None)
         if target is None:
             best = max(free.values(), key=lambda r: r.get("CPU", 0.0), default={})
-            short = {k: round(v - best.get(k, 0.0), 3) for k, v in need.items()
-                     if best.get(k, 0.0) + _EPS < v}
+            short = {
+                k: round(v - best.get(k, 0.0), 3) for k, v in need.items() if best.get(k, 0.0) + _EPS < v
+            }
             kind = "available" if use_available else "total"
             raise ResourceShortageError(
                 f"cannot place {label}: {count} bundles of {_fmt(spec)} need {_fmt(need)} on one node; "
@@ -114,8 +120,12 @@ def create_placement_groups(
             check_fits([(f"placement group {name_prefix}{i}", count, bundle_spec)], use_available=False)
     lifetime = "detached" if detached else None
     pgs = [
-        ray.util.placement_group([dict(bundle_spec) for _ in range(count)], strategy=strategy,
-                                 name=f"{name_prefix}{i}", lifetime=lifetime)
+        ray.util.placement_group(
+            [dict(bundle_spec) for _ in range(count)],
+            strategy=strategy,
+            name=f"{name_prefix}{i}",
+            lifetime=lifetime,
+        )
         for i, count in enumerate(store)
     ]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
@@ -147,8 +157,7 @@ def remove_placement_groups(pgs: Sequence[Any], timeout_s: float = 30.0) -> None
     pending = list(pgs)
     while pending and time.monotonic() < deadline:
         try:
-            pending = [pg for pg in pending
-                       if ray.util.placement_group_table(pg).get("state") != "REMOVED"]
+            pending = [pg for pg in pending if ray.util.placement_group_table(pg).get("state") != "REMOVED"]
         except Exception as exc:  # the cluster is gone: nothing left to wait for
             logger.debug("placement group state unknown: %s", exc)
             return

@@ -68,9 +68,12 @@ def get_results(
     # traceback, printed once above the one-line report.
     first = failures[ranks[0]].with_traceback(None)
     error = make_call_error(
-        method, ranks, _user_cause(first),
+        method,
+        ranks,
+        _user_cause(first),
         errors={rank: _user_cause(exc) for rank, exc in failures.items()},
-        world_size=world_size, remote_traceback=str(first),
+        world_size=world_size,
+        remote_traceback=str(first),
     )
     if error.concise:  # the message says all; the worker's traceback stays in .remote_traceback
         raise error from None

@@ -52,7 +52,6 @@ class AutoPadList(list):
     _controlplane_auto_padding = True
 
 
-
 def is_tensordict(x: Any) -> bool:
     """True if ``x`` is a TensorDict.
 
@@ -61,6 +60,7 @@ def is_tensordict(x: Any) -> bool:
     """
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(x, td.TensorDictBase)
+
 
 def enable_auto_padding(batch: Any) -> Any:
     """Mark ``batch`` so the PROTO modes pad it when its size does not divide the ranks.
@@ -135,7 +135,7 @@ def length(x: Any) -> int | None:
 
 def allows_uneven(x: Any) -> bool:
     """True if ``x`` accepts chunks of different sizes (so it never needs padding)."""
-    if (is_tensordict(x) or isinstance(x, list | tuple)):
+    if is_tensordict(x) or isinstance(x, list | tuple):
         return False
     return bool(getattr(x, "allows_uneven_chunks", False))
 
@@ -150,7 +150,7 @@ def chunk_sizes(total: int, n: int) -> list[int]:
 
 def take(x: Any, start: int, stop: int) -> Any:
     """Samples ``start:stop`` of ``x`` (a view where the type allows)."""
-    if (is_tensordict(x) or isinstance(x, list | tuple)):
+    if is_tensordict(x) or isinstance(x, list | tuple):
         return x[start:stop]
     try:
         return x[start:stop]
@@ -191,7 +191,7 @@ def chunk(x: Any, n: int, *, name: str = "batch") -> list[Any]:
         # A slice of a tensor pickles its whole storage, so Ray would ship the entire batch to
         # every rank; a compact copy per chunk ships each sample once.
         return [x[a:b].clone() for a, b in bounds]
-    if (is_tensordict(x) or isinstance(x, list | tuple)):
+    if is_tensordict(x) or isinstance(x, list | tuple):
         return [x[a:b] for a, b in bounds]
     parts = list(x.chunk(n))
     if len(parts) != n:

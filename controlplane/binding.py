@@ -173,9 +173,11 @@ def missing_method_hint(user_cls: type, name: str) -> str:
 
     cls_name = user_cls.__name__
     if callable(getattr(user_cls, name, None)):
-        return (f"{cls_name}.{name} is not decorated with @register, so the group has no method for it: "
-                f"decorate it (@register(dispatch_mode=Dispatch.ONE_TO_ALL), or the mode it needs), or call "
-                f"it on every worker as wg.execute_all_sync({name!r}, ...)")
+        return (
+            f"{cls_name}.{name} is not decorated with @register, so the group has no method for it: "
+            f"decorate it (@register(dispatch_mode=Dispatch.ONE_TO_ALL), or the mode it needs), or call "
+            f"it on every worker as wg.execute_all_sync({name!r}, ...)"
+        )
     from controlplane.worker import Worker
 
     base = registered_methods(Worker)  # the Worker base's own (execute_func_rank_zero, ...) are noise here

@@ -147,6 +147,9 @@ def bridged(
                 return func(*args, **kwargs)
             return bridge.run(make_call(args, kwargs))
 
-    setattr(wrapper, OPTIONS_ATTR, {"wrapped": func, "dispatch_mode": dispatch_mode,
-                                    "call_on_empty": call_on_empty})
+    setattr(
+        wrapper,
+        OPTIONS_ATTR,
+        {"wrapped": func, "dispatch_mode": dispatch_mode, "call_on_empty": call_on_empty},
+    )
     return wrapper

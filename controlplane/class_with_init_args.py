@@ -37,8 +37,9 @@ def check_init_args(user_cls: type, args: tuple, kwargs: dict[str, Any]) -> None
         return
     # Ray's tracing adds a keyword-only ``_ray_trace_ctx`` to actor constructors; not the user's
     # (annotations are dropped too: the message shows what can be passed, ``Cls.__init__(x, y=1)``)
-    params = [p.replace(annotation=p.empty) for p in sig.parameters.values()
-              if not p.name.startswith("_ray_")]
+    params = [
+        p.replace(annotation=p.empty) for p in sig.parameters.values() if not p.name.startswith("_ray_")
+    ]
     sig = sig.replace(parameters=params, return_annotation=sig.empty)
     params = sig.parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
@@ -181,9 +182,16 @@ class RayClassWithInitArgs(ClassWithInitArgs):
             node_id = _call(sharing_with, "get_node_id")
             if use_gpu:  # share the target's devices instead of asking for new ones
                 kwargs["cuda_visible_devices"] = _call(sharing_with, "get_cuda_visible_devices")
-        opts = self.actor_options(placement_group, placement_group_bundle_idx, use_gpu=use_gpu,
-                                  num_gpus=num_gpus, node_id=node_id, num_cpus=num_cpus, options=options,
-                                  device_name=device_name)
+        opts = self.actor_options(
+            placement_group,
+            placement_group_bundle_idx,
+            use_gpu=use_gpu,
+            num_gpus=num_gpus,
+            node_id=node_id,
+            num_cpus=num_cpus,
+            options=options,
+            device_name=device_name,
+        )
         return self.cls.options(**opts).remote(*self.args, **kwargs)
 
     def actor_options(

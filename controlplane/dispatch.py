@@ -85,8 +85,10 @@ def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[t
     items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     for key, value in items:
         if not isinstance(value, list | tuple) or len(value) != n:
-            got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, list | tuple) else (
-                type(value).__name__
+            got = (
+                f"{type(value).__name__} of length {len(value)}"
+                if isinstance(value, list | tuple)
+                else (type(value).__name__)
             )
             raise ValueError(
                 f"Dispatch.DP_COMPUTE needs every argument to be a list of world_size={n} entries; "
@@ -268,9 +270,7 @@ def _mesh_layout(worker_group: Any, mesh_name: str) -> list[int]:
     if len(mapping) != n:
         raise ValueError(f"mesh {mesh_name!r}: {len(mapping)} dp ranks reported for world_size {n}")
     if not mapping or sorted(set(mapping)) != list(range(max(mapping) + 1)):
-        raise ValueError(
-            f"mesh {mesh_name!r}: dp ranks must cover 0..dp_size-1 without gaps, got {mapping}"
-        )
+        raise ValueError(f"mesh {mesh_name!r}: dp ranks must cover 0..dp_size-1 without gaps, got {mapping}")
     return mapping
 
 

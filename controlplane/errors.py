@@ -98,8 +98,11 @@ class WorkerCallError(ControlPlaneError):
 
     def __reduce__(self) -> tuple:
         args = (self.method, self.failed_ranks, self.cause, self.args[0])
-        state = {"errors": self.errors, "world_size": self.world_size,
-                 "remote_traceback": self.remote_traceback}
+        state = {
+            "errors": self.errors,
+            "world_size": self.world_size,
+            "remote_traceback": self.remote_traceback,
+        }
         if type(self) is not WorkerCallError and type(self) in _DUAL_CLASSES.values():
             # A mixed class is made at run time, so it cannot be found by name: rebuild it the same way.
             return (make_call_error, args, state)
@@ -122,8 +125,10 @@ def _call_error_message(method: str, ranks: list[int], cause: BaseException, wor
     text = str(cause).strip() or "(no message)"
     if getattr(type(cause), CONCISE_ATTR, False):
         return f"{method} failed on {where}{of}{first} {type(cause).__name__}: {text}"
-    return (f"{method} failed on {where}{of}{first} {type(cause).__name__}: {text} "
-            "(the worker's traceback is chained above, and in .remote_traceback)")
+    return (
+        f"{method} failed on {where}{of}{first} {type(cause).__name__}: {text} "
+        "(the worker's traceback is chained above, and in .remote_traceback)"
+    )
 
 
 _DUAL_CLASSES: dict[type, type] = {}

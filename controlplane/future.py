@@ -191,7 +191,9 @@ class BatchFuture:
             if actual != expected:
                 logger.warning(
                     "BatchFuture parts %s have %s samples, expected %s; fetching every part",
-                    which, actual, expected,
+                    which,
+                    actual,
+                    expected,
                 )
                 return _MISMATCH
             offset = sum(self.part_sizes[: which[0]])

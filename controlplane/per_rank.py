@@ -175,6 +175,7 @@ def mark_dispatched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         >>> mark_dispatched(([1, 2],), {"x": 3})
         ((PerRank([1, 2]),), {'x': 3})
     """
+
     def mark(value: Any) -> Any:
         return PerRank(value) if isinstance(value, list) and not isinstance(value, PerRank) else value
 

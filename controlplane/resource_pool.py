@@ -181,16 +181,21 @@ class RayResourcePool(ResourcePool):
         if self.pgs is not None:
             self._check_device(device_name)
             if strategy != self._strategy:
-                logger.debug("pool %s already placed with %s; ignoring %s", self.name_prefix,
-                              self._strategy, strategy)
+                logger.debug(
+                    "pool %s already placed with %s; ignoring %s", self.name_prefix, self._strategy, strategy
+                )
             return list(self.pgs)
         from controlplane._placement import create_placement_groups
 
         prefix = name or f"{self.name_prefix}rlplane_group_{'_'.join(map(str, self._store))}:"
         spec = self.bundle_spec(device_name)
         self.pgs = create_placement_groups(
-            self._store, spec, strategy=strategy, name_prefix=prefix,
-            detached=self.detached, timeout_s=self.placement_timeout_s,
+            self._store,
+            spec,
+            strategy=strategy,
+            name_prefix=prefix,
+            detached=self.detached,
+            timeout_s=self.placement_timeout_s,
         )
         self._strategy = strategy
         self._device_resource = self._accelerator_of(spec)
@@ -259,9 +264,7 @@ class SubRayResourcePool(RayResourcePool):
         all_slots = [BundleSlot(pg, i) for pg in placement_groups for i in range(pg.bundle_count)]
         end = start_bundle_index + subgroup_world_size
         if start_bundle_index < 0 or subgroup_world_size <= 0 or end > len(all_slots):
-            raise ValueError(
-                f"slice [{start_bundle_index}, {end}) does not fit in {len(all_slots)} bundles"
-            )
+            raise ValueError(f"slice [{start_bundle_index}, {end}) does not fit in {len(all_slots)} bundles")
         self.pgs = list(placement_groups)
         self.start_bundle_index = start_bundle_index
         self.subgroup_world_size = subgroup_world_size
@@ -276,8 +279,9 @@ class SubRayResourcePool(RayResourcePool):
         pool.start_bundle_index = 0
         return pool
 
-    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
-                             device_name: str | None = None) -> list:
+    def get_placement_groups(
+        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
+    ) -> list:
         return list(self.pgs or [])
 
     def bundle_slots(self, strategy: str = "STRICT_PACK", device_name: str | None = None) -> list[BundleSlot]:
@@ -359,7 +363,7 @@ def split_resource_pool(pool: RayResourcePool, split_size: int | Sequence[int]) 
     pieces, start = [], 0
     for i, size in enumerate(sizes):
         kwargs = _pool_kwargs(pool, f"{pool.name_prefix}_split_{i}")
-        pieces.append(SubRayResourcePool._from_slots(slots[start:start + size], **kwargs))
+        pieces.append(SubRayResourcePool._from_slots(slots[start : start + size], **kwargs))
         pieces[-1]._device_resource = pool._device_resource
         pieces[-1].start_bundle_index = getattr(pool, "start_bundle_index", 0) + start
         start += size
@@ -420,8 +424,10 @@ class ResourcePoolManager:
                 raise ValueError(f"role {role!r} maps to unknown pool {pool_name!r}")
         for pool_name, counts in self.resource_pool_spec.items():
             self.resource_pool_dict[pool_name] = RayResourcePool(
-                process_on_nodes=counts, use_gpu=self.use_gpu,
-                max_colocate_count=self.max_colocate_count, name_prefix=pool_name,
+                process_on_nodes=counts,
+                use_gpu=self.use_gpu,
+                max_colocate_count=self.max_colocate_count,
+                name_prefix=pool_name,
             )
         self._check_resource_available()
 

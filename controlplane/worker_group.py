@@ -119,8 +119,9 @@ class WorkerGroup:
         """Watch the workers in a daemon thread; after a death, every group call raises
         :class:`WorkerDiedError` naming the dead worker (``on_dead`` is also called once)."""
         self.stop_worker_aliveness_check()
-        self._watcher = AlivenessWatcher(LivenessProbe(self._workers, self._worker_names),
-                                         every_n_seconds, on_dead)
+        self._watcher = AlivenessWatcher(
+            LivenessProbe(self._workers, self._worker_names), every_n_seconds, on_dead
+        )
         self._watcher.start()
 
     def stop_worker_aliveness_check(self) -> None:
@@ -218,8 +219,10 @@ class RayWorkerGroup(WorkerGroup):
             ready_timeout_s = ray_wait_register_center_timeout
         if profile_steps is not None or worker_nsight_options is not None:
             # verl's trainer passes its profiler settings; accepted so its code runs, but said aloud.
-            logger.warning("RayWorkerGroup: profile_steps / worker_nsight_options are accepted for verl "
-                           "compatibility and ignored (no profiler integration here)")
+            logger.warning(
+                "RayWorkerGroup: profile_steps / worker_nsight_options are accepted for verl "
+                "compatibility and ignored (no profiler integration here)"
+            )
         self.call_timeout_s = call_timeout_s
         if ray_cls_with_init is not None and not isinstance(ray_cls_with_init, ClassWithInitArgs):
             raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {ray_cls_with_init!r}")
@@ -238,10 +241,19 @@ class RayWorkerGroup(WorkerGroup):
                 raise ValueError("a group built from a resource pool needs ray_cls_with_init")
             from controlplane._group_launch import start_group
 
-            start_group(self, resource_pool, bin_pack=bin_pack, detached=detached,
-                        master=(master_addr, master_port), use_gpu=use_gpu, worker_env=worker_env,
-                        num_cpus=num_cpus_per_worker, namespace=namespace, ready_timeout_s=ready_timeout_s,
-                        device_name=device_name)
+            start_group(
+                self,
+                resource_pool,
+                bin_pack=bin_pack,
+                detached=detached,
+                master=(master_addr, master_port),
+                use_gpu=use_gpu,
+                worker_env=worker_env,
+                num_cpus=num_cpus_per_worker,
+                namespace=namespace,
+                ready_timeout_s=ready_timeout_s,
+                device_name=device_name,
+            )
         if ray_cls_with_init is not None:
             self._bind(ray_cls_with_init.user_cls)
 
@@ -304,8 +316,15 @@ class RayWorkerGroup(WorkerGroup):
             >>> wg = RayWorkerGroup.from_detached(worker_names=names, namespace="trainer",
             ...                                   ray_cls_with_init=RayClassWithInitArgs(MyWorker))
         """
-        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, name_prefix=name_prefix,
-                   worker_names=worker_names, worker_handles=worker_handles, namespace=namespace, **kwargs)
+        return cls(
+            resource_pool=None,
+            ray_cls_with_init=ray_cls_with_init,
+            name_prefix=name_prefix,
+            worker_names=worker_names,
+            worker_handles=worker_handles,
+            namespace=namespace,
+            **kwargs,
+        )
 
     # ---- colocated roles -------------------------------------------------------------------
     def _colocated_role_classes(self) -> dict[str, type]:
@@ -343,13 +362,18 @@ class RayWorkerGroup(WorkerGroup):
             )
         views = {}
         for role in prefix_set:
-            view = type(self)(resource_pool=None, name_prefix=self.name_prefix,
-                              worker_names=self._worker_names, worker_handles=self._workers,
-                              call_timeout_s=self.call_timeout_s)
+            view = type(self)(
+                resource_pool=None,
+                name_prefix=self.name_prefix,
+                worker_names=self._worker_names,
+                worker_handles=self._workers,
+                call_timeout_s=self.call_timeout_s,
+            )
             view._master_addr, view._master_port = self._master_addr, self._master_port
             view._role = role
             view._role_async = frozenset(
-                name for name, fn in inspect.getmembers(roles[role], callable)
+                name
+                for name, fn in inspect.getmembers(roles[role], callable)
                 if inspect.iscoroutinefunction(fn)
             )
             view._bind(roles[role])
@@ -373,8 +397,10 @@ class RayWorkerGroup(WorkerGroup):
         user_cls = self.ray_cls_with_init.user_cls if self.ray_cls_with_init is not None else None
         if not is_fused_worker_cls(user_cls):
             name = getattr(user_cls, "__name__", repr(user_cls))
-            raise TypeError(f"spawn_fused needs a group of a fused worker class, not {name}; build it with "
-                            "create_colocated_worker_raw_cls or create_colocated_worker_cls_fused")
+            raise TypeError(
+                f"spawn_fused needs a group of a fused worker class, not {name}; build it with "
+                "create_colocated_worker_raw_cls or create_colocated_worker_cls_fused"
+            )
         return self.spawn(prefix_set)
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
@@ -489,8 +515,13 @@ class RayWorkerGroup(WorkerGroup):
         if timeout is None:
             timeout = self.call_timeout_s
         try:
-            return get_results(refs, timeout, method=self._call_label(method), world_size=self.world_size,
-                               died=self._died_rank)
+            return get_results(
+                refs,
+                timeout,
+                method=self._call_label(method),
+                world_size=self.world_size,
+                died=self._died_rank,
+            )
         except GetTimeoutError as exc:
             self._check_alive(timeout_s=0.5)  # a death explains the timeout better than the timeout
             raise TimeoutError(f"group {self.name_prefix}: no result within {timeout}s") from exc

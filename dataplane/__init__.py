@@ -12,6 +12,7 @@ TransferQueue's names, so code written against it moves over by changing one imp
     dp.close()
 """
 
+from dataplane import _bridge_hook  # noqa: F401 - installs __worker_bridge__ on metas
 from dataplane.api import (
     async_clear_partition,
     async_close,

@@ -244,7 +244,7 @@ async def _in_thread(fn, *args, **kwargs):
 
 
 def _consumed_keys(partition_id: str, task_name: str, snap: Snapshot) -> set[str]:
-    from dataplane import _stream_ops
+    from dataplane.client import stream_ops as _stream_ops
 
     body = {"pid": partition_id, "task": task_name}
     return set(api._client().run(_stream_ops.stream_call("consumed", body))["keys"])
@@ -264,7 +264,7 @@ class Snapshot:
 
 def snapshot(partition_id: str) -> Snapshot:
     """The partition's keys (numbered in put order), tags, fields and which key holds which field."""
-    from dataplane import _stream_ops
+    from dataplane.client import stream_ops as _stream_ops
 
     client = api._client()
     listed = api.kv_list(partition_id).get(partition_id, {})

@@ -156,7 +156,9 @@ def _stale(meta: KVBatchMeta, exc: KeyNotFoundError | PartitionNotFoundError, na
     if isinstance(exc, KeyNotFoundError):
         return StaleMetaError(exc.key, meta.partition_id, name)
     return StaleMetaError(
-        meta.keys[0], meta.partition_id, name,
+        meta.keys[0],
+        meta.partition_id,
+        name,
         f"{name} got a stale KVBatchMeta: partition {meta.partition_id!r} was cleared (or never "
         "written), so its keys have no data; pass the meta a put returned after the clear",
     )
@@ -394,16 +396,18 @@ class _StreamCall:
             report.outputs.append(output)
         if collect and meta.size:
             report.rows, report.batches = meta.size, 1
-            report.spans.append({
-                "task": req.task_name,
-                "method": self.call.name.rsplit(".", 1)[-1],
-                "partition": req.partition_id,
-                "rank": self.rank,
-                "rows": meta.size,
-                "called": self.called,
-                "start": self.start,
-                "end": time.time(),
-            })
+            report.spans.append(
+                {
+                    "task": req.task_name,
+                    "method": self.call.name.rsplit(".", 1)[-1],
+                    "partition": req.partition_id,
+                    "rank": self.rank,
+                    "rows": meta.size,
+                    "called": self.called,
+                    "start": self.start,
+                    "end": time.time(),
+                }
+            )
         return report
 
 

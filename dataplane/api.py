@@ -21,13 +21,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dataplane import _connect, _ops
-from dataplane._client import StoreClient
-from dataplane._service import ServiceHandle, find_service, start_service, stop_named
 from dataplane._units import format_bytes
+from dataplane.client import ops as _ops
+from dataplane.client.handle import StoreClient
 from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
 from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
+from dataplane.service import connect as _connect
+from dataplane.service.launch import ServiceHandle, find_service, start_service, stop_named
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
         cfg = StoreConfig.from_options(**options)
         import tensordict  # noqa: F401 - import the codec's dependencies now, not on the first get
 
-        import dataplane._columns  # noqa: F401
+        import dataplane.codec.columns  # noqa: F401
 
         try:
             found = find_service(cfg)
@@ -234,7 +235,7 @@ def _allow_pickle() -> bool:
 
 
 def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
-    from dataplane._columns import encode_fields, encode_row
+    from dataplane.codec.columns import encode_fields, encode_row
 
     client = _client()
     cols = None
@@ -248,7 +249,7 @@ def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row:
 
 
 def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
-    from dataplane._columns import decode_fields
+    from dataplane.codec.columns import decode_fields
 
     client = _client()
     keys = [keys] if isinstance(keys, str) else list(keys)

@@ -41,7 +41,7 @@ How it behaves:
   identical data, and different ``dp_rank`` s see disjoint rows. A later pass over the same dataset
   object continues after the last batch it handed over: batches that were prefetched but never
   handed over (an early ``break``) are handed over then, as the index service still remembers the
-  rows of each batch index (the most recent indexes per task, see ``dataplane._streams.RANK_CACHE``).
+  rows of each batch index (the most recent indexes per task, see ``dataplane.server.streams.RANK_CACHE``).
 * **DataLoader.** Use ``DataLoader(ds, batch_size=None, collate_fn=StreamingDataset.collate)``.
   The ``collate_fn`` is needed: without one, ``batch_size=None`` makes torch apply its
   ``default_convert`` to each item, which cannot handle a TensorDict (it iterates it as a mapping of

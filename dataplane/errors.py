@@ -90,7 +90,8 @@ class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
         # Not super().__init__: the two parents' constructors take different arguments.
         DataplaneError.__init__(
             self,
-            message or f"{method} got a stale KVBatchMeta: key {key!r} is not in partition {partition_id!r} "
+            message
+            or f"{method} got a stale KVBatchMeta: key {key!r} is not in partition {partition_id!r} "
             "(cleared, or never written); pass the meta a put returned after the clear",
         )
 

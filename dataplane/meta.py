@@ -18,42 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dataplane.codec.plain import plain_value as _plain
 from dataplane.errors import KeyNotFoundError
 
 logger = logging.getLogger(__name__)
-
-_SCALARS = (str, int, float, bool, type(None))
-_MAX_DEPTH = 32
-
-
-def _plain(value: Any, where: str, depth: int = 0) -> Any:
-    """Return a private copy of ``value`` if it is made only of plain types, else raise TypeError.
-
-    Exact type checks on purpose: ``numpy.float64`` subclasses ``float`` but is not a plain value,
-    and a tensor must never slip in through a subclass.
-    """
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    if depth > _MAX_DEPTH:
-        raise TypeError(f"{where} is nested deeper than {_MAX_DEPTH} levels; KVBatchMeta is small metadata")
-    if kind is dict:
-        out = {}
-        for k, v in value.items():
-            if type(k) not in (str, int):
-                raise TypeError(f"{where} has a key of type {type(k).__name__}; dict keys must be str or int")
-            out[k] = _plain(v, f"{where}[{k!r}]", depth + 1)
-        return out
-    if kind is list or kind is tuple:
-        return kind(_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
-    raise TypeError(
-        f"{where} is a {kind.__module__}.{kind.__qualname__}; KVBatchMeta carries only plain values "
-        "(str, int, float, bool, None, list, tuple, dict). Put tensors and arrays in the store with "
-        "kv_batch_put and pass their keys instead."
-    )
-
-
-plain_value = _plain  # the one definition of "plain" (tags, JSON-like rows, metas)
 
 
 def _unique(items: Iterable[str], what: str) -> None:
@@ -74,22 +42,6 @@ def _str_list(value: Any, attr: str, noun: str, what: str) -> list[str]:
             raise TypeError(f"KVBatchMeta {attr}[{i}] is a {type(item).__name__}; {noun} must be str")
     _unique(items, what)
     return items
-
-
-class WorkerBridgeForwarder:
-    """The ``__worker_bridge__`` of metas and stream requests: forwards to
-    ``dataplane._worker_bridge``, imported on the first bridged call so that this module stays
-    free of torch for processes that only handle metadata."""
-
-    def run(self, call: Any) -> Any:
-        from dataplane._worker_bridge import WorkerBridge
-
-        return WorkerBridge().run(call)
-
-    async def arun(self, call: Any) -> Any:
-        from dataplane._worker_bridge import WorkerBridge
-
-        return await WorkerBridge().arun(call)
 
 
 @dataclass(eq=True)
@@ -130,8 +82,9 @@ class KVBatchMeta:
     extra_info: dict | None = field(default=None)
 
     allows_uneven_chunks: ClassVar[bool] = True
-    # Makes ``@register`` methods take a meta for their rows (see ``controlplane.bridge``).
-    __worker_bridge__: ClassVar[WorkerBridgeForwarder] = WorkerBridgeForwarder()
+    # Makes ``@register`` methods take a meta for their rows (see ``controlplane.bridge``); set by
+    # ``dataplane._bridge_hook`` when the package loads, so this module never imports the bridge.
+    __worker_bridge__: ClassVar[Any] = None
 
     def __post_init__(self) -> None:
         keys = _str_list(self.keys, "keys", "keys", "key")

@@ -25,11 +25,11 @@ that dies after its batch arrived loses that batch for its task; ``reset_consump
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from dataplane import _stream_ops
 from dataplane.api import _client
-from dataplane.meta import KVBatchMeta, WorkerBridgeForwarder
+from dataplane.client import stream_ops as _stream_ops
+from dataplane.meta import KVBatchMeta
 from dataplane.samplers import Sampler
 
 
@@ -165,7 +165,7 @@ class StreamRequest:
 
     allows_uneven_chunks = True
     # Makes ``@register`` methods pull their batch for it (see ``controlplane.bridge``).
-    __worker_bridge__ = WorkerBridgeForwarder()
+    __worker_bridge__: ClassVar[Any] = None  # set by dataplane._bridge_hook (see KVBatchMeta)
 
     def __len__(self) -> int:
         return self.batch_size * (self.dp_size or 1)

@@ -47,8 +47,10 @@ def reader(address: str) -> None:
 
     dp.init(address=address)
     td = dp.kv_batch_get(KEYS, PARTITION)
-    print(f"reader: got {td.batch_size[0]} rows written by another process; tokens[3] = "
-          f"{td['tokens'][3].tolist()}")
+    print(
+        f"reader: got {td.batch_size[0]} rows written by another process; tokens[3] = "
+        f"{td['tokens'][3].tolist()}"
+    )
     assert td["tokens"][3].tolist() == [9, 10, 11]
     dp.clear_partition(PARTITION)
     dp.close()
@@ -61,11 +63,18 @@ def run(*args: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--address", default="auto",
-                        help="the Ray cluster: auto (RAY_ADDRESS, else the one `ray start` started) "
-                             "or HOST:PORT (default: auto)")
-    parser.add_argument("--role", choices=("all", "writer", "reader"), default="all",
-                        help="all: start the store, run a writer then a reader, stop the store (default)")
+    parser.add_argument(
+        "--address",
+        default="auto",
+        help="the Ray cluster: auto (RAY_ADDRESS, else the one `ray start` started) "
+        "or HOST:PORT (default: auto)",
+    )
+    parser.add_argument(
+        "--role",
+        choices=("all", "writer", "reader"),
+        default="all",
+        help="all: start the store, run a writer then a reader, stop the store (default)",
+    )
     args = parser.parse_args(argv)
     if args.role == "writer":
         writer(args.address)

@@ -45,3 +45,171 @@ def test_packages_import() -> None:
 
     for mod in (dataplane, controlplane, workers):
         assert mod.__all__, f"{mod.__name__} has an empty __all__"
+
+
+# ---- the module graph: no cycles, and the data plane's layers -----------------------------------
+
+PACKAGES = ("dataplane", "controlplane", "workers")
+
+# dataplane layer -> what its modules may import (besides the standard library and third parties).
+# The public modules at the top (api, stream, dataset, tq, ...) may import any layer.
+LAYERS = {
+    "dataplane.codec": {"dataplane.errors", "dataplane.config", "dataplane.codec"},
+    "dataplane.wire": {"dataplane.errors", "dataplane.config", "dataplane.codec", "dataplane.wire"},
+    "dataplane.client": {
+        "dataplane.errors",
+        "dataplane.config",
+        "dataplane.meta",
+        "dataplane.samplers",
+        "dataplane.codec",
+        "dataplane.wire",
+        "dataplane.client",
+    },
+    "dataplane.server": {
+        "dataplane.errors",
+        "dataplane.config",
+        "dataplane.samplers",
+        "dataplane.codec",
+        "dataplane.wire",
+        "dataplane.server",
+    },
+    "dataplane.service": {
+        "dataplane.errors",
+        "dataplane.config",
+        "dataplane.wire",
+        "dataplane.server",
+        "dataplane.service",
+    },
+    # leaves: everything else stands on them
+    "dataplane.errors": set(),
+    "dataplane.config": {"dataplane.errors"},
+    "dataplane.samplers": {"dataplane.errors"},
+    "dataplane.meta": {"dataplane.errors", "dataplane.codec"},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _all_modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, at the top or inside a function alike.
+
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``.
+    The parents a dotted import runs implicitly (``pkg/__init__``) are not counted: they are the
+    package's front door, not a dependency of the importing module.
+    """
+    modules = _all_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = _type_checking_nodes(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in modules:
+                        deps.add(full)
+                    elif base in modules:
+                        deps.add(base)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or around a loop (lazy imports included)."""
+    graph = import_graph()
+    # the package front doors import their own modules: edges *into* them are not cycles to fix
+    fronts = {name for name, path in _all_modules().items() if path.name == "__init__.py"}
+    trimmed = {m: {d for d in deps if d not in fronts} for m, deps in graph.items()}
+    cycles = _cycles(trimmed)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_detector_sees_a_cycle() -> None:
+    """The detector itself: a loop of three modules is found, a chain is not."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def _layer_of(module: str) -> str | None:
+    return max(
+        (layer for layer in LAYERS if module == layer or module.startswith(layer + ".")),
+        key=len,
+        default=None,
+    )
+
+
+def test_dataplane_layers() -> None:
+    """Each data-plane layer imports only the layers below it (see each subpackage's docstring)."""
+    offenders = []
+    for module, deps in sorted(import_graph().items()):
+        layer = _layer_of(module)
+        if layer is None:
+            continue
+        for dep in sorted(deps):
+            if dep.startswith("dataplane") and (_layer_of(dep) or dep) not in LAYERS[layer] | {layer}:
+                offenders.append(f"{module} imports {dep}")
+    assert not offenders, "layering broken:\n" + "\n".join(offenders)

@@ -45,8 +45,11 @@ def readme_blocks(text: str | None = None) -> list[Block]:
     """The ```python blocks of README.md, with their first line number and not-run reason."""
     text = README.read_text() if text is None else text
     return [
-        Block(text.count("\n", 0, m.start("code")) + 1, m.group("code"),
-              m.group("reason").strip() if m.group("reason") is not None else None)
+        Block(
+            text.count("\n", 0, m.start("code")) + 1,
+            m.group("code"),
+            m.group("reason").strip() if m.group("reason") is not None else None,
+        )
         for m in _BLOCK.finditer(text)
     ]
 
@@ -65,20 +68,29 @@ def promised_outputs(code: str) -> list[str]:
     return out
 
 
-def run_python(target: Path | str, ray_address: str, timeout: float = RUN_TIMEOUT_S,
-               args: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_python(
+    target: Path | str, ray_address: str, timeout: float = RUN_TIMEOUT_S, args: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run a script (a ``Path``) or a module (``"tests._run_blocks"``, run with ``-m``) with the venv's
     python in the repository, joined to the Ray cluster at ``ray_address``."""
     env = {**os.environ, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1"}
     head = [str(target)] if isinstance(target, Path) else ["-m", target]
-    return subprocess.run([sys.executable, *head, *(args or [])], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *head, *(args or [])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check_clean_run(proc: subprocess.CompletedProcess, what: str) -> None:
     """Exit 0 and no noise on stderr; the message shows the output to debug from."""
-    report = (f"{what} (exit {proc.returncode})\n--- stdout\n{proc.stdout[-3000:]}\n"
-              f"--- stderr\n{proc.stderr[-5000:]}")
+    report = (
+        f"{what} (exit {proc.returncode})\n--- stdout\n{proc.stdout[-3000:]}\n"
+        f"--- stderr\n{proc.stderr[-5000:]}"
+    )
     assert proc.returncode == 0, report
     for noise in NOISE:
         assert noise not in proc.stderr, f"{noise!r} on stderr of {report}"

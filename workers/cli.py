@@ -1,7 +1,7 @@
 """The rlplane command line: store start|status|stop, demo and bench (``rlplane --help``).
 
 Each subcommand imports its package lazily, so ``rlplane --help`` is instant. ``--address`` has one
-meaning in every subcommand (``dataplane._connect``): ``local`` a new Ray of the command's own,
+meaning in every subcommand (``dataplane.service.connect``): ``local`` a new Ray of the command's own,
 ``auto`` the running cluster, ``HOST:PORT`` the cluster whose head listens there.
 """
 
@@ -16,7 +16,7 @@ DESCRIPTION = (
     "rlplane: a data plane for RL post-training. Run the batch store as a service on a Ray cluster "
     "(store), train the GRPO demo on it (demo), or measure it (bench)."
 )
-# What --address means, in every subcommand's help (one meaning everywhere: dataplane._connect).
+# What --address means, in every subcommand's help (one meaning everywhere: dataplane.service.connect).
 AUTO_FORM = "auto = the running cluster (RAY_ADDRESS, else the one `ray start` started on this machine)"
 HOST_FORM = "HOST:PORT = the cluster whose head listens there"
 LOCAL_FORM = "local = a new Ray of this command's own"
@@ -31,7 +31,7 @@ DEMO_EPILOG = (
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """"(default: X)" after each option whose default says something: not for flags, nor for
+    """ "(default: X)" after each option whose default says something: not for flags, nor for
     ``None`` (the help says what happens then), nor where the help already says it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command == "store":
-        from dataplane import _service_cli
+        from dataplane import cli as _store_cli
 
-        return _service_cli.cli(args)
+        return _store_cli.cli(args)
     if args.command == "demo":
         from workers import demo
 

@@ -165,7 +165,7 @@ def _join_ray(address: str) -> bool:
     """Join the Ray ``--address`` names unless this process already has one; True if it joined."""
     import ray
 
-    from dataplane._connect import connect
+    from dataplane.service.connect import connect
 
     if ray.is_initialized():  # a test or a notebook brought its own Ray: train there
         return False

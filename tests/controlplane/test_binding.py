@@ -215,16 +215,24 @@ def test_non_blocking_future_chains_into_another_call(group) -> None:
 
 def test_bind_group_method_directly_and_missing_execute(group) -> None:
     method = bind_group_method(
-        group, "whoami", dispatch_fn=dispatch_one_to_all, collect_fn=collect_all,
-        execute_fn_name="execute_all_async", blocking=False,
+        group,
+        "whoami",
+        dispatch_fn=dispatch_one_to_all,
+        collect_fn=collect_all,
+        execute_fn_name="execute_all_async",
+        blocking=False,
     )
     import ray
 
     assert ray.get(method(), timeout=60) == [0, 1, 2, 3]
     with pytest.raises(AttributeError, match="execute_nothing"):
         bind_group_method(
-            group, "whoami", dispatch_fn=dispatch_one_to_all, collect_fn=collect_all,
-            execute_fn_name="execute_nothing", blocking=True,
+            group,
+            "whoami",
+            dispatch_fn=dispatch_one_to_all,
+            collect_fn=collect_all,
+            execute_fn_name="execute_nothing",
+            blocking=True,
         )
 
 

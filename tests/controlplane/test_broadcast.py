@@ -50,8 +50,10 @@ def test_mark_dispatched_wraps_lists_and_resolves_replicated_wrappers() -> None:
     args, kwargs = mark_dispatched(([1, 2], (3, 4)), {"x": 5, "y": [PerRank([8, 9])] * 2})
     assert type(args[0]) is PerRank and args[1] == (3, 4) and kwargs["x"] == 5
     # ONE_TO_ALL replicated a caller's PerRank: each rank still gets its own entry
-    assert split_for_ranks(args, kwargs, 2) == [((1, (3, 4)), {"x": 5, "y": 8}),
-                                                 ((2, (3, 4)), {"x": 5, "y": 9})]
+    assert split_for_ranks(args, kwargs, 2) == [
+        ((1, (3, 4)), {"x": 5, "y": 8}),
+        ((2, (3, 4)), {"x": 5, "y": 9}),
+    ]
     assert for_rank_zero(args, kwargs, 2) == ((1, (3, 4)), {"x": 5, "y": 8})
 
 
@@ -110,7 +112,9 @@ def test_seed_example_broadcasts_a_plain_argument(wg2: RayWorkerGroup) -> None:
     assert wg2.execute_all("foo", [1, 2]) and wg2.execute_all_sync("foo", [1, 2]) == [3, 4]  # scattered
     assert wg2.execute_all_sync("foo", Broadcast([1, 2])) == [("list", [1, 2])] * 2
     assert wg2.execute_all_sync("got", PerRank(["a", "b"]), [1, 2], k=Broadcast(0)) == [
-        (0, ("a", [1, 2]), {"k": 0}), (1, ("b", [1, 2]), {"k": 0})]
+        (0, ("a", [1, 2]), {"k": 0}),
+        (1, ("b", [1, 2]), {"k": 0}),
+    ]
 
 
 def test_rank_zero_direct_call_gets_the_list_whole(wg2: RayWorkerGroup) -> None:
@@ -127,6 +131,10 @@ def test_bound_methods_scatter_dispatch_output_exactly(wg2: RayWorkerGroup) -> N
     assert wg2.all_to_all([7, 8], y=3) == [(0, ([7, 8],), {"y": 3}), (1, ([7, 8],), {"y": 3})]
     # a caller's wrappers survive dispatch: PerRank scatters, Broadcast stays whole
     assert wg2.one_to_all(PerRank(["a", "b"]), Broadcast([1, 2])) == [
-        (0, ("a", [1, 2]), {}), (1, ("b", [1, 2]), {})]
+        (0, ("a", [1, 2]), {}),
+        (1, ("b", [1, 2]), {}),
+    ]
     assert wg2.all_to_all(PerRank(["a", "b"]), y=Broadcast([1, 2])) == [
-        (0, ("a",), {"y": [1, 2]}), (1, ("b",), {"y": [1, 2]})]
+        (0, ("a",), {"y": [1, 2]}),
+        (1, ("b",), {"y": [1, 2]}),
+    ]

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def colocated(ray_session):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    spec = create_colocated_worker_cls({
-        "actor": RayClassWithInitArgs(ActorRole, scale=10),
-        "critic": RayClassWithInitArgs(CriticRole, name="v"),
-    })
+    spec = create_colocated_worker_cls(
+        {
+            "actor": RayClassWithInitArgs(ActorRole, scale=10),
+            "critic": RayClassWithInitArgs(CriticRole, name="v"),
+        }
+    )
     wg = RayWorkerGroup(pool, spec)
     yield wg
     wg.kill()
@@ -95,8 +97,9 @@ def test_prefixed_names_that_clash() -> None:
     with pytest.raises(ValueError, match="'get_pid', which ColocatedWorker already has"):
         create_colocated_worker_cls({"get": RayClassWithInitArgs(ActorRole)})
     with pytest.raises(ValueError, match="both become 'x_only_zero'"):
-        create_colocated_worker_cls({"x": RayClassWithInitArgs(ActorRole),
-                                     "x_only": RayClassWithInitArgs(_Zero)})
+        create_colocated_worker_cls(
+            {"x": RayClassWithInitArgs(ActorRole), "x_only": RayClassWithInitArgs(_Zero)}
+        )
 
 
 class _Zero(Worker):
@@ -113,9 +116,12 @@ class _OtherActorMesh(Worker):
 
 def test_host_mesh_answers_locally() -> None:
     """The host answers mesh queries for its roles; roles that disagree are named (no Ray)."""
-    spec = create_colocated_worker_cls({
-        "actor": RayClassWithInitArgs(ActorRole), "other": RayClassWithInitArgs(_OtherActorMesh),
-    })
+    spec = create_colocated_worker_cls(
+        {
+            "actor": RayClassWithInitArgs(ActorRole),
+            "other": RayClassWithInitArgs(_OtherActorMesh),
+        }
+    )
     host = spec.user_cls()  # outside a group: rank 0 of 1
     assert host.query_dispatch_info("actor") == 0  # both roles say dp rank 0
     with pytest.raises(ValueError, match="registered differently by roles"):

@@ -43,8 +43,13 @@ def restore_registry():
 
 def test_members_and_lookup() -> None:
     assert Dispatch.names()[:7] == [
-        "RANK_ZERO", "ONE_TO_ALL", "ALL_TO_ALL", "DP_COMPUTE",
-        "DP_COMPUTE_PROTO", "DP_COMPUTE_PROTO_WITH_FUNC", "DP_COMPUTE_METRIC",
+        "RANK_ZERO",
+        "ONE_TO_ALL",
+        "ALL_TO_ALL",
+        "DP_COMPUTE",
+        "DP_COMPUTE_PROTO",
+        "DP_COMPUTE_PROTO_WITH_FUNC",
+        "DP_COMPUTE_METRIC",
     ]
     assert Execute.names() == ["ALL", "RANK_ZERO"]
     assert Dispatch["one_to_all"] is Dispatch.ONE_TO_ALL

@@ -50,11 +50,15 @@ def test_attach_from_another_driver(ray_cluster) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
         proc = subprocess.run(
             [sys.executable, "-c", CLIENT, ray_cluster.address, namespace, json.dumps(names)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"client failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        result = json.loads(lines[-1][len("RESULT "):])
+        result = json.loads(lines[-1][len("RESULT ") :])
         assert result == {"add": [15, 16], "pids": pids, "names": names}
         # the other driver has exited; the detached workers are still there for us
         assert wg.add(0) == [10, 11]

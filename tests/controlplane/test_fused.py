@@ -60,8 +60,9 @@ def test_prefixed_and_async_role_methods(hybrid: RayWorkerGroup) -> None:
 
 
 def test_fuse_adds_roles_later_on_an_attached_group(hybrid: RayWorkerGroup) -> None:
-    group = RayWorkerGroup.from_detached(worker_handles=hybrid.workers,
-                                         ray_cls_with_init=RayClassWithInitArgs(HybridWorker))
+    group = RayWorkerGroup.from_detached(
+        worker_handles=hybrid.workers, ray_cls_with_init=RayClassWithInitArgs(HybridWorker)
+    )
     group.fuse(["policy"])
     assert not hasattr(group, "value")
     group.fuse(["policy", "value"])  # verl would keep the first wg_dict and never set `value`
@@ -78,8 +79,9 @@ def test_fuw_execute(hybrid: RayWorkerGroup) -> None:
 
 
 def test_spawn_fused_needs_a_fused_group(hybrid: RayWorkerGroup) -> None:
-    plain = RayWorkerGroup.from_detached(worker_handles=hybrid.workers,
-                                         ray_cls_with_init=RayClassWithInitArgs(PolicyRole))
+    plain = RayWorkerGroup.from_detached(
+        worker_handles=hybrid.workers, ray_cls_with_init=RayClassWithInitArgs(PolicyRole)
+    )
     with pytest.raises(TypeError, match="not PolicyRole"):
         plain.spawn_fused({"policy"})
     with pytest.raises(ValueError, match="role 'ref' is not in this colocated group"):

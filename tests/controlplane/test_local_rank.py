@@ -24,8 +24,12 @@ class DeviceWorker(Worker):
 
         ctx = ray.get_runtime_context()
         keys = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
-        return {**{k: os.environ.get(k) for k in keys}, "node": ctx.get_node_id(),
-                "ids": {k: v for k, v in ctx.get_accelerator_ids().items() if v}, "attr": self.local_rank}
+        return {
+            **{k: os.environ.get(k) for k in keys},
+            "node": ctx.get_node_id(),
+            "ids": {k: v for k, v in ctx.get_accelerator_ids().items() if v},
+            "attr": self.local_rank,
+        }
 
 
 # ---- pure --------------------------------------------------------------------------------------

@@ -131,8 +131,12 @@ def test_no_room_now_fails_after_deadline(ray_session) -> None:
 
 
 def test_manager(ray_session) -> None:
-    mgr = ResourcePoolManager({"global": [2], "reward": [1]}, {"actor": "global", "rm": "reward"},
-                              max_colocate_count=1, use_gpu=False)
+    mgr = ResourcePoolManager(
+        {"global": [2], "reward": [1]},
+        {"actor": "global", "rm": "reward"},
+        max_colocate_count=1,
+        use_gpu=False,
+    )
     mgr.create_resource_pool()
     assert mgr.get_resource_pool("actor").world_size == 2
     assert mgr.get_resource_pool("rm").name_prefix == "reward"

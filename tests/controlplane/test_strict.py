@@ -55,8 +55,11 @@ class DecoratedWithOptions(Plain):
 
 # ---- pure --------------------------------------------------------------------------------------
 def test_class_spec_refuses_what_the_constructor_cannot_take() -> None:
-    with pytest.raises(TypeError, match=r"Plain.__init__\(x, y=1\) got unexpected keyword "
-                                        r"argument\(s\) \['z'\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"Plain.__init__\(x, y=1\) got unexpected keyword "
+        r"argument\(s\) \['z'\]",
+    ):
         RayClassWithInitArgs(Plain, 1, z=2)
     with pytest.raises(TypeError, match=r"\['yy'\] \(did you mean 'y'\?\)"):
         ClassWithInitArgs(Plain, x=1, yy=2)
@@ -95,8 +98,11 @@ def test_device_name_picks_the_accelerator_resource() -> None:
 
 
 def test_worker_group_refuses_unknown_keywords(caplog) -> None:
-    with pytest.raises(TypeError, match=r"RayWorkerGroup\(\) got unexpected keyword argument\(s\) "
-                                        r"\['call_timout_s'\] \(did you mean 'call_timeout_s'\?\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"RayWorkerGroup\(\) got unexpected keyword argument\(s\) "
+        r"\['call_timout_s'\] \(did you mean 'call_timeout_s'\?\)",
+    ):
         RayWorkerGroup(None, call_timout_s=5)
     with pytest.raises(TypeError, match=r"WorkerGroup\(\) got unexpected keyword argument\(s\) \['a', 'b'\]"):
         WorkerGroup(None, a=1, b=2)
@@ -112,8 +118,14 @@ def test_worker_group_refuses_unknown_keywords(caplog) -> None:
 @pytest.fixture(scope="module")
 def pool2(ray_session):
     # verl's keyword names, all of them
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, name_prefix="strict", max_colocate_count=2,
-                           detached=False, accelerator_type=None)
+    pool = RayResourcePool(
+        process_on_nodes=[2],
+        use_gpu=False,
+        name_prefix="strict",
+        max_colocate_count=2,
+        detached=False,
+        accelerator_type=None,
+    )
     yield pool
     pool.remove()
 
@@ -121,8 +133,12 @@ def pool2(ray_session):
 def test_ray_remote_classes_work(pool2: RayResourcePool) -> None:
     for cls in (Decorated, ray.remote(Plain)):
         spec = RayClassWithInitArgs(cls=cls, x=2)
-        wg = RayWorkerGroup(resource_pool=pool2, ray_cls_with_init=spec, name_prefix="remote_",
-                            ray_wait_register_center_timeout=120)
+        wg = RayWorkerGroup(
+            resource_pool=pool2,
+            ray_cls_with_init=spec,
+            name_prefix="remote_",
+            ray_wait_register_center_timeout=120,
+        )
         try:
             assert wg.worker_names[0].startswith(f"remote_{spec.user_cls.__name__}_0:")
             if cls is Decorated:
@@ -140,6 +156,8 @@ def test_decorator_options_and_runtime_env_are_kept(pool2: RayResourcePool) -> N
     try:
         assert wg.values() == [(0, 4, 5, "yes", "too"), (1, 4, 5, "yes", "too")]
         assert wg.execute_all_sync("get_env", ("RANK", "FROM_DECORATOR")) == [
-            {"RANK": "0", "FROM_DECORATOR": "yes"}, {"RANK": "1", "FROM_DECORATOR": "yes"}]
+            {"RANK": "0", "FROM_DECORATOR": "yes"},
+            {"RANK": "1", "FROM_DECORATOR": "yes"},
+        ]
     finally:
         wg.kill()

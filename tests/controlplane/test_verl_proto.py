@@ -86,8 +86,10 @@ def test_pad_calls_in_place_padding_on_a_copy() -> None:
 @pytest.mark.parametrize("by_keyword", [False, True])
 def test_proto_dispatch_pads_positional_and_keyword(by_keyword: bool) -> None:
     data = rows(10, auto_padding=True)
-    args, kwargs = d.dispatch_dp_compute_proto(FakeGroup(), **{"data": data}) if by_keyword else (
-        d.dispatch_dp_compute_proto(FakeGroup(), data)
+    args, kwargs = (
+        d.dispatch_dp_compute_proto(FakeGroup(), **{"data": data})
+        if by_keyword
+        else (d.dispatch_dp_compute_proto(FakeGroup(), data))
     )
     pieces = kwargs["data"] if by_keyword else args[0]
     assert [len(p) for p in pieces] == [3, 3, 3, 3] and kwargs[d.PADDING_KWARG] == 2

@@ -19,8 +19,14 @@ from tests.controlplane._group_workers import EnvWorker, FailingWorker, add_one,
 
 # ---- pure: no Ray cluster needed ---------------------------------------------------------------
 def test_worker_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}.items():
+    for key, value in {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(key, value)
     w = EnvWorker()
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (2, 4, 0, 2)
@@ -60,8 +66,13 @@ def test_class_with_init_args_options() -> None:
     spec.update_options({"max_concurrency": 2})
     spec.set_additional_resource({"custom_x": 1})  # a single extra resource is applied too
     first = spec.actor_options(None, use_gpu=True, num_gpus=0.5, options={"name": "a"}, num_cpus=0.1)
-    assert first == {"max_concurrency": 2, "resources": {"custom_x": 1}, "name": "a", "num_cpus": 0.1,
-                     "num_gpus": 0.5}
+    assert first == {
+        "max_concurrency": 2,
+        "resources": {"custom_x": 1},
+        "name": "a",
+        "num_cpus": 0.1,
+        "num_gpus": 0.5,
+    }
     second = spec.actor_options(None, use_gpu=False)
     assert "name" not in second and "num_gpus" not in second  # per-call options do not persist
     shared = spec.actor_options(None, use_gpu=True, node_id="ab" * 28)
@@ -132,7 +143,8 @@ def test_sharing_with_lands_on_the_same_node(wg4: RayWorkerGroup) -> None:
     neighbour = spec(sharing_with=wg4.workers[0], use_gpu=False, num_cpus=0.05)
     try:
         assert ray.get(neighbour.get_node_id.remote(), timeout=120) == ray.get(
-            wg4.workers[0].get_node_id.remote(), timeout=60)
+            wg4.workers[0].get_node_id.remote(), timeout=60
+        )
     finally:
         ray.kill(neighbour)
 
@@ -145,8 +157,11 @@ def test_heterogeneous_nodes_and_spanning_sub_pool(ray_session) -> None:
     try:
         whole = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker))
         envs = whole.env()
-        assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [("0", "3"), ("1", "3"),
-                                                                            ("2", "3")]
+        assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+            ("0", "3"),
+            ("1", "3"),
+            ("2", "3"),
+        ]
         assert [e["RANK"] for e in envs] == ["0", "1", "2"]
         assert [n.rsplit("EnvWorker_", 1)[1] for n in whole.worker_names] == ["0:0", "1:0", "1:1"]
         # a slice spanning both placement groups: local ranks restart per *node*, not per group
@@ -154,7 +169,9 @@ def test_heterogeneous_nodes_and_spanning_sub_pool(ray_session) -> None:
         assert spanning.store == [1, 1]
         places = places_for(spanning.bundle_slots(), node_ids=["n0", "n1"])
         assert [(p.rank, p.pg_index, p.local_rank, p.local_world_size) for p in places] == [
-            (0, 0, 0, 1), (1, 1, 0, 1)]
+            (0, 0, 0, 1),
+            (1, 1, 0, 1),
+        ]
         env = rank_env(places[1], 2, ("10.0.0.1", 1234), "px", {"EXTRA": "1"})
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         assert [env[k] for k in keys] == ["1", "2", "0", "1"]

@@ -29,8 +29,8 @@ def pid() -> str:
 
 def start_store(**options):
     """Start a service owned by the test (not by ``dp``), so clients can attach and detach freely."""
-    from dataplane._service import start_service
     from dataplane.config import StoreConfig
+    from dataplane.service.launch import start_service
 
     cfg = StoreConfig.from_options(**options)
     registry, handle = start_service(cfg)
@@ -77,7 +77,7 @@ def own_store(name: str, **options):
 
 def keys_on_shards(pid: str, num_shards: int, prefix: str = "k") -> list[str]:
     """One key per shard of partition ``pid``: ``result[i]`` is placed on shard ``i``."""
-    from dataplane._placement import HashPlacement
+    from dataplane.client.sharding import HashPlacement
 
     placement, found, i = HashPlacement(num_shards), {}, 0
     while len(found) < num_shards:
@@ -97,7 +97,7 @@ def raw_socket(
     """
     import zmq
 
-    from dataplane._auth import Credentials, secure_client
+    from dataplane.wire.auth import Credentials, secure_client
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -113,7 +113,7 @@ def raw_socket(
 
 def request(sock, op: str, body: dict, frames=(), rid: int = 7, timeout_ms: int = 10_000):
     """Send one request on a raw socket; the decoded reply header and frames, or None if no reply came."""
-    from dataplane import _wire
+    from dataplane.wire import frames as _wire
 
     sock.send_multipart(_wire.encode_request(rid, op, body, list(frames)))
     if not sock.poll(timeout_ms):

@@ -184,7 +184,7 @@ def test_async_variants(kv, pid):
 
 
 def test_zero_copy_view_survives_clear(kv, pid):
-    from dataplane._placement import HashPlacement
+    from dataplane.client.sharding import HashPlacement
 
     n = 64
     x = torch.arange(n * 4096, dtype=torch.float32).reshape(n, 4096)  # 1 MiB: a shared-memory segment

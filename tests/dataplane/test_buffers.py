@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import torch
 
-from dataplane._buffers import MIN_POOLED_BYTES, BufferPool, take
+from dataplane.codec.buffers import MIN_POOLED_BYTES, BufferPool, take
 
 MiB = 1 << 20
 

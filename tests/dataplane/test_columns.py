@@ -10,8 +10,8 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from dataplane import _rows
-from dataplane._columns import (
+from dataplane.codec import rows as _rows
+from dataplane.codec.columns import (
     Column,
     ColumnSpec,
     decode_fields,
@@ -22,7 +22,7 @@ from dataplane._columns import (
     gathered_nbytes,
     slice_rows,
 )
-from dataplane._rows import assemble
+from dataplane.codec.rows import assemble
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
 
 DTYPES = [

@@ -17,9 +17,9 @@ import ray
 import torch
 
 import dataplane as dp
-from dataplane import _service
-from dataplane._liveness import process_start
 from dataplane.config import NAMESPACE, StoreConfig
+from dataplane.service import launch as _service
+from dataplane.wire.liveness import process_start
 
 from .conftest import keys_on_shards, own_store, start_store, wait_for
 

@@ -30,9 +30,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from dataplane import _protocol, _wire, errors
-from dataplane._index import IndexCore
-from dataplane._shard import ShardCore
+from dataplane import errors
+from dataplane.server.index import IndexCore
+from dataplane.server.shard import ShardCore
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 
 SEED = 20250117
 BUDGET_S = 5.0

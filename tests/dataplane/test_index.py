@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import _wire
-from dataplane._columns import encode_fields
-from dataplane._index import IndexCore
-from dataplane._placement import HashPlacement
-from dataplane._rows import assemble, contiguous_view
+from dataplane.client.sharding import HashPlacement
+from dataplane.codec.columns import encode_fields
+from dataplane.codec.rows import assemble, contiguous_view
 from dataplane.errors import KeyNotFoundError, SchemaError, ShardUnavailableError, WireError
+from dataplane.server.index import IndexCore
+from dataplane.wire import frames as _wire
 
 F32 = ["dense", "float32", [4]]
 I64 = ["dense", "int64", [4]]

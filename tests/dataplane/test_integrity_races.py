@@ -211,7 +211,7 @@ def paused_put(keys: list[str], pid: str, fields: dict):
     Returns ``(reply bodies of that step, resume)``; ``resume()`` runs the rest of the put (copy the
     rows into the reserved memory, commit) and returns the exception it ended with, or None.
     """
-    from dataplane._columns import encode_fields
+    from dataplane.codec.columns import encode_fields
 
     client = dp.api._client()
     op = client.engine.put(keys, pid, encode_fields(fields, len(keys)), None)

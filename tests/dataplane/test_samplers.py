@@ -15,8 +15,6 @@ import random
 import msgspec
 import pytest
 
-from dataplane import _protocol
-from dataplane._index import IndexCore
 from dataplane.errors import BatchSizeError, BatchTimeoutError, PartitionNotFoundError, WireError
 from dataplane.samplers import (
     GroupSampler,
@@ -28,6 +26,8 @@ from dataplane.samplers import (
     complete_groups,
     from_spec,
 )
+from dataplane.server.index import IndexCore
+from dataplane.wire import protocol as _protocol
 
 PENDING = {"pending": True}
 

@@ -28,9 +28,9 @@ import torch
 import zmq
 
 import dataplane as dp
-from dataplane import _wire
-from dataplane._auth import Credentials, secure_client
-from dataplane._placement import HashPlacement
+from dataplane.client.sharding import HashPlacement
+from dataplane.wire import frames as _wire
+from dataplane.wire.auth import Credentials, secure_client
 
 from .conftest import keys_on_shards, raw_socket, start_store
 

@@ -149,8 +149,8 @@ def test_dead_shard_raises_and_leaves_no_memory(ray_cluster):
 
 
 def test_unschedulable_store_fails_fast(ray_cluster):
-    from dataplane._service import start_service
     from dataplane.config import StoreConfig
+    from dataplane.service.launch import start_service
 
     cfg = StoreConfig.from_options(name="t-sched", num_cpus=64, schedule_timeout_s=3)
     with pytest.raises(dp.SchedulingError, match="num_cpus=64"):  # infeasible: raised at once

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import _wire
-from dataplane._columns import encode_fields
-from dataplane._segments import MappingCache, ShmPool, size_class
-from dataplane._shard import ShardCore
+from dataplane.client.mappings import MappingCache
+from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+from dataplane.server.segments import ShmPool, size_class
+from dataplane.server.shard import ShardCore
+from dataplane.wire import frames as _wire
 
 
 def call(core: ShardCore, op: str, body: dict, frames=()) -> tuple[dict, list]:
@@ -163,7 +164,10 @@ def test_shard_side_modules_do_not_import_torch():
     import subprocess
     import sys
 
-    mods = "dataplane._shard, dataplane._shard_server, dataplane._index, dataplane._wire, dataplane._rows"
+    mods = (
+        "dataplane.server.shard, dataplane.server.shard_actor, dataplane.server.index, "
+        "dataplane.wire.frames, dataplane.codec.rows"
+    )
     code = f"import sys, {mods}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
@@ -173,7 +177,7 @@ def test_shard_side_modules_do_not_import_torch():
 
 def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
     """A ``put_ready`` as ``ShardServer`` serves it: the rows stored, the index commit to send on."""
-    from dataplane import _protocol
+    from dataplane.wire import protocol as _protocol
 
     cols = encode_fields(fields, len(keys))
     bufs: list = []

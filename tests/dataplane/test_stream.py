@@ -200,8 +200,8 @@ def test_a_row_handed_out_is_readable_at_once(attached, pid):
     order is one that really happens). The put commits on the shards before the index, so the
     index's commit is alone in its round (it failed before that order was fixed).
     """
-    from dataplane._columns import encode_fields
-    from dataplane._transport import INDEX
+    from dataplane.codec.columns import encode_fields
+    from dataplane.wire.transport import INDEX
 
     client = dp.api._client()
     dp.kv_batch_put(["k-0"], pid, {"a": torch.zeros(1)})

@@ -22,10 +22,10 @@ from importlib import metadata
 
 import pytest
 
-from dataplane import _connect
-from dataplane._service_cli import describe, format_status, option_differences
 from dataplane._units import format_bytes, parse_size
+from dataplane.cli import describe, format_status, option_differences
 from dataplane.errors import ClusterAuthError, ClusterConnectError
+from dataplane.service import connect as _connect
 from workers.cli import build_parser
 from workers.demo import format_summary, judge, reward_window
 
@@ -322,10 +322,10 @@ def test_init_says_what_it_did(ray_session, caplog) -> None:
 
 
 def test_store_cli_refuses_local_for_status(capsys) -> None:
-    from dataplane import _service_cli
+    from dataplane import cli as _store_cli
 
     args = argparse.Namespace(store_action="status", address="local", json=False)
-    assert _service_cli.cli(args) == 2
+    assert _store_cli.cli(args) == 2
     assert "holds no store" in capsys.readouterr().out
 
 
@@ -346,8 +346,8 @@ def test_a_store_server_counts_its_open_connections() -> None:
 
     import zmq
 
-    from dataplane._auth import Credentials, secure_client
-    from dataplane._server import ZmqServer
+    from dataplane.server.router import ZmqServer
+    from dataplane.wire.auth import Credentials, secure_client
 
     def settles_at(n: int) -> bool:
         deadline = time.monotonic() + 10

@@ -27,11 +27,7 @@ clients keep their mappings. A warm file is given back to the OS (its pages punc
 ``MADV_REMOVE``, then closed) once it has been idle ``warm_idle_s`` or when the warm pool exceeds
 ``warm_retain_bytes``.
 
-Client side (``MappingCache``): opens a shard's file through ``/proc/<shard pid>/fd/<fd>``, checks
-its inode (so a reused fd number or another pid namespace is detected), maps it once with
-``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``_mapping``) and caches it by the
-never-reused file id. The shard tells clients which files are still alive, and mappings of closed
-files are dropped.
+The client side (mapping these files) is ``dataplane.client.mappings``.
 """
 
 from __future__ import annotations
@@ -40,22 +36,17 @@ import errno
 import logging
 import mmap
 import os
-import resource
-import struct
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from dataplane._mapping import map_fd
-from dataplane.errors import ResourceLimitError, StoreFullError
+from dataplane.errors import StoreFullError
+from dataplane.wire.shm import GEN, fd_limit_error, map_fd
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 _REUSE_SLACK = 1.3
 TABLE_SLOTS = 1 << 20  # live files per shard; the table is sparse: only touched pages cost memory
-_GEN = struct.Struct("<Q")
 
 
 def size_class(nbytes: int) -> int:
@@ -67,11 +58,6 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
-def generation(table: memoryview, slot: int) -> int:
-    """The generation in ``slot`` of a mapped generation table (0: no live file there)."""
-    return _GEN.unpack_from(table, slot * _GEN.size)[0]
-
-
 class GenTable:
     """The shard's generation table: one 8-byte slot per open file (see the module docstring).
 
@@ -81,7 +67,7 @@ class GenTable:
     """
 
     def __init__(self, prefix: str = "dataplane", slots: int = TABLE_SLOTS) -> None:
-        self.file = ShmFile.create(0, slots * _GEN.size, prefix, allocate=False)
+        self.file = ShmFile.create(0, slots * GEN.size, prefix, allocate=False)
         self._view = self.file.view()
         self._slots = slots
         self._unused = 0  # slots below this have been handed out at least once
@@ -106,7 +92,7 @@ class GenTable:
         return gen
 
     def set(self, slot: int, gen: int) -> None:
-        _GEN.pack_into(self._view, slot * _GEN.size, gen)
+        GEN.pack_into(self._view, slot * GEN.size, gen)
 
     def ref(self) -> list[int]:
         return self.file.ref()
@@ -114,15 +100,6 @@ class GenTable:
     def close(self) -> None:
         self._view = None
         self.file.close(punch=True)
-
-
-def fd_limit_error(what: str, exc: OSError) -> ResourceLimitError:
-    """The typed error for running out of file descriptors, naming the process's limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return ResourceLimitError(
-        f"{what}: this process ran out of file descriptors ({exc}); its limit is {soft} (hard {hard}). "
-        "Raise it (ulimit -n / resource.setrlimit) or close what holds them."
-    )
 
 
 @dataclass(eq=False)
@@ -274,122 +251,4 @@ class ShmPool:
         return sum(f.size for f in self.warm)
 
 
-class ShmUnavailable(OSError):
-    """This client cannot map the shard's file (another host, another pid namespace, closed, no access)."""
-
-
-class MappingCache:
-    """Client-side cache of shard file mappings, keyed by (shard, never-reused file id). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._maps: dict[tuple[int, int], memoryview] = {}
-        self._tables: dict[int, memoryview] = {}
-        self._versions: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def table(self, shard: int, pid: int, ref: list[int]) -> memoryview:
-        """The shard's generation table (mapped once; read with ``generation(table, slot)``)."""
-        with self._lock:
-            m = self._tables.get(shard)
-        if m is None:
-            m = map_remote(pid, *ref[1:4], populate=False)  # sparse: only the slots read get pages
-            with self._lock:
-                self._tables[shard] = m
-        return m
-
-    def version(self, shard: int) -> int:
-        return self._versions.get(shard, -1)
-
-    def view(self, shard: int, pid: int, ref: list[int]) -> memoryview:
-        """A writable view of the whole file ``ref`` of shard ``shard`` (process ``pid``)."""
-        file_id, fd, size, inode = ref[:4]
-        key = (shard, file_id)
-        with self._lock:
-            m = self._maps.get(key)
-        if m is None:
-            m = map_remote(pid, fd, size, inode)
-            with self._lock:
-                self._maps[key] = m
-        return m
-
-    def prune(self, shard: int, version: int, live: list[int]) -> None:
-        """Forget mappings of the shard's files that are no longer alive (views keep their own)."""
-        alive = set(live)
-        with self._lock:
-            for key in [k for k in self._maps if k[0] == shard and k[1] not in alive]:
-                del self._maps[key]  # unmapped when the last view of it is dropped
-            self._versions[shard] = version
-
-    def drop_shard(self, shard: int) -> None:
-        with self._lock:
-            for key in [k for k in self._maps if k[0] == shard]:
-                del self._maps[key]
-            self._tables.pop(shard, None)
-            self._versions.pop(shard, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._maps.clear()
-            self._tables.clear()
-            self._versions.clear()
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
-def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) -> memoryview:
-    """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
-
-    The mapping holds no file descriptor (``_mapping.map_fd``). Running out of descriptors while
-    opening the file raises ``ResourceLimitError`` naming the limit.
-    """
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        local = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise fd_limit_error(f"mapping a shard segment ({path})", exc) from exc
-        raise ShmUnavailable(f"cannot open {path}: {exc}") from exc
-    try:
-        if os.fstat(local).st_ino != inode:
-            raise ShmUnavailable(
-                f"{path} is not the shard's segment (inode mismatch: closed, other host or pid ns)"
-            )
-        return map_fd(local, size, populate=populate)
-    finally:
-        os.close(local)
-
-
-def boot_id() -> str:
-    """This host's boot id: equal boot ids (and a passing inode probe) mean the same kernel."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
-    """True when this process can map the shard's files (same kernel, /proc access, same pid ns)."""
-    if not host_boot_id or host_boot_id != boot_id():
-        return False
-    try:
-        map_remote(pid, ref[1], ref[2], ref[3], populate=False)
-        return True
-    except (ShmUnavailable, OSError, ValueError):
-        return False
-
-
-__all__ = [
-    "GenTable",
-    "MappingCache",
-    "ShmFile",
-    "ShmPool",
-    "ShmUnavailable",
-    "boot_id",
-    "fd_limit_error",
-    "generation",
-    "map_remote",
-    "probe",
-    "size_class",
-]
+__all__ = ["GenTable", "ShmFile", "ShmPool", "size_class"]

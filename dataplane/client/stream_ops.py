@@ -12,10 +12,10 @@ import math
 import time
 from typing import Any
 
-from dataplane._ops import Op, Route, _raise_first
-from dataplane._transport import INDEX, Call
+from dataplane.client.ops import Op, Route, _raise_first
 from dataplane.errors import BatchSizeError, DataplaneError, WireError
 from dataplane.meta import KVBatchMeta
+from dataplane.wire.transport import INDEX, Call
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
 

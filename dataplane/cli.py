@@ -1,6 +1,6 @@
 """``rlplane store start|status|stop``: the store as a service on a Ray cluster (runs in the driver).
 
-``--address`` means what it means everywhere (``dataplane._connect``): ``auto`` (the default) the
+``--address`` means what it means everywhere (``dataplane.service.connect``): ``auto`` (the default) the
 running cluster, ``HOST:PORT`` the cluster whose head listens there, and ``local`` a new Ray of this
 machine's own. For ``store start`` that new Ray is a head started with ``ray start`` in the background,
 so it outlives the command like the store's detached actors do (``ray stop`` stops it); ``status``
@@ -30,10 +30,10 @@ import subprocess
 import sys
 from typing import Any
 
-from dataplane import _connect
 from dataplane._units import format_bytes
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import ClusterConnectError, DataplaneError, StoreNotInitializedError
+from dataplane.service import connect as _connect
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def _config(args: argparse.Namespace) -> StoreConfig:
 
 
 def _start(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
-    from dataplane._service import find_service, start_service
+    from dataplane.service.launch import find_service, start_service
 
     found = find_service(cfg)
     if found is not None:
@@ -336,7 +336,7 @@ def cli(args: argparse.Namespace) -> int:
         if action == "status":
             return _status(args, cfg, address)
         if action == "stop":
-            from dataplane._service import stop_named
+            from dataplane.service.launch import stop_named
 
             stopped = stop_named(cfg)
             _say(f"stopped store {cfg.name!r}" if stopped else f"no store {cfg.name!r} ran at {address}")

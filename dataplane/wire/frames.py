@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from dataplane import errors
-from dataplane._column_types import Column, ColumnSpec
+from dataplane.codec.column_types import Column, ColumnSpec
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dataplane import _auth, _wire
-from dataplane._transport import recv_frames, send_frames
+from dataplane.wire import auth as _auth
+from dataplane.wire import frames as _wire
+from dataplane.wire.transport import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 

@@ -32,14 +32,15 @@ from typing import Any
 
 import zmq
 
-from dataplane import _protocol, _wire
-from dataplane._auth import Credentials
-from dataplane._liveness import Liveness, Target, process_start
-from dataplane._segments import boot_id
-from dataplane._server import ZmqServer
-from dataplane._shard import PutUndo, ShardCore
-from dataplane._transport import INDEX, PROBE_S, Endpoint, _Endpoints, next_rid, recv_frames, send_frames
 from dataplane.errors import WireError
+from dataplane.server.router import ZmqServer
+from dataplane.server.shard import PutUndo, ShardCore
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
+from dataplane.wire.auth import Credentials
+from dataplane.wire.liveness import Liveness, Target, process_start
+from dataplane.wire.shm import boot_id
+from dataplane.wire.transport import INDEX, PROBE_S, Endpoint, _Endpoints, next_rid, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Column types: ``ColumnSpec`` (how to read a column's bytes) and ``Column`` (the bytes).
 
-One definition serves both sides: the codec (``dataplane._columns``, which imports torch) builds and
+One definition serves both sides: the codec (``dataplane.codec.columns``, which imports torch) builds and
 reads them, and the parts that only move bytes (shards, index, wire, row assembly) carry them. This
 module therefore never imports torch at module level: a shard process stays small and starts fast,
 and it cannot interpret (let alone unpickle) the bytes it holds. Dense row sizes come from an

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane import _buffers
-from dataplane._column_types import Column, ColumnSpec, itemsize
+from dataplane.codec import buffers as _buffers
+from dataplane.codec.column_types import Column, ColumnSpec, itemsize
 
 Piece = tuple[Column, np.ndarray, np.ndarray]
 

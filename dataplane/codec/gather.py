@@ -1,13 +1,13 @@
 """Checked row gather: rows of several columns, concatenated in request order, with one copy.
 
-The copying is ``dataplane._rows`` (the store's own get path); this module is the checked front for
+The copying is ``dataplane.codec.rows`` (the store's own get path); this module is the checked front for
 callers outside the store: it takes any int sequence as indices, checks them and the parts' specs,
 and sizes or checks an ``out`` buffer. ``gather_view`` is the zero-copy case (one contiguous run of
 one part).
 
 Example:
     >>> import torch
-    >>> from dataplane._columns import encode_fields
+    >>> from dataplane.codec.columns import encode_fields
     >>> col = encode_fields({"x": torch.arange(4)}, 4)["x"]
     >>> gather([(col, [3, 0]), (col, [1])]).num_rows
     3
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane._column_types import Column
-from dataplane._rows import assemble, contiguous_view, nbytes_of
+from dataplane.codec.column_types import Column
+from dataplane.codec.rows import assemble, contiguous_view, nbytes_of
 
 
 def _index(idx: Any, col: Column, part: int) -> np.ndarray:
@@ -61,7 +61,7 @@ def gather_view(parts: Sequence[tuple[Column, Any]]) -> Column | None:
 
     Example:
         >>> import torch
-        >>> from dataplane._columns import encode_fields
+        >>> from dataplane.codec.columns import encode_fields
         >>> col = encode_fields({"x": torch.arange(4)}, 4)["x"]
         >>> gather_view([(col, [1, 2])]).num_rows, gather_view([(col, [2, 1])])
         (2, None)
@@ -78,7 +78,7 @@ def gather(
 ) -> Column:
     """Rows ``idx`` of each ``(column, idx)`` part, concatenated in order, with one copy.
 
-    All parts must share one spec. The copy is ``dataplane._rows.assemble``: runs of consecutive
+    All parts must share one spec. The copy is ``dataplane.codec.rows.assemble``: runs of consecutive
     rows as one slice each, scattered short rows with one vectorised numpy gather.
 
     Args:

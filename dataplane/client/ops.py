@@ -26,12 +26,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from dataplane import _wire
-from dataplane._column_types import Column
-from dataplane._placement import Placement
-from dataplane._rows import assemble, assemble_any, contiguous_view, nbytes_of
-from dataplane._segments import MappingCache, ShmUnavailable, generation
-from dataplane._transport import INDEX, Call, Result
+from dataplane.client.mappings import MappingCache, ShmUnavailable
+from dataplane.client.sharding import Placement
+from dataplane.codec.column_types import Column
+from dataplane.codec.plain import plain_value
+from dataplane.codec.rows import assemble, assemble_any, contiguous_view, nbytes_of
 from dataplane.errors import (
     BatchSizeError,
     DataplaneError,
@@ -41,7 +40,10 @@ from dataplane.errors import (
     SchemaError,
     WireError,
 )
-from dataplane.meta import KVBatchMeta, plain_value
+from dataplane.meta import KVBatchMeta
+from dataplane.wire import frames as _wire
+from dataplane.wire.shm import generation
+from dataplane.wire.transport import INDEX, Call, Result
 
 Op = Generator[list[Call], list[Result], Any]
 

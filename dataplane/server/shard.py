@@ -38,10 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from dataplane import _protocol, _wire
-from dataplane._column_types import Column, check_offsets, check_shapes
-from dataplane._rows import assemble_any
-from dataplane._segments import ShmFile, ShmPool
+from dataplane.codec.column_types import Column, check_offsets, check_shapes
+from dataplane.codec.rows import assemble_any
 from dataplane.errors import (
     DataplaneError,
     FieldNotFoundError,
@@ -52,6 +50,9 @@ from dataplane.errors import (
     StoreFullError,
     WireError,
 )
+from dataplane.server.segments import ShmFile, ShmPool
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 

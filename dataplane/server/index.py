@@ -22,12 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane import _auth, _protocol, _wire
-from dataplane._column_types import describe_family
-from dataplane._server import POLL_MS, ZmqServer
-from dataplane._streams import PartitionStreams
+from dataplane.codec.column_types import describe_family
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
 from dataplane.samplers import from_spec
+from dataplane.server.router import POLL_MS, ZmqServer
+from dataplane.server.streams import PartitionStreams
+from dataplane.wire import auth as _auth
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 
@@ -490,8 +492,8 @@ class IndexActor:
 
         import ray
 
-        from dataplane._liveness import process_start
-        from dataplane._segments import boot_id
+        from dataplane.wire.liveness import process_start
+        from dataplane.wire.shm import boot_id
 
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")

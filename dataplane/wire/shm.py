@@ -1,4 +1,12 @@
-"""Shared mappings of a file that hold no file descriptor: ``map_fd(fd, size) -> memoryview``.
+"""The shared-memory contract between a shard and same-host clients.
+
+``map_fd(fd, size) -> memoryview``: shared mappings of a file that hold no file descriptor;
+``GEN`` / ``generation``: the layout of the shard's generation table (one 8-byte slot per file);
+``boot_id``: which kernel a process runs on; ``fd_limit_error``: the typed error for running out
+of descriptors. The shard side is ``dataplane.server.segments``, the client side
+``dataplane.client.mappings``.
+
+Why ``map_fd``:
 
 Python's ``mmap.mmap`` (before 3.13) keeps a duplicate of the file descriptor for as long as the
 mapping lives, so every mapped segment would cost its process one more fd: a client holding a
@@ -16,6 +24,10 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import resource
+import struct
+
+from dataplane.errors import ResourceLimitError
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -69,3 +81,29 @@ def map_fd(fd: int, size: int, *, populate: bool = False) -> memoryview:
 
 
 __all__ = ["map_fd"]
+
+
+GEN = struct.Struct("<Q")  # one slot of a generation table
+
+
+def generation(table: memoryview, slot: int) -> int:
+    """The generation in ``slot`` of a mapped generation table (0: no live file there)."""
+    return GEN.unpack_from(table, slot * GEN.size)[0]
+
+
+def boot_id() -> str:
+    """This host's boot id: equal boot ids (and a passing inode probe) mean the same kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def fd_limit_error(what: str, exc: OSError) -> ResourceLimitError:
+    """The typed error for running out of file descriptors, naming the process's limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return ResourceLimitError(
+        f"{what}: this process ran out of file descriptors ({exc}); its limit is {soft} (hard {hard}). "
+        "Raise it (ulimit -n / resource.setrlimit) or close what holds them."
+    )

@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
-from dataplane._column_kinds import ValueEncoder, decode_value, u8_tensor
-from dataplane._column_types import KINDS, Column, ColumnSpec, torch_dtype
-from dataplane._gather import gather, gather_view, gathered_nbytes, slice_rows
+from dataplane.codec.column_kinds import ValueEncoder, decode_value, u8_tensor
+from dataplane.codec.column_types import KINDS, Column, ColumnSpec, torch_dtype
+from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.errors import BatchSizeError
 
 logger = logging.getLogger(__name__)

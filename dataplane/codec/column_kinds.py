@@ -20,9 +20,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dataplane._column_types import Column, ColumnSpec, torch_dtype
+from dataplane.codec.column_types import Column, ColumnSpec, torch_dtype
+from dataplane.codec.plain import plain_value
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
-from dataplane.meta import plain_value
 
 logger = logging.getLogger(__name__)
 

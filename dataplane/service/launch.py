@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane._auth import Credentials
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import SchedulingError, StoreNotInitializedError
+from dataplane.wire.auth import Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
 def _broken(cfg: StoreConfig, names: list[str]) -> str:
     return (
         f"the store {cfg.name!r} is broken: its index is dead but {names} still run. Stop what is left "
-        f"with `rlplane store stop` (or dataplane._service.stop_named) and start a new store"
+        f"with `rlplane store stop` (or dataplane.service.launch.stop_named) and start a new store"
     )
 
 
@@ -156,8 +156,8 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from dataplane._index import IndexActor
-    from dataplane._shard_server import ShardActor
+    from dataplane.server.index import IndexActor
+    from dataplane.server.shard_actor import ShardActor
 
     nodes = _alive_nodes()
     if not nodes:

@@ -30,10 +30,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dataplane import _auth, _wire
-from dataplane._liveness import Liveness
-from dataplane._segments import fd_limit_error
 from dataplane.errors import ShardUnavailableError
+from dataplane.wire import auth as _auth
+from dataplane.wire import frames as _wire
+from dataplane.wire.liveness import Liveness
+from dataplane.wire.shm import fd_limit_error
 
 _rids = itertools.count(1)
 _rid_lock = threading.Lock()

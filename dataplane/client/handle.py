@@ -13,15 +13,16 @@ import logging
 import weakref
 from typing import Any
 
-from dataplane import _ops
-from dataplane._auth import Credentials
-from dataplane._engine import StorageEngine, select_engine
-from dataplane._liveness import Liveness, Target
-from dataplane._placement import HashPlacement
-from dataplane._segments import MappingCache, boot_id, probe
-from dataplane._transport import INDEX, AsyncTransport, Endpoint, SyncTransport
+from dataplane.client import ops as _ops
+from dataplane.client.engine import StorageEngine, select_engine
+from dataplane.client.mappings import MappingCache, probe
+from dataplane.client.sharding import HashPlacement
 from dataplane.config import StoreConfig
 from dataplane.errors import ShardUnavailableError
+from dataplane.wire.auth import Credentials
+from dataplane.wire.liveness import Liveness, Target
+from dataplane.wire.shm import boot_id
+from dataplane.wire.transport import INDEX, AsyncTransport, Endpoint, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 

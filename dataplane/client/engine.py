@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from dataplane import _ops
+from dataplane.client import ops as _ops
 
 
 class StorageEngine(ABC):

@@ -1,0 +1,10 @@
+"""The server side: what runs in the store's actors (the index and the shards).
+
+``shard`` (a shard's rows and bytes, without I/O), ``segments`` (its shared-memory files),
+``shard_actor`` (the Ray actor serving a shard), ``index`` (partitions, keys, readiness and the
+shard registry; core and actor), ``streams`` (per-task consumption of a partition) and
+``router`` (the zmq ROUTER loop both actors serve through).
+
+Rule: the server imports the codec, the wire, ``errors``, ``config`` and ``samplers``; never the
+client side.
+"""
