@@ -377,7 +377,7 @@ def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     Example:
         >>> dp.kv_clear(["a"], "train")
     """
-    _client().run(_client().engine.delete(_key_list(keys), partition_id))
+    _client().run(_client().engine.clear(_key_list(keys), partition_id))
 
 
 def clear_partition(partition_id: str) -> None:
@@ -386,7 +386,7 @@ def clear_partition(partition_id: str) -> None:
     Example:
         >>> dp.clear_partition("train")
     """
-    _client().run(_client().engine.drop(partition_id))
+    _client().run(_client().engine.clear_partition(partition_id))
 
 
 def stats(trim: bool = False) -> dict[str, Any]:
@@ -466,12 +466,12 @@ async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     """Async ``kv_clear``."""
-    await _client().arun(_client().engine.delete(_key_list(keys), partition_id))
+    await _client().arun(_client().engine.clear(_key_list(keys), partition_id))
 
 
 async def async_clear_partition(partition_id: str) -> None:
     """Async ``clear_partition``."""
-    await _client().arun(_client().engine.drop(partition_id))
+    await _client().arun(_client().engine.clear_partition(partition_id))
 
 
 async def async_stats(trim: bool = False) -> dict[str, Any]:

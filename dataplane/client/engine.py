@@ -43,10 +43,10 @@ class StorageEngine(ABC):
     def get(self, keys: list[str], partition_id: str, fields: list[str] | None, copy: bool) -> _ops.Op: ...
 
     @abstractmethod
-    def delete(self, keys: list[str], partition_id: str) -> _ops.Op: ...
+    def clear(self, keys: list[str], partition_id: str) -> _ops.Op: ...
 
     @abstractmethod
-    def drop(self, partition_id: str) -> _ops.Op: ...
+    def clear_partition(self, partition_id: str) -> _ops.Op: ...
 
     @abstractmethod
     def list(self, partition_id: str | None) -> _ops.Op: ...
@@ -70,11 +70,11 @@ class ShardedEngine(StorageEngine):
     def get(self, keys, partition_id, fields, copy) -> _ops.Op:
         return _ops.get(self.route, keys, partition_id, fields, copy)
 
-    def delete(self, keys, partition_id) -> _ops.Op:
+    def clear(self, keys, partition_id) -> _ops.Op:
         return _ops.clear(self.route, keys, partition_id)
 
-    def drop(self, partition_id) -> _ops.Op:
-        return _ops.drop_partition(self.route, partition_id)
+    def clear_partition(self, partition_id) -> _ops.Op:
+        return _ops.clear_partition(self.route, partition_id)
 
     def list(self, partition_id) -> _ops.Op:
         return _ops.list_keys(self.route, partition_id)

@@ -506,19 +506,19 @@ def clear(route: Route, keys: Sequence[str], partition_id: str) -> Op:
     keys = _check_keys(keys, partition_id)
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
-    calls = [Call(s, "delete", {"pid": partition_id, "keys": [keys[i] for i in groups[s]]}) for s in shards]
-    results = yield [*calls, Call(INDEX, "delete", {"pid": partition_id, "keys": keys})]
+    calls = [Call(s, "clear", {"pid": partition_id, "keys": [keys[i] for i in groups[s]]}) for s in shards]
+    results = yield [*calls, Call(INDEX, "clear", {"pid": partition_id, "keys": keys})]
     _raise_partial_clear(results, shards, f"kv_clear of {len(keys)} keys of partition {partition_id!r}")
     return None
 
 
-def drop_partition(route: Route, partition_id: str) -> Op:
+def clear_partition(route: Route, partition_id: str) -> Op:
     if not isinstance(partition_id, str):
         raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
     _forget_schema(route, partition_id)
     shards = list(range(route.placement.num_shards))
-    calls = [Call(s, "drop", {"pid": partition_id}) for s in shards]
-    results = yield [*calls, Call(INDEX, "drop", {"pid": partition_id})]
+    calls = [Call(s, "clear_partition", {"pid": partition_id}) for s in shards]
+    results = yield [*calls, Call(INDEX, "clear_partition", {"pid": partition_id})]
     _raise_partial_clear(results, shards, f"clear_partition({partition_id!r})")
     return None
 
@@ -558,4 +558,4 @@ def stats(route: Route, trim: bool = False) -> Op:
     return [r[0] for r in results[:n]], results[n][0]
 
 
-__all__ = ["Op", "Route", "clear", "drop_partition", "get", "list_keys", "put", "stats"]
+__all__ = ["Op", "Route", "clear", "clear_partition", "get", "list_keys", "put", "stats"]

@@ -205,17 +205,17 @@ class IndexCore:
                 results.append({"err": _wire.error_fields(exc)})
         return {"results": results}
 
-    def op_delete(self, body: _protocol.Delete) -> dict[str, Any]:
+    def op_clear(self, body: _protocol.Clear) -> dict[str, Any]:
         part = self.partitions.get(body.pid)
         removed = 0
         if part is not None:
             for key in body.keys:
                 if part.keys.pop(key, None) is not None:
                     removed += 1
-                    part.streams.on_delete(key)
+                    part.streams.on_clear(key)
         return {"removed": removed}
 
-    def op_drop(self, body: _protocol.Drop) -> dict[str, Any]:
+    def op_clear_partition(self, body: _protocol.OnePartition) -> dict[str, Any]:
         pid = body.pid
         existed = self.partitions.pop(pid, None) is not None
         self.schemas.pop(pid, None)
@@ -306,7 +306,7 @@ class IndexCore:
             f"was consumed{hint}",
         )
 
-    def op_finish(self, body: _protocol.Drop) -> dict[str, Any]:
+    def op_finish(self, body: _protocol.OnePartition) -> dict[str, Any]:
         """Producers are done: consumers get what is left, then empty batches at once."""
         part = self.partitions.setdefault(body.pid, _PartMeta())
         part.streams.finished = True

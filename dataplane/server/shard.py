@@ -446,7 +446,7 @@ class ShardCore:
         }
 
     # ---- clear ------------------------------------------------------------------------------
-    def op_delete(self, body: _protocol.Delete, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_clear(self, body: _protocol.Clear, bufs: list[memoryview]) -> tuple[dict, list]:
         part = self.partitions.get(body.pid)
         removed = 0
         if part is not None:
@@ -458,7 +458,7 @@ class ShardCore:
                         self._unref(seg)
         return {"removed": removed}, []
 
-    def op_drop(self, body: _protocol.Drop, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_clear_partition(self, body: _protocol.OnePartition, bufs: list[memoryview]) -> tuple[dict, list]:
         part = self.partitions.pop(body.pid, None)
         removed = 0
         if part is not None:

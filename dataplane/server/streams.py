@@ -57,7 +57,7 @@ class PartitionStreams:
                     if key not in task.consumed:
                         stream.ready[key] = None
 
-    def on_delete(self, key: str) -> None:
+    def on_clear(self, key: str) -> None:
         for task in self.tasks.values():
             task.consumed.discard(key)
             for stream in task.streams.values():

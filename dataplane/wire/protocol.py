@@ -76,12 +76,12 @@ class Get(_Body):
     version: int = -1
 
 
-class Delete(_Body):
+class Clear(_Body):
     pid: str
     keys: list[str]
 
 
-class Drop(_Body):
+class OnePartition(_Body):
     pid: str
 
 
@@ -186,8 +186,8 @@ SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "commit": Commit,
     "abort": Abort,
     "get": Get,
-    "delete": Delete,
-    "drop": Drop,
+    "clear": Clear,
+    "clear_partition": OnePartition,
     "stats": Stats,
     "ping": Ping,
 }
@@ -197,8 +197,8 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "commit": IndexCommit,
     "commits": Commits,
     "abort": IndexAbort,
-    "delete": Delete,
-    "drop": Drop,
+    "clear": Clear,
+    "clear_partition": OnePartition,
     "list": ListKeys,
     "resolve": Resolve,
     "stats": Stats,
@@ -206,7 +206,7 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "next": Next,
     "ready": Ready,
     "claim": Claim,
-    "finish": Drop,
+    "finish": OnePartition,
     "reset": Reset,
     "consumption": Consumption,
     "consumed": Consumed,

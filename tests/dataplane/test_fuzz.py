@@ -203,11 +203,11 @@ def _get(rng: random.Random, core: ShardCore) -> tuple[str, dict, list]:
 
 
 def _delete(rng: random.Random, core: Any) -> tuple[str, dict, list]:
-    return "delete", {"pid": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
+    return "clear", {"pid": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
 
 
 def _drop(rng: random.Random, core: Any) -> tuple[str, dict, list]:
-    return "drop", {"pid": rng.choice(PIDS)}, []
+    return "clear_partition", {"pid": rng.choice(PIDS)}, []
 
 
 def _stats(rng: random.Random, core: Any) -> tuple[str, dict, list]:
@@ -739,7 +739,7 @@ def test_regression_zero_key_commit_leaks():
         rep = _call(core, "reserve", {"pid": "p", "keys": [], "fields": fields}, [b"", _offsets([])])
         if rep.error is None:  # refused outright is a fix too
             _call(core, "commit", {"resv": rep.body["resv"]})
-        _call(core, "drop", {"pid": "p"})
+        _call(core, "clear_partition", {"pid": "p"})
         st = core.stats()
         assert not _check_shard(core), _check_shard(core)
         assert st["bytes_used"] == 0 and st["bytes_heap"] == 0 and st["shm_files"] == 0, st
@@ -828,7 +828,8 @@ def test_regression_invalid_utf8_is_untyped():
         _, out = _wire.answer([bad_header], core.handle)
         rep = _wire.decode_reply(out)[0]
         assert rep.error[0] == "WireError", rep.error
-        bad_body = b"\x93\x07\xa4drop\x81\xa3pid\xa2\xf4g"  # [7, "drop", {"pid": <invalid utf-8>}]
+        # [7, "clear_partition", {"pid": <invalid utf-8>}]
+        bad_body = b"\x93\x07\xafclear_partition\x81\xa3pid\xa2\xf4g"
         _, out = _wire.answer([bad_body], core.handle)
         rep = _wire.decode_reply(out)[0]
         assert rep.rid == 7 and rep.error[0] == "WireError", rep.error

@@ -56,9 +56,9 @@ def test_index_fields_tags_list_resolve_drop():
         "partition": True,
         "known": {"a": ["x", "y"]},
     }
-    call(core, "delete", {"pid": "p", "keys": ["a"]})
+    call(core, "clear", {"pid": "p", "keys": ["a"]})
     assert call(core, "stats", {}) == {"partitions": {"p": 1}}
-    call(core, "drop", {"pid": "p"})
+    call(core, "clear_partition", {"pid": "p"})
     assert call(core, "resolve", {"pid": "p", "keys": ["b"]})["partition"] is False
     with pytest.raises(WireError, match="malformed 'commit'"):
         call(core, "commit", {"pid": "p", "keys": "a"})

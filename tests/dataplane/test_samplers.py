@@ -287,7 +287,7 @@ def test_consumption_counts():
     c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
     assert (c["produced"], c["consumed"], c["ready"]) == (4, 4, 0)
     assert call(core, "consumption", {"pid": "p", "task": "other"})["ready"] == 4
-    call(core, "delete", {"pid": "p", "keys": ["a"]})
+    call(core, "clear", {"pid": "p", "keys": ["a"]})
     c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
     assert (c["total"], c["produced"], c["consumed"], c["ready"]) == (3, 3, 3, 0)
     call(core, "finish", {"pid": "p"})
@@ -499,12 +499,12 @@ def test_deleted_and_dropped_rows_leave_the_streams():
     core = IndexCore()
     put(core, "p", ["a", "b", "c"], ["x"])
     assert nxt(core, "p", "t", 1, ["x"]) == ["a"]
-    call(core, "delete", {"pid": "p", "keys": ["a", "b"]})
+    call(core, "clear", {"pid": "p", "keys": ["a", "b"]})
     assert nxt(core, "p", "t", 2, ["x"]) is None
     assert nxt(core, "p", "t", 1, ["x"]) == ["c"]
     put(core, "p", ["a"], ["x"])  # a new row under a deleted key's name is a new row
     assert nxt(core, "p", "t", 1, ["x"]) == ["a"]
-    call(core, "drop", {"pid": "p"})
+    call(core, "clear_partition", {"pid": "p"})
     assert nxt(core, "p", "t", 1, ["x"]) is None  # the partition is gone: wait for it again
 
 

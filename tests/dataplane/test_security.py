@@ -146,7 +146,7 @@ def _hostile_requests(pid: str, key: str) -> list[tuple[str, dict]]:
         ("ping", {}),
         ("list", {"pid": None}),
         ("get", {"pid": pid, "keys": [key]}),
-        ("drop", {"pid": pid}),
+        ("clear_partition", {"pid": pid}),
     ]
 
 
@@ -230,7 +230,12 @@ for ep in endpoints:
 sent = 0
 for s in socks:
     for rid, (op, body) in enumerate(
-        [("ping", {}), ("list", {"pid": None}), ("get", {"pid": pid, "keys": [key]}), ("drop", {"pid": pid})]
+        [
+            ("ping", {}),
+            ("list", {"pid": None}),
+            ("get", {"pid": pid, "keys": [key]}),
+            ("clear_partition", {"pid": pid}),
+        ]
     ):
         s.send_multipart([msgspec.msgpack.encode([rid, op, body])])
         sent += 1
@@ -556,7 +561,7 @@ MALFORMED = {
     "op-of-the-handler": ("handle", {}, [], ("WireError",)),
     "keys-not-a-list": ("reserve", {"pid": "p", "keys": 5, "fields": {}}, [], ("WireError",)),
     "get-keys-a-string": ("get", {"pid": "p", "keys": "abc"}, [], ("WireError",)),
-    "pid-not-a-string": ("drop", {"pid": 7}, [], ("WireError",)),
+    "pid-not-a-string": ("clear_partition", {"pid": 7}, [], ("WireError",)),
     "unknown-body-field": ("ping", {"x": 1}, [], ("WireError",)),
     "unknown-field-in-a-column": (
         "reserve",

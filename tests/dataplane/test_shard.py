@@ -73,7 +73,7 @@ def test_inline_put_get_and_accounting():
     body, frames = _get(core, "p", ["b", "a"])
     x = _wire.column_from_wire(body["fields"]["x"]["col"], frames)
     assert np.frombuffer(x.data, np.int64).tolist() == [3, 4, 1, 2]  # request order
-    call(core, "delete", {"pid": "p", "keys": ["a", "b", "zz"]}, [])
+    call(core, "clear", {"pid": "p", "keys": ["a", "b", "zz"]}, [])
     assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_resident"] == 0
 
 
@@ -124,7 +124,7 @@ def test_shared_memory_put_get_and_warm_reuse():
     seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
     assert np.array_equal(seg[_wire.array_from_wire(entry["row"], frames)], x[10:20].numpy())
     first_file = ref[0]
-    call(core, "drop", {"pid": "p"}, [])
+    call(core, "clear_partition", {"pid": "p"}, [])
     st = core.stats()
     assert st["bytes_used"] == 0 and st["bytes_warm"] > 0  # kept warm for the next put
     _put_shm(core, "p", keys, x + 1, maps)
@@ -141,7 +141,7 @@ def test_exported_segment_is_never_recycled():
     body, _ = _get(core, "p", keys, shm=True, export=True)
     ref = body["fields"]["x"]["segs"][0][0]
     view = np.frombuffer(maps.view(0, os.getpid(), ref), np.float32)[: 16 * 4096]
-    call(core, "delete", {"pid": "p", "keys": keys}, [])
+    call(core, "clear", {"pid": "p", "keys": keys}, [])
     assert core.stats()["bytes_warm"] == 0  # closed, not pooled
     _put_shm(core, "p", keys, torch.zeros(16, 4096), maps)
     assert float(view.min()) == 1.0, "an exported view was overwritten"
