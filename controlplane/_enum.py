@@ -8,7 +8,7 @@ resolves to the *same* singleton by name, so ``mode is Dispatch.ONE_TO_ALL`` kee
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 
 def _member_by_name(enum_cls: type[DynamicEnum], name: str) -> DynamicEnum:
@@ -76,7 +76,7 @@ class DynamicEnum(metaclass=_DynamicEnumMeta):
         return self
 
     @classmethod
-    def register(cls, name: str) -> DynamicEnum:
+    def register(cls, name: str) -> Self:
         """Add a member named ``name.upper()``; ``ValueError`` if it exists."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"{cls.__name__} member name must be an identifier, got {name!r}")
@@ -99,7 +99,7 @@ class DynamicEnum(metaclass=_DynamicEnumMeta):
         return member
 
     @classmethod
-    def from_name(cls, name: str) -> DynamicEnum | None:
+    def from_name(cls, name: str) -> Self | None:
         """The member called ``name`` (case-insensitive), or ``None``."""
         return cls._members.get(name.upper()) if isinstance(name, str) else None
 

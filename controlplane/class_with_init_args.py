@@ -19,7 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def check_init_args(user_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
+def check_init_args(user_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse constructor arguments ``user_cls.__init__`` cannot take, before any actor starts.
 
     Only what is certainly wrong is refused: unknown keyword names (unless the constructor takes
@@ -41,7 +41,7 @@ def check_init_args(user_cls: type, args: tuple, kwargs: dict[str, Any]) -> None
         p.replace(annotation=p.empty) for p in sig.parameters.values() if not p.name.startswith("_ray_")
     ]
     sig = sig.replace(parameters=params, return_annotation=sig.empty)
-    params = sig.parameters.values()
+    params = list(sig.parameters.values())
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = set(kwargs) - names

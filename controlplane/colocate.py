@@ -38,7 +38,7 @@ from controlplane.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-RoleSpecs = dict[str, tuple[type, tuple, dict]]
+RoleSpecs = dict[str, tuple[type, tuple[Any, ...], dict[str, Any]]]
 
 
 class RoleHost(Worker):
@@ -169,7 +169,7 @@ def _forwarder(role: str, name: str, fn: Callable[..., Any]) -> Callable[..., An
             return await self._role_method(role, name)(*args, **kwargs)
     else:
 
-        def forward(self: RoleHost, *args: Any, **kwargs: Any) -> Any:
+        def forward(self: RoleHost, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]  # sync twin
             return self._role_method(role, name)(*args, **kwargs)
 
     functools.update_wrapper(forward, fn, assigned=("__doc__",), updated=())

@@ -20,7 +20,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from controlplane import bridge as _bridge
 from controlplane import dispatch as _d
@@ -51,9 +51,21 @@ class Dispatch(DynamicEnum):
     ``make_nd_compute_dispatch_fn(mesh)`` splits by data-parallel rank of a mesh instead.
     """
 
+    # The members registered below, declared for type checkers (``register_dispatch_mode`` adds more).
+    RANK_ZERO: ClassVar[Dispatch]
+    ONE_TO_ALL: ClassVar[Dispatch]
+    ALL_TO_ALL: ClassVar[Dispatch]
+    DP_COMPUTE: ClassVar[Dispatch]
+    DP_COMPUTE_PROTO: ClassVar[Dispatch]
+    DP_COMPUTE_PROTO_WITH_FUNC: ClassVar[Dispatch]
+    DP_COMPUTE_METRIC: ClassVar[Dispatch]
+
 
 class Execute(DynamicEnum):
     """Which ranks run the method: ``ALL`` or ``RANK_ZERO``."""
+
+    ALL: ClassVar[Execute]
+    RANK_ZERO: ClassVar[Execute]
 
 
 for _name in (
@@ -171,11 +183,13 @@ def get_execute_fn_name(mode: Execute) -> str:
     return _EXECUTE_FN_NAMES[mode]
 
 
-def _materialize_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _materialize_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(materialize(a) for a in args), {k: materialize(v) for k, v in kwargs.items()}
 
 
-def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A sync method of an async actor runs on its event loop: waiting there for a future whose
     producer is queued on the same actor would stall until the future's deadline."""
     try:
@@ -190,7 +204,9 @@ def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple, kwargs: dict
         )
 
 
-async def _materialize_args_async(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+async def _materialize_args_async(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     args = tuple([await materialize_async(a) for a in args])
     return args, {k: await materialize_async(v) for k, v in kwargs.items()}
 

@@ -53,18 +53,23 @@ class Split(NamedTuple):
     future_maker: FutureMaker | None
 
 
+# What a dispatch function returns: the positional and keyword arguments, each a list with one
+# entry per rank.
+Dispatched = tuple[tuple[Any, ...], dict[str, Any]]
+
+
 def _arg_name(key: int | str) -> str:
     return f"argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
 
 
 # ------------------------------------------------------------------ simple modes
-def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
     """Every rank gets every argument as is."""
     n = worker_group.world_size
     return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
 
 
-def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
     """Scatter when *every* argument is a list of ``world_size`` entries, else replicate all.
 
     With a ``PerRank`` / ``Broadcast`` argument nothing is guessed: the arguments are replicated,
@@ -79,7 +84,7 @@ def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[t
     return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
-def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
     """Each argument must already be a list (or tuple) with one entry per rank; it is scattered."""
     n = worker_group.world_size
     items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
@@ -97,17 +102,17 @@ def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[t
     return tuple(list(a) for a in args), {k: list(v) for k, v in kwargs.items()}
 
 
-def dispatch_rank_zero(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+def dispatch_rank_zero(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
     """Arguments go to rank 0 unchanged (the group's rank-zero execution takes entry 0)."""
     return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
-def collect_all(worker_group: Any, outputs: list) -> list:
+def collect_all(worker_group: Any, outputs: list[Any]) -> list[Any]:
     """The per-rank outputs as a list in rank order (``ObjectRef``s when not blocking)."""
     return list(outputs)
 
 
-def collect_dp_compute(worker_group: Any, outputs: list) -> list:
+def collect_dp_compute(worker_group: Any, outputs: list[Any]) -> list[Any]:
     """The per-rank outputs as a list; checks there is one per rank."""
     if len(outputs) != worker_group.world_size:
         raise ValueError(f"expected {worker_group.world_size} outputs (one per rank), got {len(outputs)}")
@@ -183,17 +188,19 @@ def _is_batch_arg(key: int | str, value: Any) -> bool:
 
 def _piece_sizes(pieces: list[Any]) -> list[int] | None:
     sizes = [batch.length(p) for p in pieces]
-    return None if any(s is None for s in sizes) else sizes
+    known = [s for s in sizes if s is not None]
+    return known if len(known) == len(sizes) else None
 
 
-def _proto(mode: str, replicate_first: bool = False) -> Callable[..., tuple[tuple, dict]]:
-    def dispatch(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+def _proto(mode: str, replicate_first: bool = False) -> Callable[..., Dispatched]:
+    def dispatch(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
         if replicate_first and (not args or not callable(args[0])):
             raise TypeError(f"Dispatch.{mode} needs a callable as the first argument")
         n = worker_group.world_size
-        args_out, kwargs_out, pad, sizes, uneven, maker = split_batches(
+        args_out, split_kwargs, pad, sizes, uneven, maker = split_batches(
             n, args, kwargs, mode=mode, replicate_first=replicate_first
         )
+        kwargs_out: dict[str, Any] = split_kwargs  # the per-rank lists, then the reserved kwargs
         kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(sizes, uneven, maker)
         if pad:
             kwargs_out[PADDING_KWARG] = pad
@@ -220,18 +227,19 @@ def concat_outputs(outputs: Sequence[Any], ranks: Sequence[int]) -> Any:
     return batch.concat(outputs)
 
 
-def collect_dp_compute_proto(worker_group: Any, outputs: list) -> Any:
+def collect_dp_compute_proto(worker_group: Any, outputs: list[Any]) -> Any:
     """Concatenate every rank's output in rank order (a ``BatchFuture`` when not blocking)."""
     collect_dp_compute(worker_group, outputs)
     return concat_outputs(outputs, range(len(outputs)))
 
 
-def collect_dp_compute_metric(worker_group: Any, outputs: list) -> list:
+def collect_dp_compute_metric(worker_group: Any, outputs: list[Any]) -> list[Any]:
     """One output per rank, not concatenated (metrics)."""
     return collect_dp_compute(worker_group, outputs)
 
 
-collect_dp_compute_metric.per_rank = True  # unpad each rank's output, never drop ranks
+# unpad each rank's output, never drop ranks (an attribute of the function: mypy cannot see it)
+collect_dp_compute_metric.per_rank = True  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ unpadding
@@ -288,7 +296,7 @@ class NdComputeDispatch:
     def __repr__(self) -> str:
         return f"NdComputeDispatch({self.mesh_name!r})"
 
-    def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
         dp_of_rank = _mesh_layout(worker_group, self.mesh_name)
         dp_size = max(dp_of_rank) + 1
         args_chunks, kwargs_chunks, pad, sizes, uneven, maker = split_batches(
@@ -319,7 +327,7 @@ class NdComputeCollect:
     def __repr__(self) -> str:
         return f"NdComputeCollect({self.mesh_name!r})"
 
-    def __call__(self, worker_group: Any, outputs: list) -> Any:
+    def __call__(self, worker_group: Any, outputs: list[Any]) -> Any:
         dp_of_rank = _mesh_layout(worker_group, self.mesh_name)
         mask = list(worker_group._get_collect_info(self.mesh_name))
         if len(mask) != len(dp_of_rank) or len(outputs) != len(dp_of_rank):

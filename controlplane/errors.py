@@ -96,7 +96,7 @@ class WorkerCallError(ControlPlaneError):
     def __str__(self) -> str:  # a KeyError cause class would otherwise repr() the message
         return str(self.args[0]) if self.args else type(self).__name__
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[object, ...]:
         args = (self.method, self.failed_ranks, self.cause, self.args[0])
         state = {
             "errors": self.errors,
@@ -108,7 +108,7 @@ class WorkerCallError(ControlPlaneError):
             return (make_call_error, args, state)
         return (type(self), args, state)
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:  # type: ignore[override]  # never None
         self.__dict__.update(state)
 
     def __getattr__(self, name: str) -> object:

@@ -36,7 +36,7 @@ from typing import Any
 RankCall = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-class PerRank(list):
+class PerRank(list[Any]):
     """One value per rank: rank ``i`` of a group receives ``self[i]``.
 
     A ``list`` subclass, so code that indexes per-rank lists keeps working with it.
@@ -74,7 +74,7 @@ class Broadcast:
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and values may be unhashable
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (Broadcast, (self.value,))
 
 

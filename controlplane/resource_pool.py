@@ -146,7 +146,7 @@ class RayResourcePool(ResourcePool):
         self.detached = detached
         self.accelerator_type = accelerator_type
         self.placement_timeout_s = placement_timeout_s
-        self.pgs: list | None = None
+        self.pgs: list[Any] | None = None
         self._strategy: str | None = None
         self._device_resource: str | None = None  # the accelerator the placement groups hold
 
@@ -168,7 +168,7 @@ class RayResourcePool(ResourcePool):
 
     def get_placement_groups(
         self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
-    ) -> list:
+    ) -> list[Any]:
         """Create (once) and return the placement groups, sorted by node IP.
 
         ``device_name`` (default: the pool's) picks the accelerator resource of the bundles when
@@ -235,7 +235,7 @@ class RayResourcePool(ResourcePool):
         remove_placement_groups(self.pgs or [])
         self.pgs = None
 
-    def _compat_key(self) -> tuple:
+    def _compat_key(self) -> tuple[Any, ...]:
         return (self.use_gpu, self.max_colocate_count, self.detached, self.accelerator_type, self.device_name)
 
 
@@ -281,7 +281,7 @@ class SubRayResourcePool(RayResourcePool):
 
     def get_placement_groups(
         self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
-    ) -> list:
+    ) -> list[Any]:
         return list(self.pgs or [])
 
     def bundle_slots(self, strategy: str = "STRICT_PACK", device_name: str | None = None) -> list[BundleSlot]:
@@ -301,7 +301,7 @@ class SubRayResourcePool(RayResourcePool):
         raise TypeError("SubRayResourcePool does not own its placement groups; remove the parent pool")
 
 
-def _unique_pgs(slots: Sequence[BundleSlot]) -> list:
+def _unique_pgs(slots: Sequence[BundleSlot]) -> list[Any]:
     seen: dict[Any, None] = {}
     for slot in slots:
         seen.setdefault(slot.placement_group, None)
@@ -354,7 +354,7 @@ def split_resource_pool(pool: RayResourcePool, split_size: int | Sequence[int]) 
             raise ValueError(f"split_size {split_size} must be a positive divisor of world_size {world_size}")
         sizes = [split_size] * (world_size // split_size)
     else:
-        sizes = list(split_size)
+        sizes = list(split_size)  # type: ignore[arg-type]  # a bool: list() refuses it (TypeError)
         if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
             raise ValueError(f"split sizes must be positive ints, got {sizes!r}")
         if sum(sizes) != world_size:
@@ -451,7 +451,7 @@ class ResourcePoolManager:
         check_fits(demands, use_available=False)
 
 
-def ip_sort_key(ip: str) -> tuple:
+def ip_sort_key(ip: str) -> tuple[Any, ...]:
     """Numeric order for IPv4/IPv6 addresses (``10.0.0.9`` before ``10.0.0.10``)."""
     try:
         addr = ipaddress.ip_address(ip.strip("[]"))

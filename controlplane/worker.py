@@ -63,7 +63,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an int") from exc
 
 
-class DispatchCollectInfo(dict):
+class DispatchCollectInfo(dict[str, dict[str, Any]]):
     """``Worker.get_dispatch_collect``'s result, in verl's format.
 
     ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``: a plain

@@ -12,6 +12,8 @@ TransferQueue's names, so code written against it moves over by changing one imp
     dp.close()
 """
 
+from typing import TYPE_CHECKING, Any
+
 from dataplane import _bridge_hook  # noqa: F401 - installs __worker_bridge__ on metas
 from dataplane.api import (
     async_clear_partition,
@@ -135,12 +137,16 @@ __all__ = [
     "stats",
 ]
 
+# StreamingDataset subclasses torch's IterableDataset: imported on first use, so the store's own
+# processes (shards, index), which import this package, never load torch. A type checker sees the
+# plain import instead (and no module __getattr__, so a misspelt ``dp.name`` stays an error there).
+if TYPE_CHECKING:
+    from dataplane.dataset import StreamingDataset
+else:
 
-def __getattr__(name: str):
-    # StreamingDataset subclasses torch's IterableDataset: imported on first use, so the store's own
-    # processes (shards, index), which import this package, never load torch.
-    if name == "StreamingDataset":
-        from dataplane.dataset import StreamingDataset
+    def __getattr__(name: str) -> Any:
+        if name == "StreamingDataset":
+            from dataplane.dataset import StreamingDataset
 
-        return StreamingDataset
-    raise AttributeError(f"module 'dataplane' has no attribute {name!r}")
+            return StreamingDataset
+        raise AttributeError(f"module 'dataplane' has no attribute {name!r}")

@@ -19,7 +19,7 @@ import atexit
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from dataplane._units import format_bytes
 from dataplane.client import ops as _ops
@@ -29,6 +29,12 @@ from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.service import connect as _connect
 from dataplane.service.launch import ServiceHandle, find_service, start_service, stop_named
+
+if TYPE_CHECKING:  # annotations only: the store's own processes import this package without torch
+    import torch
+    from tensordict import TensorDict
+
+    Device: TypeAlias = torch.device | str | int  # where a get puts its tensors
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +240,9 @@ def _allow_pickle() -> bool:
     return _client().allow_pickle
 
 
-def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
+# The private op builders take the caller's values as given: the operations validate them (a str
+# where a list of keys belongs is refused there, with TypeError).
+def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
     from dataplane.codec.columns import encode_fields, encode_row
 
     client = _client()
@@ -254,7 +262,8 @@ def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy:
     client = _client()
     keys = [keys] if isinstance(keys, str) else list(keys)
     cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
-    return decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
+    td: TensorDict = decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
+    return td
 
 
 def _meta_args(meta: KVBatchMeta, select_fields: Any) -> tuple[list[str], str, Any]:
@@ -269,7 +278,9 @@ def _key_list(keys: Any) -> list[str]:
     return [keys] if isinstance(keys, str) else list(keys)
 
 
-def kv_put(key: str, partition_id: str, fields: Mapping | Any = None, tag: dict | None = None) -> KVBatchMeta:
+def kv_put(
+    key: str, partition_id: str, fields: Mapping[str, Any] | None = None, tag: dict[Any, Any] | None = None
+) -> KVBatchMeta:
     """Write one sample (``fields``: tensors without the batch dim, or a TensorDict of batch size 1).
 
     Example:
@@ -277,11 +288,15 @@ def kv_put(key: str, partition_id: str, fields: Mapping | Any = None, tag: dict 
         ['x']
     """
     tags = [tag] if tag is not None else None
-    return _client().run(_put_op([key], partition_id, fields, tags, row=True))
+    meta: KVBatchMeta = _client().run(_put_op([key], partition_id, fields, tags, row=True))
+    return meta
 
 
 def kv_batch_put(
-    keys: Sequence[str], partition_id: str, fields: Mapping | Any = None, tags: Sequence[dict] | None = None
+    keys: Sequence[str],
+    partition_id: str,
+    fields: Mapping[str, Any] | None = None,
+    tags: Sequence[dict[Any, Any] | None] | None = None,
 ) -> KVBatchMeta:
     """Write a batch: ``fields`` has batch size ``len(keys)``; new fields add columns to existing keys.
 
@@ -306,7 +321,8 @@ def kv_batch_put(
         >>> meta.size
         2
     """
-    return _client().run(_put_op(keys, partition_id, fields, tags, row=False))
+    meta: KVBatchMeta = _client().run(_put_op(keys, partition_id, fields, tags, row=False))
+    return meta
 
 
 def kv_batch_get(
@@ -314,9 +330,9 @@ def kv_batch_get(
     partition_id: str,
     select_fields: Sequence[str] | str | None = None,
     *,
-    device: Any = None,
+    device: Device | None = None,
     copy: bool = True,
-):
+) -> TensorDict:
     """Read rows of ``keys`` in that order as a TensorDict of batch size ``len(keys)``.
 
     Dense fields come back as ``[B, ...]`` tensors, variable-length ones as jagged nested tensors,
@@ -346,12 +362,17 @@ def kv_batch_get(
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
         torch.Size([2, 3])
     """
-    return _client().run(_get_op(keys, partition_id, select_fields, device, copy))
+    td: TensorDict = _client().run(_get_op(keys, partition_id, select_fields, device, copy))
+    return td
 
 
 def kv_batch_get_by_meta(
-    meta: KVBatchMeta, select_fields: Sequence[str] | None = None, *, device=None, copy=True
-):
+    meta: KVBatchMeta,
+    select_fields: Sequence[str] | str | None = None,
+    *,
+    device: Device | None = None,
+    copy: bool = True,
+) -> TensorDict:
     """``kv_batch_get`` with keys, partition and fields taken from ``meta``.
 
     Example:
@@ -361,14 +382,15 @@ def kv_batch_get_by_meta(
     return kv_batch_get(keys, pid, fields, device=device, copy=copy)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
     """``{partition: {key: tag}}`` for one partition (``{}`` if it does not exist) or all.
 
     Example:
         >>> dp.kv_list("train")
         {'train': {'a': {}, 'b': {}}}
     """
-    return _client().run(_client().engine.list(partition_id))
+    listing: dict[str, dict[str, dict[Any, Any]]] = _client().run(_client().engine.list(partition_id))
+    return listing
 
 
 def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
@@ -406,7 +428,7 @@ def stats(trim: bool = False) -> dict[str, Any]:
     return _stats_dict(client, shards, index)
 
 
-def _stats_dict(client: StoreClient, shards: list[dict], index: dict) -> dict[str, Any]:
+def _stats_dict(client: StoreClient, shards: list[dict[str, Any]], index: dict[str, Any]) -> dict[str, Any]:
     out = []
     for i, (st, info) in enumerate(zip(shards, client.registry["shards"], strict=True)):
         out.append(
@@ -432,36 +454,54 @@ def _stats_dict(client: StoreClient, shards: list[dict], index: dict) -> dict[st
 
 
 async def async_kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict | None = None
+    key: str, partition_id: str, fields: Mapping[str, Any] | None = None, tag: dict[Any, Any] | None = None
 ) -> KVBatchMeta:
     """Async ``kv_put``."""
     tags = [tag] if tag is not None else None
-    return await _client().arun(_put_op([key], partition_id, fields, tags, row=True))
+    meta: KVBatchMeta = await _client().arun(_put_op([key], partition_id, fields, tags, row=True))
+    return meta
 
 
 async def async_kv_batch_put(
-    keys: Sequence[str], partition_id: str, fields: Any = None, tags: Sequence[dict] | None = None
+    keys: Sequence[str],
+    partition_id: str,
+    fields: Mapping[str, Any] | None = None,
+    tags: Sequence[dict[Any, Any] | None] | None = None,
 ) -> KVBatchMeta:
     """Async ``kv_batch_put``."""
-    return await _client().arun(_put_op(keys, partition_id, fields, tags, row=False))
+    meta: KVBatchMeta = await _client().arun(_put_op(keys, partition_id, fields, tags, row=False))
+    return meta
 
 
-async def async_kv_batch_get(keys, partition_id: str, select_fields=None, *, device=None, copy: bool = True):
+async def async_kv_batch_get(
+    keys: Sequence[str] | str,
+    partition_id: str,
+    select_fields: Sequence[str] | str | None = None,
+    *,
+    device: Device | None = None,
+    copy: bool = True,
+) -> TensorDict:
     """Async ``kv_batch_get``."""
-    return await _client().arun(_get_op(keys, partition_id, select_fields, device, copy))
+    td: TensorDict = await _client().arun(_get_op(keys, partition_id, select_fields, device, copy))
+    return td
 
 
 async def async_kv_batch_get_by_meta(
-    meta: KVBatchMeta, select_fields=None, *, device=None, copy: bool = True
-):
+    meta: KVBatchMeta,
+    select_fields: Sequence[str] | str | None = None,
+    *,
+    device: Device | None = None,
+    copy: bool = True,
+) -> TensorDict:
     """Async ``kv_batch_get_by_meta``."""
     keys, pid, fields = _meta_args(meta, select_fields)
     return await async_kv_batch_get(keys, pid, fields, device=device, copy=copy)
 
 
-async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
     """Async ``kv_list``."""
-    return await _client().arun(_client().engine.list(partition_id))
+    listing: dict[str, dict[str, dict[Any, Any]]] = await _client().arun(_client().engine.list(partition_id))
+    return listing
 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:

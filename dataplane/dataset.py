@@ -120,7 +120,7 @@ class _Pipe:
 
     def __init__(self, ahead: int) -> None:
         self.cond = threading.Condition()
-        self.items: deque[Any] = deque()  # (batch_index, parts) | _End | BaseException
+        self.items: deque[tuple[int, list[Any]] | _End | BaseException] = deque()
         self.free = ahead  # batches the thread may still fetch before the consumer takes one
         self.stop = False
         self.thread: threading.Thread | None = None

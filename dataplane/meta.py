@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsIndex, cast
 
 from dataplane.codec.plain import plain_value as _plain
 from dataplane.errors import KeyNotFoundError
@@ -76,10 +76,10 @@ class KVBatchMeta:
     """
 
     keys: list[str]
-    tags: list[dict] | None = None
+    tags: list[dict[Any, Any]] | None = None
     partition_id: str | None = None
     fields: list[str] | None = None
-    extra_info: dict | None = field(default=None)
+    extra_info: dict[Any, Any] | None = field(default=None)
 
     allows_uneven_chunks: ClassVar[bool] = True
     # Makes ``@register`` methods take a meta for their rows (see ``controlplane.bridge``); set by
@@ -90,6 +90,7 @@ class KVBatchMeta:
         keys = _str_list(self.keys, "keys", "keys", "key")
         if type(self.partition_id) is not str:
             raise TypeError(f"KVBatchMeta partition_id must be a str, got {type(self.partition_id).__name__}")
+        tags: list[dict[Any, Any]]
         if self.tags is None:
             tags = [{} for _ in keys]
         else:
@@ -112,7 +113,9 @@ class KVBatchMeta:
         self.extra_info = _plain(extra, "KVBatchMeta extra_info")
 
     @classmethod
-    def _trusted(cls, keys: list[str], tags: list[dict], partition_id: str, fields: list[str] | None):
+    def _trusted(
+        cls, keys: list[str], tags: list[dict[Any, Any]], partition_id: str, fields: list[str] | None
+    ) -> KVBatchMeta:
         """A meta built from what the index service answered (msgpack-decoded, so plain by
         construction, keys unique): skips the checks user input needs. Not for user values."""
         meta = object.__new__(cls)
@@ -124,6 +127,21 @@ class KVBatchMeta:
             {},
         )
         return meta
+
+    # ``tags``, ``partition_id`` and ``extra_info`` accept None in the constructor; __post_init__ (and
+    # ``_trusted``) replace it, so on a built meta they always hold a list, a str and a dict.
+
+    @property
+    def _tag_list(self) -> list[dict[Any, Any]]:
+        return cast("list[dict[Any, Any]]", self.tags)
+
+    @property
+    def _pid(self) -> str:
+        return cast(str, self.partition_id)
+
+    @property
+    def _extra(self) -> dict[Any, Any]:
+        return cast("dict[Any, Any]", self.extra_info)
 
     # -- size ---------------------------------------------------------------------------------
 
@@ -149,7 +167,8 @@ class KVBatchMeta:
 
     def _derive(self, idx: Sequence[int], fields: list[str] | None) -> KVBatchMeta:
         keys = [self.keys[i] for i in idx]
-        tags = [self.tags[i] for i in idx]
+        all_tags = self._tag_list
+        tags = [all_tags[i] for i in idx]
         return KVBatchMeta(keys, tags, self.partition_id, fields, self.extra_info)
 
     def chunk(self, n: int) -> list[KVBatchMeta]:
@@ -202,22 +221,25 @@ class KVBatchMeta:
                     f"KVBatchMeta.concat: partitions differ ({pid!r} and {m.partition_id!r}); "
                     "concatenate batches of one partition only"
                 )
-        fields: list[str] | None = []
+        fields: list[str] | None
+        union: list[str] = []
         for m in metas:
             if m.fields is None:
                 fields = None
                 break
-            fields.extend(f for f in m.fields if f not in fields)
-        extra: dict = {}
+            union.extend(f for f in m.fields if f not in union)
+        else:
+            fields = union
+        extra: dict[Any, Any] = {}
         for m in metas:
-            for k, v in m.extra_info.items():
+            for k, v in m._extra.items():
                 if k in extra and extra[k] != v:
                     raise ValueError(
                         f"KVBatchMeta.concat: extra_info[{k!r}] conflicts ({extra[k]!r} vs {v!r})"
                     )
                 extra[k] = v
         keys = [k for m in metas for k in m.keys]
-        tags = [t for m in metas for t in m.tags]
+        tags = [t for m in metas for t in m._tag_list]
         return cls(keys, tags, pid, fields, extra)
 
     # -- selection ----------------------------------------------------------------------------
@@ -235,7 +257,7 @@ class KVBatchMeta:
         for k in keys:
             if k not in pos:
                 msg = f"key {k!r} is not in this KVBatchMeta (partition {self.partition_id!r})"
-                raise KeyNotFoundError(k, self.partition_id, msg)
+                raise KeyNotFoundError(k, self._pid, msg)
             idx.append(pos[k])
         return self._derive(idx, self.fields)
 
@@ -254,7 +276,7 @@ class KVBatchMeta:
                 raise ValueError(f"fields {missing} are not in this KVBatchMeta's fields {self.fields}")
         return self._derive(range(self.size), fields)
 
-    def reorder(self, indices: Sequence[int]) -> KVBatchMeta:
+    def reorder(self, indices: Iterable[SupportsIndex]) -> KVBatchMeta:
         """Put the rows in a new order, in place, and return this meta: row ``i`` becomes the row
         that was at ``indices[i]``.
 
@@ -268,24 +290,25 @@ class KVBatchMeta:
         idx = [operator.index(i) for i in indices]
         if sorted(idx) != list(range(self.size)):
             raise ValueError(f"reorder needs a permutation of range({self.size}), got {idx[:16]}")
+        tags = self._tag_list
         self.keys = [self.keys[i] for i in idx]
-        self.tags = [self.tags[i] for i in idx]
+        self.tags = [tags[i] for i in idx]
         return self
 
     # -- serialization ------------------------------------------------------------------------
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """A plain dict (msgpack / JSON friendly) that ``from_dict`` turns back into this batch."""
         return {
             "keys": list(self.keys),
-            "tags": [dict(t) for t in self.tags],
+            "tags": [dict(t) for t in self._tag_list],
             "partition_id": self.partition_id,
             "fields": None if self.fields is None else list(self.fields),
-            "extra_info": dict(self.extra_info),
+            "extra_info": dict(self._extra),
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> KVBatchMeta:
+    def from_dict(cls, d: Mapping[str, Any]) -> KVBatchMeta:
         """Inverse of ``to_dict`` (validates again)."""
         return cls(d["keys"], d.get("tags"), d["partition_id"], d.get("fields"), d.get("extra_info"))
 
@@ -320,7 +343,7 @@ class StoreInfo:
     owned: bool = False
     capacity_bytes: int | None = None
     transport: str = "shm"
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 __all__ = ["KVBatchMeta", "StoreInfo"]

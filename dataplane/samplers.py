@@ -19,7 +19,7 @@ client fetches the ready rows, calls it, and claims the keys it chose.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dataplane.errors import BatchSizeError
@@ -30,7 +30,7 @@ Choice = list[str] | dict[int, list[str]] | None
 class ReadyRows:
     """The rows ready for one consumer: keys in ready order, each with its tag dict (read-only)."""
 
-    def __init__(self, keys: Any, tags: Any) -> None:
+    def __init__(self, keys: Any, tags: Callable[[str], dict[Any, Any]]) -> None:
         self._keys = keys  # an ordered container of keys (a dict's keys, a list)
         self._tags = tags  # key -> tag dict (a callable)
 
@@ -40,7 +40,7 @@ class ReadyRows:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def tag(self, key: str) -> dict:
+    def tag(self, key: str) -> dict[Any, Any]:
         return self._tags(key)
 
 
@@ -84,7 +84,7 @@ class Sampler:
 
 
 def _first(ready: ReadyRows, n: int) -> list[str]:
-    out = []
+    out: list[str] = []
     for key in ready:
         if len(out) == n:
             break
@@ -127,7 +127,15 @@ class GroupSampler(Sampler):
                 "a group is never split"
             )
 
-    def sample(self, ready, batch_size, *, dp_rank=None, dp_size=None, finished=False) -> Choice:
+    def sample(
+        self,
+        ready: ReadyRows,
+        batch_size: int,
+        *,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        finished: bool = False,
+    ) -> Choice:
         groups = complete_groups(ready, self.group_tag, self.group_size, batch_size // self.group_size)
         if len(groups) * self.group_size < batch_size and not finished:
             return None
@@ -200,7 +208,15 @@ class SeqlenBalancedSampler(Sampler):
                 f"{self.group_size}"
             )
 
-    def sample(self, ready, batch_size, *, dp_rank=None, dp_size=None, finished=False) -> Choice:
+    def sample(
+        self,
+        ready: ReadyRows,
+        batch_size: int,
+        *,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        finished: bool = False,
+    ) -> Choice:
         total = batch_size * self.dp_size
         if self.group_size > 1:
             units = complete_groups(ready, self.group_tag, self.group_size, total // self.group_size)
@@ -215,7 +231,7 @@ class SeqlenBalancedSampler(Sampler):
         return {rank: [k for i in part for k in units[i]] for rank, part in enumerate(parts)}
 
 
-def _length(tag: dict, length_tag: str) -> float:
+def _length(tag: dict[Any, Any], length_tag: str) -> float:
     value = tag.get(length_tag)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"SeqlenBalancedSampler: a row has no numeric tag {length_tag!r} (got {value!r})")

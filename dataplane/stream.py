@@ -25,15 +25,28 @@ that dies after its batch arrived loses that batch for its task; ``reset_consump
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dataplane.api import _client
 from dataplane.client import stream_ops as _stream_ops
 from dataplane.meta import KVBatchMeta
 from dataplane.samplers import Sampler
 
+if TYPE_CHECKING:
+    from dataplane.client.ops import Op
 
-def _next_op(partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index):
+
+def _next_op(
+    partition_id: str,
+    task_name: str,
+    batch_size: int,
+    fields: list[str] | str,
+    sampler: Sampler | None,
+    timeout_s: float | None,
+    dp_rank: int | None,
+    dp_size: int | None,
+    batch_index: int | None,
+) -> Op:
     return _stream_ops.next_batch(
         _client().route,
         partition_id,
@@ -81,7 +94,8 @@ def next_batch(
         >>> meta = dp.next_batch("step0", "reward", 64, ["responses"], timeout_s=30)
     """
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
-    return _client().run(_next_op(*args))
+    meta: KVBatchMeta = _client().run(_next_op(*args))
+    return meta
 
 
 async def async_next_batch(
@@ -98,7 +112,8 @@ async def async_next_batch(
 ) -> KVBatchMeta:
     """Async ``next_batch``: the wait does not block the event loop."""
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
-    return await _client().arun(_next_op(*args))
+    meta: KVBatchMeta = await _client().arun(_next_op(*args))
+    return meta
 
 
 def _pid(partition_id: Any) -> str:
@@ -135,12 +150,16 @@ def consumption(partition_id: str, task_name: str, fields: list[str] | None = No
         12
     """
     body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    return _client().run(_stream_ops.stream_call("consumption", body))
+    progress: dict[str, Any] = _client().run(_stream_ops.stream_call("consumption", body))
+    return progress
 
 
-async def async_consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict:
+async def async_consumption(
+    partition_id: str, task_name: str, fields: list[str] | None = None
+) -> dict[str, Any]:
     body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    return await _client().arun(_stream_ops.stream_call("consumption", body))
+    progress: dict[str, Any] = await _client().arun(_stream_ops.stream_call("consumption", body))
+    return progress
 
 
 @dataclass
@@ -200,7 +219,7 @@ class StreamRequest:
             first.timeout_s,
         )
 
-    def _op(self):
+    def _op(self) -> Op:
         return _next_op(
             self.partition_id,
             self.task_name,
@@ -215,11 +234,13 @@ class StreamRequest:
 
     def next_batch(self) -> KVBatchMeta:
         """``next_batch`` with this request's arguments."""
-        return _client().run(self._op())
+        meta: KVBatchMeta = _client().run(self._op())
+        return meta
 
     async def async_next_batch(self) -> KVBatchMeta:
         """``async_next_batch`` with this request's arguments."""
-        return await _client().arun(self._op())
+        meta: KVBatchMeta = await _client().arun(self._op())
+        return meta
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The package layout and the dependency direction from DESIGN.md."""
+"""The package layout: the dependency direction between the packages (README.md, "Layout"), no
+import cycles, and the data plane's layers (each ``dataplane`` subpackage's docstring states its rule).
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Integrity under races and failures: regression tests, each written against a bug the store had.
 
-What a reader may rely on (DESIGN.md, "Integrity"): a get returns exactly the bytes some completed put
-wrote for those keys, never bytes of another partition or of freed memory; a put commits on every
-shard and the index or on none; a field's schema is decided once; a dead shard raises within a bounded
-time instead of hanging; and a client's resources (sockets, file descriptors) do not grow with the
-threads it has run or the segments it has touched.
+What a reader may rely on (docs/reliability.md, "What a reader can and cannot observe"): a get
+returns exactly the bytes some completed put wrote for those keys, never bytes of another partition
+or of freed memory; a put commits on every shard and the index or on none; a field's schema is
+decided once; a dead shard raises within a bounded time instead of hanging; and a client's resources
+(sockets, file descriptors) do not grow with the threads it has run or the segments it has touched.
 
 Every test uses real Ray actors or real subprocesses as the concurrent parties, and natural timing:
 nothing is synchronised by sleeping. Each assertion names the bug it guards against.

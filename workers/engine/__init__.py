@@ -25,10 +25,12 @@ Example:
     >>> model = TinyCausalLM(ModelConfig(vocab_size=task.vocab_size, max_len=task.max_len))
     >>> prompts = TensorDict({"prompts": task.sample_prompts(2)}, [2])
     >>> batch = Rollout(model, task.response_len).generate(prompts, n=4)
-    >>> batch.update(PatternReward(task).compute_reward(batch))
-    ...
-    >>> batch.update(compute_advantage(batch)); batch.update(Actor(model).compute_log_prob(batch))
-    ...
+    >>> _ = batch.update(PatternReward(task).compute_reward(batch))
+    >>> _ = batch.update(compute_advantage(batch))
+    >>> _ = batch.update(Actor(model).compute_log_prob(batch))
+    >>> sorted(batch.keys())
+    ['advantages', 'old_log_probs', 'prompts', 'response_mask', 'responses', 'rewards',
+     'rollout_log_probs', 'uid']
 """
 
 from workers.engine.actor import Actor, ActorConfig, clipped_pg_loss
