@@ -21,8 +21,9 @@ from dataplane.config import StoreConfig
 from dataplane.errors import ShardUnavailableError
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
+from dataplane.wire.requests import INDEX
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import INDEX, AsyncTransport, Endpoint, SyncTransport
+from dataplane.wire.transport import AsyncTransport, Endpoint, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 

@@ -42,8 +42,8 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.wire import frames as _wire
+from dataplane.wire.requests import INDEX, Call, Result
 from dataplane.wire.shm import generation
-from dataplane.wire.transport import INDEX, Call, Result
 
 Op = Generator[list[Call], list[Result], Any]
 
