@@ -12,7 +12,6 @@ lists / tuples / dicts of those). Tensors and arrays are refused with ``TypeErro
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +19,6 @@ from typing import Any, ClassVar, SupportsIndex, cast
 
 from dataplane.codec.plain import plain_value as _plain
 from dataplane.errors import KeyNotFoundError
-
-logger = logging.getLogger(__name__)
 
 
 def _unique(items: Iterable[str], what: str) -> None:

@@ -1,12 +1,12 @@
 """The storage-engine interface the KV API (and the worker bridge) talk to, and its one engine today.
 
-An engine turns KV calls into *operations*: sans-IO generators (``_ops.Op``) that the client runs
+An engine turns KV calls into *operations*: sans-IO generators (``ops.Op``) that the client runs
 with blocking sockets or on an event loop. Six methods are required; nothing else is:
 
-    put(keys, partition_id, columns, tags) -> Op[KVBatchMeta]   columns already encoded (``_columns``)
+    put(keys, partition_id, columns, tags) -> Op[KVBatchMeta]   columns already encoded (``codec.columns``)
     get(keys, partition_id, fields, copy)  -> Op[dict[str, Column]]   rows in ``keys`` order
-    delete(keys, partition_id)             -> Op[None]   unknown keys are ignored
-    drop(partition_id)                     -> Op[None]
+    clear(keys, partition_id)              -> Op[None]   unknown keys are ignored
+    clear_partition(partition_id)          -> Op[None]
     list(partition_id | None)              -> Op[{partition: {key: tag}}]
     stats(trim)                            -> Op[(per-shard dicts, index dict)]
 
@@ -18,23 +18,20 @@ Lifecycles (client side = the process calling ``dp.*``; shard side = the storage
          references or one frame per field -> client gathers rows in key order (one copy) or returns
          a zero-copy view.
 
-Capabilities are class attributes, so callers never need ``isinstance``. Adding an engine means one
-class here (or in its own module) and one entry in ``ENGINES``; ``select_engine`` picks by preference.
+Adding an engine means one class here (or in its own module) and one entry in ``ENGINES``;
+``select_engine`` picks by preference.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 from dataplane.client import ops as _ops
 
 
 class StorageEngine(ABC):
     """Base class of storage engines (see the module docstring for the protocol)."""
-
-    supports_shared_memory: ClassVar[bool] = False
-    supports_zero_copy_get: ClassVar[bool] = False
 
     @abstractmethod
     def put(self, keys: list[str], partition_id: str, columns: dict[str, Any] | None, tags) -> _ops.Op: ...
@@ -57,9 +54,6 @@ class StorageEngine(ABC):
 
 class ShardedEngine(StorageEngine):
     """Hash-placed shards holding columnar segments; shared memory on the same host, zmq frames across."""
-
-    supports_shared_memory = True
-    supports_zero_copy_get = True
 
     def __init__(self, route: _ops.Route) -> None:
         self.route = route

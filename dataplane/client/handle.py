@@ -15,14 +15,15 @@ from typing import Any
 
 from dataplane.client import ops as _ops
 from dataplane.client.engine import StorageEngine, select_engine
-from dataplane.client.mappings import MappingCache, probe
+from dataplane.client.mappings import MappingCache, ShardMemory, probe
 from dataplane.client.sharding import HashPlacement
 from dataplane.config import StoreConfig
 from dataplane.errors import ShardUnavailableError
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
+from dataplane.wire.requests import INDEX
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import INDEX, AsyncTransport, Endpoint, SyncTransport
+from dataplane.wire.transport import AsyncTransport, Endpoint, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 
@@ -94,13 +95,13 @@ class StoreClient:
         self.sync = SyncTransport(*args)
         self.asyn = AsyncTransport(*args)
         self.maps = MappingCache()
+        # The operations map nothing themselves: they read and write shard files through this.
+        self.memory = ShardMemory([s["pid"] for s in shards], [s["generations"] for s in shards], self.maps)
         self.engine: StorageEngine
         self.route = _ops.Route(
             placement=HashPlacement(len(shards)),
             shm=self.shm,
-            shard_pids=[s["pid"] for s in shards],
-            tables=[s["generations"] for s in shards],
-            maps=self.maps,
+            memory=self.memory,
             shm_min_bytes=self.config.shm_min_bytes,
             commit_within_s=COMMIT_WITHIN * self.config.reservation_timeout_s,
             rpc_timeout_s=self.config.rpc_timeout_s,

@@ -4,7 +4,8 @@
 its inode (so a reused fd number or another pid namespace is detected), maps it once with
 ``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``_mapping``) and caches it by the
 never-reused file id. The shard tells clients which files are still alive, and mappings of closed
-files are dropped.
+files are dropped. ``ShardMemory`` is what the operations read through (``dataplane.client.memory``):
+one store's shards, their pids and generation tables, over a ``MappingCache``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
-from dataplane.wire.shm import boot_id, fd_limit_error, map_fd
+from dataplane.client.memory import SegmentUnavailable
+from dataplane.wire.shm import GEN, boot_id, fd_limit_error, generation, map_fd
 
 
-class ShmUnavailable(OSError):
+class ShmUnavailable(SegmentUnavailable):
     """This client cannot map the shard's file (another host, another pid namespace, closed, no access)."""
 
 
@@ -43,7 +46,7 @@ class MappingCache:
     def version(self, shard: int) -> int:
         return self._versions.get(shard, -1)
 
-    def view(self, shard: int, pid: int, ref: list[int]) -> memoryview:
+    def view(self, shard: int, pid: int, ref: Sequence[int]) -> memoryview:
         """A writable view of the whole file ``ref`` of shard ``shard`` (process ``pid``)."""
         file_id, fd, size, inode = ref[:4]
         key = (shard, file_id)
@@ -78,6 +81,48 @@ class MappingCache:
 
     def __len__(self) -> int:
         return len(self._maps)
+
+
+class GenerationTable(Sequence[int]):
+    """A shard's mapped generation table as a sequence: ``table[slot]`` reads the slot's generation now."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: memoryview) -> None:
+        self._table = table
+
+    def __len__(self) -> int:
+        return len(self._table) // GEN.size
+
+    def __getitem__(self, slot: int) -> int:  # type: ignore[override]  # one slot, never a slice
+        if not 0 <= slot < len(self):
+            raise IndexError(f"generation table slot {slot} outside 0..{len(self) - 1}")
+        return generation(self._table, slot)
+
+
+class ShardMemory:
+    """The shared memory of one store's shards, mapped through ``/proc`` (``memory.SharedMemory``).
+
+    ``pids`` and ``tables`` come from the registry the index hands out at attach time: each shard's
+    process id and the ref of its generation table.
+    """
+
+    def __init__(self, pids: list[int], tables: list[list[int]], cache: MappingCache | None = None) -> None:
+        self.pids = list(pids)
+        self.tables = tables
+        self.cache = MappingCache() if cache is None else cache
+
+    def view(self, shard: int, ref: Sequence[int]) -> memoryview:
+        return self.cache.view(shard, self.pids[shard], ref)
+
+    def generations(self, shard: int) -> GenerationTable:
+        return GenerationTable(self.cache.table(shard, self.pids[shard], self.tables[shard]))
+
+    def version(self, shard: int) -> int:
+        return self.cache.version(shard)
+
+    def prune(self, shard: int, version: int, live: list[int]) -> None:
+        self.cache.prune(shard, version, live)
 
 
 def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) -> memoryview:

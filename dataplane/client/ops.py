@@ -3,7 +3,7 @@
 An operation yields a list of ``Call`` s (requests to shards and/or the index that may run in
 parallel) and receives the list of results; it returns its value with ``return``. The sync client
 drives these generators with blocking sockets, the async client with ``zmq.asyncio``
-(``_client.drive`` / ``_client.adrive``), so the two never drift.
+(``handle.drive`` / ``handle.adrive``), so the two never drift.
 
 Round trips (R = one parallel batch of requests, at most one per shard plus the index):
     put   3R: [index.prepare + shard.reserve], [shard.commit], [index.commit]
@@ -13,7 +13,12 @@ Round trips (R = one parallel batch of requests, at most one per shard plus the 
           the rows, then commits them in the index, then answers)
     get   1R: shard.get per shard (index.resolve only to explain a missing key)
     clear 1R, list 1R (index only), stats 1R.
-Streaming operations are in ``_stream_ops``.
+Streaming operations are in ``stream_ops``.
+
+Sans-IO for real: nothing here opens a socket or maps a file. Requests and replies are the wire's
+plain types (``dataplane.wire.requests``); shared memory is read and written through the
+``SharedMemory`` the route carries (``dataplane.client.memory``), so a test can step every
+operation with scripted replies and bytearrays (``tests/dataplane/test_ops.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from dataplane.client.mappings import MappingCache, ShmUnavailable
+from dataplane.client.memory import SegmentUnavailable, SharedMemory
 from dataplane.client.sharding import Placement
 from dataplane.codec.column_types import Column
 from dataplane.codec.plain import plain_value
@@ -42,8 +47,7 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.wire import frames as _wire
-from dataplane.wire.shm import generation
-from dataplane.wire.transport import INDEX, Call, Result
+from dataplane.wire.requests import INDEX, Call, Result
 
 Op = Generator[list[Call], list[Result], Any]
 
@@ -54,9 +58,7 @@ class Route:
 
     placement: Placement
     shm: list[bool]  # per shard: this client maps the shard's segments directly
-    shard_pids: list[int]
-    tables: list[list[int]]  # per shard: the ref of its generation table (``_segments``)
-    maps: MappingCache
+    memory: SharedMemory  # the shards' files: views are asked for only where ``shm`` is true
     shm_min_bytes: int
     commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
     rpc_timeout_s: float = 60.0
@@ -173,7 +175,7 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         for s in shards:
             body_s = reserved[s][0]
             if "live" in body_s:  # forget mappings of files the shard has closed since we last looked
-                route.maps.prune(s, body_s["version"], body_s["live"])
+                route.memory.prune(s, body_s["version"], body_s["live"])
             commits.append(_fill_segments(route, s, body_s, groups[s], columns, parts[s]))
     except BaseException:  # e.g. a segment could not be mapped: undo every reservation, then raise
         yield aborts
@@ -307,7 +309,7 @@ def _reserve_call(route: Route, s: int, pid: str, keys: list[str], pos: np.ndarr
         "pid": pid,
         "keys": [keys[i] for i in pos] if not whole else keys,
         "fields": fields,
-        "version": route.maps.version(s),
+        "version": route.memory.version(s),
     }
     return Call(s, "reserve", body, bufs), plan
 
@@ -320,7 +322,7 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
     n = len(pos)
     for name, ref in reply["files"].items():
         col = columns[name]
-        view = route.maps.view(s, route.shard_pids[s], ref)[: plan[name]]
+        view = route.memory.view(s, ref)[: plan[name]]
         piece = assemble(col.spec, n, [(col, pos, np.arange(n))], out=view)
         if piece.offsets is not None:
             offsets[name] = _wire.array_to_wire(piece.offsets, bufs)
@@ -359,7 +361,7 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
                 "fields": fields,
                 "shm": route.shm[s],
                 "export": not copy and len(groups) == 1,  # only then can the client return a view
-                "version": route.maps.version(s),
+                "version": route.memory.version(s),
             }
             calls.append(Call(s, "get", body))
         results = yield calls
@@ -373,7 +375,7 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
             out = None
         for s, (body, _) in zip(shards, results, strict=True):
             if "live" in body:
-                route.maps.prune(s, body["version"], body["live"])
+                route.memory.prune(s, body["version"], body["live"])
         if out is not None:
             return out
     raise DataplaneError(
@@ -398,7 +400,7 @@ def _gather(
         col, viewed = _build(pieces, sources, n, copy)
         if not viewed:  # bytes were copied out of shared memory: were they still those rows' bytes?
             for src in sources:
-                if src.table is not None and generation(src.table, src.slot) != src.gen:
+                if src.table is not None and src.table[src.slot] != src.gen:
                     raise _Stale
         out[name] = col
     return out
@@ -409,7 +411,7 @@ class _Source:
     """Where a piece's bytes live: a received frame (private), or a shard segment of a generation."""
 
     viewable: bool  # a frame, or a segment the shard exported for a zero-copy view
-    table: memoryview | None = None  # the shard's generation table (None: a private frame)
+    table: Sequence[int] | None = None  # the shard's generation table, read live (None: a private frame)
     slot: int = 0
     gen: int = 0
 
@@ -460,14 +462,14 @@ def _pieces(
         return
     seg_of = _wire.array_from_wire(entry["seg"], bufs, len(pos))
     row_of = _wire.array_from_wire(entry["row"], bufs, len(pos))
-    table = route.maps.table(s, route.shard_pids[s], route.tables[s])
+    table = route.memory.generations(s)
     for j, (ref, nbytes, num_rows, off, view, wire_spec, shp) in enumerate(entry["segs"]):
         spec = _wire.spec_from_wire(wire_spec)
         try:
-            mapping = route.maps.view(s, route.shard_pids[s], ref)
-        except ShmUnavailable as exc:  # closed since the shard answered: its rows were freed
+            mapping = route.memory.view(s, ref)
+        except SegmentUnavailable as exc:  # closed since the shard answered: its rows were freed
             raise _Stale from exc
-        if nbytes > len(mapping) or not 0 <= int(ref[4]) < len(table) // 8:
+        if nbytes > len(mapping) or not 0 <= int(ref[4]) < len(table):
             raise WireError(
                 f"shard {s} answered field {name!r} with {nbytes} bytes in a file of {len(mapping)}"
             )

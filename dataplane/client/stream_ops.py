@@ -1,4 +1,4 @@
-"""The streaming operations, sans-IO like ``_ops`` (a generator over request batches): take the next
+"""The streaming operations, sans-IO like ``ops`` (a generator over request batches): take the next
 ready batch for a consumer task (``next_batch``: with a built-in sampler the index chooses; with a
 sampler of the caller's own, the client chooses among the ready rows and claims them), and the small
 bookkeeping calls (finish, reset, consumption). Waiting calls have a deadline of their own plus a
@@ -15,7 +15,7 @@ from typing import Any
 from dataplane.client.ops import Op, Route, _raise_first
 from dataplane.errors import BatchSizeError, DataplaneError, WireError
 from dataplane.meta import KVBatchMeta
-from dataplane.wire.transport import INDEX, Call
+from dataplane.wire.requests import INDEX, Call
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
 

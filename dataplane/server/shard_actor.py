@@ -39,8 +39,9 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
+from dataplane.wire.requests import INDEX, next_rid
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import INDEX, PROBE_S, Endpoint, _Endpoints, next_rid, recv_frames, send_frames
+from dataplane.wire.transport import PROBE_S, Endpoint, _Endpoints, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,8 @@
 """Client transports: send a batch of requests to shards / the index and collect the replies by id.
 
+What they carry (``Call``, ``Result``, ``INDEX``) and how a reply is decoded are in ``requests``,
+which knows nothing of zmq: the operations that yield calls never import this module.
+
 ``SyncTransport`` uses blocking DEALER sockets and a poller with a deadline: no event-loop thread,
 so a round trip costs only the sockets. Its sockets live in a small pool of per-call sets (zmq
 sockets are not thread-safe, so a call owns its set while it runs): a process keeps at most
@@ -20,11 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,10 +36,8 @@ from dataplane.errors import ShardUnavailableError
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire.liveness import Liveness
+from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
 from dataplane.wire.shm import fd_limit_error
-
-_rids = itertools.count(1)
-_rid_lock = threading.Lock()
 
 PROBE_S = 1.0  # a reply this late makes the transport ask whether its target died
 MAX_IDLE_SETS = 8
@@ -46,47 +46,6 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
-
-
-def _deadline_of(calls: list[Call], default: float) -> float:
-    """The seconds a batch of calls may take: the longest any of them asks for."""
-    return max((default if c.timeout is None else c.timeout) for c in calls) if calls else default
-
-
-def next_rid() -> int:
-    with _rid_lock:
-        return next(_rids)
-
-
-@dataclass
-class Call:
-    """One request of an operation step: ``target`` is a shard index, or ``INDEX``."""
-
-    target: int
-    op: str
-    body: dict[str, Any]
-    bufs: list[Any] = field(default_factory=list)
-    timeout: float | None = None  # seconds (``math.inf``: no limit, only death ends it); None: rpc_timeout_s
-    exclusive: bool = False  # async: on a socket of its own (waiting calls, see AsyncTransport)
-
-
-INDEX = -1
-
-Result = tuple[dict[str, Any], list[memoryview]] | BaseException
-
-
-def _decode(frames: list[Any]) -> tuple[int, Result]:
-    """A reply's request id and result (one decode of its header); -1 when it is not one of ours."""
-    try:
-        rep, bufs = _wire.decode_reply(frames)
-    except _wire.WireError as exc:
-        return -1, exc
-    if rep.error is not None:
-        try:
-            return rep.rid, _wire.rebuild_error(rep.error)
-        except (TypeError, ValueError, AttributeError):
-            return rep.rid, _wire.WireError(f"a reply carried a malformed error {rep.error!r}")
-    return rep.rid, (rep.body, bufs)
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
@@ -195,7 +154,7 @@ class SyncTransport(_Endpoints):
             sock.close(linger=0)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
-        timeout = _deadline_of(calls, self.timeout if timeout is None else timeout)
+        timeout = deadline_of(calls, self.timeout if timeout is None else timeout)
         socks = self._checkout()
         try:
             results = self._call_many(socks, calls, timeout)
@@ -250,7 +209,7 @@ class SyncTransport(_Endpoints):
                         frames = recv_frames(sock, _NOBLOCK)
                     except zmq.Again:
                         break
-                    rid, result = _decode(frames)
+                    rid, result = decode_result(frames)
                     i = waiting.pop(rid, None)
                     if i is not None:  # else: a late reply to a request that already timed out
                         results[i] = result
@@ -295,7 +254,7 @@ class _AsyncChannel:
 
     async def _read(self) -> None:
         while True:
-            rid, result = _decode(await self.sock.recv_multipart(copy=False))
+            rid, result = decode_result(await self.sock.recv_multipart(copy=False))
             fut = self.futures.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(result)
@@ -399,7 +358,7 @@ class AsyncTransport(_Endpoints):
 
     async def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
-        return list(await asyncio.gather(*(self._call(c, _deadline_of([c], timeout)) for c in calls)))
+        return list(await asyncio.gather(*(self._call(c, deadline_of([c], timeout)) for c in calls)))
 
     def close(self) -> None:
         for chans in list(self._loops.values()):
@@ -411,13 +370,4 @@ class AsyncTransport(_Endpoints):
         self._loops = weakref.WeakKeyDictionary()
 
 
-__all__ = [
-    "INDEX",
-    "AsyncTransport",
-    "Call",
-    "Endpoint",
-    "SyncTransport",
-    "next_rid",
-    "recv_frames",
-    "send_frames",
-]
+__all__ = ["AsyncTransport", "Endpoint", "SyncTransport", "recv_frames", "send_frames"]

@@ -120,17 +120,17 @@ def test_store_full_writes_nothing(store, pid):
 def test_failed_copy_into_shared_memory_undoes_the_put(store, pid):
     import os
 
-    route = dp.api._client().route
-    if not all(route.shm):
+    client = dp.api._client()
+    if not all(client.route.shm):
         pytest.skip("this client has no shared-memory path to the shards")
-    saved = list(route.shard_pids)
-    route.shard_pids[:] = [os.getpid()] * len(saved)  # a real fault: the segments cannot be mapped
-    route.maps.clear()
+    saved = list(client.memory.pids)
+    client.memory.pids[:] = [os.getpid()] * len(saved)  # a real fault: the segments cannot be mapped
+    client.maps.clear()
     try:
         with pytest.raises(OSError, match="cannot open|not the shard"):
             dp.kv_batch_put([f"k{i}" for i in range(64)], pid, {"x": torch.ones(64, 1024)})
     finally:
-        route.shard_pids[:] = saved
+        client.memory.pids[:] = saved
     stats = dp.stats()
     assert all(s["bytes_reserved"] == 0 for s in stats["shards"]), "a reservation was left behind"
     assert dp.kv_list(pid) == {}

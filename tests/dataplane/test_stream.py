@@ -201,7 +201,7 @@ def test_a_row_handed_out_is_readable_at_once(attached, pid):
     index's commit is alone in its round (it failed before that order was fixed).
     """
     from dataplane.codec.columns import encode_fields
-    from dataplane.wire.transport import INDEX
+    from dataplane.wire.requests import INDEX
 
     client = dp.api._client()
     dp.kv_batch_put(["k-0"], pid, {"a": torch.zeros(1)})
