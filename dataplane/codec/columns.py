@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,8 +45,6 @@ from dataplane.codec.column_kinds import ValueEncoder, decode_value, u8_tensor
 from dataplane.codec.column_types import KINDS, Column, ColumnSpec, torch_dtype
 from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.errors import BatchSizeError
-
-logger = logging.getLogger(__name__)
 
 # -- encode -------------------------------------------------------------------------------------
 
