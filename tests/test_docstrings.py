@@ -30,6 +30,7 @@ RUNNABLE = [
     "dataplane.codec.column_types",
     "dataplane.codec.columns",
     "dataplane.codec.gather",
+    "dataplane.server.dispatch",
     "dataplane.wire.protocol",
     "dataplane._units",
     "dataplane._worker_bridge",
