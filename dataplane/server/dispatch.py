@@ -31,7 +31,7 @@ import msgspec
 from dataplane.errors import WireError
 from dataplane.wire import protocol as _protocol
 
-Reply = tuple[dict[str, Any], list[Any]]  # a reply body and its buffer frames
+OpReply = tuple[dict[str, Any], list[Any]]  # a reply body and its buffer frames
 
 
 class Operations:
@@ -63,13 +63,13 @@ class Operations:
             raise WireError(f"unknown operation {op!r}; {self.SERVICE} knows {sorted(self.OPS)}")
         return getattr(self, name)
 
-    def run(self, op: str, body: Any, bufs: list[memoryview]) -> Reply:
+    def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         """Run ``op`` on its decoded ``body`` and the request's buffer frames: the reply."""
         return self.operation(op)(body, bufs)
 
-    def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> Reply:
+    def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> OpReply:
         """Decode ``raw`` as ``op``'s body and run it (what the server does for every plain op)."""
         return self.run(op, self.decode(op, raw), bufs)
 
 
-__all__ = ["Operations", "Reply"]
+__all__ = ["Operations", "OpReply"]

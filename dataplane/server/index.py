@@ -24,7 +24,7 @@ from typing import Any
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
 from dataplane.samplers import from_spec
-from dataplane.server.dispatch import Operations, Reply
+from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
 from dataplane.wire import auth as _auth
@@ -94,7 +94,7 @@ class IndexCore(Operations):
         self.registry: dict[str, Any] = {}
         self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
 
-    def run(self, op: str, body: Any, bufs: list[memoryview]) -> Reply:
+    def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any
         return ({"pending": True} if result is None else result), []  # a waiting op, run once
 
@@ -408,7 +408,7 @@ class IndexServer(ZmqServer):
 
     def serve(
         self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
-    ) -> Reply | None:
+    ) -> OpReply | None:
         if op not in _TAKING_OPS:
             return super().serve(sock, ident, rid, op, body, bufs)
         # Answered now if it can be, else parked until its partition changes.

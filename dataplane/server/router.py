@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from dataplane.server.dispatch import Operations, Reply
+from dataplane.server.dispatch import Operations, OpReply
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire.transport import recv_frames, send_frames
@@ -186,7 +186,7 @@ class ZmqServer:
             return
         ident = msg[0]
 
-        def handler(req: Any, bufs: list[memoryview]) -> Reply | None:
+        def handler(req: Any, bufs: list[memoryview]) -> OpReply | None:
             return self.serve(sock, ident, req.rid, req.op, self.core.decode(req.op, req.body), bufs)
 
         _, reply = _wire.answer(msg[1:], handler, max_frames=self._max_frames, who=self.name)
@@ -195,7 +195,7 @@ class ZmqServer:
 
     def serve(
         self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
-    ) -> Reply | None:
+    ) -> OpReply | None:
         """The reply to one checked and decoded request, or None when it is answered later (a
         subclass keeps ``sock``, ``ident`` and ``rid`` and ``deliver`` s the reply itself)."""
         with self._lock:

@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from dataplane.errors import WireError
-from dataplane.server.dispatch import Reply
+from dataplane.server.dispatch import OpReply
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.wire import frames as _wire
@@ -109,7 +109,7 @@ class ShardServer(ZmqServer):
     # ---- requests --------------------------------------------------------------------------------
     def serve(
         self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
-    ) -> Reply | None:
+    ) -> OpReply | None:
         if op != "put_ready":
             return super().serve(sock, ident, rid, op, body, bufs)
         if self._link is None:
