@@ -4,10 +4,15 @@
 keyword arguments over these defaults; a service started by ``rlplane store start`` keeps the
 config it was started with, and attaching clients read it from the index service.
 
-Environment variables (read here only):
-    DATAPLANE_TRANSPORT        "auto" (default), "shm", "zmq" or "tcp"
+Environment variables (read here only, each by one function; a value that does not parse raises
+``ValueError`` naming the variable):
+    DATAPLANE_TRANSPORT        "auto" (default), "shm", "zmq" or "tcp": this process's transport
+                               (``StoreConfig.transport``; also overrides a service's when attaching)
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
-    DATAPLANE_ALLOW_PICKLE     "1" lets object columns be pickled (default off)
+    DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
+                               default off): this process may write and read object columns
+    DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
+                               (default 256 MiB; 0 turns the pool off)
 
 Example:
     >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
@@ -26,6 +31,29 @@ NAMESPACE = "rlplane"
 """Ray namespace of the store's named actors (embedded or started by ``rlplane store start``)."""
 
 TRANSPORTS = ("auto", "shm", "zmq", "tcp")
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str) -> bool:
+    """The on/off variable ``name``: 1/true/yes/on or 0/false/no/off (any case, unset = off).
+
+    The one flag parser of the data plane: every reader of a flag asks it, so no two readers can
+    disagree about a value.
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={os.environ[name]!r} is not a flag; use 1/true or 0/false")
+
+
+def env_allows_pickle() -> bool:
+    """Whether ``DATAPLANE_ALLOW_PICKLE`` lets this process pickle and unpickle object columns."""
+    return env_flag("DATAPLANE_ALLOW_PICKLE")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -116,9 +144,9 @@ class StoreConfig:
         if unknown:
             raise TypeError(f"unknown store option(s) {unknown}; known options: {sorted(known)}")
         base: dict[str, Any] = {
-            "transport": os.environ.get("DATAPLANE_TRANSPORT", "auto") or "auto",
+            "transport": client_transport_override() or "auto",
             "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
-            "allow_pickle": os.environ.get("DATAPLANE_ALLOW_PICKLE", "") == "1",
+            "allow_pickle": env_allows_pickle(),
         }
         base.update({k: v for k, v in options.items() if v is not None or k in ("num_shards",)})
         return cls(**base)
@@ -152,4 +180,11 @@ def client_transport_override() -> str | None:
     return raw or None
 
 
-__all__ = ["NAMESPACE", "StoreConfig", "client_transport_override"]
+__all__ = [
+    "NAMESPACE",
+    "StoreConfig",
+    "client_transport_override",
+    "env_allows_pickle",
+    "env_flag",
+    "read_buffer_pool_bytes",
+]

@@ -13,12 +13,28 @@ message names the culprit and, where there is one, the next step.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 
 class DataplaneError(Exception):
-    """Root of every error the data plane raises."""
+    """Root of every error the data plane raises.
+
+    ``wire_attrs`` names the culprit attributes a class adds, in the order its constructor takes
+    them; the message is always the constructor's last argument. That one declaration is how an
+    error crosses the wire (``dataplane.wire.frames``: class name, message and these attributes,
+    rebuilt as the same class) and how it pickles (``__reduce__`` below), so a new error class
+    with culprit attributes declares them here and nowhere else.
+    """
+
+    wire_attrs: ClassVar[tuple[str, ...]] = ()
 
     def __str__(self) -> str:  # KeyError subclasses would otherwise repr() the message
         return str(self.args[0]) if self.args else self.__class__.__name__
+
+    def __reduce__(self) -> Any:
+        if not self.wire_attrs:
+            return super().__reduce__()
+        return (type(self), (*(getattr(self, a) for a in self.wire_attrs), str(self)))
 
 
 class StoreNotInitializedError(DataplaneError, RuntimeError):
@@ -32,17 +48,18 @@ class KeyNotFoundError(DataplaneError, KeyError, ValueError):
     (which raises ``ValueError``) catches it unchanged.
     """
 
+    wire_attrs = ("key", "partition_id")
+
     def __init__(self, key: str, partition_id: str, message: str | None = None) -> None:
         self.key = key
         self.partition_id = partition_id
         super().__init__(message or f"key {key!r} not found in partition {partition_id!r}")
 
-    def __reduce__(self):
-        return (type(self), (self.key, self.partition_id, self.args[0]))
-
 
 class FieldNotFoundError(KeyNotFoundError):
     """A requested field is not stored for a key. Attributes: ``key``, ``partition_id``, ``field``."""
+
+    wire_attrs = ("key", "partition_id", "field")
 
     def __init__(self, key: str, partition_id: str, field: str, message: str | None = None) -> None:
         self.field = field
@@ -54,19 +71,15 @@ class FieldNotFoundError(KeyNotFoundError):
             f"field {field!r} (not written yet)",
         )
 
-    def __reduce__(self):
-        return (type(self), (self.key, self.partition_id, self.field, self.args[0]))
-
 
 class PartitionNotFoundError(DataplaneError, KeyError, ValueError):
     """The partition does not exist (never written, or cleared). Attribute: ``partition_id``."""
 
+    wire_attrs = ("partition_id",)
+
     def __init__(self, partition_id: str, message: str | None = None) -> None:
         self.partition_id = partition_id
         super().__init__(message or f"partition {partition_id!r} not found (never written, or cleared)")
-
-    def __reduce__(self):
-        return (type(self), (self.partition_id, self.args[0]))
 
 
 class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
@@ -83,6 +96,8 @@ class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
     # traceback (the controller honours this class attribute; see controlplane.errors).
     __concise_error__ = True
 
+    wire_attrs = ("key", "partition_id", "method")
+
     def __init__(self, key: str, partition_id: str, method: str, message: str | None = None) -> None:
         self.key = key
         self.partition_id = partition_id
@@ -95,19 +110,15 @@ class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
             "(cleared, or never written); pass the meta a put returned after the clear",
         )
 
-    def __reduce__(self):
-        return (type(self), (self.key, self.partition_id, self.method, self.args[0]))
-
 
 class SchemaError(DataplaneError, ValueError):
     """A field's dtype, shape or kind does not match the column already stored. Attribute: ``field``."""
 
+    wire_attrs = ("field",)
+
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(message)
-
-    def __reduce__(self):
-        return (type(self), (self.field, self.args[0]))
 
 
 class BatchSizeError(DataplaneError, ValueError):
@@ -121,12 +132,11 @@ class SerializationError(DataplaneError, TypeError):
 class ShardUnavailableError(DataplaneError, ConnectionError):
     """A shard did not answer within its deadline (dead or unreachable). Attribute: ``shard``."""
 
+    wire_attrs = ("shard",)
+
     def __init__(self, shard: str, message: str) -> None:
         self.shard = shard
         super().__init__(message)
-
-    def __reduce__(self):
-        return (type(self), (self.shard, self.args[0]))
 
 
 class StoreFullError(DataplaneError, MemoryError):
@@ -141,12 +151,11 @@ class BatchTimeoutError(DataplaneError, TimeoutError):
     """``next_batch`` waited ``timeout_s`` and not enough rows became ready; says how many were.
     Attribute: ``partition_id``. Nothing was marked consumed."""
 
+    wire_attrs = ("partition_id",)
+
     def __init__(self, partition_id: str, message: str) -> None:
         self.partition_id = partition_id
         super().__init__(message)
-
-    def __reduce__(self):
-        return (type(self), (self.partition_id, self.args[0]))
 
 
 class ReservationExpiredError(DataplaneError, TimeoutError):
@@ -165,18 +174,38 @@ class WireError(DataplaneError, ValueError):
     """A request or reply could not be decoded or broke the protocol (names what was wrong)."""
 
 
+class ProtocolVersionError(WireError):
+    """The two ends of a request speak different versions of the wire protocol (a client, or a
+    shard, of another dataplane release than the service it called). Attributes:
+    ``client_version`` (the request's), ``service_version`` (the answering service's).
+
+    Nothing of the request was read past its header. Not recoverable by retrying: run the same
+    dataplane release in every process that uses the store (restart the store, or the client).
+    """
+
+    wire_attrs = ("client_version", "service_version")
+
+    def __init__(self, client_version: int, service_version: int, message: str | None = None) -> None:
+        self.client_version = client_version
+        self.service_version = service_version
+        super().__init__(
+            message
+            or f"wire protocol mismatch: the client speaks version {client_version}, the service "
+            f"version {service_version}; run the same dataplane release in every process of the store"
+        )
+
+
 class ClusterConnectError(DataplaneError, ConnectionError):
     """This process could not connect to the Ray cluster at ``address`` (``dp.init(address=...)``,
     ``rlplane ... --address``): nothing answers there, or it is not a Ray cluster this process can
     join. Attribute: ``address``. Recoverable: start the cluster, or fix the address; the message
     says which."""
 
+    wire_attrs = ("address",)
+
     def __init__(self, address: str, message: str) -> None:
         self.address = address
         super().__init__(message)
-
-    def __reduce__(self):
-        return (type(self), (self.address, self.args[0]))
 
 
 class ClusterAuthError(ClusterConnectError, PermissionError):
@@ -194,6 +223,7 @@ __all__ = [
     "FieldNotFoundError",
     "KeyNotFoundError",
     "PartitionNotFoundError",
+    "ProtocolVersionError",
     "ReservationExpiredError",
     "ResourceLimitError",
     "SchedulingError",

@@ -46,6 +46,7 @@ RUNNABLE = [
     "dataplane.codec.columns",
     "dataplane.codec.plain",
     "dataplane.codec.gather",
+    "dataplane.server.dispatch",
     "dataplane.wire.protocol",
     "dataplane._units",
     "dataplane._worker_bridge",

@@ -35,6 +35,7 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "BatchTimeoutError": lambda c: c("p0", f"waited for {CULPRIT}"),
     "ClusterConnectError": lambda c: c("10.0.0.1:6379", f"nothing answers at {CULPRIT}"),
     "ClusterAuthError": lambda c: c("10.0.0.1:6379", f"{CULPRIT} refused the token"),
+    "ProtocolVersionError": lambda c: c(2, 1, f"{CULPRIT} speaks version 2"),
     "WorkerDiedError": lambda c: c(f"worker {CULPRIT} (rank 1) is dead", rank=1, worker_name=CULPRIT),
     "MeshConflictError": lambda c: c(f"mesh {CULPRIT} is already registered", mesh_name=CULPRIT),
     "WorkerCallError": lambda c: c("W.f", [1], ValueError(CULPRIT), world_size=2),
@@ -74,6 +75,37 @@ def test_error_message_survives_pickle(cls: type) -> None:
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == text
     assert back.__dict__.keys() >= {k for k in err.__dict__ if not k.startswith("_")}  # attributes kept
+
+
+def _dataplane_error_classes() -> list[type]:
+    return [c for c in _public_error_classes() if c.__module__ == "dataplane.errors"]
+
+
+@pytest.mark.parametrize("cls", _dataplane_error_classes(), ids=lambda c: c.__qualname__)
+def test_error_crosses_the_wire_as_itself(cls: type) -> None:
+    """What a shard or the index raises reaches the client as the same class with the same culprit
+    attributes, from the attributes the class declares (``wire_attrs``) and nothing else."""
+    from dataplane.wire import frames as _wire
+
+    err = _make(cls)
+    declared = set(cls.wire_attrs)
+    public = {k for k in err.__dict__ if not k.startswith("_")}
+    assert public == declared, f"{cls.__qualname__} sets {sorted(public)} but declares {sorted(declared)}"
+    rep, _ = _wire.decode_reply(_wire.encode_error(3, err))
+    back = _wire.rebuild_error(rep.error)
+    assert type(back) is cls and str(back) == str(err)
+    assert {a: getattr(back, a) for a in cls.wire_attrs} == {a: getattr(err, a) for a in cls.wire_attrs}
+
+
+def test_a_malformed_or_foreign_error_is_typed() -> None:
+    from dataplane.wire import frames as _wire
+
+    for bad in (None, ["KeyNotFoundError", "m"], ["KeyNotFoundError", 5, {}], ["KeyNotFoundError", "m", []]):
+        with pytest.raises(dataplane.WireError, match="malformed error"):
+            _wire.rebuild_error(bad)
+    assert type(_wire.rebuild_error(["__class__", "m", {}])) is dataplane.DataplaneError
+    partial = _wire.rebuild_error(["FieldNotFoundError", "m", {"key": "k"}])  # a peer left some out
+    assert (partial.key, partial.partition_id, partial.field) == ("k", "?", "?")
 
 
 def test_the_list_covers_each_package() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
 import warnings
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from dataplane import config
 from dataplane.codec.column_types import Column, ColumnSpec, torch_dtype
 from dataplane.codec.plain import plain_value
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
@@ -39,12 +39,7 @@ class _FxTracingNoise(logging.Filter):
 
 logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNoise())
 
-PICKLE_ENV = "DATAPLANE_ALLOW_PICKLE"
 _warned_pickle = False
-
-
-def _env_allows_pickle() -> bool:
-    return os.environ.get(PICKLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -104,7 +99,7 @@ class ValueEncoder:
     def allow_pickle(self) -> bool:
         # The environment is read only when a value needs pickle: a lookup per put costs more than
         # encoding a small tensor row.
-        return self._allow_pickle or _env_allows_pickle()
+        return self._allow_pickle or config.env_allows_pickle()
 
     def finish(self) -> None:
         if self._cuda_pending:
@@ -262,8 +257,8 @@ class ValueEncoder:
             culprit = next((v for v in values if type(v) not in (str, bytes, int, float, bool)), values[0])
             raise SerializationError(
                 f"field {name!r} holds {type(culprit).__module__}.{type(culprit).__qualname__} values that "
-                f"need pickle; pass allow_pickle=True (or set {PICKLE_ENV}=1) to store them as an object "
-                "column, or convert them to tensors / str / bytes / lists of numbers"
+                "need pickle; pass allow_pickle=True (or set DATAPLANE_ALLOW_PICKLE=1) to store them as an "
+                "object column, or convert them to tensors / str / bytes / lists of numbers"
             )
         if not _warned_pickle:
             _warned_pickle = True
@@ -414,7 +409,7 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
         if not allow_pickle:
             raise SerializationError(
                 f"field {name!r} is a pickled object column; this process did not opt in to unpickling "
-                f"(dp.init(allow_pickle=True) or {PICKLE_ENV}=1). Only do so for data you trust: "
+                "(dp.init(allow_pickle=True) or DATAPLANE_ALLOW_PICKLE=1). Only do so for data you trust: "
                 "unpickling runs code chosen by whoever wrote it"
             )
         offs = col.offsets.tolist()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,13 +24,12 @@ from typing import Any
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
 from dataplane.samplers import from_spec
+from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,8 +76,15 @@ def _sampler(body: Any) -> Any:
     return sampler
 
 
-class IndexCore:
-    """Metadata bookkeeping of the store. Plain class, tested without Ray."""
+class IndexCore(Operations):
+    """Metadata bookkeeping of the store. Plain class, tested without Ray.
+
+    Its operations take the body only (the index takes no buffer frames) and return the reply
+    body; a waiting one (``next``, ``ready``) returns None while its rows are not ready.
+    """
+
+    OPS = _protocol.INDEX_OPS
+    SERVICE = "the index"
 
     def __init__(self) -> None:
         self.partitions: dict[str, _PartMeta] = {}
@@ -89,11 +94,9 @@ class IndexCore:
         self.registry: dict[str, Any] = {}
         self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
 
-    def handle(self, op: str, raw: Any, bufs: list[Any]) -> tuple[dict[str, Any], list]:
-        """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
-        body = _protocol.decode_body(op, raw, _protocol.INDEX_OPS)
-        result = getattr(self, f"op_{op}")(body)
-        return ({"pending": True} if result is None else result), []
+    def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
+        result = self.operation(op)(body)  # no buffers: the index's server refuses any
+        return ({"pending": True} if result is None else result), []  # a waiting op, run once
 
     def op_prepare(self, body: _protocol.Prepare) -> dict[str, Any]:
         """Decide the schema of a put's new fields at once, or refuse it: ``SchemaError``.
@@ -390,46 +393,39 @@ class IndexServer(ZmqServer):
     to the task (``IndexCore.unconsume``).
     """
 
+    core: IndexCore
+
     def __init__(self, core: IndexCore, host_ip: str, name: str, creds: _auth.Credentials, **kw: Any) -> None:
-        self.core = core
         self._waiters: dict[str, list[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
-        super().__init__(core.handle, host_ip, name, creds, **kw)
+        super().__init__(core, host_ip, name, creds, **kw)
 
     def _serve_one(self, sock: Any, msg: list[Any]) -> None:
-        if len(msg) < 2:
-            return
-        ident, frames, rid = msg[0], msg[1:], -1
-        try:
-            req, bufs = _wire.decode_request(frames)
-            rid = req.rid
-            _wire.check_frames(req, bufs, 0, "the index")
-            if req.op in _TAKING_OPS:
-                self._start_waiting(sock, ident, req)
-            else:
-                self.deliver(sock, ident, _wire.answer_request(req, bufs, self.core.handle))
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            self.deliver(sock, ident, _wire.encode_error(rid, exc))
-        self._recheck()
+        super()._serve_one(sock, msg)
+        self._recheck()  # the request may have changed partitions that parked requests wait on
 
-    def _start_waiting(self, sock: Any, ident: Any, req: Any) -> None:
-        """Answer a taking request now if it can be, else park it until its partition changes."""
-        body = _protocol.decode_body(req.op, req.body, _protocol.INDEX_OPS)
+    def serve(
+        self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+    ) -> OpReply | None:
+        if op not in _TAKING_OPS:
+            return super().serve(sock, ident, rid, op, body, bufs)
+        # Answered now if it can be, else parked until its partition changes.
         now = time.monotonic()
-        waiter = _Waiter(sock, ident, req.rid, req.op, body, now, math.inf)
+        waiter = _Waiter(sock, ident, rid, op, body, now, math.inf)
         if self._try(waiter):
-            return
+            return None
         if body.timeout_s is not None:
             waiter.deadline = now + body.timeout_s
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
         self._waiters.setdefault(body.pid, []).append(waiter)
+        return None
 
     def _try(self, w: _Waiter) -> bool:
         """Answer ``w`` if it can be answered now (its rows are ready, or it failed)."""
         try:
-            result = getattr(self.core, f"op_{w.op}")(w.body)
+            result = self.core.operation(w.op)(w.body)
         except Exception as exc:  # noqa: BLE001 - the request gets the error, the loop goes on
             w.done = True
             self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, exc))

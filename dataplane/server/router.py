@@ -1,20 +1,26 @@
-"""A zmq ROUTER loop on its own thread, serving a plain handler (the shard's socket side).
+"""A zmq ROUTER loop on its own thread, serving a service core (``dispatch.Operations``).
 
-The loop answers every request it can parse, success or error, echoing the request id; a
-foreign or undecodable message gets an error reply when it carries an identity, and the loop never
-dies of a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc
-socket (same host; nothing is left in the file system, even after a crash). Polls are bounded, so
+``ZmqServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
+index (``index.IndexServer``) subclass it and change only how a decoded request is answered
+(``serve``): a few of their ops are answered later, the rest run on the core at once. So both
+bind, authenticate, check and refuse alike: every request gets an answer, success or error,
+echoing its request id (``frames.answer``: a header of another protocol version, too many
+frames, an unknown op or a malformed body are refused before any handler runs); a foreign or
+undecodable message gets an error reply when it carries an identity, and the loop never dies of
+a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc socket
+(same host; nothing is left in the file system, even after a crash). Polls are bounded, so
 ``stop()`` returns within one poll interval, and ``tick`` runs between requests.
 
-Every connection is authenticated before it can deliver a message (``_auth``): the loop also
-serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is a second
-ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes go
-through shared memory). Inbound frames are capped at ``max_message_bytes``: libzmq drops a peer
+Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
+loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
+a second ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes
+go through shared memory). Inbound frames are capped at ``max_message_bytes``: libzmq drops a peer
 that sends a bigger one before it is ever buffered whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -26,13 +32,12 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataplane.server.dispatch import Operations, OpReply
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire.transport import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
-
-Handler = Callable[[str, Any, list[memoryview]], tuple[dict[str, Any], list[Any]]]
 
 POLL_MS = 100
 TICK_S = 0.25
@@ -44,24 +49,25 @@ _EVENTS = int(zmq.EVENTS)
 
 
 class ZmqServer:
-    """Serves ``handler`` on authenticated ROUTER sockets from a daemon thread."""
+    """Serves ``core``'s operations on authenticated ROUTER sockets from a daemon thread."""
 
     def __init__(
         self,
-        handler: Handler,
+        core: Operations,
         host_ip: str,
         name: str,
         creds: _auth.Credentials,
         *,
         tick: Callable[[], None] | None = None,
-        lock: threading.Lock | None = None,
+        lock: contextlib.AbstractContextManager[Any] | None = None,
         max_message_bytes: int = -1,
         max_frames: int = _wire.MAX_FRAMES,
         mandatory: bool = False,
     ) -> None:
-        self._handler = handler
+        self.core = core
         self._tick = tick
-        self._lock = lock or threading.Lock()
+        # Held around every core call; only needed when threads besides this loop's use the core.
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self._creds = creds
         self._max_frames = max_frames
         self._mandatory = mandatory  # replies to a peer that left raise (see ``deliver``)
@@ -71,12 +77,7 @@ class ZmqServer:
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(_auth.ZAP_ENDPOINT)  # before any ROUTER binds: no unauthenticated window
         self._socks: list[zmq.Socket] = []
-        plain = self._router(curve=False, max_message_bytes=max_message_bytes)
-        self.ipc = f"ipc://@{name}-{uuid.uuid4().hex[:12]}"
-        plain.bind(self.ipc)
-        tcp_sock = self._router(curve=True, max_message_bytes=max_message_bytes) if creds.encrypt else plain
-        port = tcp_sock.bind_to_random_port(f"tcp://{host_ip}")
-        self.tcp = f"tcp://{host_ip}:{port}"
+        self.ipc, self.tcp = self._bind(host_ip, max_message_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
         self._poller = zmq.Poller()
@@ -90,6 +91,18 @@ class ZmqServer:
         for which, sock in enumerate(self._socks):
             mon = sock.get_monitor_socket(_CONNECTION_EVENTS)
             self.watch(mon, functools.partial(self._count_connections, which, mon))  # thread not started
+
+    def _bind(self, host_ip: str, max_message_bytes: int) -> tuple[str, str]:
+        """Bind the ROUTER sockets: PLAIN on a same-host ipc endpoint and on tcp, or CURVE on tcp when
+        the store encrypts; returns the (ipc, tcp) addresses."""
+        plain = self._router(curve=False, max_message_bytes=max_message_bytes)
+        ipc = f"ipc://@{self.name}-{uuid.uuid4().hex[:12]}"
+        plain.bind(ipc)
+        tcp_sock = plain
+        if self._creds.encrypt:  # tcp crosses hosts: its own socket, speaking CURVE
+            tcp_sock = self._router(curve=True, max_message_bytes=max_message_bytes)
+        port = tcp_sock.bind_to_random_port(f"tcp://{host_ip}")
+        return ipc, f"tcp://{host_ip}:{port}"
 
     def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -171,8 +184,22 @@ class ZmqServer:
     def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
-        rid, reply = _wire.answer(msg[1:], self._locked_handler, max_frames=self._max_frames, who=self.name)
-        self.deliver(sock, msg[0], reply)
+        ident = msg[0]
+
+        def handler(req: Any, bufs: list[memoryview]) -> OpReply | None:
+            return self.serve(sock, ident, req.rid, req.op, self.core.decode(req.op, req.body), bufs)
+
+        _, reply = _wire.answer(msg[1:], handler, max_frames=self._max_frames, who=self.name)
+        if reply is not None:
+            self.deliver(sock, ident, reply)
+
+    def serve(
+        self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+    ) -> OpReply | None:
+        """The reply to one checked and decoded request, or None when it is answered later (a
+        subclass keeps ``sock``, ``ident`` and ``rid`` and ``deliver`` s the reply itself)."""
+        with self._lock:
+            return self.core.run(op, body, bufs)
 
     def deliver(self, sock: zmq.Socket, ident: Any, reply: list[Any]) -> bool:
         """Send ``reply`` to the peer ``ident``; False when it cannot be delivered (it left)."""
@@ -182,10 +209,6 @@ class ZmqServer:
         except zmq.ZMQError as exc:  # EHOSTUNREACH (mandatory routing): the peer disconnected
             logger.debug("%s: a reply could not be delivered: %s", self.name, exc)
             return False
-
-    def _locked_handler(self, op: str, body: Any, bufs: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
-        with self._lock:
-            return self._handler(op, body, bufs)
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()

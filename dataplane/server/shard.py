@@ -1,8 +1,8 @@
 """A storage shard's core: column segments in memory, rows addressed as (segment, row), byte accounting.
 
-``ShardCore`` is a plain class (no Ray, no sockets); ``_shard_server`` wraps it in a Ray actor and a
+``ShardCore`` is a plain class (no Ray, no sockets); ``shard_actor`` wraps it in a Ray actor and a
 zmq loop. Every operation takes a request body plus its buffer frames and returns a reply body plus
-buffer frames (see ``_wire``).
+buffer frames (``dispatch.Operations``; the frames are ``dataplane.wire.frames``).
 
 A put is two steps so that a failure anywhere writes nothing:
 1. ``reserve``: check the schema and the byte capacity, then either keep the inline column frames
@@ -50,6 +50,7 @@ from dataplane.errors import (
     StoreFullError,
     WireError,
 )
+from dataplane.server.dispatch import Operations
 from dataplane.server.segments import ShmFile, ShmPool
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
@@ -116,8 +117,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class ShardCore:
+class ShardCore(Operations):
     """The shard's storage logic. Not thread-safe: the server serialises calls."""
+
+    OPS = _protocol.SHARD_OPS
+    SERVER_OPS = frozenset({"put_ready"})  # its reply waits for the index: ``ShardServer`` answers it
+    SERVICE = "the shard"
 
     def __init__(
         self,
@@ -142,14 +147,6 @@ class ShardCore:
         self.host_memory = host_memory_bytes()
         self.ready_puts = 0  # put_ready requests stored and passed on to the index (by ShardServer)
         self.ready_batches = 0  # the index requests that carried them
-
-    # ---- dispatch ---------------------------------------------------------------------------
-    def handle(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[dict, list]:
-        """Decode ``raw`` as operation ``op``'s typed body (``_protocol``) and run the operation."""
-        body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
-        if op == "put_ready":  # its reply waits for the index: only the shard's server can answer it
-            raise WireError("'put_ready' is served by the shard's server (ShardServer), not by ShardCore")
-        return getattr(self, f"op_{op}")(body, bufs)
 
     # ---- put --------------------------------------------------------------------------------
     def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:

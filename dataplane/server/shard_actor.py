@@ -33,10 +33,10 @@ from typing import Any
 import zmq
 
 from dataplane.errors import WireError
+from dataplane.server.dispatch import OpReply
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.wire import frames as _wire
-from dataplane.wire import protocol as _protocol
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, next_rid
@@ -76,6 +76,8 @@ class _Sent:
 class ShardServer(ZmqServer):
     """The shard's request loop: ``ShardCore`` operations, and ``put_ready`` passed on to the index."""
 
+    core: ShardCore
+
     def __init__(
         self,
         core: ShardCore,
@@ -88,9 +90,8 @@ class ShardServer(ZmqServer):
         max_message_bytes: int = -1,
     ) -> None:
         super().__init__(
-            core.handle, host_ip, name, creds, tick=core.tick, lock=lock, max_message_bytes=max_message_bytes
+            core, host_ip, name, creds, tick=core.tick, lock=lock, max_message_bytes=max_message_bytes
         )
-        self.core = core
         self._index_wait_s = INDEX_WAIT * rpc_timeout_s
         self._link: _Endpoints | None = None  # set by ``link`` before any client learns of this shard
         self._dealer: zmq.Socket | None = None  # created on the server thread
@@ -107,31 +108,19 @@ class ShardServer(ZmqServer):
         self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
 
     # ---- requests --------------------------------------------------------------------------------
-    def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
-        if len(msg) < 2:
-            return
-        ident, frames, rid = msg[0], msg[1:], -1
-        try:
-            req, bufs = _wire.decode_request(frames)
-            rid = req.rid
-            _wire.check_frames(req, bufs, self._max_frames, self.name)
-            if req.op == "put_ready":
-                self._put_ready(sock, ident, req, bufs)  # answered once the index has
-                return
-            reply = _wire.answer_request(req, bufs, self._locked_handler)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            reply = _wire.encode_error(rid, exc)
-        self.deliver(sock, ident, reply)
-
-    def _put_ready(self, sock: zmq.Socket, ident: Any, req: Any, bufs: list[memoryview]) -> None:
+    def serve(
+        self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+    ) -> OpReply | None:
+        if op != "put_ready":
+            return super().serve(sock, ident, rid, op, body, bufs)
         if self._link is None:
             raise WireError(f"{self.name} is not linked to the store's index yet; nothing was written")
-        body = _protocol.decode_body(req.op, req.body, _protocol.SHARD_OPS)
         with self._lock:
             commit, undo = self.core.put_ready(body, bufs)
-        self._outbox.append(_Forward(sock, ident, req.rid, commit, undo))
+        self._outbox.append(_Forward(sock, ident, rid, commit, undo))  # answered once the index has
         if len(self._outbox) >= MAX_BATCH:
             self._send_outbox()
+        return None
 
     def after_poll(self) -> None:
         if self._outbox:
@@ -247,8 +236,8 @@ class ShardServer(ZmqServer):
 def _rebuild(error: Any) -> BaseException:
     try:
         return _wire.rebuild_error(error)
-    except (TypeError, ValueError, AttributeError):
-        return WireError(f"the index answered with a malformed error {error!r}")
+    except WireError as exc:
+        return WireError(f"the index answered with a malformed error: {exc}")
 
 
 class ShardActor:

@@ -1,13 +1,22 @@
 """The wire format: one msgpack header frame plus N raw buffer frames (sent with ``copy=False``).
 
 A request is ``[header, buf0, buf1, ...]`` where the header is a ``Request`` struct (request id,
-operation name, a plain-typed body); a reply is ``[header, buf0, ...]`` with a ``Reply`` struct that
-echoes the request id, so a reply is matched to its request by id, never by arrival order.
-Column buffers are referenced from the body by frame index, so tensor bytes never pass through
-msgpack and never through pickle.
+operation name, a plain-typed body, protocol version); a reply is ``[header, buf0, ...]`` with a
+``Reply`` struct that echoes the request id, so a reply is matched to its request by id, never by
+arrival order. Column buffers are referenced from the body by frame index, so tensor bytes never
+pass through msgpack and never through pickle.
+
+Versions: every header ends with ``PROTOCOL_VERSION``. The envelope (``[rid, op, body, version]``
+and ``[rid, body, error, version]``) is the one part every version keeps, so a peer of any version
+can read a header far enough to refuse it: a service answers a request of another version with
+``ProtocolVersionError`` (naming both versions, reading nothing past the header) and goes on
+serving everyone else; a client turns a reply of another version into the same error for its
+request. A header without a version is version 1 (headers before the version was sent). The cost
+is one small integer per message.
 
 Errors cross the wire as ``[error class name, message, attrs]`` and are rebuilt as the same
-``dataplane.errors`` class on the client (unknown names become ``DataplaneError``).
+``dataplane.errors`` class on the client (unknown names become ``DataplaneError``); ``attrs`` are
+the attributes the class declares in ``wire_attrs``.
 
 Sharp edges: the codec functions are stateless and thread-safe; decoded buffers are views of the
 received zmq frames and keep those frames alive.
@@ -24,10 +33,12 @@ import numpy as np
 
 from dataplane import errors
 from dataplane.codec.column_types import Column, ColumnSpec
+from dataplane.errors import ProtocolVersionError, WireError
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+"""Bump when a change makes peers of the old and new code misread each other's messages."""
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -36,6 +47,7 @@ class Request(msgspec.Struct, array_like=True):
     rid: int
     op: str
     body: dict[str, Any]
+    version: int = PROTOCOL_VERSION
 
 
 class _RawRequest(msgspec.Struct, array_like=True):
@@ -45,6 +57,7 @@ class _RawRequest(msgspec.Struct, array_like=True):
     rid: int
     op: str
     body: msgspec.Raw
+    version: int = 1  # absent: a peer from before the version was sent
 
 
 class Reply(msgspec.Struct, array_like=True):
@@ -53,14 +66,23 @@ class Reply(msgspec.Struct, array_like=True):
     rid: int
     body: dict[str, Any]
     error: list[Any] | None = None
+    version: int = 1  # absent: a peer from before the version was sent (encoders pass PROTOCOL_VERSION)
+
+
+class _ReplyEnvelope(msgspec.Struct, array_like=True):
+    """What every version's reply header keeps: enough to refuse a reply this version cannot read."""
+
+    rid: int
+    body: msgspec.Raw
+    error: msgspec.Raw
+    version: int = 1
 
 
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(_RawRequest)
 _rep_dec = msgspec.msgpack.Decoder(Reply)
+_envelope_dec = msgspec.msgpack.Decoder(_ReplyEnvelope)
 
-
-WireError = errors.WireError
 MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
 
 
@@ -100,56 +122,95 @@ def decode_request(frames: list[Any]) -> tuple[_RawRequest, list[memoryview]]:
 
 def encode_reply(rid: int, body: dict[str, Any], buffers: list[Any] | None = None) -> list[Any]:
     """Frames of a successful reply."""
-    return [_req_enc.encode(Reply(rid, body)), *(buffers or [])]
+    return [_req_enc.encode(Reply(rid, body, None, PROTOCOL_VERSION)), *(buffers or [])]
+
+
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def error_fields(exc: BaseException) -> list[Any]:
-    """``[class name, message, culprit attributes]``: how ``exc`` crosses the wire (``rebuild_error``)."""
+    """``[class name, message, culprit attributes]``: how ``exc`` crosses the wire (``rebuild_error``).
+
+    The attributes are the ones its class declares (``DataplaneError.wire_attrs``); any other
+    exception crosses as a plain ``DataplaneError`` whose message names its type.
+    """
+    if not isinstance(exc, errors.DataplaneError):
+        return ["DataplaneError", f"{type(exc).__name__}: {exc}", {}]
     attrs = {}
-    for name in ("key", "partition_id", "field", "shard"):
-        if hasattr(exc, name):
-            attrs[name] = getattr(exc, name)
-    name = type(exc).__name__ if isinstance(exc, errors.DataplaneError) else "DataplaneError"
-    msg = str(exc) if isinstance(exc, errors.DataplaneError) else f"{type(exc).__name__}: {exc}"
-    return [name, msg, attrs]
+    for name in exc.wire_attrs:
+        value = getattr(exc, name, None)
+        attrs[name] = value if isinstance(value, _PLAIN) else repr(value)  # always encodable
+    return [type(exc).__name__, str(exc), attrs]
 
 
 def encode_error(rid: int, exc: BaseException) -> list[Any]:
     """Frames of a failed reply carrying ``exc`` (class name, message and culprit attributes)."""
-    return [_req_enc.encode(Reply(rid, {}, error_fields(exc)))]
+    return [_req_enc.encode(Reply(rid, {}, error_fields(exc), PROTOCOL_VERSION))]
+
+
+def _version_error(client: int, service: int, who: str) -> ProtocolVersionError:
+    """The refusal of a message of another protocol version: both versions, and who refused it."""
+    return ProtocolVersionError(
+        client,
+        service,
+        f"wire protocol mismatch: the client speaks version {client}, {who} speaks version {service}; "
+        "run the same dataplane release in every process of the store (restart the store or the client)",
+    )
 
 
 def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
-    """Parse a reply's frames; does not raise for a remote error (see ``rebuild_error``)."""
-    return _decode(frames, _rep_dec, "empty reply", "reply")
+    """Parse a reply's frames; does not raise for a remote error (see ``rebuild_error``).
+
+    A reply of another protocol version is not read past its envelope: it comes back as a
+    ``ProtocolVersionError`` reply to the same request id, so the call fails at once.
+    """
+    try:
+        rep, bufs = _decode(frames, _rep_dec, "empty reply", "reply")
+    except WireError:
+        # Only on this error path: the envelope of a reply whose body another version laid out.
+        try:
+            rep, bufs = _envelope_dec.decode(_as_buffer(frames[0])), []
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            rep = None
+        if rep is None or rep.version == PROTOCOL_VERSION:
+            raise
+    if rep.version != PROTOCOL_VERSION:
+        err = _version_error(PROTOCOL_VERSION, rep.version, "the service")
+        return Reply(rep.rid, {}, error_fields(err), PROTOCOL_VERSION), []
+    return rep, bufs
+
+
+Handler = Callable[[_RawRequest, list[memoryview]], "tuple[dict[str, Any], list[Any]] | None"]
 
 
 def answer(
-    frames: list[Any],
-    handler: Callable[[str, msgspec.Raw, list[memoryview]], tuple[dict[str, Any], list[Any]]],
-    *,
-    max_frames: int = MAX_FRAMES,
-    who: str = "this service",
-) -> tuple[int, list[Any]]:
+    frames: list[Any], handler: Handler, *, max_frames: int = MAX_FRAMES, who: str = "this service"
+) -> tuple[int, list[Any] | None]:
     """Serve one request: ``(request id, reply frames)``; every request gets an answer, even a bad one.
 
-    ``handler(op, raw_body, buffers)`` decodes the body for its op (``_protocol.decode_body``) and
-    returns the reply body and buffers; any exception it (or the decoding) raises becomes an error
-    reply. ``max_frames`` caps the buffer frames a request may carry (a metadata-only service
-    passes 0); ``who`` names the service in that refusal.
+    The header is checked first (``_check_request``: decodable, this protocol version, at most
+    ``max_frames`` buffer frames; ``who`` names the service in refusals). Then
+    ``handler(request, buffers)`` decodes the body for its op and returns the reply body and
+    buffers, or None when it answers that request id itself later. Any exception becomes an error
+    reply echoing the request id (-1 when the header did not decode).
     """
     rid = -1
     try:
         req, bufs = decode_request(frames)
         rid = req.rid
-        check_frames(req, bufs, max_frames, who)
+        _check_request(req, bufs, max_frames, who)
+        out = handler(req, bufs)
+        return rid, None if out is None else encode_reply(rid, *out)
     except Exception as exc:  # noqa: BLE001 - every request gets an answer
+        if not isinstance(exc, errors.DataplaneError):
+            logger.debug("%s: request %d failed", who, rid, exc_info=True)
         return rid, encode_error(rid, exc)
-    return rid, answer_request(req, bufs, handler)
 
 
-def check_frames(req: _RawRequest, bufs: list[memoryview], max_frames: int, who: str) -> None:
-    """Refuse a request that carries more buffer frames than the service takes."""
+def _check_request(req: _RawRequest, bufs: list[memoryview], max_frames: int, who: str) -> None:
+    """Refuse a request of another protocol version, or with more buffer frames than ``who`` takes."""
+    if req.version != PROTOCOL_VERSION:
+        raise _version_error(req.version, PROTOCOL_VERSION, who)
     if len(bufs) > max_frames:
         if max_frames == 0:
             raise WireError(
@@ -159,42 +220,22 @@ def check_frames(req: _RawRequest, bufs: list[memoryview], max_frames: int, who:
         raise WireError(f"{who}: a request carries at most {max_frames} buffer frames, got {len(bufs)}")
 
 
-def answer_request(req: _RawRequest, bufs: list[memoryview], handler: Callable[..., Any]) -> list[Any]:
-    """The reply frames to a decoded request: ``handler``'s answer, or the error it raised."""
-    try:
-        body, out = handler(req.op, req.body, bufs)
-        return encode_reply(req.rid, body, out)
-    except Exception as exc:  # noqa: BLE001 - every request gets an answer
-        if not isinstance(exc, errors.DataplaneError):
-            logger.debug("request %d failed", req.rid, exc_info=True)
-        return encode_error(req.rid, exc)
+def rebuild_error(error: Any) -> errors.DataplaneError:
+    """The ``dataplane.errors`` exception a reply's ``error`` field describes (``error_fields``).
 
-
-def peek_rid(frame: Any) -> int:
-    """The request id of a header frame, or -1 when it is not one of ours."""
-    try:
-        return int(msgspec.msgpack.decode(_as_buffer(frame))[0])
-    except Exception:  # noqa: BLE001 - a foreign frame is simply not ours
-        return -1
-
-
-def rebuild_error(error: list[Any]) -> errors.DataplaneError:
-    """The ``dataplane.errors`` exception a reply's ``error`` field describes."""
+    The class is looked up by name and built from the attributes it declares (``wire_attrs``, "?"
+    for one the peer left out) and the message; a name that is no data plane error gives a
+    ``DataplaneError``. ``WireError`` when ``error`` is not ``[str, str, dict]``.
+    """
+    if not (isinstance(error, list | tuple) and len(error) == 3):
+        raise WireError(f"malformed error {error!r:.200}: not [class name, message, attributes]")
     name, msg, attrs = error
+    if type(name) is not str or type(msg) is not str or type(attrs) is not dict:
+        raise WireError(f"malformed error {error!r:.200}: not [class name, message, attributes]")
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.DataplaneError)):
         return errors.DataplaneError(msg)
-    if cls is errors.FieldNotFoundError:
-        return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), attrs.get("field", "?"), msg)
-    if cls is errors.KeyNotFoundError:
-        return cls(attrs.get("key", "?"), attrs.get("partition_id", "?"), msg)
-    if cls in (errors.PartitionNotFoundError, errors.BatchTimeoutError):
-        return cls(attrs.get("partition_id", "?"), msg)
-    if cls is errors.SchemaError:
-        return cls(attrs.get("field", "?"), msg)
-    if cls is errors.ShardUnavailableError:
-        return cls(attrs.get("shard", "?"), msg)
-    return cls(msg)
+    return cls(*(attrs.get(a, "?") for a in cls.wire_attrs), msg)
 
 
 # ---- columns <-> frames ---------------------------------------------------------------------
@@ -276,12 +317,10 @@ def array_from_wire(idx: int, buffers: list[memoryview], length: int | None = No
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Handler",
     "answer",
-    "answer_request",
-    "check_frames",
     "Reply",
     "Request",
-    "WireError",
     "array_from_wire",
     "array_to_wire",
     "column_from_wire",
@@ -292,6 +331,5 @@ __all__ = [
     "encode_reply",
     "error_fields",
     "encode_request",
-    "peek_rid",
     "rebuild_error",
 ]

@@ -12,6 +12,7 @@ the same field names; msgpack encodes both alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -182,7 +183,7 @@ class Resolve(_Body):
 SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "reserve": Reserve,
     "put": Reserve,  # reserve and commit at once: inline columns only
-    "put_ready": PutReady,  # the same, then the shard commits the rows in the index (see _shard_server)
+    "put_ready": PutReady,  # the same, then the shard commits the rows in the index (see shard_actor)
     "commit": Commit,
     "abort": Abort,
     "get": Get,
@@ -216,11 +217,14 @@ WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or a
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
-def decode_body(op: str, raw: Any, table: dict[str, type[msgspec.Struct]]) -> Any:
-    """The typed body of operation ``op`` from its raw msgpack bytes; ``WireError`` when malformed."""
+def decode_body(
+    op: str, raw: Any, table: Mapping[str, type[msgspec.Struct]], service: str = "this service"
+) -> Any:
+    """The typed body of operation ``op`` from its raw msgpack bytes; ``WireError`` naming ``service``
+    for an operation ``table`` lacks, and naming the op for a malformed body."""
     cls = table.get(op) if type(op) is str else None
     if cls is None:
-        raise WireError(f"unknown operation {op!r}; this service knows {sorted(table)}")
+        raise WireError(f"unknown operation {op!r}; {service} knows {sorted(table)}")
     dec = _decoders.get(cls)
     if dec is None:
         dec = _decoders[cls] = msgspec.msgpack.Decoder(cls)

@@ -1,6 +1,7 @@
 """Fuzz the shard's and the index's request handling without Ray or sockets.
 
-``_wire.answer(frames, core.handle)`` is exactly what a server runs on every message it receives,
+``_wire.answer(frames, ...)`` over ``core.decode`` and ``core.run`` is exactly what a server runs on
+every message it receives (``ZmqServer``),
 so driving it with hostile frames checks what any authenticated peer can do to a shard or the index:
 random bytes, and valid requests (the bodies the client sends) whose header, body or frames are
 mutated. For every case: ``answer`` returns (never raises) reply frames that decode, echoing the
@@ -590,6 +591,15 @@ def _typed_body(frames: list[bytes], table: dict) -> tuple[str, Any] | None:
 # ---- the driver ---------------------------------------------------------------------------------------
 
 
+def _answer(core: Any, frames: list, max_frames: int = _wire.MAX_FRAMES) -> tuple[int, list]:
+    """What ``ZmqServer`` does with one message (less the ops its subclasses answer later)."""
+    rid, out = _wire.answer(
+        frames, lambda req, bufs: core.run(req.op, core.decode(req.op, req.body), bufs), max_frames=max_frames
+    )
+    assert out is not None
+    return rid, out
+
+
 def _committing(core: Any, frames: list[bytes]) -> int | None:
     """The open reservation this request commits (a shard's commit of one that exists), else None."""
     if not isinstance(core, ShardCore):
@@ -650,7 +660,7 @@ def _fuzz(
             committing = _committing(core, frames)
             before = state(core)
             try:
-                rid, out = _wire.answer(frames, core.handle, max_frames=max_frames)
+                rid, out = _answer(core, frames, max_frames)
             except BaseException as exc:
                 pytest.fail(f"case {cases} ({kind}): answer raised {exc!r} for frames {frames!r:.600}")
             try:
@@ -716,7 +726,7 @@ def test_fuzz_index():
 
 
 def _call(core: Any, op: str, body: dict, frames: list | None = None, max_frames: int = _wire.MAX_FRAMES):
-    _, out = _wire.answer(_wire.encode_request(1, op, body, frames or []), core.handle, max_frames=max_frames)
+    _, out = _answer(core, _wire.encode_request(1, op, body, frames or []), max_frames)
     return _wire.decode_reply(out)[0]
 
 
@@ -825,12 +835,12 @@ def test_regression_invalid_utf8_is_untyped():
     core = ShardCore(0, capacity_bytes=CAPACITY)
     try:
         bad_header = b"\x93\x07\xa4pi\xf4g\x80"  # [7, <invalid utf-8>, {}]
-        _, out = _wire.answer([bad_header], core.handle)
+        _, out = _answer(core, [bad_header])
         rep = _wire.decode_reply(out)[0]
         assert rep.error[0] == "WireError", rep.error
         # [7, "clear_partition", {"pid": <invalid utf-8>}]
         bad_body = b"\x93\x07\xafclear_partition\x81\xa3pid\xa2\xf4g"
-        _, out = _wire.answer([bad_body], core.handle)
+        _, out = _answer(core, [bad_body])
         rep = _wire.decode_reply(out)[0]
         assert rep.rid == 7 and rep.error[0] == "WireError", rep.error
     finally:

@@ -346,6 +346,7 @@ def test_a_store_server_counts_its_open_connections() -> None:
 
     import zmq
 
+    from dataplane.server.index import IndexCore
     from dataplane.server.router import ZmqServer
     from dataplane.wire.auth import Credentials, secure_client
 
@@ -356,7 +357,7 @@ def test_a_store_server_counts_its_open_connections() -> None:
         return server.connections == n
 
     creds = Credentials.new(encrypt=False)
-    server = ZmqServer(lambda op, body, bufs: ({}, []), "127.0.0.1", "count", creds).start()
+    server = ZmqServer(IndexCore(), "127.0.0.1", "count", creds).start()
     ctx = zmq.Context()
     try:
         socks = []
