@@ -276,8 +276,7 @@ def _raise_partial_put(results: list, shards: list[int], groups: dict, keys: lis
 
 def _with_message(exc: BaseException, message: str) -> BaseException:
     """An exception of ``exc``'s dataplane type (and culprit attributes) carrying ``message``."""
-    attrs = {a: getattr(exc, a) for a in ("key", "partition_id", "field", "shard") if hasattr(exc, a)}
-    name = type(exc).__name__ if isinstance(exc, DataplaneError) else "DataplaneError"
+    name, _, attrs = _wire.error_fields(exc)  # the attributes its class declares (wire_attrs)
     return _wire.rebuild_error([name, message, attrs])
 
 

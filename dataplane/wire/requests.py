@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataplane.errors import WireError
 from dataplane.wire import frames as _wire
 
 INDEX = -1
@@ -60,13 +61,13 @@ def decode_result(frames: list[Any]) -> tuple[int, Result]:
     """
     try:
         rep, bufs = _wire.decode_reply(frames)
-    except _wire.WireError as exc:
+    except WireError as exc:
         return -1, exc
     if rep.error is not None:
         try:
             return rep.rid, _wire.rebuild_error(rep.error)
         except (TypeError, ValueError, AttributeError):
-            return rep.rid, _wire.WireError(f"a reply carried a malformed error {rep.error!r}")
+            return rep.rid, WireError(f"a reply carried a malformed error {rep.error!r}")
     return rep.rid, (rep.body, bufs)
 
 

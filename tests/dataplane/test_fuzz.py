@@ -580,9 +580,12 @@ def _index_state(core: IndexCore) -> Any:
 
 
 def _typed_body(frames: list[bytes], table: dict) -> tuple[str, Any] | None:
-    """The request's op and typed body, or None when it does not decode."""
+    """The request's op and typed body, or None when the server would not read it (it does not
+    decode, or it speaks another protocol version: refused before its body is read)."""
     try:
         req, _ = _wire.decode_request(frames)
+        if req.version != _wire.PROTOCOL_VERSION:
+            return None
         return req.op, _protocol.decode_body(req.op, req.body, table)
     except errors.DataplaneError:
         return None

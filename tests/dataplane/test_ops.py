@@ -140,10 +140,17 @@ class Loopback:
         rid = next_rid()
         request = _received(_wire.encode_request(rid, call.op, call.body, call.bufs))
         if call.target == INDEX:  # the index takes metadata only, as IndexServer does
-            answered, reply = _wire.answer(request, self.index.handle, max_frames=0, who="the index")
+            answered, reply = _wire.answer(
+                request,
+                lambda req, bufs: self.index.handle(req.op, req.body, bufs),
+                max_frames=0,
+                who="the index",
+            )
         else:
             shard = self.shards[call.target]
-            answered, reply = _wire.answer(request, lambda op, raw, bufs: self._shard(shard, op, raw, bufs))
+            answered, reply = _wire.answer(
+                request, lambda req, bufs: self._shard(shard, req.op, req.body, bufs)
+            )
         got, result = decode_result(_received(reply))
         assert answered == got == rid
         return result
