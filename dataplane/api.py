@@ -1,7 +1,7 @@
 """The public KV interface of the store (TransferQueue's names), sync and ``async_`` forms.
 
 Every function works on a per-process client created by ``init()``. Each operation is written
-once as a sans-IO generator (``_ops``); the sync form drives it with blocking sockets, the async
+once as a sans-IO generator (``client.ops``); the sync form drives it with blocking sockets, the async
 form on the running event loop, so both behave identically.
 
 Example:

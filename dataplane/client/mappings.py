@@ -2,7 +2,7 @@
 
 ``MappingCache`` opens a shard's file through ``/proc/<shard pid>/fd/<fd>``, checks
 its inode (so a reused fd number or another pid namespace is detected), maps it once with
-``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``_mapping``) and caches it by the
+``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``wire.shm``) and caches it by the
 never-reused file id. The shard tells clients which files are still alive, and mappings of closed
 files are dropped. ``ShardMemory`` is what the operations read through (``dataplane.client.memory``):
 one store's shards, their pids and generation tables, over a ``MappingCache``.
@@ -128,7 +128,7 @@ class ShardMemory:
 def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) -> memoryview:
     """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
 
-    The mapping holds no file descriptor (``_mapping.map_fd``). Running out of descriptors while
+    The mapping holds no file descriptor (``wire.shm.map_fd``). Running out of descriptors while
     opening the file raises ``ResourceLimitError`` naming the limit.
     """
     path = f"/proc/{pid}/fd/{fd}"

@@ -202,7 +202,7 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
 
 def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, keys) -> Op:
     """One round trip: the shard stores the inline rows at once, then commits them in the index itself
-    (``put_ready``, see ``_shard_server``), and answers with the index's reply. Only for fields whose
+    (``put_ready``, see ``server.shard_actor``), and answers with the index's reply. Only for fields whose
     schema is confirmed, so the index has nothing to decide; if it refuses all the same (the partition
     was dropped and re-created meanwhile with another dtype), the shard takes the rows back and passes
     the refusal on. When the index did not answer, the rows are stored but not ready: said exactly."""
@@ -340,7 +340,7 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
 
     What is returned is exactly what completed puts wrote: rows copied out of shared memory are
     checked against the generation of their segment after the copy, and the whole read is retried
-    when a concurrent clear freed (and maybe reused) a segment meanwhile (``_segments``).
+    when a concurrent clear freed (and maybe reused) a segment meanwhile (``server.segments``).
     """
     keys = _check_keys(keys, partition_id)
     if fields is not None:

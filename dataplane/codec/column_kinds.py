@@ -1,4 +1,4 @@
-"""Per-kind encoding and decoding of column values (the body of ``_columns`` encode / decode).
+"""Per-kind encoding and decoding of column values (the body of ``codec.columns`` encode / decode).
 
 Kinds: dense and jagged tensors (raw bytes of the tensor's storage), arrow (strings, binary, lists
 of numbers: an Arrow large_* data buffer plus int64 offsets), json (JSON-like values such as chat

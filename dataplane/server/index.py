@@ -7,7 +7,7 @@ around them, answering a few Ray calls used only at attach time (``info``).
 Design rule, enforced in ``IndexServer``: the index receives metadata only. A request that
 carries any buffer frame is refused with an error, so tensor bytes can never reach it.
 
-Placement of keys is a stable hash (``_placement``), so the index is not asked where a key lives;
+Placement of keys is a stable hash (``client.sharding``), so the index is not asked where a key lives;
 it is on the path only where metadata changes (put, clear) or must be resolved (``kv_list``,
 classifying a missing key).
 """
@@ -472,9 +472,9 @@ class IndexServer(ZmqServer):
 
 
 class IndexActor:
-    """The index as a Ray actor (wrapped with ``ray.remote`` by ``_service``): its Ray methods only
+    """The index as a Ray actor (wrapped with ``ray.remote`` by ``service.launch``): its Ray methods only
     start and describe it; every KV and streaming request reaches ``IndexServer`` over zmq, on
-    sockets that admit only the store's own peers (``_auth``)."""
+    sockets that admit only the store's own peers (``wire.auth``)."""
 
     def __init__(self, name: str, creds: dict[str, str] | None = None, max_message_bytes: int = -1) -> None:
         self.core = IndexCore()

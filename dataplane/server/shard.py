@@ -16,12 +16,12 @@ The shard never unpickles anything: object columns are opaque bytes here.
 Invariants (``docs/reliability.md`` has the tests that back each):
 
 * Every peer-declared value is checked before anything changes: bodies are typed
-  (``_protocol``), specs are ones the codec can write, declared byte counts equal the frames
+  (``wire.protocol``), specs are ones the codec can write, declared byte counts equal the frames
   sent and fit the capacity (or, unbounded, the host's memory), offsets rise from 0 to the data
   length. A malformed request gets a typed error reply and changes nothing.
 * A row's bytes never change while it is live: writers write only into segments they reserved,
   before the commit that makes them readable.
-* Memory is reused only when no reader can be misled (see ``_segments``): a freed segment moves
+* Memory is reused only when no reader can be misled (see ``server.segments``): a freed segment moves
   to its next generation before reuse, and readers that copied from it check the generation and
   retry; a segment handed out as a view is never reused; a reservation that expires is *fenced*
   (its files are closed, never recycled), because its writer may still be writing into them.

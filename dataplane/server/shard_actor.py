@@ -1,7 +1,7 @@
 """The shard's process side: a Ray actor holding a ``ShardCore`` served by a ``ShardServer`` thread.
 
 The actor's Ray methods are used only to start, describe, link and stop the shard; every KV operation
-reaches it over zmq, on sockets that admit only the store's own peers (``_auth``). Runs on the
+reaches it over zmq, on sockets that admit only the store's own peers (``wire.auth``). Runs on the
 shard's node.
 
 ``ShardServer`` also makes small puts ready in the index itself (``put_ready``), so a writer's small
@@ -241,7 +241,7 @@ def _rebuild(error: Any) -> BaseException:
 
 
 class ShardActor:
-    """A storage shard (wrapped with ``ray.remote`` by ``_service``; never built by user code)."""
+    """A storage shard (wrapped with ``ray.remote`` by ``service.launch``; never built by user code)."""
 
     def __init__(self, shard_id: int, capacity_bytes: int | None, cfg: dict[str, Any], creds: dict) -> None:
         import ray

@@ -1,5 +1,5 @@
 """Start, find and stop the store service (index + shards as named Ray actors); its CLI is
-``_service_cli``.
+``dataplane.cli``.
 
 The service's actors are named ``<name>-index`` and ``<name>-shard-<i>`` in the Ray namespace
 ``rlplane`` (``config.NAMESPACE``), so any process of the cluster finds them. ``rlplane store
@@ -11,7 +11,7 @@ Scheduling is checked, not hoped for: ``start_service`` waits ``schedule_timeout
 actor to come up and otherwise kills what it created and raises ``SchedulingError`` naming the
 actors, what they asked for and what the cluster has free.
 
-The starter makes the store's credentials (``_auth``) and hands them to its actors at creation;
+The starter makes the store's credentials (``wire.auth``) and hands them to its actors at creation;
 clients get them from the index's ``info`` (a Ray call), never from anywhere else.
 
 A store whose index died is *broken*: its shards may live on, holding their names. ``find_service``
@@ -191,7 +191,7 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
                 "Lower num_cpus, num_shards, or add resources."
             )
         infos = ray.get(refs)
-        # Shards commit small puts in the index themselves (``_shard_server``): tell them where it is
+        # Shards commit small puts in the index themselves (``server.shard_actor``): tell them where it is
         # before any client can learn of them.
         index_entry = {**infos[0], "name": cfg.index_name()}
         ray.get([s.link_index.remote(index_entry) for s in handle.shards], timeout=cfg.schedule_timeout_s)

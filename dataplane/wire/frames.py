@@ -52,7 +52,7 @@ class Request(msgspec.Struct, array_like=True):
 
 class _RawRequest(msgspec.Struct, array_like=True):
     """Header frame of a request as a server decodes it: the body stays raw until its op is known
-    (``_protocol.decode_body`` then decodes it into the op's typed struct)."""
+    (``wire.protocol.decode_body`` then decodes it into the op's typed struct)."""
 
     rid: int
     op: str
@@ -268,7 +268,7 @@ def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
 def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>") -> Column:
     """The ``Column`` a header entry describes, as a zero-copy view of its frames, checked.
 
-    ``d`` is a dict (a reply) or a ``_protocol.WireColumn`` (a request). The frames must exist and
+    ``d`` is a dict (a reply) or a ``wire.protocol.WireColumn`` (a request). The frames must exist and
     hold exactly the rows the entry declares (``Column.check``): a peer's declared sizes are
     never trusted.
     """

@@ -12,7 +12,7 @@ coroutines share one connection (requests are pipelined).
 
 Both return, per call, either ``(body, buffers)`` or the exception the call ended with: a rebuilt
 remote error, or ``ShardUnavailableError`` naming the target. A reply that is late for more than
-``PROBE_S`` makes the transport ask whether its target died (``_liveness``): a dead target fails
+``PROBE_S`` makes the transport ask whether its target died (``wire.liveness``): a dead target fails
 its calls at once, and every later call to it fails without being sent; a live but slow one is
 waited for until the deadline. Sends are inside the deadline too, and a socket that timed out
 is closed, so nothing queued for a dead peer lingers. Replies to requests that already timed out
@@ -64,7 +64,7 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
-    """Send a multipart message: copied when small, zero-copy when large (``_wire.zero_copy``).
+    """Send a multipart message: copied when small, zero-copy when large (``wire.frames.zero_copy``).
 
     ``Socket.send_multipart`` does the same with a type check of every frame and enum arithmetic per
     frame, which costs more than the send itself for a small request.

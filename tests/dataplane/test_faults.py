@@ -75,7 +75,7 @@ def test_dead_index_store_is_stopped_and_started_afresh(ray_cluster, pid):
 
 def test_a_one_round_trip_put_names_a_dead_index_within_seconds(ray_cluster, pid):
     # A small put of a confirmed schema goes to its shard only, which commits it in the index itself
-    # (``_shard_server``): with the index dead, the shard finds out by its process (not by waiting
+    # (``server.shard_actor``): with the index dead, the shard finds out by its process (not by waiting
     # out rpc_timeout_s) and the writer learns exactly what happened to its row.
     with own_store("t-fault-put-ready", num_shards=1, rpc_timeout_s=60) as (cfg, registry):
         dp.kv_put("a", pid, {"x": torch.tensor(1)})  # x confirmed: the next put takes one round trip

@@ -614,7 +614,7 @@ def _committing(core: Any, frames: list[bytes]) -> int | None:
 
 
 def _internal(error: list) -> bool:
-    """A bare DataplaneError made from an unexpected exception (``_wire.encode_error``)."""
+    """A bare DataplaneError made from an unexpected exception (``wire.frames.encode_error``)."""
     return error[0] == "DataplaneError"
 
 
@@ -831,9 +831,9 @@ def test_regression_huge_jagged_row_overflows():
 
 def test_regression_invalid_utf8_is_untyped():
     """msgspec raises ``UnicodeDecodeError`` (not ``msgspec.DecodeError``) for a msgpack str that is
-    not UTF-8. Neither ``_wire._decode`` nor ``_protocol.decode_body`` catches it, so the peer gets a
-    bare ``DataplaneError("UnicodeDecodeError: ...")`` instead of a ``WireError`` (and a client
-    decoding such a reply would get a raw UnicodeDecodeError out of ``_wire.decode_reply``).
+    not UTF-8. Neither ``wire.frames._decode`` nor ``wire.protocol.decode_body`` catches it, so the peer
+    gets a bare ``DataplaneError("UnicodeDecodeError: ...")`` instead of a ``WireError`` (and a client
+    decoding such a reply would get a raw UnicodeDecodeError out of ``wire.frames.decode_reply``).
     """
     core = ShardCore(0, capacity_bytes=CAPACITY)
     try:
