@@ -17,7 +17,7 @@ Example:
 
 from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithInitArgs
 from controlplane.colocate import create_colocated_worker_cls
-from controlplane.decorator import Dispatch, Execute, register, register_dispatch_mode, update_dispatch_mode
+from controlplane.decorator import register, register_dispatch_mode, update_dispatch_mode
 from controlplane.dispatch import make_nd_compute_dispatch_fn
 from controlplane.errors import (
     ControlPlaneError,
@@ -27,6 +27,7 @@ from controlplane.errors import (
     WorkerDiedError,
 )
 from controlplane.fused import create_colocated_worker_cls_fused, create_colocated_worker_raw_cls
+from controlplane.modes import Dispatch, Execute
 from controlplane.per_rank import Broadcast, PerRank
 from controlplane.resource_pool import (
     RayResourcePool,

@@ -27,6 +27,8 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from controlplane import _config
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,14 +36,12 @@ class Accelerator(NamedTuple):
     """How Ray names and exposes one kind of accelerator."""
 
     resource: str  # the Ray resource an actor requests
-    visible_env: str  # what Ray narrows to the actor's devices
-    noset_env: str  # set (to a true value) to keep Ray from narrowing
+    visible_env: str  # what Ray narrows to the actor's devices (unless RAY_EXPERIMENTAL_NOSET_<it>)
 
 
-_NOSET = "RAY_EXPERIMENTAL_NOSET_"
 _ACCELERATORS: dict[str, Accelerator | None] = {
-    "cuda": Accelerator("GPU", "CUDA_VISIBLE_DEVICES", _NOSET + "CUDA_VISIBLE_DEVICES"),
-    "npu": Accelerator("NPU", "ASCEND_RT_VISIBLE_DEVICES", _NOSET + "ASCEND_RT_VISIBLE_DEVICES"),
+    "cuda": Accelerator("GPU", "CUDA_VISIBLE_DEVICES"),
+    "npu": Accelerator("NPU", "ASCEND_RT_VISIBLE_DEVICES"),
     "cpu": None,
 }
 _ALIASES = {"gpu": "cuda"}
@@ -141,6 +141,6 @@ def apply_local_rank() -> int | None:
     if found is None:
         return None
     acc, ids = found
-    index = device_index(ids, os.environ.get(acc.visible_env))
-    os.environ["LOCAL_RANK"] = str(index)
+    index = device_index(ids, _config.env_text(acc.visible_env))
+    os.environ["LOCAL_RANK"] = str(index)  # written for the worker's own code (torch.cuda.set_device)
     return index

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from controlplane import _config
 from controlplane.errors import WorkerDiedError, make_call_error
 
 logger = logging.getLogger(__name__)
 
+# After one rank of a group call fails, how long the driver waits for the other ranks before it
+# reports: ranks failing on the same bug finish within this, and all of them are named. A rank
+# still running then (e.g. blocked in a collective with the failed one) is not waited for.
+_FAILURE_GRACE_S = 1.0
 _READ_READY_S = 10.0  # reading a result ray.wait reported ready (fetched already): a bound, not a wait
 
 
@@ -86,8 +89,7 @@ def _read_failures(refs: list[Any]) -> dict[int, BaseException]:
     import ray
     from ray.exceptions import GetTimeoutError
 
-    grace = _config.FAILURE_GRACE_S
-    deadline = time.monotonic() + grace
+    deadline = time.monotonic() + _FAILURE_GRACE_S
     pending = list(refs)
     ready: list[Any] = []
     while pending:  # ray.wait returns early once everything is ready

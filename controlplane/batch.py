@@ -31,14 +31,11 @@ Example:
 from __future__ import annotations
 
 import copy
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from controlplane import _config
-
-logger = logging.getLogger(__name__)
 
 # Attribute set by enable_auto_padding on objects that take attributes (TensorDict, user classes).
 AUTO_PADDING_ATTR = "_controlplane_auto_padding"

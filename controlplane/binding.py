@@ -42,7 +42,6 @@ class GroupMethod:
         collect_fn: Callable[..., Any],
         execute_fn_name: str,
         blocking: bool,
-        materialize_futures: bool = True,
     ) -> None:
         execute = getattr(worker_group, execute_fn_name, None)
         if not callable(execute):
@@ -56,7 +55,6 @@ class GroupMethod:
         self.collect_fn = collect_fn
         self.execute_fn_name = execute_fn_name
         self.blocking = blocking
-        self.materialize_futures = materialize_futures
         self._execute = execute
         self._rank_zero = "rank_zero" in execute_fn_name
 
@@ -120,7 +118,6 @@ def bind_group_method(
     collect_fn: Callable[..., Any],
     execute_fn_name: str,
     blocking: bool,
-    materialize_futures: bool = True,
 ) -> GroupMethod:
     """Build the driver-side callable for one worker method.
 
@@ -131,7 +128,9 @@ def bind_group_method(
         dispatch_fn, collect_fn: the mode's functions (see ``controlplane.dispatch``).
         execute_fn_name: ``"execute_all_async"`` or ``"execute_rank_zero_async"``.
         blocking: wait and return values; otherwise ``ObjectRef``s / a ``BatchFuture``.
-        materialize_futures: informational here (the worker-side wrapper applies it).
+
+    ``@register``'s ``materialize_futures`` is not an argument here: the wrapper on the worker
+    applies it.
 
     Example:
         >>> wg.ping = bind_group_method(wg, "ping", dispatch_fn=dispatch_one_to_all,
@@ -144,7 +143,6 @@ def bind_group_method(
         collect_fn=collect_fn,
         execute_fn_name=execute_fn_name,
         blocking=blocking,
-        materialize_futures=materialize_futures,
     )
 
 
@@ -216,7 +214,6 @@ def bind_worker_methods(worker_group: Any, user_cls: type, prefix: str = "") -> 
             collect_fn=fns["collect_fn"],
             execute_fn_name=get_execute_fn_name(execute_mode),
             blocking=attrs.get("blocking", True),
-            materialize_futures=attrs.get("materialize_futures", True),
         )
         setattr(worker_group, full, method)
         bound.append(full)

@@ -31,6 +31,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from controlplane.modes import Dispatch
+
 BRIDGE_ATTR = "__worker_bridge__"
 # Set on a function by ``bridged``: its bridge options, and the function it wraps.
 OPTIONS_ATTR = "__bridge_options__"
@@ -74,8 +76,6 @@ def collect_rule(dispatch_mode: Any) -> Callable[[Any], bool]:
     the mesh. ``ONE_TO_ALL`` (every rank got the same batch): rank 0 only, so the same rows are
     not written ``world_size`` times. Every other mode: every rank (each got its own rows).
     """
-    from controlplane.decorator import Dispatch
-
     if isinstance(dispatch_mode, dict):
         mesh = getattr(dispatch_mode.get("collect_fn"), "mesh_name", None)
         if mesh is None:
@@ -92,8 +92,6 @@ def collect_rule(dispatch_mode: Any) -> Callable[[Any], bool]:
 
 
 def _replicated(dispatch_mode: Any) -> bool:
-    from controlplane.decorator import Dispatch
-
     return dispatch_mode is Dispatch.ONE_TO_ALL or dispatch_mode is Dispatch.ALL_TO_ALL
 
 

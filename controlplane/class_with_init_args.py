@@ -13,10 +13,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 def check_init_args(user_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -98,7 +95,7 @@ class ClassWithInitArgs:
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
-        self.fused_worker_used = False
+        self.fused_worker_used = False  # verl's attribute (True for fused classes); for verl code
         if isinstance(cls, type) or hasattr(cls, "__ray_metadata__"):  # others fail at user_cls
             check_init_args(self.user_cls, args, kwargs)
 
@@ -138,7 +135,6 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         super().__init__(cls, *args, **kwargs)
         self._options: dict[str, Any] = {}
         self._additional_resource: dict[str, float] = {}
-        self.colocated_roles: dict[str, type] = {}
 
     def update_options(self, options: dict[str, Any]) -> None:
         """Ray actor options for every actor built from now on.

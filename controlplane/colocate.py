@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,8 +34,6 @@ from controlplane.binding import registered_methods
 from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithInitArgs
 from controlplane.decorator import MAGIC_ATTR
 from controlplane.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 RoleSpecs = dict[str, tuple[type, tuple[Any, ...], dict[str, Any]]]
 
@@ -70,10 +67,6 @@ class RoleHost(Worker):
     def _colocated_call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``<role instance>.method(*args, **kwargs)`` (sync role methods)."""
         return self._role_method(role, method)(*args, **kwargs)
-
-    def get_role_pids(self) -> dict[str, int]:
-        """Every role's process id (all the same: that is the point)."""
-        return {role: self.get_pid() for role in self._role_instances}
 
     # A group bound to the colocated class itself (``wg.actor_step``) asks the *host* for mesh
     # info, but the roles registered their meshes on themselves: answer for them.
@@ -225,8 +218,8 @@ def create_colocated_worker_cls(
 
     Returns:
         A :class:`RayClassWithInitArgs` for the colocated class. A group built from it binds
-        ``<role>_<method>`` for every ``@register`` method of every role; its
-        ``colocated_roles`` maps each role to its user class (what ``spawn`` binds).
+        ``<role>_<method>`` for every ``@register`` method of every role, and ``spawn`` gives
+        one view per role (:func:`role_classes` of the class says which).
 
     Raises:
         ValueError: empty ``class_dict``, a role name that is not an identifier, or two
@@ -242,6 +235,4 @@ def create_colocated_worker_cls(
     specs = role_specs(class_dict, "create_colocated_worker_cls")
     cls_name = name or "Colocated_" + "_".join(specs)
     colocated = type(cls_name, (ColocatedWorker,), host_namespace(specs, ColocatedWorker))
-    result = RayClassWithInitArgs(ray.remote(colocated))
-    result.colocated_roles = role_classes(colocated)
-    return result
+    return RayClassWithInitArgs(ray.remote(colocated))

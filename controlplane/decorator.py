@@ -1,10 +1,11 @@
 """``@register``: how a worker method is dispatched, executed and collected by its group.
 
-``Dispatch`` and ``Execute`` are extensible enums (members keep their identity after a Ray
-round trip). The registry maps each ``Dispatch`` member to its ``{dispatch_fn, collect_fn}``;
-``register_dispatch_mode`` adds a mode and ``update_dispatch_mode`` replaces one. A custom
-``{"dispatch_fn": ..., "collect_fn": ...}`` dict may be given instead of a member. Everything
-is validated when the decorator is applied, not at the first call.
+``Dispatch`` and ``Execute`` (defined in ``controlplane.modes``, re-exported here) are extensible
+enums (members keep their identity after a Ray round trip). The registry maps each ``Dispatch``
+member to its ``{dispatch_fn, collect_fn}``; ``register_dispatch_mode`` adds a mode and
+``update_dispatch_mode`` replaces one. A custom ``{"dispatch_fn": ..., "collect_fn": ...}`` dict
+may be given instead of a member. Everything is validated when the decorator is applied, not at
+the first call.
 
 Example:
     >>> class Doubler(Worker):
@@ -20,66 +21,19 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from controlplane import bridge as _bridge
 from controlplane import dispatch as _d
-from controlplane._enum import DynamicEnum
 from controlplane.future import BatchFuture, materialize, materialize_async
+from controlplane.modes import Dispatch as Dispatch  # re-exported: verl code imports them from here
+from controlplane.modes import Execute as Execute
 
 logger = logging.getLogger(__name__)
 
 # Attribute under which @register stores its settings on the wrapper.
 MAGIC_ATTR = "_controlplane_register_attrs"
 
-
-class Dispatch(DynamicEnum):
-    """How arguments are split over ranks and outputs gathered (see ``controlplane.dispatch``).
-
-    * ``ONE_TO_ALL``: every rank gets the arguments whole; a list of every rank's result.
-    * ``ALL_TO_ALL``: arguments as given (a list of ``world_size`` items gives rank i item i).
-    * ``DP_COMPUTE_PROTO``: each batch argument (a list, TensorDict, ``KVBatchMeta``, ...) is *split*
-      into ``world_size`` chunks along dim 0, one per rank, and the results are concatenated. A
-      rank sees only its chunk: a statistic over a whole group of rows (a GRPO advantage) needs
-      ``RANK_ZERO``, or a sampler that keeps groups whole (``dp.GroupSampler``).
-    * ``DP_COMPUTE_METRIC``: split like ``DP_COMPUTE_PROTO``; a list of every rank's result.
-    * ``DP_COMPUTE``: arguments already per rank (lists of ``world_size``); a list of results.
-    * ``DP_COMPUTE_PROTO_WITH_FUNC``: the first argument (a function) goes whole, the rest are split.
-    * ``RANK_ZERO``: the arguments whole (only rank 0 runs under ``Execute.RANK_ZERO``); rank 0's
-      result alone.
-
-    ``make_nd_compute_dispatch_fn(mesh)`` splits by data-parallel rank of a mesh instead.
-    """
-
-    # The members registered below, declared for type checkers (``register_dispatch_mode`` adds more).
-    RANK_ZERO: ClassVar[Dispatch]
-    ONE_TO_ALL: ClassVar[Dispatch]
-    ALL_TO_ALL: ClassVar[Dispatch]
-    DP_COMPUTE: ClassVar[Dispatch]
-    DP_COMPUTE_PROTO: ClassVar[Dispatch]
-    DP_COMPUTE_PROTO_WITH_FUNC: ClassVar[Dispatch]
-    DP_COMPUTE_METRIC: ClassVar[Dispatch]
-
-
-class Execute(DynamicEnum):
-    """Which ranks run the method: ``ALL`` or ``RANK_ZERO``."""
-
-    ALL: ClassVar[Execute]
-    RANK_ZERO: ClassVar[Execute]
-
-
-for _name in (
-    "RANK_ZERO",
-    "ONE_TO_ALL",
-    "ALL_TO_ALL",
-    "DP_COMPUTE",
-    "DP_COMPUTE_PROTO",
-    "DP_COMPUTE_PROTO_WITH_FUNC",
-    "DP_COMPUTE_METRIC",
-):
-    Dispatch.register(_name)
-for _name in ("ALL", "RANK_ZERO"):
-    Execute.register(_name)
 
 _DISPATCH_KEYS = ("dispatch_fn", "collect_fn")
 

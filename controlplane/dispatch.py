@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,8 +25,6 @@ import ray
 from controlplane import batch
 from controlplane.future import BatchFuture, FutureMaker, future_maker
 from controlplane.per_rank import Broadcast, PerRank
-
-logger = logging.getLogger(__name__)
 
 PADDING_KWARG = "_controlplane_pad"
 CHUNK_INFO_KWARG = "_controlplane_chunks"

@@ -41,8 +41,7 @@ FUSED_METHOD_SEP = "_fwmn_"  # verl's "fused worker method name" separator in _f
 class FusedWorker(RoleHost):
     """Holds one instance per role and shares ``fused_worker_dict`` with each of them."""
 
-    is_fused_worker = True
-    fused_worker_attr_name = "fused_worker_dict"
+    is_fused_worker = True  # verl's class marker (read by verl code; here is_fused_worker_cls decides)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -125,6 +124,5 @@ def create_colocated_worker_cls_fused(
 
     raw = create_colocated_worker_raw_cls(class_dict, name=name)
     result = RayClassWithInitArgs(ray.remote(raw))
-    result.fused_worker_used = True
-    result.colocated_roles = role_classes(raw)
+    result.fused_worker_used = True  # verl's marker; read by verl code, not by this package
     return result

@@ -14,13 +14,14 @@ Example:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from controlplane._placement_groups import check_fits, create_placement_groups, remove_placement_groups
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +186,6 @@ class RayResourcePool(ResourcePool):
                     "pool %s already placed with %s; ignoring %s", self.name_prefix, self._strategy, strategy
                 )
             return list(self.pgs)
-        from controlplane._placement import create_placement_groups
-
         prefix = name or f"{self.name_prefix}rlplane_group_{'_'.join(map(str, self._store))}:"
         spec = self.bundle_spec(device_name)
         self.pgs = create_placement_groups(
@@ -230,8 +229,6 @@ class RayResourcePool(ResourcePool):
 
     def remove(self) -> None:
         """Remove this pool's placement groups (workers on them die); safe to call twice."""
-        from controlplane._placement import remove_placement_groups
-
         remove_placement_groups(self.pgs or [])
         self.pgs = None
 
@@ -440,8 +437,6 @@ class ResourcePoolManager:
         return sum(sum(counts) for counts in self.resource_pool_spec.values())
 
     def _check_resource_available(self) -> None:
-        from controlplane._placement import check_fits
-
         demands = []
         for pool_name, pool in self.resource_pool_dict.items():
             spec = pool.bundle_spec()
@@ -449,12 +444,3 @@ class ResourcePoolManager:
         # Against node totals: deterministic, and what "can this cluster hold the job" means;
         # placement itself reports a shortage of *available* resources with its deadline.
         check_fits(demands, use_available=False)
-
-
-def ip_sort_key(ip: str) -> tuple[Any, ...]:
-    """Numeric order for IPv4/IPv6 addresses (``10.0.0.9`` before ``10.0.0.10``)."""
-    try:
-        addr = ipaddress.ip_address(ip.strip("[]"))
-        return (0, addr.version, int(addr))
-    except ValueError:
-        return (1, 0, ip)

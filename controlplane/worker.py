@@ -25,13 +25,15 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from controlplane import _config
 from controlplane._devices import apply_local_rank
-from controlplane.decorator import Dispatch, Execute, register
+from controlplane.decorator import register
 from controlplane.errors import MeshConflictError
+from controlplane.modes import Dispatch, Execute
 
 logger = logging.getLogger(__name__)
 
-ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+ENV_KEYS = _config.RANK_ENV_KEYS
 
 
 def get_node_ip() -> str:
@@ -51,16 +53,6 @@ def get_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not an int") from exc
 
 
 class DispatchCollectInfo(dict[str, dict[str, Any]]):
@@ -128,14 +120,10 @@ class Worker:
 
     def __init__(self, cuda_visible_devices: str | None = None) -> None:
         apply_local_rank()  # LOCAL_RANK = this actor's device among those it sees (verl's rule)
-        self._world_size = _env_int("WORLD_SIZE", 1)
-        self._rank = _env_int("RANK", 0)
-        self._local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
-        self._local_rank = _env_int("LOCAL_RANK", 0)
-        self._master_addr = os.environ.get("MASTER_ADDR")
-        self._master_port = os.environ.get("MASTER_PORT")
-        if not 0 <= self._rank < self._world_size:
-            raise ValueError(f"RANK={self._rank} is outside WORLD_SIZE={self._world_size}")
+        info = _config.rank_info()
+        self._world_size, self._rank = info.world_size, info.rank
+        self._local_world_size, self._local_rank = info.local_world_size, info.local_rank
+        self._master_addr, self._master_port = info.master_addr, info.master_port
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
         self._dispatch_dp_rank: dict[str, int] = {}
@@ -179,11 +167,12 @@ class Worker:
         return os.getpid()
 
     def get_cuda_visible_devices(self) -> str:
-        return os.environ.get("CUDA_VISIBLE_DEVICES", "not set")
+        visible = _config.env_text("CUDA_VISIBLE_DEVICES")
+        return "not set" if visible is None else visible
 
     def get_env(self, keys: tuple[str, ...] = ENV_KEYS) -> dict[str, str | None]:
         """The given environment variables as this process sees them."""
-        return {key: os.environ.get(key) for key in keys}
+        return {key: _config.env_text(key) for key in keys}
 
     # ---- mesh information for nd dispatch -----------------------------------------------
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

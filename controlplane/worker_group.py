@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from controlplane._actor_launch import launch_group
 from controlplane._liveness import AlivenessWatcher, LivenessProbe, actor_id_hex, dead_worker_error
 from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithInitArgs
 from controlplane.errors import WorkerDiedError
@@ -28,14 +29,13 @@ from controlplane.resource_pool import ResourcePool
 
 logger = logging.getLogger(__name__)
 
-_GET_POLL_S = 60.0
-
 
 class WorkerGroup:
     """Backend-neutral part of a group: rank bookkeeping, mesh-info caches, aliveness.
 
     Subclasses fill ``_workers`` / ``_worker_names`` through :meth:`_set_workers` and implement
-    ``execute_all_async`` and ``_is_worker_alive``.
+    ``execute_all_async`` and ``_wait``. ``resource_pool`` is taken for verl's signature; the
+    subclass decides what to start on it.
     """
 
     def __init__(self, resource_pool: ResourcePool | None, **kwargs: Any) -> None:
@@ -43,8 +43,6 @@ class WorkerGroup:
             from controlplane._strict import init_parameter_names, unknown_kwargs_error
 
             raise unknown_kwargs_error(f"{type(self).__name__}()", kwargs, init_parameter_names(type(self)))
-        self._is_init_with_detached_workers = resource_pool is None
-        self._process_dispatch_config = resource_pool() if resource_pool is not None else None
         self._workers: list[Any] = []
         self._worker_names: list[str] = []
         self._dispatch_info: dict[str, list[int]] = {}
@@ -239,11 +237,10 @@ class RayWorkerGroup(WorkerGroup):
         else:
             if ray_cls_with_init is None:
                 raise ValueError("a group built from a resource pool needs ray_cls_with_init")
-            from controlplane._group_launch import start_group
-
-            start_group(
-                self,
+            launched = launch_group(
                 resource_pool,
+                ray_cls_with_init,
+                name_prefix=self.name_prefix,
                 bin_pack=bin_pack,
                 detached=detached,
                 master=(master_addr, master_port),
@@ -251,9 +248,11 @@ class RayWorkerGroup(WorkerGroup):
                 worker_env=worker_env,
                 num_cpus=num_cpus_per_worker,
                 namespace=namespace,
-                ready_timeout_s=ready_timeout_s,
                 device_name=device_name,
             )
+            self._master_addr, self._master_port = launched.master_addr, str(launched.master_port)
+            self._set_workers(launched.workers, launched.names)
+            self._wait_until_ready(ready_timeout_s)
         if ray_cls_with_init is not None:
             self._bind(ray_cls_with_init.user_cls)
 
@@ -262,6 +261,22 @@ class RayWorkerGroup(WorkerGroup):
         super()._set_workers(workers, names)
 
     # ---- construction paths ------------------------------------------------------------------
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        """Wait until every actor's constructor ran; if one failed, kill them all, then raise.
+
+        Raises:
+            WorkerDiedError: a constructor failed (the message names the worker).
+            TimeoutError: not every constructor finished within ``timeout_s``.
+        """
+        try:
+            self._wait(
+                [w.__ray_ready__.remote() for w in self._workers], timeout=timeout_s, method="__init__"
+            )
+        except BaseException:
+            self.kill()  # a half-started group is of no use, and detached actors would outlive us
+            raise
+        logger.info("group %s: %d workers ready (%s)", self.name_prefix, self.world_size, self._worker_names)
+
     def _attach(
         self, names: Sequence[str] | None, handles: Sequence[Any] | None, namespace: str | None
     ) -> None:
@@ -333,8 +348,7 @@ class RayWorkerGroup(WorkerGroup):
 
         if self.ray_cls_with_init is None:
             return {}
-        roles = role_classes(self.ray_cls_with_init.user_cls)
-        return roles or dict(getattr(self.ray_cls_with_init, "colocated_roles", None) or {})
+        return role_classes(self.ray_cls_with_init.user_cls)
 
     def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
         """One group view per role of a colocated or fused class, over the same actors.

@@ -13,7 +13,7 @@ from controlplane import (
     merge_resource_pool,
     split_resource_pool,
 )
-from controlplane.resource_pool import ip_sort_key
+from controlplane._placement_groups import ip_sort_key
 
 
 # ---- pure -------------------------------------------------------------------------------------

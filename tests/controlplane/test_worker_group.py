@@ -13,7 +13,7 @@ from controlplane import (
     WorkerDiedError,
     split_resource_pool,
 )
-from controlplane._launch import places_for, rank_env
+from controlplane._actor_launch import places_for, rank_env
 from tests.controlplane._group_workers import EnvWorker, FailingWorker, add_one, tag_with_rank
 
 

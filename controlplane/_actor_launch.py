@@ -1,4 +1,7 @@
-"""Starting the actors of a worker group on a pool's slots, with per-rank environments.
+"""Starting a ``RayWorkerGroup``'s actors: one per pool slot, each told its rank.
+
+:func:`launch_group` is what the group calls; it returns the started actors and leaves waiting
+for their constructors (and killing them when one fails) to the group, which owns them.
 
 Ranks follow the pool's slot order. Each actor is named ``{prefix}{Class}_{pg}:{i}`` (its
 placement group's index in the group and its position there, as verl names them), while
@@ -10,28 +13,19 @@ with an accelerator gets ``LOCAL_RANK=0`` (Ray narrows its visible devices to it
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.resource_pool import BundleSlot
+from controlplane._config import RANK_ENV_KEYS
+from controlplane._devices import accelerator_resource, local_ranks_by_node
+from controlplane.resource_pool import BundleSlot, RayResourcePool, ResourcePool
+from controlplane.worker import get_free_port, get_node_ip
 
-logger = logging.getLogger(__name__)
-
-# Environment a group sets for each rank; user-provided worker_env may not override these.
-PROTECTED_ENV = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WG_PREFIX",
-    "WG_BACKEND",
-    "RAY_LOCAL_WORLD_SIZE",
-)
+# Environment a group sets for each rank (what Worker reads, plus verl's extras); user-provided
+# worker_env may not override these.
+PROTECTED_ENV = (*RANK_ENV_KEYS, "WG_PREFIX", "WG_BACKEND", "RAY_LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -75,8 +69,6 @@ def places_for(slots: Sequence[BundleSlot], node_ids: Sequence[str] | None = Non
         slots: the pool's slots in rank order.
         node_ids: the node of every slot (queried from Ray when omitted).
     """
-    from controlplane._devices import local_ranks_by_node
-
     node_ids = list(node_ids) if node_ids is not None else slot_node_ids(slots)
     if len(node_ids) != len(slots):
         raise ValueError(f"{len(node_ids)} node ids for {len(slots)} slots")
@@ -98,8 +90,6 @@ def master_addr_port(slot: BundleSlot) -> tuple[str, int]:
     """Node IP and a free port on the node of ``slot``, found by a zero-CPU task placed there."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from controlplane.worker import get_free_port, get_node_ip
 
     @ray.remote(num_cpus=0)
     def _probe() -> tuple[str, int]:
@@ -176,8 +166,6 @@ def launch_workers(
     The runtime environment of a ``@ray.remote(runtime_env=...)`` class and of
     ``update_options`` is kept; the group's per-rank variables are added to its ``env_vars``.
     """
-    from controlplane._devices import accelerator_resource
-
     cls_name = actor_class_name(ray_cls_with_init.cls)
     base_runtime_env = _base_runtime_env(ray_cls_with_init)
     has_device = use_gpu and accelerator_resource(device_name) is not None
@@ -217,3 +205,64 @@ def _base_runtime_env(ray_cls_with_init: Any) -> dict[str, Any]:
     if env_vars:
         merged["env_vars"] = env_vars
     return merged
+
+
+@dataclass(frozen=True)
+class LaunchedGroup:
+    """What :func:`launch_group` started: actors and names in rank order, and the rendezvous."""
+
+    workers: list[Any]
+    names: list[str]
+    master_addr: str
+    master_port: int
+
+
+def launch_group(
+    pool: ResourcePool,
+    ray_cls_with_init: Any,
+    *,
+    name_prefix: str,
+    bin_pack: bool,
+    detached: bool,
+    master: tuple[str | None, int | None],
+    use_gpu: bool | None,
+    worker_env: dict[str, str] | None,
+    num_cpus: float,
+    namespace: str | None,
+    device_name: str = "cuda",
+) -> LaunchedGroup:
+    """Start one actor per slot of ``pool`` (placing the pool first if needed), without waiting.
+
+    Args:
+        master: ``(addr, port)`` given by the caller, or ``(None, None)`` for a free port on
+            the node of rank 0.
+        use_gpu: None takes the pool's setting.
+
+    Raises:
+        TypeError: ``pool`` is not a Ray pool.
+        ValueError: the group wants GPUs from a CPU-only pool, a device the pool was not placed
+            with, or ``worker_env`` overrides a variable the group sets per rank.
+    """
+    if not isinstance(pool, RayResourcePool):
+        raise TypeError(f"RayWorkerGroup needs a RayResourcePool, got {type(pool).__name__}")
+    use_gpu = pool.use_gpu if use_gpu is None else use_gpu
+    if use_gpu and not pool.use_gpu:
+        raise ValueError(f"the group asks for GPUs but pool {pool.name_prefix} was built with use_gpu=False")
+    check_worker_env(worker_env)  # before placement: a typo must not cost a placement wait
+    slots = pool.bundle_slots(strategy="STRICT_PACK" if bin_pack else "PACK", device_name=device_name)
+    places = places_for(slots)
+    addr, port = master if master[0] is not None else master_addr_port(slots[0])
+    workers, names = launch_workers(
+        ray_cls_with_init,
+        places,
+        prefix=name_prefix,
+        master=(addr, int(port)),
+        use_gpu=use_gpu,
+        num_gpus=1.0 / pool.max_colocate_count,
+        num_cpus=num_cpus,
+        detached=detached,
+        worker_env=worker_env,
+        namespace=namespace,
+        device_name=device_name,
+    )
+    return LaunchedGroup(workers, names, addr, int(port))

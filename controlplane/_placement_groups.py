@@ -1,7 +1,13 @@
-"""Placement groups for resource pools: create, wait with a deadline, sort by node IP, explain shortfalls."""
+"""The placement groups behind a ``RayResourcePool``: one per node entry, one bundle per process.
+
+Creating them (with a deadline, and a ``ResourceShortageError`` that says what is missing),
+ordering them by node IP, checking that a set of pools fits the cluster, and removing them.
+``controlplane.resource_pool`` hands out their bundles as slots; this module never sees a pool.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -80,6 +86,20 @@ def check_fits(demands: Sequence[tuple[str, int, dict[str, float]]], *, use_avai
             free[target][k] = free[target].get(k, 0.0) - v
 
 
+def ip_sort_key(ip: str) -> tuple:
+    """Numeric order for IPv4/IPv6 addresses (``10.0.0.9`` before ``10.0.0.10``).
+
+    Example:
+        >>> sorted(["10.0.0.10", "10.0.0.9"], key=ip_sort_key)
+        ['10.0.0.9', '10.0.0.10']
+    """
+    try:
+        addr = ipaddress.ip_address(ip.strip("[]"))
+        return (0, addr.version, int(addr))
+    except ValueError:
+        return (1, 0, ip)
+
+
 def _node_ip_of(pg: Any, ip_by_node: dict[str, str]) -> str:
     import ray.util
 
@@ -90,8 +110,6 @@ def _node_ip_of(pg: Any, ip_by_node: dict[str, str]) -> str:
 
 def sort_by_node_ip(pgs: Sequence[Any]) -> list[Any]:
     """Placement groups ordered by the IP of their bundle-0 node, numerically; ties keep order."""
-    from controlplane.resource_pool import ip_sort_key
-
     ip_by_node = {node["NodeID"]: node["NodeManagerAddress"] for node in _alive_nodes()}
     keyed = [(ip_sort_key(_node_ip_of(pg, ip_by_node)), i, pg) for i, pg in enumerate(pgs)]
     return [pg for _, _, pg in sorted(keyed, key=lambda item: (item[0], item[1]))]
