@@ -138,6 +138,13 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     trip (``_put_inline``): the shard stores the inline rows at once, then commits them in the index
     itself (which checks the schema again) before it answers.
     """
+    one = type(keys) is list and len(keys) == 1 and type(keys[0]) is str and type(partition_id) is str
+    if one and columns:  # kv_put: one row, usually of a known schema (``_check_keys`` has nothing to say)
+        tags = _check_tags(tags, 1)
+        reserve = _one_row_call(route, keys, partition_id, columns)
+        if reserve is not None:
+            body = {"pid": partition_id, "tags": tags}
+            return (yield from _put_inline(route, reserve, body, columns, {reserve.target: _ONE}, keys))
     keys = _check_keys(keys, partition_id)
     tags = _check_tags(tags, len(keys))
     columns = columns or {}
@@ -198,6 +205,36 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     _raise_partial_put([*results, res], shards, groups, keys, partition_id)
     _remember_schema(route, partition_id, specs)
     return _meta(keys, partition_id, res[0])
+
+
+_ONE = np.zeros(1, dtype=np.int64)  # the positions of a one-key put's keys on its shard
+
+
+def _one_row_call(route: Route, keys: list[str], partition_id: str, columns: dict) -> Call | None:
+    """The request ``put`` would send for one key whose every field is one inline row of a schema this
+    client has seen confirmed (``_put_inline``), built without the batch machinery; None when the
+    general path has to run (it also raises every error the request could have)."""
+    key = keys[0]
+    known = route.schemas.get(partition_id)
+    if known is None:
+        return None
+    s = route.placement.shard_of(partition_id, key) if route.placement.num_shards > 1 else 0
+    inline_below = route.shm_min_bytes if route.shm[s] else None
+    fields: dict[str, Any] = {}
+    bufs: list[Any] = []
+    for name, col in columns.items():
+        nbytes = len(col.data)
+        if col.num_rows != 1 or known.get(name) != col.spec.family():
+            return None
+        if inline_below is not None and nbytes >= inline_below:
+            return None
+        fields[name] = {
+            "spec": _wire.spec_to_wire(col.spec),
+            "nbytes": nbytes,
+            "col": _wire.column_to_wire(col, bufs),
+        }
+    body = {"pid": partition_id, "keys": keys, "fields": fields, "version": route.memory.version(s)}
+    return Call(s, "reserve", body, bufs)
 
 
 def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, keys) -> Op:

@@ -74,6 +74,33 @@ _NUMPY_DTYPES = {
 }
 
 
+_ROW_DTYPES = {dtype: dtype_name(dtype) for dtype in _NUMPY_DTYPES}
+
+
+def plain_rows(fields: dict[Any, Any]) -> dict[str, Column] | None:
+    """One row per field from a dict of plain CPU tensors (without the batch dim), the common small
+    put, in one pass: the columns ``ValueEncoder._dense(name, t[None], 1)`` makes, or None when a value
+    needs the general path.
+
+    Each tensor's bytes are viewed through ``Tensor.numpy()``, which refuses exactly what the general
+    path has to convert first (autograd, conjugate or negative bits, another device); a view that is
+    not contiguous, a dtype numpy lacks, a subclass, a nested or sparse tensor fall back too.
+    """
+    out = {}
+    for name, t in fields.items():
+        if type(name) is not str or type(t) is not torch.Tensor or t.is_nested or t.layout != torch.strided:
+            return None
+        dtype = _ROW_DTYPES.get(t.dtype)
+        if dtype is None:
+            return None
+        try:
+            data = memoryview(t.numpy()).cast("B")
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        out[name] = Column(ColumnSpec("dense", dtype, tuple(t.shape)), 1, data)
+    return out
+
+
 def _tensor_bytes(name: str, t: torch.Tensor) -> memoryview:
     """Zero-copy uint8 view of a contiguous CPU tensor's elements."""
     if t.dtype in _NUMPY_DTYPES and t.numel():  # one torch call, not three (every field of every put)
@@ -156,12 +183,6 @@ class ValueEncoder:
         _check_rows(name, t.shape[0], num_rows)
         data = _tensor_bytes(name, self._host(t))
         return Column(ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape[1:])), num_rows, data)
-
-    def dense_row(self, name: str, t: torch.Tensor) -> Column:
-        """One row of a dense field from a strided CPU tensor (without the batch dim): the column
-        ``_dense(name, t[None], 1)`` makes."""
-        spec = ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape))
-        return Column(spec, 1, _tensor_bytes(name, self._host(t)))
 
     def _numpy(self, name: str, arr: np.ndarray, num_rows: int) -> Column:
         if arr.ndim == 0:

@@ -104,6 +104,14 @@ class ColumnSpec(msgspec.Struct, frozen=True):
         Peers declare specs on the wire; a shard checks them before storing anything, so a spec
         it cannot size (unknown dtype, negative or absurd shape) never reaches its memory.
         """
+        if self in _CHECKED:  # every put checks its specs, most of them seen many times before
+            return
+        self._check(field)
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED.add(self)
+
+    def _check(self, field: str) -> None:
         kind, dtype, shape = self.kind, self.dtype, self.shape
         if kind not in KINDS:
             raise SchemaError(field, f"field {field!r}: unknown column kind {kind!r}; known: {KINDS}")
@@ -141,6 +149,8 @@ class ColumnSpec(msgspec.Struct, frozen=True):
         Rows may have any shape; the kind group, the dtype and (tensors) the number of dims per row
         must be those of the column.
         """
+        if other == self:
+            return
         if self.family() != other.family():
             raise SchemaError(
                 field,
@@ -148,6 +158,12 @@ class ColumnSpec(msgspec.Struct, frozen=True):
                 f"column ({describe_family(self.family())}); write it with the stored dtype, or use a new "
                 "field name",
             )
+
+
+# Specs that passed ``ColumnSpec.check`` (whether a spec passes depends on its values only; the field
+# name is only for the message): a set of frozen structs, emptied when full (a safe, bounded cache).
+_CHECKED: set[ColumnSpec] = set()
+_CHECKED_MAX = 4096
 
 
 def describe_family(family: tuple | list) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
-from dataplane.codec.column_kinds import ValueEncoder, decode_value, u8_tensor
+from dataplane.codec.column_kinds import ValueEncoder, decode_value, plain_rows, u8_tensor
 from dataplane.codec.column_types import KINDS, Column, ColumnSpec, torch_dtype
 from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.errors import BatchSizeError
@@ -95,11 +95,12 @@ def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict
         >>> cols["tokens"].spec.shape, cols["text"].num_rows
         ((3,), 1)
     """
-    if type(fields) is dict and all(_plain_row(k, v) for k, v in fields.items()):
+    if type(fields) is dict:
         # The common small put (a dict of CPU tensors): the same columns as the general path below
         # would make, without its per-value dispatch (it costs more than the encoding itself).
-        enc = ValueEncoder(allow_pickle)
-        return {name: enc.dense_row(name, value) for name, value in fields.items()}
+        cols = plain_rows(fields)
+        if cols is not None:
+            return cols
     batch_size = getattr(fields, "batch_size", None)
     if batch_size is not None and len(batch_size) >= 1:
         if batch_size[0] != 1:
@@ -120,16 +121,6 @@ def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict
         else:
             rows[name] = [value]
     return encode_fields(rows, 1, allow_pickle=allow_pickle)
-
-
-def _plain_row(name: Any, value: Any) -> bool:
-    return (
-        type(name) is str
-        and type(value) is torch.Tensor
-        and value.layout == torch.strided
-        and value.device.type == "cpu"
-        and not value.is_nested
-    )
 
 
 def _field_items(fields: Mapping[str, Any]) -> list[tuple[str, Any]]:

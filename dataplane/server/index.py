@@ -175,7 +175,9 @@ class IndexCore(Operations):
                 entry = self.schemas.get(pid, {}).get(name)
                 if entry is not None:
                     entry.confirmed, entry.pending = True, set()
-        part = self.partitions.setdefault(pid, _PartMeta())
+        part = self.partitions.get(pid)
+        if part is None:  # (not setdefault: a _PartMeta is not free to build, and commits are many)
+            part = self.partitions[pid] = _PartMeta()
         union: dict[str, None] = {}
         out_tags = []
         for i, key in enumerate(keys):

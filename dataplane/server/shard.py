@@ -151,36 +151,7 @@ class ShardCore(Operations):
     # ---- put --------------------------------------------------------------------------------
     def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
         pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
-        if not keys or not body.fields:  # a row-less segment would never be given back
-            raise WireError("a reserve names at least one key and one field")
-        part = self.partitions.get(pid)
-        fields: dict[str, dict[str, Any]] = {}
-        need = 0
-        for name, f in body.fields.items():
-            spec = _wire.spec_from_wire(f.spec)
-            spec.check(name)
-            if part is not None and name in part.specs:
-                part.specs[name].check_compatible(spec, name)
-            rb = spec.row_nbytes()
-            if rb is not None and f.nbytes != rb * len(keys):
-                raise SchemaError(
-                    name, f"field {name!r} declares {f.nbytes} bytes for {len(keys)} rows of {rb} bytes"
-                )
-            entry: dict[str, Any] = {"spec": spec, "nbytes": f.nbytes}
-            if f.col is not None:
-                col = _wire.column_from_wire(f.col, bufs, name)
-                if col.num_rows != len(keys) or col.spec != spec or col.nbytes != f.nbytes:
-                    raise WireError(
-                        f"field {name!r}: the inline column ({col.num_rows} rows, {col.nbytes} bytes, "
-                        f"{col.spec}) does not match what the request declares ({len(keys)} rows, "
-                        f"{f.nbytes} bytes, {spec})"
-                    )
-                entry["col"] = col
-            fields[name] = entry
-            need += f.nbytes + (0 if rb is not None else 8 * (len(keys) + 1))
-            if spec.kind == "ragged":
-                need += 8 * len(keys) * spec.shape[0]
-        self._check_capacity(need, pid)
+        fields, need = self._checked_fields(pid, keys, body.fields, bufs)
         files = {}
         try:
             for name, entry in fields.items():
@@ -207,6 +178,48 @@ class ShardCore(Operations):
             reply["live"] = self.pool.live_ids()
         return reply, []
 
+    def _checked_fields(
+        self,
+        pid: str,
+        keys: list[str],
+        wire_fields: dict[str, _protocol.ReserveField],
+        bufs: list[memoryview],
+    ) -> tuple[dict[str, dict[str, Any]], int]:
+        """A put's fields checked against what the request declares, the frames it carries, the
+        partition's schema and the byte capacity (nothing changes here): ``{name: {"spec", "nbytes"}
+        (+ "col", the inline Column)}``, and the bytes the put needs."""
+        if not keys or not wire_fields:  # a row-less segment would never be given back
+            raise WireError("a reserve names at least one key and one field")
+        part = self.partitions.get(pid)
+        fields: dict[str, dict[str, Any]] = {}
+        need = 0
+        for name, f in wire_fields.items():
+            spec = _wire.spec_from_wire(f.spec)
+            spec.check(name)
+            if part is not None and name in part.specs:
+                part.specs[name].check_compatible(spec, name)
+            rb = spec.row_nbytes()
+            if rb is not None and f.nbytes != rb * len(keys):
+                raise SchemaError(
+                    name, f"field {name!r} declares {f.nbytes} bytes for {len(keys)} rows of {rb} bytes"
+                )
+            entry: dict[str, Any] = {"spec": spec, "nbytes": f.nbytes}
+            if f.col is not None:
+                col = _wire.column_from_wire(f.col, bufs, name)
+                if col.num_rows != len(keys) or col.spec != spec or col.nbytes != f.nbytes:
+                    raise WireError(
+                        f"field {name!r}: the inline column ({col.num_rows} rows, {col.nbytes} bytes, "
+                        f"{col.spec}) does not match what the request declares ({len(keys)} rows, "
+                        f"{f.nbytes} bytes, {spec})"
+                    )
+                entry["col"] = col
+            fields[name] = entry
+            need += f.nbytes + (0 if rb is not None else 8 * (len(keys) + 1))
+            if spec.kind == "ragged":
+                need += 8 * len(keys) * spec.shape[0]
+        self._check_capacity(need, pid)
+        return fields, need
+
     def _check_capacity(self, need: int, pid: str) -> None:
         if self.capacity is None:  # unbounded: still never more than the host could hold
             if self.used + self.pending + need > self.host_memory:
@@ -229,10 +242,14 @@ class ShardCore(Operations):
         return {}, []
 
     def _put_inline(self, body: _protocol.Reserve, bufs: list[memoryview]) -> dict[str, Segment]:
+        """Check and store a put whose columns all travel inline: ``op_reserve``'s checks, then
+        ``_commit``'s attach, with no reservation between them (the server runs one call at a time, so
+        nothing can come between the two; and there is no shared memory to hand out)."""
         if any(f.col is None for f in body.fields.values()):
             raise WireError("a one-step put carries every column inline")
-        reply, _ = self.op_reserve(body, bufs)
-        return self._commit(_protocol.Commit(resv=reply["resv"]), [])
+        keys = _protocol.unique_keys(body.keys, "reserve")
+        fields, _ = self._checked_fields(body.pid, keys, body.fields, bufs)
+        return self._attach(body.pid, keys, fields, {}, {})
 
     def put_ready(self, body: _protocol.PutReady, bufs: list[memoryview]) -> tuple[dict[str, Any], PutUndo]:
         """Store a one-step put now (``op_put``); returns the index commit that makes its rows ready
@@ -314,9 +331,24 @@ class ShardCore(Operations):
             self._release(self._take(body.resv))
             raise
         self._take(body.resv)
-        part = self.partitions.setdefault(resv.pid, _Partition())
+        return self._attach(resv.pid, resv.keys, resv.fields, offsets, shapes)
+
+    def _attach(
+        self,
+        pid: str,
+        keys: list[str],
+        fields: dict[str, dict[str, Any]],
+        offsets: dict[str, np.ndarray],
+        shapes: dict[str, np.ndarray],
+    ) -> dict[str, Segment]:
+        """Make checked rows live: one segment per field, each key's row pointing at it (replacing an
+        older value of the field); returns the segment made for each field."""
+        n = len(keys)
+        part = self.partitions.get(pid)
+        if part is None:
+            part = self.partitions[pid] = _Partition()
         made: dict[str, Segment] = {}
-        for name, entry in resv.fields.items():
+        for name, entry in fields.items():
             spec = entry["spec"]
             part.specs.setdefault(name, spec)
             if "col" in entry:
@@ -329,7 +361,7 @@ class ShardCore(Operations):
             self.used += seg.accounted
             self.heap_bytes += seg.heap_bytes
             made[name] = seg
-            for i, key in enumerate(resv.keys):
+            for i, key in enumerate(keys):
                 row = part.rows.get(key)
                 if row is None:
                     row = part.rows[key] = {}
