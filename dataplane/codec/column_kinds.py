@@ -74,7 +74,9 @@ _NUMPY_DTYPES = {
 }
 
 
-_ROW_DTYPES = {dtype: dtype_name(dtype) for dtype in _NUMPY_DTYPES}
+# numpy dtype -> the torch dtype name of a plain row (the dtypes ``_tensor_bytes`` views through numpy;
+# their numpy names are the torch names).
+_ROW_DTYPES = {np.dtype(str(dtype).removeprefix("torch.")): dtype_name(dtype) for dtype in _NUMPY_DTYPES}
 
 
 def plain_rows(fields: dict[Any, Any]) -> dict[str, Column] | None:
@@ -82,22 +84,24 @@ def plain_rows(fields: dict[Any, Any]) -> dict[str, Column] | None:
     put, in one pass: the columns ``ValueEncoder._dense(name, t[None], 1)`` makes, or None when a value
     needs the general path.
 
-    Each tensor's bytes are viewed through ``Tensor.numpy()``, which refuses exactly what the general
-    path has to convert first (autograd, conjugate or negative bits, another device); a view that is
-    not contiguous, a dtype numpy lacks, a subclass, a nested or sparse tensor fall back too.
+    One torch call per tensor (each costs microseconds, more with cold caches): ``Tensor.numpy()``,
+    which refuses exactly what the general path has to convert or reject first (autograd, conjugate or
+    negative bits, another device, sparse and nested tensors, dtypes numpy lacks); a view that is not
+    contiguous, or a subclass, falls back too. Dtype and shape are then read from the numpy array.
     """
     out = {}
     for name, t in fields.items():
-        if type(name) is not str or type(t) is not torch.Tensor or t.is_nested or t.layout != torch.strided:
-            return None
-        dtype = _ROW_DTYPES.get(t.dtype)
-        if dtype is None:
+        if type(name) is not str or type(t) is not torch.Tensor:
             return None
         try:
-            data = memoryview(t.numpy()).cast("B")
+            arr = t.numpy()
+            data = memoryview(arr).cast("B")
         except (RuntimeError, TypeError, ValueError):
             return None
-        out[name] = Column(ColumnSpec("dense", dtype, tuple(t.shape)), 1, data)
+        dtype = _ROW_DTYPES.get(arr.dtype)
+        if dtype is None:
+            return None
+        out[name] = Column(ColumnSpec("dense", dtype, arr.shape), 1, data)
     return out
 
 

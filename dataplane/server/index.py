@@ -59,6 +59,7 @@ class _FieldSchema:
     family: list[Any]
     confirmed: bool = False
     pending: set[int] = field(default_factory=set)
+    wire: Any = None  # the wire spec a put without prepare last declared, found of this family
 
 
 def _fieldset(fields: list[str]) -> frozenset[str]:
@@ -139,11 +140,18 @@ class IndexCore(Operations):
     def _decide(self, pid: str, specs: dict[str, Any]) -> None:
         """Check ``specs`` against the partition's schema and record new fields as confirmed; all
         checked before anything is recorded."""
+        schema = self.schemas.get(pid)
+        if schema is not None and all(
+            (entry := schema.get(name)) is not None and entry.wire == spec for name, spec in specs.items()
+        ):  # the specs of the last such put to these fields (small puts repeat them): checked already
+            return
         families = self._families(pid, specs)
         schema = self.schemas.setdefault(pid, {})
         for name, family in families.items():
-            if name not in schema:
-                schema[name] = _FieldSchema(family, confirmed=True)
+            entry = schema.get(name)
+            if entry is None:
+                entry = schema[name] = _FieldSchema(family, confirmed=True)
+            entry.wire = specs[name]
 
     def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
         """A prepared put gave up: new fields only it relied on are undecided again."""

@@ -46,6 +46,7 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
+_poll = zmq.zmq_poll
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
@@ -245,7 +246,7 @@ class SyncTransport(_Endpoints):
                 if self.liveness.dead(c.target):
                     self._drop(socks, None, c.target)
                     return self.died(c.target)
-            if zmq.zmq_poll(items, max(1, int((min(deadline, next_probe) - now) * 1000))):
+            if _poll(items, max(1, int((min(deadline, next_probe) - now) * 1000))):
                 try:
                     frames = recv_frames(sock, _NOBLOCK)
                 except zmq.Again:

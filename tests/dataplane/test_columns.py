@@ -406,6 +406,32 @@ def test_encode_row_kinds():
     assert td.get("ids").tolist() == [[4, 5]]
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(7),
+        torch.arange(6, dtype=torch.int32).view(2, 3),
+        torch.zeros(0),
+        torch.tensor([True, False]),
+        torch.arange(6.0).view(2, 3)[:, 1],  # not contiguous: the general path copies it
+        torch.ones(3, requires_grad=True),
+        torch.ones(3, dtype=torch.bfloat16),  # no numpy dtype
+        torch.ones(2, dtype=torch.uint16),
+        torch.tensor([1 + 2j, 3 - 1j]).conj(),  # conjugate bit: resolved by the general path
+        torch.ones(3)._neg_view(),
+    ],
+)
+def test_encode_row_of_plain_tensors_is_the_general_paths_row(value):
+    """A dict of plain CPU tensors takes a shortcut (``plain_rows``); its columns are the ones the
+    general path makes for a batch of one, and a tensor the shortcut cannot view falls back to it."""
+    got = encode_row({"x": value, "y": torch.tensor(1.5)})
+    want = encode_fields({"x": value.detach()[None], "y": torch.tensor([1.5])}, 1)
+    for name in ("x", "y"):
+        assert got[name].spec == want[name].spec and got[name].num_rows == 1
+        assert bytes(got[name].data) == bytes(want[name].data)
+    assert torch.equal(decode_fields(got, 1)["x"][0], value.detach().resolve_conj().resolve_neg())
+
+
 def test_encode_row_tensordict_batch_one():
     td = TensorDict({"x": torch.zeros(1, 4)}, batch_size=[1])
     assert encode_row(td)["x"].spec.shape == (4,)

@@ -234,3 +234,38 @@ def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
     _, undo = _put_ready(core, "q", ["a"], {"x": torch.tensor([1.0])})
     core.undo_put(undo)
     assert "q" not in core.partitions and core.stats()["partitions"] == {"p": 2}
+
+
+def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
+    """``put_ready`` (and ``put``) store inline rows with no reservation between the checks and the
+    attach: what a reserve refuses they refuse, changing nothing, and what they store costs what a
+    reserve + commit of the same rows costs."""
+    from dataplane.errors import WireError
+
+    two_step, one_step = ShardCore(0), ShardCore(1, capacity_bytes=64)
+    rows = {"x": torch.tensor([[1, 2], [3, 4]]), "s": ["hi", "there"]}
+    call(two_step, "commit", {"resv": _reserve_inline(two_step, "p", ["a", "b"], rows)}, [])
+    _put_ready(one_step, "p", ["a", "b"], rows)
+    for st in (two_step.stats(), one_step.stats()):
+        assert st["bytes_reserved"] == 0 and st["partitions"] == {"p": 2}
+    assert two_step.stats()["bytes_used"] == one_step.stats()["bytes_used"] > 0
+    before = one_step.stats()
+    with pytest.raises(SchemaError, match="'x'"):  # another dtype for a stored field
+        _put_ready(one_step, "p", ["c"], {"x": torch.zeros(1, 2)})
+    with pytest.raises(StoreFullError, match="shard 1.*capacity"):
+        _put_ready(one_step, "p", ["c"], {"y": torch.zeros(1, 64)})
+    with pytest.raises(WireError, match="twice"):
+        _put_ready(one_step, "p", ["c", "c"], {"x": torch.tensor([[1, 2], [3, 4]])})
+    cols = encode_fields({"x": torch.tensor([[5, 6]])}, 1)
+    bufs: list = []
+    wire = {
+        "spec": _wire.spec_to_wire(cols["x"].spec),
+        "nbytes": 16,
+        "col": _wire.column_to_wire(cols["x"], bufs),
+    }
+    with pytest.raises(WireError, match="frame"):  # a declared frame that was not sent
+        call(one_step, "put", {"pid": "p", "keys": ["c"], "fields": {"x": wire}}, [])
+    del wire["col"]
+    with pytest.raises(WireError, match="inline"):
+        call(one_step, "put", {"pid": "p", "keys": ["c"], "fields": {"x": wire}}, [])
+    assert one_step.stats() == before and "c" not in one_step.partitions["p"].rows
