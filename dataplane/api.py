@@ -230,10 +230,6 @@ async def async_close() -> None:
 # ---- operations (built once, driven sync or async) -------------------------------------------------
 
 
-def _allow_pickle() -> bool:
-    return _client().allow_pickle
-
-
 def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
     from dataplane.codec.columns import encode_fields, encode_row
 
@@ -241,10 +237,10 @@ def _put_op(keys: Sequence[str], partition_id: str, fields: Any, tags: Any, row:
     cols = None
     if fields is not None:
         if row:
-            cols = encode_row(fields, allow_pickle=_allow_pickle())
+            cols = encode_row(fields, allow_pickle=client.allow_pickle)
         else:
             keys = list(keys) if not isinstance(keys, str) else keys
-            cols = encode_fields(fields, len(keys), allow_pickle=_allow_pickle())
+            cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
     return client.engine.put(keys, partition_id, cols, tags)
 
 

@@ -14,6 +14,7 @@ classifying a missing key).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import logging
@@ -508,6 +509,7 @@ class IndexActor:
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
+        gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
         ).start()

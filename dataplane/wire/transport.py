@@ -196,11 +196,16 @@ class SyncTransport(_Endpoints):
             sock.close(linger=0)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
-        timeout = _deadline_of(calls, self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        one = calls[0] if len(calls) == 1 else None
+        if one is not None:
+            timeout = timeout if one.timeout is None else one.timeout
+        else:
+            timeout = _deadline_of(calls, timeout)
         socks = self._checkout()
         try:
-            if len(calls) == 1:
-                results = [self._call_one(socks, calls[0], timeout)]
+            if one is not None:
+                results = [self._call_one(socks, one, timeout)]
             else:
                 results = self._call_many(socks, calls, timeout)
         except BaseException:
