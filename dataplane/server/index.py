@@ -190,7 +190,8 @@ class IndexCore:
             meta = part.keys.get(key)
             if meta is None:
                 meta = part.keys[key] = _KeyMeta()
-            before = set(meta.fields) if fields else meta.fields
+            # (what the key held before matters only to consumers' streams: no copy when there are none)
+            before = set(meta.fields) if fields and part.streams.by_fields else meta.fields
             meta.fields.update(fields)
             if tags is not None and tags[i]:
                 meta.tag.update(tags[i])
