@@ -149,6 +149,8 @@ class IndexCore:
             entry = schema.get(name)
             if entry is None:
                 entry = schema[name] = _FieldSchema(family, confirmed=True)
+            elif not entry.confirmed:  # a prepared put's new field, which this commit now relies on too
+                entry.confirmed, entry.pending = True, set()
             entry.wire = specs[name]
 
     def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
