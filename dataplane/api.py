@@ -236,10 +236,6 @@ async def async_close() -> None:
 # ---- operations (built once, driven sync or async) -------------------------------------------------
 
 
-def _allow_pickle() -> bool:
-    return _client().allow_pickle
-
-
 # The private op builders take the caller's values as given: the operations validate them (a str
 # where a list of keys belongs is refused there, with TypeError).
 def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
@@ -249,10 +245,10 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
     cols = None
     if fields is not None:
         if row:
-            cols = encode_row(fields, allow_pickle=_allow_pickle())
+            cols = encode_row(fields, allow_pickle=client.allow_pickle)
         else:
             keys = list(keys) if not isinstance(keys, str) else keys
-            cols = encode_fields(fields, len(keys), allow_pickle=_allow_pickle())
+            cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
     return client.engine.put(keys, partition_id, cols, tags)
 
 

@@ -141,10 +141,10 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     one = type(keys) is list and len(keys) == 1 and type(keys[0]) is str and type(partition_id) is str
     if one and columns:  # kv_put: one row, usually of a known schema (``_check_keys`` has nothing to say)
         tags = _check_tags(tags, 1)
-        reserve = _one_row_call(route, keys, partition_id, columns)
-        if reserve is not None:
-            body = {"pid": partition_id, "tags": tags}
-            return (yield from _put_inline(route, reserve, body, columns, {reserve.target: _ONE}, keys))
+        call = _one_row_call(route, keys, partition_id, columns, tags)
+        if call is not None:  # ``_put_inline``'s request, built directly
+            (res,) = yield [call]
+            return _ready_result(route, res, {call.target: _ONE}, keys, partition_id)
     keys = _check_keys(keys, partition_id)
     tags = _check_tags(tags, len(keys))
     columns = columns or {}
@@ -210,10 +210,10 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
 _ONE = np.zeros(1, dtype=np.int64)  # the positions of a one-key put's keys on its shard
 
 
-def _one_row_call(route: Route, keys: list[str], partition_id: str, columns: dict) -> Call | None:
-    """The request ``put`` would send for one key whose every field is one inline row of a schema this
-    client has seen confirmed (``_put_inline``), built without the batch machinery; None when the
-    general path has to run (it also raises every error the request could have)."""
+def _one_row_call(route: Route, keys: list[str], partition_id: str, columns: dict, tags) -> Call | None:
+    """The ``put_ready`` request ``put`` would send (``_put_inline``) for one key whose every field is
+    one inline row of a schema this client has seen confirmed, built without the batch machinery; None
+    when the general path has to run (it also raises every error the request could have)."""
     key = keys[0]
     known = route.schemas.get(partition_id)
     if known is None:
@@ -233,8 +233,14 @@ def _one_row_call(route: Route, keys: list[str], partition_id: str, columns: dic
             "nbytes": nbytes,
             "col": _wire.column_to_wire(col, bufs),
         }
-    body = {"pid": partition_id, "keys": keys, "fields": fields, "version": route.memory.version(s)}
-    return Call(s, "reserve", body, bufs)
+    body = {
+        "pid": partition_id,
+        "keys": keys,
+        "fields": fields,
+        "version": route.memory.version(s),
+        "tags": tags,
+    }
+    return Call(s, "put_ready", body, bufs)
 
 
 def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, keys) -> Op:
@@ -245,6 +251,11 @@ def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, 
     the refusal on. When the index did not answer, the rows are stored but not ready: said exactly."""
     pid = body["pid"]
     (res,) = yield [Call(reserve.target, "put_ready", {**reserve.body, "tags": body["tags"]}, reserve.bufs)]
+    return _ready_result(route, res, groups, keys, pid)
+
+
+def _ready_result(route: Route, res: Result, groups: dict, keys: list[str], pid: str) -> KVBatchMeta:
+    """The meta of a ``put_ready`` from the shard's answer, or the error it stands for."""
     if not _ok(res):
         if isinstance(res, SchemaError):
             _forget_schema(route, pid)
@@ -253,7 +264,7 @@ def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, 
     if "index_error" in reply:
         _forget_schema(route, pid)
         index_error = _wire.rebuild_error(reply["index_error"])
-        _raise_partial_put([(None, {}), index_error], [reserve.target], groups, keys, pid)
+        _raise_partial_put([(None, {}), index_error], list(groups), groups, keys, pid)
     return _meta(keys, pid, reply)
 
 

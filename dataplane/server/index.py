@@ -14,6 +14,7 @@ classifying a missing key).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -151,6 +152,8 @@ class IndexCore(Operations):
             entry = schema.get(name)
             if entry is None:
                 entry = schema[name] = _FieldSchema(family, confirmed=True)
+            elif not entry.confirmed:  # a prepared put's new field, which this commit now relies on too
+                entry.confirmed, entry.pending = True, set()
             entry.wire = specs[name]
 
     def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
@@ -192,7 +195,8 @@ class IndexCore(Operations):
             meta = part.keys.get(key)
             if meta is None:
                 meta = part.keys[key] = _KeyMeta()
-            before = set(meta.fields) if fields else meta.fields
+            # (what the key held before matters only to consumers' streams: no copy when there are none)
+            before = set(meta.fields) if fields and part.streams.by_fields else meta.fields
             meta.fields.update(fields)
             if tags is not None and tags[i]:
                 meta.tag.update(tags[i])
@@ -504,6 +508,7 @@ class IndexActor:
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
+        gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
         ).start()

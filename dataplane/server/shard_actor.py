@@ -23,6 +23,7 @@ a writer's put returns only after both have recorded it (read-after-write for ev
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -260,6 +261,9 @@ class ShardActor:
         limit = cfg["max_message_bytes"]
         if capacity_bytes is not None:  # no frame can be larger than what the shard may hold
             limit = min(limit, capacity_bytes + (1 << 20))
+        # What this process holds before it serves (modules, Ray's worker) lives as long as it does:
+        # out of the garbage collector's sight, a full collection scans only the rows stored since.
+        gc.freeze()
         self.server = ShardServer(
             self.core,
             ip,

@@ -65,7 +65,8 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
-    """Send a multipart message: copied when small, zero-copy when large (``wire.frames.zero_copy``).
+    """Send a multipart message on a blocking (not ``zmq.asyncio``) socket: copied when small, zero-copy
+    when large (``wire.frames.zero_copy``).
 
     ``Socket.send_multipart`` does the same with a type check of every frame and enum arithmetic per
     frame, which costs more than the send itself for a small request.
@@ -73,7 +74,12 @@ def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
     copy = not _wire.zero_copy(frames)
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        sock.send(frame, flags | _SNDMORE if i < last else flags, copy=copy)
+        _send(sock, frame, flags | _SNDMORE if i < last else flags, copy)
+
+
+# The backend's send: ``zmq.Socket.send`` only adds draft-socket options (routing_id, group) on top of
+# it, at the cost of one more Python call per frame; a small put's request and replies are 5 frames.
+_send = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket.send
 
 
 @dataclass
@@ -155,11 +161,16 @@ class SyncTransport(_Endpoints):
             sock.close(linger=0)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
-        timeout = deadline_of(calls, self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        one = calls[0] if len(calls) == 1 else None
+        if one is not None:
+            timeout = timeout if one.timeout is None else one.timeout
+        else:
+            timeout = deadline_of(calls, timeout)
         socks = self._checkout()
         try:
-            if len(calls) == 1:
-                results = [self._call_one(socks, calls[0], timeout)]
+            if one is not None:
+                results = [self._call_one(socks, one, timeout)]
             else:
                 results = self._call_many(socks, calls, timeout)
         except BaseException:

@@ -116,6 +116,22 @@ def test_placement_is_stable_and_covers_every_key():
     assert HashPlacement(1).group("part", keys)[0].tolist() == list(range(100))
 
 
+def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
+    """A one-round-trip put (its commit carries specs) to a field a concurrent prepared put declared
+    relies on that field too: the prepared put's abort must not take the field's schema back, or a
+    later put could declare the field again with another dtype while rows of the first one exist."""
+    core = IndexCore()
+    txn = call(core, "prepare", {"pid": "p", "specs": {"y": F32}})["txn"]
+    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "specs": {"y": F32}})
+    call(core, "abort", {"txn": txn})
+    with pytest.raises(SchemaError, match="'y'"):
+        call(core, "prepare", {"pid": "p", "specs": {"y": I64}})
+    with pytest.raises(SchemaError, match="'y'"):  # the same spec is remembered, another is checked
+        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": I64}})
+    call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": F32}})
+    assert sorted(call(core, "list", {"pid": "p"})["list"]["p"]) == ["a", "b"]
+
+
 def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
     core = IndexCore()
     call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}})
