@@ -11,6 +11,8 @@ Environment variables (read here only, each by one function; a value that does n
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
     DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
                                default off): this process may write and read object columns
+    DATAPLANE_NO_UNIX_LANE     a flag: blocking clients reach same-host services over zmq ipc rather
+                               than the Unix lane (``wire.unix``; for comparisons)
     DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
                                (default 256 MiB; 0 turns the pool off)
 
@@ -54,6 +56,12 @@ def env_flag(name: str) -> bool:
 def env_allows_pickle() -> bool:
     """Whether ``DATAPLANE_ALLOW_PICKLE`` lets this process pickle and unpickle object columns."""
     return env_flag("DATAPLANE_ALLOW_PICKLE")
+
+
+def env_unix_lane() -> bool:
+    """Whether this process's blocking client talks to same-host services over the Unix lane
+    (``wire.unix``); ``DATAPLANE_NO_UNIX_LANE=1`` keeps it on zmq ipc (to compare the two)."""
+    return not env_flag("DATAPLANE_NO_UNIX_LANE")
 
 
 def _env_float(name: str, default: float) -> float:

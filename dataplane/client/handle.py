@@ -17,7 +17,7 @@ from dataplane.client import ops as _ops
 from dataplane.client.engine import StorageEngine, select_engine
 from dataplane.client.mappings import MappingCache, ShardMemory, probe
 from dataplane.client.sharding import HashPlacement
-from dataplane.config import StoreConfig
+from dataplane.config import StoreConfig, env_unix_lane
 from dataplane.errors import ShardUnavailableError
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
@@ -80,6 +80,7 @@ class StoreClient:
                 "transport='shm' requested but some shards are not mappable here; using zmq for them"
             )
         creds = Credentials.from_dict(registry.get("credentials", {}))
+        unix_lane = env_unix_lane()
         curve = creds.encrypt
         endpoints: dict[int, Endpoint] = {}
         targets: dict[int, Target] = {}
@@ -87,7 +88,8 @@ class StoreClient:
             name = self.config.index_name() if i == INDEX else self.config.shard_name(i)
             local = actor["boot_id"] == here
             ipc = local and mode != "tcp"
-            endpoints[i] = Endpoint(actor["ipc"] if ipc else actor["tcp"], name, curve and not ipc)
+            unix = actor.get("unix") if ipc and unix_lane else None
+            endpoints[i] = Endpoint(actor["ipc"] if ipc else actor["tcp"], name, curve and not ipc, unix)
             targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
         timeout = self.config.rpc_timeout_s
         self.liveness = Liveness(targets)

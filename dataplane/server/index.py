@@ -516,6 +516,7 @@ class IndexActor:
         return {
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
+            "unix": self.server.unix,
             "boot_id": boot_id(),
             "pid": pid,
             "pid_start": process_start(pid),

@@ -8,8 +8,10 @@ echoing its request id (``frames.answer``: a header of another protocol version,
 frames, an unknown op or a malformed body are refused before any handler runs); a foreign or
 undecodable message gets an error reply when it carries an identity, and the loop never dies of
 a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc socket
-(same host; nothing is left in the file system, even after a crash). Polls are bounded, so
-``stop()`` returns within one poll interval, and ``tick`` runs between requests.
+(same host; nothing is left in the file system, even after a crash), and on the same-host Unix
+lane (``wire.unix``: the same frames without zmq's threads, for blocking clients and a shard's
+link to its index). Polls are bounded, so ``stop()`` returns within one poll interval, and
+``tick`` runs between requests.
 
 Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
 loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
@@ -35,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
+from dataplane.wire import unix as _unix
 from dataplane.wire.transport import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_POLLOUT = int(zmq.POLLOUT)
+_POLLERR = int(zmq.POLLERR)
 
 
 class ZmqServer:
@@ -78,10 +83,16 @@ class ZmqServer:
         self._zap.bind(_auth.ZAP_ENDPOINT)  # before any ROUTER binds: no unauthenticated window
         self._socks: list[zmq.Socket] = []
         self.ipc, self.tcp = self._bind(host_ip, max_message_bytes)
+        self._max_message_bytes = max_message_bytes
+        self._listener, self.unix = _unix.listen(f"{name}-{uuid.uuid4().hex[:12]}-u")
+        self._listening = True
+        self._conns: dict[int, _unix.Conn] = {}  # accepted Unix-lane connections, by file descriptor
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
         self._poller = zmq.Poller()
-        self._watched: dict[zmq.Socket, Callable[[], None]] = {}  # more sockets the loop serves
+        # More sockets the loop serves: zmq sockets, or Unix-lane connections by file descriptor (a zmq
+        # poller reports a plain file descriptor as the int).
+        self._watched: dict[Any, Callable[[], None]] = {}
         # Open connections (``rlplane store status`` shows a shard's as its clients), counted from
         # each socket's accept/disconnect events, whose value is the connection's file descriptor.
         # Watched before the routers are registered: poll() reports in registration order, so a
@@ -117,11 +128,13 @@ class ZmqServer:
         self._thread.start()
         return self
 
-    def watch(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
-        """Serve ``sock`` from the loop too: ``on_readable()`` runs when it has messages. Call on the
-        server thread (from a handler or ``after_poll``); ``unwatch`` before closing the socket."""
-        self._watched[sock] = on_readable
-        self._poller.register(sock, zmq.POLLIN)
+    def watch(self, sock: Any, on_readable: Callable[[], None]) -> None:
+        """Serve ``sock`` (a zmq socket or a ``wire.unix.Conn``) from the loop too: ``on_readable()``
+        runs when it has messages. Call on the server thread (from a handler or ``after_poll``);
+        ``unwatch`` before closing the socket."""
+        handle = sock.fd if type(sock) is _unix.Conn else sock
+        self._watched[handle] = on_readable
+        self._poller.register(handle, zmq.POLLIN)
 
     def _count_connections(self, which: int, mon: zmq.Socket) -> None:
         while mon.getsockopt(zmq.EVENTS) & _POLLIN:
@@ -130,26 +143,39 @@ class ZmqServer:
                 self._peers.add((which, event["value"]))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._peers.discard((which, event["value"]))
-        self.connections = len(self._peers)  # read by other threads: one int, replaced whole
+        self._count()
 
-    def unwatch(self, sock: zmq.Socket) -> None:
-        if self._watched.pop(sock, None) is not None:
-            self._poller.unregister(sock)
+    def _count(self) -> None:
+        self.connections = len(self._peers) + len(self._conns)  # read by other threads: one int
+
+    def unwatch(self, sock: Any) -> None:
+        handle = sock.fd if type(sock) is _unix.Conn else sock
+        if self._watched.pop(handle, None) is not None:
+            self._poller.unregister(handle)
 
     def _run(self) -> None:
         poller = self._poller
         poller.register(self._zap, zmq.POLLIN)
         for sock in self._socks:
             poller.register(sock, zmq.POLLIN)
+        listener = self._listener.fileno()
+        poller.register(listener, zmq.POLLIN)
         last_tick = time.monotonic()
         while not self._stop.is_set():
-            for sock, _ in poller.poll(self.poll_timeout_ms()):
+            for sock, ev in poller.poll(self.poll_timeout_ms()):
                 if sock is self._zap:
                     self._zap.send_multipart(_auth.zap_reply(self._zap.recv_multipart(), self._creds))
                     continue
                 watcher = self._watched.get(sock)
                 if watcher is not None:
                     watcher()
+                    continue
+                if type(sock) is int:  # a Unix-lane connection, or the listener
+                    conn = self._conns.get(sock)
+                    if conn is not None:
+                        self._on_conn(conn, ev)
+                    elif sock == listener:
+                        self._accept()
                     continue
                 # Drain, without an exception at the end: the poll said a message is there, so the
                 # socket is asked (a call that costs microseconds) only after each one served.
@@ -163,16 +189,76 @@ class ZmqServer:
                     self._serve_one(sock, frames)
             self.after_poll()
             now = time.monotonic()
-            if self._tick is not None and now - last_tick >= TICK_S:
+            if now - last_tick >= TICK_S:
                 last_tick = now
-                with self._lock:
-                    try:
-                        self._tick()
-                    except Exception:  # noqa: BLE001 - housekeeping must never kill the loop
-                        logger.exception("server tick failed")
+                self._check_conns(now)
+                if self._tick is not None:
+                    with self._lock:
+                        try:
+                            self._tick()
+                        except Exception:  # noqa: BLE001 - housekeeping must never kill the loop
+                            logger.exception("server tick failed")
+        for conn in self._conns.values():
+            conn.close()
+        self._listener.close()
         for sock in [*self._socks, self._zap, *self._watched]:
-            sock.close(linger=0)
+            if type(sock) is not int:  # a watched Unix-lane connection is closed by its owner
+                sock.close(linger=0)
         self._ctx.term()
+
+    # ---- the Unix lane ---------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = _unix.accept(self._listener)
+            except OSError as exc:  # out of file descriptors: stop accepting until the next tick
+                logger.warning("%s: cannot accept a connection (%s); retrying shortly", self.name, exc)
+                self._poller.unregister(self._listener.fileno())
+                self._listening = False
+                return
+            if conn is None:
+                return
+            self._conns[conn.fd] = conn
+            self._poller.register(conn.fd, zmq.POLLIN)
+            self._count()
+
+    def _on_conn(self, conn: _unix.Conn, ev: int) -> None:
+        if ev & _POLLOUT and conn.flush() and not conn.closed:
+            self._poller.modify(conn.fd, zmq.POLLIN)
+        if not ev & (_POLLIN | _POLLERR):
+            return
+        try:
+            messages = conn.read()
+            while messages:
+                frames = messages.pop(0)
+                if conn.authenticated:
+                    self._serve_one(conn, [None, *frames])
+                elif _unix.check_hello(
+                    conn, frames, self._creds.secret, self._max_frames + 1, self._max_message_bytes
+                ):
+                    messages.extend(conn.reader.buffered())  # what the peer sent right after its hello
+                else:
+                    raise _unix.ConnectionClosed("not a peer of this store")
+                if conn.closed:
+                    break
+        except _unix.ConnectionClosed:
+            self._close_conn(conn)
+
+    def _close_conn(self, conn: _unix.Conn) -> None:
+        if self._conns.get(conn.fd) is conn:
+            del self._conns[conn.fd]
+            self._poller.unregister(conn.fd)
+            self._count()
+        conn.close()
+
+    def _check_conns(self, now: float) -> None:
+        """Close peers that have not said hello in time; resume accepting after running out of fds."""
+        for conn in [c for c in self._conns.values() if c.closed or not c.authenticated]:
+            if conn.closed or now - conn.since > _unix.HANDSHAKE_S:  # closed while answering, or silent
+                self._close_conn(conn)
+        if not self._listening:
+            self._listening = True
+            self._poller.register(self._listener.fileno(), zmq.POLLIN)
 
     def poll_timeout_ms(self) -> int:
         """How long the loop may block in one poll (subclasses with deadlines shorten it)."""
@@ -201,8 +287,16 @@ class ZmqServer:
         with self._lock:
             return self.core.run(op, body, bufs)
 
-    def deliver(self, sock: zmq.Socket, ident: Any, reply: list[Any]) -> bool:
-        """Send ``reply`` to the peer ``ident``; False when it cannot be delivered (it left)."""
+    def deliver(self, sock: Any, ident: Any, reply: list[Any]) -> bool:
+        """Send ``reply`` to the peer ``ident`` (on a ROUTER socket) or on a Unix-lane connection;
+        False when it cannot be delivered (the peer left)."""
+        if type(sock) is _unix.Conn:
+            if not sock.write(reply):
+                self._close_conn(sock)
+                return False
+            if sock.pending:  # the rest goes when the socket is writable
+                self._poller.modify(sock.fd, zmq.POLLIN | zmq.POLLOUT)
+            return True
         try:
             send_frames(sock, [ident, *reply])
             return True

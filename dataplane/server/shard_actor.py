@@ -33,11 +33,13 @@ from typing import Any
 
 import zmq
 
+from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.wire import frames as _wire
+from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, next_rid
@@ -95,7 +97,7 @@ class ShardServer(ZmqServer):
         )
         self._index_wait_s = INDEX_WAIT * rpc_timeout_s
         self._link: _Endpoints | None = None  # set by ``link`` before any client learns of this shard
-        self._dealer: zmq.Socket | None = None  # created on the server thread
+        self._dealer: Any = None  # to the index, created on the server thread: a DEALER or a Unix-lane conn
         self._outbox: list[_Forward] = []
         self._sent: dict[int, _Sent] = {}
 
@@ -104,7 +106,8 @@ class ShardServer(ZmqServer):
         local = index["boot_id"] == boot_id()
         creds = self._creds.for_clients()
         address = index["ipc"] if local else index["tcp"]
-        endpoint = Endpoint(address, index["name"], creds.encrypt and not local)
+        unix = index.get("unix") if local and env_unix_lane() else None
+        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix)
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
         self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
 
@@ -126,6 +129,8 @@ class ShardServer(ZmqServer):
     def after_poll(self) -> None:
         if self._outbox:
             self._send_outbox()
+        if type(self._dealer) is _unix.Conn and self._dealer.pending:  # the index's socket was full
+            self._dealer.flush()
         if self._sent:
             self._check_sent()
 
@@ -141,9 +146,19 @@ class ShardServer(ZmqServer):
             sock = self._index_socket(link)
             rid = next_rid()
             frames = _wire.encode_request(rid, "commits", {"items": [f.commit for f in items]})
-            send_frames(sock, frames, _NOBLOCK)
+            if type(sock) is _unix.Conn:
+                # Queued whole or not at all: what the socket does not take now is sent by after_poll.
+                if not sock.write(frames):
+                    self._drop_index_socket()
+                    self._refuse(items, link.gone(INDEX, 0.0, " (its connection closed)"))
+                    return
+            else:
+                send_frames(sock, frames, _NOBLOCK)
         except zmq.Again:  # not queued: the index never sees these commits
             self._refuse(items, link.unavailable(INDEX, 0.0, " (its send queue is full)"))
+            return
+        except ConnectionError as exc:  # the Unix lane refused: the index is gone (or not this store's)
+            self._refuse(items, link.gone(INDEX, 0.0, f" (connecting failed: {exc})"))
             return
         except Exception as exc:  # noqa: BLE001 - e.g. out of file descriptors: not sent either
             self._refuse(items, exc)
@@ -153,34 +168,57 @@ class ShardServer(ZmqServer):
         self.core.ready_puts += len(items)  # counted for stats(): how many puts one request carries
         self.core.ready_batches += 1
 
-    def _index_socket(self, link: _Endpoints) -> zmq.Socket:
+    def _index_socket(self, link: _Endpoints) -> Any:
         if self._dealer is None:
-            self._dealer = link._dealer(self._ctx, INDEX)
+            if link.endpoints[INDEX].unix is not None:
+                self._dealer = link._unix_conn(INDEX)
+            else:
+                self._dealer = link._dealer(self._ctx, INDEX)
             self.watch(self._dealer, self._on_index_reply)
         return self._dealer
 
     def _drop_index_socket(self) -> None:
         if self._dealer is not None:
             self.unwatch(self._dealer)
-            self._dealer.close(linger=0)
+            if type(self._dealer) is _unix.Conn:
+                self._dealer.close()
+            else:
+                self._dealer.close(linger=0)
             self._dealer = None
 
     def _on_index_reply(self) -> None:
         sock = self._dealer
+        if type(sock) is _unix.Conn:
+            try:
+                messages = sock.read()
+            except _unix.ConnectionClosed as exc:  # what the index did with the commits in flight is unknown
+                self._drop_index_socket()
+                link = self._link
+                assert link is not None
+                err = link.gone(INDEX, 0.0, f" ({exc})")
+                sent, self._sent = list(self._sent.values()), {}
+                for s in sent:
+                    self._not_ready(s.items, err)
+                return
+            for frames in messages:
+                self._index_reply(frames)
+            return
         while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
-            frames = recv_frames(sock, _NOBLOCK)
-            try:
-                rep, _ = _wire.decode_reply(frames)
-            except WireError:
-                logger.warning("%s: an undecodable reply from the index was dropped", self.name)
-                continue
-            sent = self._sent.pop(rep.rid, None)
-            if sent is None:  # the answer to a request that already timed out
-                continue
-            try:
-                self._settle(sent, rep)
-            except Exception:  # noqa: BLE001 - the loop serves every other request all the same
-                logger.exception("%s: answering %d puts from the index failed", self.name, len(sent.items))
+            self._index_reply(recv_frames(sock, _NOBLOCK))
+
+    def _index_reply(self, frames: list[Any]) -> None:
+        try:
+            rep, _ = _wire.decode_reply(frames)
+        except WireError:
+            logger.warning("%s: an undecodable reply from the index was dropped", self.name)
+            return
+        sent = self._sent.pop(rep.rid, None)
+        if sent is None:  # the answer to a request that already timed out
+            return
+        try:
+            self._settle(sent, rep)
+        except Exception:  # noqa: BLE001 - the loop serves every other request all the same
+            logger.exception("%s: answering %d puts from the index failed", self.name, len(sent.items))
 
     def _settle(self, sent: _Sent, rep: _wire.Reply) -> None:
         """Answer the writers of one ``commits`` request from the index's reply."""
@@ -283,6 +321,7 @@ class ShardActor:
             "boot_id": boot_id(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
+            "unix": self.server.unix,
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 

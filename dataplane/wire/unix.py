@@ -1,0 +1,376 @@
+"""The same-host lane: framed messages over a Unix stream socket, with no zmq in between.
+
+A zmq message between two processes wakes four threads (each side's application thread and zmq I/O
+thread); on a small VM that costs ~50 us of CPU per message on each side, more than a small put's own
+work. Here a message is one ``sendmsg`` and one ``recv_into`` on each side: about a fifth of the CPU
+and a seventh of the latency (bench/README.md). The blocking client (``SyncTransport``) and a shard's
+link to its index use it for every peer on their host; ``zmq.asyncio`` clients and other hosts keep
+zmq. Every service listens on both.
+
+Framing: ``[u32 n][u64 length] * n`` then the ``n`` frames' bytes (little endian): the same frames
+as a zmq multipart message (``wire.frames``), so one request path serves both lanes.
+
+Who may talk (the same rule as ``wire.auth``'s PLAIN over ipc): the listener is in the abstract
+namespace (nothing in the file system), and the first message on a connection must be
+``[HELLO, secret]`` with the store's secret (compared in constant time). A peer is closed, having
+been served nothing, when that first message is anything else, when it does not arrive within
+``HANDSHAKE_S``, and at any time when a message breaks the limits (frame count, total bytes): a
+declared size is never trusted with memory before the bytes arrive (``_Reader`` grows a large
+message's buffer as its bytes come in). A peer that does not read its replies is closed once
+``MAX_PENDING_BYTES`` wait for it, so it cannot make a service buffer without bound.
+
+    >>> conn = connect("@dataplane-shard0-3f2a", creds.secret)   # client side, blocking use
+    >>> conn.send_all(frames, deadline)
+    >>> messages = conn.read()                                  # after a poll said readable
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import socket
+import struct
+import time
+from collections import deque
+from typing import Any
+
+HELLO = b"dataplane-unix-1"
+HANDSHAKE_S = 10.0  # an accepted peer that has not said hello by then is closed
+HELLO_MAX_BYTES = 256  # the hello's frames in all: an unauthenticated peer cannot make us buffer more
+MAX_PENDING_BYTES = 256 << 20  # replies a peer has not read: past this it is closed
+READ_CHUNK = 1 << 16
+IOV_MAX = 512  # buffers per sendmsg call (the kernel allows 1024)
+_FRAMES = struct.Struct("<I")
+_NOSIGNAL = socket.MSG_NOSIGNAL  # a peer that closed its end is an error to us, never a signal
+_LENGTHS = [struct.Struct(f"<{n}Q") for n in range(5)]  # cached formats of the common frame counts
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection, or broke the framing or limits (``str`` says which)."""
+
+
+def _lengths_format(n: int) -> struct.Struct:
+    return _LENGTHS[n] if n < len(_LENGTHS) else struct.Struct(f"<{n}Q")
+
+
+def frame_header(frames: list[Any]) -> bytes:
+    """The prefix of a message: frame count and each frame's length."""
+    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+    return _FRAMES.pack(len(sizes)) + _lengths_format(len(sizes)).pack(*sizes)
+
+
+class _Reader:
+    """Splits a byte stream into messages of at most ``max_frames`` frames of ``max_bytes`` bytes each.
+
+    Small messages are parsed out of one reused read buffer and copied into a bytes object of their
+    own (their frames are views of it, kept alive by whoever holds them). A message larger than the
+    read buffer is received straight into a buffer of its own, grown as its bytes arrive.
+    """
+
+    def __init__(self, max_frames: int, max_bytes: int) -> None:
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes  # < 0: no limit
+        self.buf = bytearray(READ_CHUNK)
+        self.start = 0  # unparsed bytes are buf[start:end]
+        self.end = 0
+        self.big: bytearray | None = None  # a large message being received whole
+        self.big_filled = 0
+        self.big_total = 0
+        self.big_sizes: tuple[int, ...] = ()
+        self.one = False  # stop after one message (a peer's hello: what follows waits for its limits)
+
+    def read(self, sock: socket.socket) -> list[list[memoryview]]:
+        """What one non-blocking read completes (maybe nothing); ``ConnectionClosed`` on EOF or abuse."""
+        if self.big is not None:
+            return self._read_big(sock)
+        if self.start and self.start == self.end:
+            self.start = self.end = 0
+        elif len(self.buf) - self.end < 4096:  # make room: move the unparsed tail to the front
+            tail = self.buf[self.start : self.end]
+            self.buf[: len(tail)] = tail
+            self.start, self.end = 0, len(tail)
+        n = _recv_into(sock, memoryview(self.buf)[self.end :])
+        if n == 0:
+            return []
+        self.end += n
+        return self._parse()
+
+    def _parse(self) -> list[list[memoryview]]:
+        out: list[list[memoryview]] = []
+        buf = self.buf
+        while self.end - self.start >= 4:
+            (count,) = _FRAMES.unpack_from(buf, self.start)
+            if count < 1 or count > self.max_frames:
+                raise ConnectionClosed(f"a message of {count} frames (at most {self.max_frames})")
+            head = 4 + 8 * count
+            if head > len(buf):  # a header this long needs a larger read buffer (bounded by max_frames)
+                self._grow(head)
+                buf = self.buf
+            if self.end - self.start < head:
+                break
+            sizes = _lengths_format(count).unpack_from(buf, self.start + 4)
+            total = sum(sizes)
+            if 0 <= self.max_bytes < max(sizes):  # per frame, as zmq's MAXMSGSIZE
+                raise ConnectionClosed(f"a frame of {max(sizes)} bytes (at most {self.max_bytes})")
+            body = self.start + head
+            if self.end - body >= total:
+                out.append(_split(bytes(buf[body : body + total]), sizes))
+                self.start = body + total
+                if self.one:
+                    break
+                continue
+            if head + total > len(buf):  # received whole into its own buffer, from what is here on
+                have = self.end - body
+                self.big = bytearray(max(have, min(total, 1 << 20)))
+                self.big[:have] = buf[body : self.end]
+                self.big_filled, self.big_total, self.big_sizes = have, total, sizes
+                self.start = self.end = 0
+            break
+        return out
+
+    def buffered(self) -> list[list[memoryview]]:
+        """Messages already received but not yet parsed (after ``one`` is lifted)."""
+        return self._parse() if self.big is None else []
+
+    def _grow(self, size: int) -> None:
+        grown = bytearray(max(size, 2 * len(self.buf)))
+        tail = self.buf[self.start : self.end]
+        grown[: len(tail)] = tail
+        self.buf, self.start, self.end = grown, 0, len(tail)
+
+    def _read_big(self, sock: socket.socket) -> list[list[memoryview]]:
+        big = self.big
+        assert big is not None
+        if self.big_filled == len(big):  # grown only as bytes arrive: a lying size costs no memory
+            grown = bytearray(min(self.big_total, 2 * len(big)))
+            grown[: len(big)] = big
+            self.big = big = grown
+        n = _recv_into(sock, memoryview(big)[self.big_filled :])
+        self.big_filled += n
+        if self.big_filled < self.big_total:
+            return []
+        self.big = None
+        return [_split(big, self.big_sizes)]
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
+    try:
+        n = sock.recv_into(view)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as exc:
+        raise ConnectionClosed(f"connection reset ({exc})") from exc
+    if n == 0:
+        raise ConnectionClosed("the peer closed the connection")
+    return n
+
+
+def _split(data: bytes | bytearray, sizes: tuple[int, ...]) -> list[memoryview]:
+    view = memoryview(data)
+    frames, at = [], 0
+    for size in sizes:
+        frames.append(view[at : at + size])
+        at += size
+    return frames
+
+
+class Conn:
+    """One framed connection, non-blocking, for either side: ``read`` what arrived, ``write`` frames
+    (what the socket does not take at once waits in ``pending`` until ``flush``)."""
+
+    def __init__(self, sock: socket.socket, *, max_frames: int, max_bytes: int) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()  # what a zmq poller reports (and unregisters, even after close)
+        self.reader = _Reader(max_frames, max_bytes)
+        self.pending: deque[memoryview] = deque()
+        self.pending_bytes = 0
+        self.closed = False
+        self.authenticated = False
+        self.since = time.monotonic()
+
+    def read(self) -> list[list[memoryview]]:
+        """Complete messages now readable (non-blocking); ``ConnectionClosed`` when the peer is gone."""
+        if self.closed:
+            raise ConnectionClosed("the connection is closed")
+        return self.reader.read(self.sock)
+
+    def write(self, frames: list[Any]) -> bool:
+        """Send ``frames`` as one message, or queue what the socket does not take now; False when the
+        connection is closed (the peer went away) or the peer left too much unread."""
+        if self.closed:
+            return False
+        bufs = [frame_header(frames), *frames]
+        if self.pending:
+            self._queue(bufs, 0)
+            return self._check_pending()
+        try:
+            sent = _sendmsg(self.sock, bufs)
+        except OSError:  # EPIPE / ECONNRESET: the peer closed its end
+            self.close()
+            return False
+        self._queue(bufs, sent)
+        return self._check_pending()
+
+    def _queue(self, bufs: list[Any], skip: int) -> None:
+        for b in bufs:
+            view = b if type(b) is memoryview else memoryview(b)
+            if view.ndim != 1 or view.itemsize != 1:
+                view = view.cast("B")
+            if skip >= view.nbytes:
+                skip -= view.nbytes
+                continue
+            view = view[skip:]
+            skip = 0
+            self.pending.append(view)
+            self.pending_bytes += view.nbytes
+
+    def _check_pending(self) -> bool:
+        if self.pending_bytes > MAX_PENDING_BYTES:
+            self.close()
+            return False
+        return True
+
+    def flush(self) -> bool:
+        """Send what is pending as far as the socket takes it; True when nothing is left."""
+        while self.pending and not self.closed:
+            bufs = [self.pending[i] for i in range(min(IOV_MAX, len(self.pending)))]
+            try:
+                sent = self.sock.sendmsg(bufs, (), _NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                self.close()
+                return True
+            self.pending_bytes -= sent
+            while sent:
+                head = self.pending[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    self.pending.popleft()
+                else:
+                    self.pending[0] = head[sent:]
+                    sent = 0
+        return not self.pending
+
+    def send_all(self, frames: list[Any], deadline: float) -> bool:
+        """Blocking use: send ``frames`` whole before ``deadline`` (monotonic); False when the peer
+        is gone, ``TimeoutError`` when it did not take the bytes in time."""
+        if not self.write(frames):
+            return False
+        while self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer did not take the request in time")
+            wait_writable(self.sock, left)
+            self.flush()
+            if self.closed:
+                return False
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pending.clear()
+            self.pending_bytes = 0
+            self.sock.close()
+
+
+def _sendmsg(sock: socket.socket, bufs: list[Any]) -> int:
+    """Bytes of ``bufs`` the socket took now (0 when it takes none), over as many calls as IOV_MAX
+    makes necessary; stops at the first partial send."""
+    total = 0
+    for i in range(0, len(bufs), IOV_MAX):
+        part = bufs[i : i + IOV_MAX]
+        try:
+            sent = sock.sendmsg(part, (), _NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return total
+        total += sent
+        if sent < sum(len(b) if type(b) is bytes else memoryview(b).nbytes for b in part):
+            return total
+    return total
+
+
+def wait_writable(sock: socket.socket, timeout: float) -> None:
+    import select
+
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    poller.poll(max(1, int(timeout * 1000)))
+
+
+def abstract(address: str) -> str:
+    """The socket address of ``@name`` (the abstract namespace: a leading NUL, no file)."""
+    if not address.startswith("@"):
+        raise ValueError(f"not an abstract unix address: {address!r}")
+    return "\0" + address[1:]
+
+
+def listen(name: str) -> tuple[socket.socket, str]:
+    """A non-blocking listener in the abstract namespace; returns it and its ``@name`` address."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = "@" + name
+    sock.bind(abstract(address))
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock, address
+
+
+def connect(address: str, secret: str, *, max_frames: int, max_bytes: int) -> Conn:
+    """A client connection to ``address``, its hello queued first (no round trip of its own: a wrong
+    secret shows as the service closing the connection)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(abstract(address))
+    except OSError:
+        sock.close()
+        raise
+    conn = Conn(sock, max_frames=max_frames, max_bytes=max_bytes)
+    conn.authenticated = True  # a client trusts the service it was given the address of
+    if not conn.write([HELLO, secret.encode()]):
+        raise ConnectionResetError("the service closed the connection at once")
+    return conn
+
+
+def accept(listener: socket.socket) -> Conn | None:
+    """One pending connection of ``listener`` (None when there is none), not yet authenticated: until
+    its hello it may send one message of at most ``HELLO_MAX_BYTES``."""
+    try:
+        sock, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return None
+    conn = Conn(sock, max_frames=2, max_bytes=HELLO_MAX_BYTES)
+    conn.reader.one = True
+    return conn
+
+
+def check_hello(conn: Conn, frames: list[memoryview], secret: str, max_frames: int, max_bytes: int) -> bool:
+    """Authenticate ``conn`` by its first message; on success lift its limits to the service's (the
+    messages it sent right after the hello are then ``conn.reader.buffered()``)."""
+    ok = (
+        len(frames) == 2
+        and hmac.compare_digest(bytes(frames[0]), HELLO)
+        and hmac.compare_digest(bytes(frames[1]), secret.encode())
+    )
+    if ok:
+        conn.authenticated = True
+        conn.reader.max_frames = max_frames
+        conn.reader.max_bytes = max_bytes
+        conn.reader.one = False
+    return ok
+
+
+__all__ = [
+    "HELLO",
+    "Conn",
+    "ConnectionClosed",
+    "accept",
+    "check_hello",
+    "connect",
+    "listen",
+]
