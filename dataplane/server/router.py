@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import select
 import threading
 import time
 import uuid
@@ -49,8 +50,6 @@ _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
-_POLLOUT = int(zmq.POLLOUT)
-_POLLERR = int(zmq.POLLERR)
 
 
 class ZmqServer:
@@ -89,19 +88,29 @@ class ZmqServer:
         self._conns: dict[int, _unix.Conn] = {}  # accepted Unix-lane connections, by file descriptor
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
-        self._poller = zmq.Poller()
-        # More sockets the loop serves: zmq sockets, or Unix-lane connections by file descriptor (a zmq
-        # poller reports a plain file descriptor as the int).
-        self._watched: dict[Any, Callable[[], None]] = {}
+        # One epoll for everything: a zmq socket is watched through its ZMQ_FD, which signals "look at
+        # ZMQ_EVENTS" (edge-like: see ``_run``), a Unix-lane connection through its own descriptor. One
+        # syscall per wake-up where zmq_poll made two and asked every zmq socket for its events twice.
+        self._ep = select.epoll()
+        self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(epoll events)
+        self._drains: dict[zmq.Socket, Callable[[], None]] = {}  # every zmq socket -> its drain
+        self._touched: set[zmq.Socket] = set()  # zmq sockets sent on since the loop last drained them
         # Open connections (``rlplane store status`` shows a shard's as its clients), counted from
         # each socket's accept/disconnect events, whose value is the connection's file descriptor.
         # Watched before the routers are registered: poll() reports in registration order, so a
         # connection is counted before its first request is answered (its accept event came first).
         self._peers: set[tuple[int, int]] = set()
         self.connections = 0
+        self._monitors = []
         for which, sock in enumerate(self._socks):
             mon = sock.get_monitor_socket(_CONNECTION_EVENTS)
-            self.watch(mon, functools.partial(self._count_connections, which, mon))  # thread not started
+            count = functools.partial(self._count_connections, which, mon)
+            self._monitors.append(count)
+            self.watch(mon, count)  # the thread has not started: registering from here is safe
+        self._add_zmq(self._zap, self._drain_zap)
+        for sock in self._socks:
+            self._add_zmq(sock, functools.partial(self._drain_router, sock))
+        self._add(self._listener.fileno(), lambda ev: self._accept())
 
     def _bind(self, host_ip: str, max_message_bytes: int) -> tuple[str, str]:
         """Bind the ROUTER sockets: PLAIN on a same-host ipc endpoint and on tcp, or CURVE on tcp when
@@ -128,13 +137,35 @@ class ZmqServer:
         self._thread.start()
         return self
 
+    # ---- what the loop watches -------------------------------------------------------------------
+    def _add(self, fd: int, handler: Callable[[int], None], events: int = select.EPOLLIN) -> None:
+        self._handlers[fd] = handler
+        self._ep.register(fd, events)
+
+    def _remove(self, fd: int) -> None:
+        if self._handlers.pop(fd, None) is not None:
+            self._ep.unregister(fd)
+
+    def _add_zmq(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
+        """Watch a zmq socket: ``drain()`` must consume every message its ZMQ_EVENTS shows (the fd
+        signals again only after that)."""
+        self._drains[sock] = drain
+        self._add(sock.getsockopt(zmq.FD), lambda ev: drain())
+
+    def touch(self, sock: zmq.Socket) -> None:
+        """Say a zmq socket was sent on outside its drain: a send may consume the signal of a message
+        that arrived meanwhile, so the loop drains it before it blocks again."""
+        self._touched.add(sock)
+
     def watch(self, sock: Any, on_readable: Callable[[], None]) -> None:
         """Serve ``sock`` (a zmq socket or a ``wire.unix.Conn``) from the loop too: ``on_readable()``
-        runs when it has messages. Call on the server thread (from a handler or ``after_poll``);
-        ``unwatch`` before closing the socket."""
-        handle = sock.fd if type(sock) is _unix.Conn else sock
-        self._watched[handle] = on_readable
-        self._poller.register(handle, zmq.POLLIN)
+        runs when it may have messages and must take all there are (for a zmq socket: until its
+        ZMQ_EVENTS shows none). Call on the server thread (from a handler or ``after_poll``);
+        ``unwatch`` before closing the socket; ``touch`` a zmq socket after sending on it."""
+        if type(sock) is _unix.Conn:
+            self._add(sock.fd, lambda ev: on_readable())
+        else:
+            self._add_zmq(sock, on_readable)
 
     def _count_connections(self, which: int, mon: zmq.Socket) -> None:
         while mon.getsockopt(zmq.EVENTS) & _POLLIN:
@@ -149,44 +180,46 @@ class ZmqServer:
         self.connections = len(self._peers) + len(self._conns)  # read by other threads: one int
 
     def unwatch(self, sock: Any) -> None:
-        handle = sock.fd if type(sock) is _unix.Conn else sock
-        if self._watched.pop(handle, None) is not None:
-            self._poller.unregister(handle)
+        if type(sock) is _unix.Conn:
+            self._remove(sock.fd)
+        elif self._drains.pop(sock, None) is not None:
+            self._touched.discard(sock)
+            self._remove(sock.getsockopt(zmq.FD))
+
+    def _drain_zap(self) -> None:
+        zap = self._zap
+        while zap.getsockopt(_EVENTS) & _POLLIN:
+            zap.send_multipart(_auth.zap_reply(zap.recv_multipart(), self._creds))
+
+    def _drain_router(self, sock: zmq.Socket) -> None:
+        for count in self._monitors:  # a connection is counted before its first request is answered
+            count()
+        while sock.getsockopt(_EVENTS) & _POLLIN:
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                break
+            self._serve_one(sock, frames)
+        self._touched.discard(sock)  # drained after its replies went: its signal is re-armed
 
     def _run(self) -> None:
-        poller = self._poller
-        poller.register(self._zap, zmq.POLLIN)
-        for sock in self._socks:
-            poller.register(sock, zmq.POLLIN)
-        listener = self._listener.fileno()
-        poller.register(listener, zmq.POLLIN)
+        ep, handlers = self._ep, self._handlers
         last_tick = time.monotonic()
         while not self._stop.is_set():
-            for sock, ev in poller.poll(self.poll_timeout_ms()):
-                if sock is self._zap:
-                    self._zap.send_multipart(_auth.zap_reply(self._zap.recv_multipart(), self._creds))
-                    continue
-                watcher = self._watched.get(sock)
-                if watcher is not None:
-                    watcher()
-                    continue
-                if type(sock) is int:  # a Unix-lane connection, or the listener
-                    conn = self._conns.get(sock)
-                    if conn is not None:
-                        self._on_conn(conn, ev)
-                    elif sock == listener:
-                        self._accept()
-                    continue
-                # Drain, without an exception at the end: the poll said a message is there, so the
-                # socket is asked (a call that costs microseconds) only after each one served.
-                readable = True
-                while readable or sock.getsockopt(_EVENTS) & _POLLIN:
-                    readable = False
-                    try:
-                        frames = recv_frames(sock, _NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._serve_one(sock, frames)
+            # A zmq socket's fd signals only a change, and a send on the socket can consume the
+            # signal of a message that arrived meanwhile: every socket sent on is drained before
+            # blocking (the drains re-arm the signal), and a wake-up with nothing to do drains all
+            # (a missed signal could delay a message by one poll interval, never lose it).
+            while self._touched:
+                self._drains[self._touched.pop()]()
+            events = ep.poll(self.poll_timeout_ms() / 1000)
+            for fd, ev in events:
+                handler = handlers.get(fd)
+                if handler is not None:  # else: removed by an earlier handler of this pass
+                    handler(ev)
+            if not events:
+                for drain in list(self._drains.values()):
+                    drain()
             self.after_poll()
             now = time.monotonic()
             if now - last_tick >= TICK_S:
@@ -201,9 +234,9 @@ class ZmqServer:
         for conn in self._conns.values():
             conn.close()
         self._listener.close()
-        for sock in [*self._socks, self._zap, *self._watched]:
-            if type(sock) is not int:  # a watched Unix-lane connection is closed by its owner
-                sock.close(linger=0)
+        for sock in [*self._socks, self._zap, *self._drains]:
+            sock.close(linger=0)
+        self._ep.close()
         self._ctx.term()
 
     # ---- the Unix lane ---------------------------------------------------------------------------
@@ -213,19 +246,19 @@ class ZmqServer:
                 conn = _unix.accept(self._listener)
             except OSError as exc:  # out of file descriptors: stop accepting until the next tick
                 logger.warning("%s: cannot accept a connection (%s); retrying shortly", self.name, exc)
-                self._poller.unregister(self._listener.fileno())
+                self._remove(self._listener.fileno())
                 self._listening = False
                 return
             if conn is None:
                 return
             self._conns[conn.fd] = conn
-            self._poller.register(conn.fd, zmq.POLLIN)
+            self._add(conn.fd, functools.partial(self._on_conn, conn))
             self._count()
 
     def _on_conn(self, conn: _unix.Conn, ev: int) -> None:
-        if ev & _POLLOUT and conn.flush() and not conn.closed:
-            self._poller.modify(conn.fd, zmq.POLLIN)
-        if not ev & (_POLLIN | _POLLERR):
+        if ev & select.EPOLLOUT and conn.flush() and not conn.closed:
+            self._ep.modify(conn.fd, select.EPOLLIN)
+        if not ev & (select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP):
             return
         try:
             messages = conn.read()
@@ -247,7 +280,7 @@ class ZmqServer:
     def _close_conn(self, conn: _unix.Conn) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
-            self._poller.unregister(conn.fd)
+            self._remove(conn.fd)
             self._count()
         conn.close()
 
@@ -258,7 +291,7 @@ class ZmqServer:
                 self._close_conn(conn)
         if not self._listening:
             self._listening = True
-            self._poller.register(self._listener.fileno(), zmq.POLLIN)
+            self._add(self._listener.fileno(), lambda ev: self._accept())
 
     def poll_timeout_ms(self) -> int:
         """How long the loop may block in one poll (subclasses with deadlines shorten it)."""
@@ -295,8 +328,9 @@ class ZmqServer:
                 self._close_conn(sock)
                 return False
             if sock.pending:  # the rest goes when the socket is writable
-                self._poller.modify(sock.fd, zmq.POLLIN | zmq.POLLOUT)
+                self._ep.modify(sock.fd, select.EPOLLIN | select.EPOLLOUT)
             return True
+        self._touched.add(sock)
         try:
             send_frames(sock, [ident, *reply])
             return True

@@ -153,6 +153,7 @@ class ShardServer(ZmqServer):
                     self._refuse(items, link.gone(INDEX, 0.0, " (its connection closed)"))
                     return
             else:
+                self.touch(sock)
                 send_frames(sock, frames, _NOBLOCK)
         except zmq.Again:  # not queued: the index never sees these commits
             self._refuse(items, link.unavailable(INDEX, 0.0, " (its send queue is full)"))

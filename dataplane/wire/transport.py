@@ -321,7 +321,7 @@ class SyncTransport(_Endpoints):
         if isinstance(sock, BaseException):
             return sock
         unix = type(sock) is _unix.Conn
-        items = [(sock.fd if unix else sock, _POLLIN)]
+        items = [(sock, _POLLIN)]
         next_probe = start + PROBE_S
         now = time.monotonic()
         while now < deadline:
@@ -330,7 +330,8 @@ class SyncTransport(_Endpoints):
                 if self.liveness.dead(c.target):
                     self._drop(socks, None, c.target)
                     return self.died(c.target)
-            if _poll(items, max(1, int((min(deadline, next_probe) - now) * 1000))):
+            wait_ms = max(1, int((min(deadline, next_probe) - now) * 1000))
+            if sock.wait(wait_ms) if unix else _poll(items, wait_ms):
                 if unix:
                     try:
                         messages = sock.read()

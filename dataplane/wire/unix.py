@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import select
 import socket
 import struct
 import time
@@ -42,7 +43,8 @@ READ_CHUNK = 1 << 16
 IOV_MAX = 512  # buffers per sendmsg call (the kernel allows 1024)
 _FRAMES = struct.Struct("<I")
 _NOSIGNAL = socket.MSG_NOSIGNAL  # a peer that closed its end is an error to us, never a signal
-_LENGTHS = [struct.Struct(f"<{n}Q") for n in range(5)]  # cached formats of the common frame counts
+_LENGTHS = [struct.Struct(f"<{n}Q") for n in range(8)]  # cached formats of the common frame counts
+_HEADERS = [struct.Struct(f"<I{n}Q") for n in range(8)]
 
 
 class ConnectionClosed(Exception):
@@ -53,10 +55,10 @@ def _lengths_format(n: int) -> struct.Struct:
     return _LENGTHS[n] if n < len(_LENGTHS) else struct.Struct(f"<{n}Q")
 
 
-def frame_header(frames: list[Any]) -> bytes:
-    """The prefix of a message: frame count and each frame's length."""
-    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-    return _FRAMES.pack(len(sizes)) + _lengths_format(len(sizes)).pack(*sizes)
+def frame_header(sizes: list[int]) -> bytes:
+    """The prefix of a message of frames of ``sizes`` bytes: their count, then each length."""
+    n = len(sizes)
+    return (_HEADERS[n] if n < len(_HEADERS) else struct.Struct(f"<I{n}Q")).pack(n, *sizes)
 
 
 class _Reader:
@@ -110,7 +112,7 @@ class _Reader:
                 break
             sizes = _lengths_format(count).unpack_from(buf, self.start + 4)
             total = sum(sizes)
-            if 0 <= self.max_bytes < max(sizes):  # per frame, as zmq's MAXMSGSIZE
+            if self.max_bytes >= 0 and max(sizes) > self.max_bytes:  # per frame, as zmq's MAXMSGSIZE
                 raise ConnectionClosed(f"a frame of {max(sizes)} bytes (at most {self.max_bytes})")
             body = self.start + head
             if self.end - body >= total:
@@ -181,13 +183,21 @@ class Conn:
     def __init__(self, sock: socket.socket, *, max_frames: int, max_bytes: int) -> None:
         sock.setblocking(False)
         self.sock = sock
-        self.fd = sock.fileno()  # what a zmq poller reports (and unregisters, even after close)
+        self.fd = sock.fileno()  # what a poller reports (and unregisters, even after close)
+        self._readable: Any = None  # a poll object on ``fd``, made at the first ``wait``
         self.reader = _Reader(max_frames, max_bytes)
         self.pending: deque[memoryview] = deque()
         self.pending_bytes = 0
         self.closed = False
         self.authenticated = False
         self.since = time.monotonic()
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Blocking use: whether the connection became readable (or closed) within ``timeout_ms``."""
+        if self._readable is None:
+            self._readable = select.poll()
+            self._readable.register(self.fd, select.POLLIN)
+        return bool(self._readable.poll(timeout_ms))
 
     def read(self) -> list[list[memoryview]]:
         """Complete messages now readable (non-blocking); ``ConnectionClosed`` when the peer is gone."""
@@ -200,12 +210,22 @@ class Conn:
         connection is closed (the peer went away) or the peer left too much unread."""
         if self.closed:
             return False
-        bufs = [frame_header(frames), *frames]
-        if self.pending:
+        sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+        header = frame_header(sizes)
+        bufs = [header, *frames]
+        if self.pending:  # behind what is already waiting
             self._queue(bufs, 0)
             return self._check_pending()
         try:
-            sent = _sendmsg(self.sock, bufs)
+            if len(bufs) <= IOV_MAX:  # the usual case: one call, and it takes everything
+                try:
+                    sent = self.sock.sendmsg(bufs, (), _NOSIGNAL)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent == len(header) + sum(sizes):
+                    return True
+            else:
+                sent = _sendmsg(self.sock, bufs)
         except OSError:  # EPIPE / ECONNRESET: the peer closed its end
             self.close()
             return False
@@ -293,8 +313,6 @@ def _sendmsg(sock: socket.socket, bufs: list[Any]) -> int:
 
 
 def wait_writable(sock: socket.socket, timeout: float) -> None:
-    import select
-
     poller = select.poll()
     poller.register(sock, select.POLLOUT)
     poller.poll(max(1, int(timeout * 1000)))
