@@ -50,6 +50,10 @@ _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+# Frames a Unix-lane message may have before the connection is dropped as broken: well above what
+# a request may carry, so a request with too many frames gets the same typed refusal (``answer``)
+# as on zmq, while the header a peer can make us hold stays bounded (8 bytes a frame).
+_LANE_FRAMES = 2 * _wire.MAX_FRAMES + 2
 
 
 class ZmqServer:
@@ -267,7 +271,7 @@ class ZmqServer:
                 if conn.authenticated:
                     self._serve_one(conn, [None, *frames])
                 elif _unix.check_hello(
-                    conn, frames, self._creds.secret, self._max_frames + 1, self._max_message_bytes
+                    conn, frames, self._creds.secret, _LANE_FRAMES, self._max_message_bytes
                 ):
                     messages.extend(conn.reader.buffered())  # what the peer sent right after its hello
                 else:

@@ -3,9 +3,10 @@
 ``frames`` (a msgpack header plus raw buffers), ``protocol`` (the typed request bodies of every
 shard and index operation), ``auth`` (one secret per store, checked before any message),
 ``shm`` (the shared-memory contract between a shard and same-host clients), ``requests`` (the
-calls an operation yields and the results it receives, with no socket), ``transport`` (the
-request/reply sockets a client, or a shard talking to the index, sends them through) and
-``liveness`` (whether a silent peer is dead).
+calls an operation yields and the results it receives, with no socket), ``unix`` (the same-host
+lane: those frames on a Unix stream socket, without zmq), ``transport`` (the request/reply
+sockets a client, or a shard talking to the index, sends them through) and ``liveness``
+(whether a silent peer is dead).
 
 Rule: the wire imports only ``errors``, ``config``, the codec and itself; never the client or the
 server side, which both build on it.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import threading
 import time
 import weakref
@@ -43,6 +44,8 @@ from dataplane.wire.requests import Call, Result, deadline_of, decode_result, ne
 from dataplane.wire.shm import fd_limit_error
 
 PROBE_S = 1.0  # a reply this late makes the transport ask whether its target died
+_forks = [0]  # bumped in a forked child: the sockets it inherited are its parent's, never to be used
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 MAX_IDLE_SETS = 8
 # Plain ints: pyzmq's flag enums cost microseconds per operation, and a small request pays several.
 _POLLIN = int(zmq.POLLIN)
@@ -167,9 +170,16 @@ class SyncTransport(_Endpoints):
         self._idle: list[dict[int, zmq.Socket]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._forks = _forks[0]
 
     def _checkout(self) -> dict[int, zmq.Socket]:
         with self._lock:
+            if self._forks != _forks[0]:  # a forked child: its parent's connections stay its parent's
+                for socks in self._idle:  # (closing a copy of a Unix-lane socket leaves the parent's
+                    for sock in socks.values():  # open; zmq sockets must not even be closed here)
+                        if type(sock) is _unix.Conn:
+                            sock.close()
+                self._forks, self._idle = _forks[0], []
             return self._idle.pop() if self._idle else {}
 
     def _checkin(self, socks: dict[int, zmq.Socket]) -> None:

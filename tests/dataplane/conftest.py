@@ -111,6 +111,52 @@ def raw_socket(
     return sock
 
 
+class UnixDealer:
+    """A raw Unix-lane connection (``wire.unix``) with the few DEALER methods the raw-socket tests use,
+    so one test body can check a service's answers over zmq and over the Unix lane alike."""
+
+    def __init__(self, address: str, secret: str) -> None:
+        from collections import deque
+
+        from dataplane.wire import unix
+
+        self.conn = unix.connect(address, secret, max_frames=1 << 20, max_bytes=-1)
+        self.inbox: deque = deque()
+
+    def send_multipart(self, frames, copy: bool = True, flags: int = 0) -> None:
+        assert self.conn.send_all(list(frames), time.monotonic() + 30), "the service closed the connection"
+
+    def poll(self, timeout: int | None = None, flags: int = 1) -> int:
+        from dataplane.wire import unix
+
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9) / 1000
+        while not self.inbox and not self.conn.closed:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.conn.wait(max(0, int(left * 1000))):
+                break
+            try:
+                self.inbox.extend(self.conn.read())
+            except unix.ConnectionClosed:
+                self.conn.close()
+        return 1 if self.inbox else 0
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+        import zmq
+
+        if not self.poll(0 if flags & zmq.NOBLOCK else None):
+            raise zmq.Again()
+        return [bytes(f) for f in self.inbox.popleft()]
+
+    def close(self, linger: int = 0) -> None:
+        self.conn.close()
+
+
+def raw_unix_socket(registry: dict, target: str = "index") -> UnixDealer:
+    """``raw_socket``'s counterpart on the Unix lane, authenticated with the store's secret."""
+    actor = registry["index"] if target == "index" else registry["shards"][int(target)]
+    return UnixDealer(actor["unix"], registry["credentials"]["secret"])
+
+
 def request(sock, op: str, body: dict, frames=(), rid: int = 7, timeout_ms: int = 10_000):
     """Send one request on a raw socket; the decoded reply header and frames, or None if no reply came."""
     from dataplane.wire import frames as _wire

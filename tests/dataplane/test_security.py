@@ -32,7 +32,7 @@ from dataplane.client.sharding import HashPlacement
 from dataplane.wire import frames as _wire
 from dataplane.wire.auth import Credentials, secure_client
 
-from .conftest import keys_on_shards, raw_socket, start_store
+from .conftest import keys_on_shards, raw_socket, raw_unix_socket, start_store
 
 pytestmark = pytest.mark.ray
 
@@ -404,10 +404,11 @@ def test_reader_never_unpickles_a_peer_written_object_column(attached, pid, tmp_
 # ---- C. every peer-declared size is checked ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shard_sock(store):
-    """An authenticated raw socket to shard 0 of the module's store (2 MiB capacity)."""
-    sock = raw_socket(store, 0)
+@pytest.fixture(scope="module", params=["zmq", "unix"])
+def shard_sock(store, request):
+    """An authenticated raw socket to shard 0 of the module's store (2 MiB capacity): a zmq DEALER,
+    or a connection on the Unix lane (the same checks must hold on both)."""
+    sock = raw_socket(store, 0) if request.param == "zmq" else raw_unix_socket(store, 0)
     yield sock
     sock.close(linger=0)
 

@@ -1,0 +1,65 @@
+"""A forked child must never talk on its parent's connections.
+
+Blocking clients keep their Unix-lane connections in a pool (``wire.transport.SyncTransport``); a
+fork copies that pool. Were the child to take a pooled connection, parent and child would share one
+socket and read each other's replies: each would drop the other's as a stale reply and wait for its
+own, which the other had read. The transport drops what it inherited in a forked child.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+import torch
+
+import dataplane as dp
+
+from .conftest import own_store
+
+ROUNDS = 300
+
+
+def _child(pid: str, out: int) -> None:
+    code = 1
+    try:
+        right = 0
+        for _ in range(ROUNDS):
+            right += dp.kv_batch_get(["a"], pid)["x"].tolist() == [[0, 1, 2, 3]]
+        os.write(out, str(right).encode())
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_a_forked_child_never_takes_its_parents_connections(ray_cluster, pid):
+    with own_store("t-fork", num_shards=1, rpc_timeout_s=5) as _:
+        dp.kv_batch_put(["a", "b"], pid, {"x": torch.arange(8).view(2, 4)})  # the pool holds a connection
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(read_end)
+            _child(pid, write_end)
+        os.close(write_end)
+        ready: list = []
+        try:
+            wrong = []
+            for i in range(ROUNDS):  # the parent reads another row at the same time
+                try:
+                    got = dp.kv_batch_get(["b"], pid)["x"].tolist()
+                except dp.ShardUnavailableError as exc:  # its reply was read by the child
+                    wrong.append(f"round {i}: {exc}")
+                    break
+                if got != [[4, 5, 6, 7]]:
+                    wrong.append(f"round {i}: {got}")
+            assert not wrong, f"the parent's reads went wrong: {wrong[:3]}"
+            ready, _, _ = select.select([read_end], [], [], 60)
+            assert ready, "the forked child did not finish its reads within 60 s"
+            answer = os.read(read_end, 64).decode()
+            assert answer == str(ROUNDS), f"the child read its row right {answer or 'no'} times of {ROUNDS}"
+        finally:
+            os.close(read_end)
+            if not ready:
+                os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)  # it has answered (it exits right after) or was killed
