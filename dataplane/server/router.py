@@ -148,7 +148,10 @@ class ZmqServer:
 
     def _remove(self, fd: int) -> None:
         if self._handlers.pop(fd, None) is not None:
-            self._ep.unregister(fd)
+            try:
+                self._ep.unregister(fd)
+            except OSError:  # already closed (and so already out of the epoll): nothing to undo
+                logger.debug("%s: fd %d was closed before it was unregistered", self.name, fd)
 
     def _add_zmq(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
         """Watch a zmq socket: ``drain()`` must consume every message its ZMQ_EVENTS shows (the fd
@@ -219,8 +222,12 @@ class ZmqServer:
             events = ep.poll(self.poll_timeout_ms() / 1000)
             for fd, ev in events:
                 handler = handlers.get(fd)
-                if handler is not None:  # else: removed by an earlier handler of this pass
+                if handler is None:  # removed by an earlier handler of this pass
+                    continue
+                try:
                     handler(ev)
+                except Exception:  # noqa: BLE001 - the loop serves everyone else all the same
+                    logger.exception("%s: serving fd %d failed", self.name, fd)
             if not events:
                 for drain in list(self._drains.values()):
                     drain()
@@ -260,7 +267,10 @@ class ZmqServer:
             self._count()
 
     def _on_conn(self, conn: _unix.Conn, ev: int) -> None:
-        if ev & select.EPOLLOUT and conn.flush() and not conn.closed:
+        if ev & select.EPOLLOUT and conn.flush():
+            if conn.closed:  # the peer went away
+                self._close_conn(conn)
+                return
             self._ep.modify(conn.fd, select.EPOLLIN)
         if not ev & (select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP):
             return
@@ -276,10 +286,14 @@ class ZmqServer:
                     messages.extend(conn.reader.buffered())  # what the peer sent right after its hello
                 else:
                     raise _unix.ConnectionClosed("not a peer of this store")
-                if conn.closed:
+                if conn.closed:  # a reply found the peer gone, or it left too much unread
                     break
         except _unix.ConnectionClosed:
-            self._close_conn(conn)
+            pass
+        else:
+            if not conn.closed:
+                return
+        self._close_conn(conn)
 
     def _close_conn(self, conn: _unix.Conn) -> None:
         if self._conns.get(conn.fd) is conn:

@@ -127,12 +127,18 @@ class _Endpoints:
         sock.connect(ep.address)
         return sock
 
-    def _unix_conn(self, target: int) -> _unix.Conn:
+    def _unix_conn(self, target: int, timeout: float = 0.0) -> _unix.Conn:
+        """A Unix-lane connection to ``target``; ``ConnectionError`` when it cannot be made within
+        ``timeout`` seconds (0: at once, for a server's loop, which must never block)."""
         ep = self.endpoints[target]
         assert ep.unix is not None
         try:
             return _unix.connect(
-                ep.unix, self.creds.secret, max_frames=_wire.MAX_FRAMES + 1, max_bytes=self.max_message_bytes
+                ep.unix,
+                self.creds.secret,
+                max_frames=_wire.MAX_FRAMES + 1,
+                max_bytes=self.max_message_bytes,
+                timeout=timeout,
             )
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -213,12 +219,12 @@ class SyncTransport(_Endpoints):
         self._checkin(socks)
         return results
 
-    def _socket(self, socks: dict[int, Any], target: int) -> Any:
+    def _socket(self, socks: dict[int, Any], target: int, deadline: float) -> Any:
         """The call set's socket to ``target``: a Unix-lane connection when it has one, else a DEALER."""
         sock = socks.get(target)
         if sock is None:
             if self.endpoints[target].unix is not None:
-                sock = socks[target] = self._unix_conn(target)
+                sock = socks[target] = self._unix_conn(target, max(0.0, deadline - time.monotonic()))
             else:
                 sock = socks[target] = self._dealer(self._ctx, target)
         return sock
@@ -226,18 +232,18 @@ class SyncTransport(_Endpoints):
     def _send(self, socks: dict[int, Any], c: Call, rid: int, deadline: float) -> Any:
         """Send ``c``; returns its socket, or the error the call ends with (nothing was sent)."""
         frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
+        started = time.monotonic()
         try:
-            sock = self._socket(socks, c.target)
+            sock = self._socket(socks, c.target, deadline)
         except ConnectionError as exc:  # the Unix lane refused: its process is gone, or not ours
-            return self.gone(c.target, 0.0, f" (connecting failed: {exc})")
+            return self.gone(c.target, time.monotonic() - started, f" (connecting failed: {exc})")
         if type(sock) is _unix.Conn:
             try:
                 sent = sock.send_all(frames, deadline)
             except TimeoutError:
                 self._drop(socks, None, c.target)
-                return self.unavailable(
-                    c.target, deadline - time.monotonic(), " (it did not take the request)"
-                )
+                waited = time.monotonic() - started
+                return self.unavailable(c.target, waited, " (it did not take the request)")
             if not sent:
                 self._drop(socks, None, c.target)
                 return self.gone(c.target, 0.0, " (the connection was closed)")
@@ -282,6 +288,8 @@ class SyncTransport(_Endpoints):
             sock = self._send(socks, c, rid, deadline)
             if isinstance(sock, BaseException):
                 results[i] = sock
+                if c.target not in socks:  # its connection was dropped: so were earlier calls on it
+                    self._forget(poller, targets, waiting, calls, results, c.target, sock)
                 continue
             waiting[rid] = i
             handle = sock.fd if type(sock) is _unix.Conn else sock  # a poller reports a plain fd as the int
@@ -298,16 +306,17 @@ class SyncTransport(_Endpoints):
                 self._fail_dead(socks, poller, calls, waiting, results)
                 continue
             for handle, _ in poller.poll(max(1, int((min(deadline, next_probe) - now) * 1000))):
-                target = targets[handle]
+                target = targets.get(handle)
+                if target is None:  # forgotten earlier in this pass
+                    continue
                 sock = socks.get(target)
-                if sock is None:  # dropped in this pass
+                if sock is None:  # dropped in this pass (its calls were failed then)
+                    self._forget(poller, targets, waiting, calls, results, target, None)
                     continue
                 try:
                     messages = self._receive(socks, target, sock, start)
                 except ShardUnavailableError as exc:
-                    poller.unregister(handle)
-                    for rid in [r for r, i in waiting.items() if calls[i].target == target]:
-                        results[waiting.pop(rid)] = exc
+                    self._forget(poller, targets, waiting, calls, results, target, exc)
                     continue
                 for frames in messages:
                     rid, result = decode_result(frames)
@@ -361,6 +370,27 @@ class SyncTransport(_Endpoints):
             now = time.monotonic()
         self._drop(socks, None, c.target)  # drop what is queued for it
         return self.unavailable(c.target, timeout)
+
+    @staticmethod
+    def _forget(
+        poller: zmq.Poller,
+        targets: dict,
+        waiting: dict,
+        calls: list[Call],
+        results: list,
+        target: int,
+        exc: Any,
+    ) -> None:
+        """Stop polling ``target``'s dropped socket; its waiting calls end with ``exc`` (if given)."""
+        for handle in [h for h, t in targets.items() if t == target]:
+            del targets[handle]
+            try:
+                poller.unregister(handle)
+            except KeyError:
+                pass
+        if exc is not None:
+            for rid in [r for r, i in waiting.items() if calls[i].target == target]:
+                results[waiting.pop(rid)] = exc
 
     def _fail_dead(
         self, socks: dict, poller: zmq.Poller, calls: list[Call], waiting: dict, results: list

@@ -17,7 +17,8 @@ been served nothing, when that first message is anything else, when it does not 
 ``HANDSHAKE_S``, and at any time when a message breaks the limits (frame count, total bytes): a
 declared size is never trusted with memory before the bytes arrive (``_Reader`` grows a large
 message's buffer as its bytes come in). A peer that does not read its replies is closed once
-``MAX_PENDING_BYTES`` wait for it, so it cannot make a service buffer without bound.
+``MAX_PENDING_BYTES`` would wait behind the message being sent, so it cannot make a service buffer
+without bound (one message of any size may wait for the socket).
 
     >>> conn = connect("@dataplane-shard0-3f2a", creds.secret)   # client side, blocking use
     >>> conn.send_all(frames, deadline)
@@ -37,7 +38,7 @@ from typing import Any
 
 HELLO = b"dataplane-unix-1"
 HANDSHAKE_S = 10.0  # an accepted peer that has not said hello by then is closed
-HELLO_MAX_BYTES = 256  # the hello's frames in all: an unauthenticated peer cannot make us buffer more
+HELLO_MAX_BYTES = 256  # each frame of the hello: an unauthenticated peer cannot make us buffer more
 MAX_PENDING_BYTES = 256 << 20  # replies a peer has not read: past this it is closed
 READ_CHUNK = 1 << 16
 IOV_MAX = 512  # buffers per sendmsg call (the kernel allows 1024)
@@ -69,10 +70,10 @@ class _Reader:
     read buffer is received straight into a buffer of its own, grown as its bytes arrive.
     """
 
-    def __init__(self, max_frames: int, max_bytes: int) -> None:
+    def __init__(self, max_frames: int, max_bytes: int, size: int = READ_CHUNK) -> None:
         self.max_frames = max_frames
         self.max_bytes = max_bytes  # < 0: no limit
-        self.buf = bytearray(READ_CHUNK)
+        self.buf = bytearray(size)
         self.start = 0  # unparsed bytes are buf[start:end]
         self.end = 0
         self.big: bytearray | None = None  # a large message being received whole
@@ -87,7 +88,9 @@ class _Reader:
             return self._read_big(sock)
         if self.start and self.start == self.end:
             self.start = self.end = 0
-        elif len(self.buf) - self.end < 4096:  # make room: move the unparsed tail to the front
+        elif len(self.buf) - self.end < min(
+            4096, len(self.buf) // 2
+        ):  # make room: move the tail to the front
             tail = self.buf[self.start : self.end]
             self.buf[: len(tail)] = tail
             self.start, self.end = 0, len(tail)
@@ -180,15 +183,18 @@ class Conn:
     """One framed connection, non-blocking, for either side: ``read`` what arrived, ``write`` frames
     (what the socket does not take at once waits in ``pending`` until ``flush``)."""
 
-    def __init__(self, sock: socket.socket, *, max_frames: int, max_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, *, max_frames: int, max_bytes: int, buffer: int = READ_CHUNK
+    ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()  # what a poller reports (and unregisters, even after close)
         self._readable: Any = None  # a poll object on ``fd``, made at the first ``wait``
-        self.reader = _Reader(max_frames, max_bytes)
+        self.reader = _Reader(max_frames, max_bytes, buffer)
         self.pending: deque[memoryview] = deque()
         self.pending_bytes = 0
-        self.closed = False
+        self.closed = False  # no longer usable: the peer went away, broke a limit, or ``close`` ran
+        self._open = True  # the socket itself: closed only by ``close`` (its owner unregisters it first)
         self.authenticated = False
         self.since = time.monotonic()
 
@@ -213,9 +219,12 @@ class Conn:
         sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         header = frame_header(sizes)
         bufs = [header, *frames]
-        if self.pending:  # behind what is already waiting
+        if self.pending:  # behind what is already waiting: only so much may wait unread
+            if self.pending_bytes + len(header) + sum(sizes) > MAX_PENDING_BYTES:
+                self._fail()
+                return False
             self._queue(bufs, 0)
-            return self._check_pending()
+            return True
         try:
             if len(bufs) <= IOV_MAX:  # the usual case: one call, and it takes everything
                 try:
@@ -227,10 +236,10 @@ class Conn:
             else:
                 sent = _sendmsg(self.sock, bufs)
         except OSError:  # EPIPE / ECONNRESET: the peer closed its end
-            self.close()
+            self._fail()
             return False
-        self._queue(bufs, sent)
-        return self._check_pending()
+        self._queue(bufs, sent)  # one message of any size may wait for the socket, however large
+        return True
 
     def _queue(self, bufs: list[Any], skip: int) -> None:
         for b in bufs:
@@ -245,12 +254,6 @@ class Conn:
             self.pending.append(view)
             self.pending_bytes += view.nbytes
 
-    def _check_pending(self) -> bool:
-        if self.pending_bytes > MAX_PENDING_BYTES:
-            self.close()
-            return False
-        return True
-
     def flush(self) -> bool:
         """Send what is pending as far as the socket takes it; True when nothing is left."""
         while self.pending and not self.closed:
@@ -260,7 +263,7 @@ class Conn:
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:
-                self.close()
+                self._fail()
                 return True
             self.pending_bytes -= sent
             while sent:
@@ -288,11 +291,17 @@ class Conn:
                 return False
         return True
 
+    def _fail(self) -> None:
+        """Unusable from now on; the socket stays open until its owner, who may have it registered
+        with a poller, calls ``close``."""
+        self.closed = True
+        self.pending.clear()
+        self.pending_bytes = 0
+
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.pending.clear()
-            self.pending_bytes = 0
+        self._fail()
+        if self._open:
+            self._open = False
             self.sock.close()
 
 
@@ -335,12 +344,17 @@ def listen(name: str) -> tuple[socket.socket, str]:
     return sock, address
 
 
-def connect(address: str, secret: str, *, max_frames: int, max_bytes: int) -> Conn:
+def connect(address: str, secret: str, *, max_frames: int, max_bytes: int, timeout: float = 0.0) -> Conn:
     """A client connection to ``address``, its hello queued first (no round trip of its own: a wrong
-    secret shows as the service closing the connection)."""
+    secret shows as the service closing the connection). ``ConnectionError`` when nobody listens,
+    or when the service's backlog stays full for ``timeout`` seconds (0: do not wait at all)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        sock.settimeout(timeout)  # a full backlog would block a plain connect without any limit
         sock.connect(abstract(address))
+    except (BlockingIOError, TimeoutError) as exc:
+        sock.close()
+        raise ConnectionRefusedError(errno.EAGAIN, f"its backlog stayed full ({exc})") from None
     except OSError:
         sock.close()
         raise
@@ -362,7 +376,7 @@ def accept(listener: socket.socket) -> Conn | None:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise
         return None
-    conn = Conn(sock, max_frames=2, max_bytes=HELLO_MAX_BYTES)
+    conn = Conn(sock, max_frames=2, max_bytes=HELLO_MAX_BYTES, buffer=1024)
     conn.reader.one = True
     return conn
 
@@ -380,6 +394,8 @@ def check_hello(conn: Conn, frames: list[memoryview], secret: str, max_frames: i
         conn.reader.max_frames = max_frames
         conn.reader.max_bytes = max_bytes
         conn.reader.one = False
+        if len(conn.reader.buf) < READ_CHUNK:  # a peer gets a full read buffer only once it is known
+            conn.reader._grow(READ_CHUNK)
     return ok
 
 
