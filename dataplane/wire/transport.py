@@ -224,7 +224,9 @@ class SyncTransport(_Endpoints):
         sock = socks.get(target)
         if sock is None:
             if self.endpoints[target].unix is not None:
-                sock = socks[target] = self._unix_conn(target, max(0.0, deadline - time.monotonic()))
+                # (a call that may wait for ever still connects within an hour, or fails)
+                wait = min(max(0.0, deadline - time.monotonic()), 3600.0)
+                sock = socks[target] = self._unix_conn(target, wait)
             else:
                 sock = socks[target] = self._dealer(self._ctx, target)
         return sock

@@ -285,7 +285,7 @@ class Conn:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the peer did not take the request in time")
-            wait_writable(self.sock, left)
+            wait_writable(self.sock, min(left, 1.0))  # (a deadline may be infinite)
             self.flush()
             if self.closed:
                 return False

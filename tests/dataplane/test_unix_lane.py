@@ -276,48 +276,46 @@ def test_messages_round_trip_between_two_conns() -> None:
         b.close()
 
 
-def test_bytes_arriving_one_at_a_time_make_one_message_at_the_last_byte() -> None:
+@pytest.fixture
+def raw_pair():
+    """A non-blocking socket to read from with a bare ``_Reader``, and its peer to write into."""
     sock, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
-    try:
-        reader = unix._Reader(max_frames=8, max_bytes=-1)
-        for message in ([b"ab", b"", b"c"], [b"q" * 70_000, b"r"]):  # in the read buffer, and larger
-            data = _wire_bytes(message)
-            # byte by byte over the header and the ends, in odd chunks in between
-            edges = {*range(40), *range(len(data) - 40, len(data))}
-            cuts = sorted(c for c in {*edges, *range(40, len(data), 4093)} if 0 <= c < len(data))
-            got: list[list[bytes]] = []
-            for start, end in zip(cuts, [*cuts[1:], len(data)], strict=True):
-                assert not got, f"a message completed at byte {start} of {len(data)}"
-                got = _feed(reader, sock, peer, data[start:end])
-            assert got == [message]
-    finally:
-        sock.close()
-        peer.close()
+    yield sock, peer, unix._Reader(max_frames=8, max_bytes=-1)
+    sock.close()
+    peer.close()
 
 
-def test_several_messages_in_one_read_and_messages_across_the_read_buffer() -> None:
-    sock, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    try:
-        reader = unix._Reader(max_frames=8, max_bytes=-1)
-        three = [[b"one"], [b"", b"two"], [b"three", b"3" * 1000]]
-        peer.sendall(b"".join(_wire_bytes(m) for m in three))
-        assert _as_bytes(reader.read(sock)) == three  # one read, all three
-        # Sizes around the 64 KiB read buffer, the stream cut anywhere: every message whole, in order.
-        rng = random.Random(7)
-        sizes = [60_000, 5_000, 65_500, 1, 0, 70_000, 4_090, 65_536 - 12, 130_000, 3, 65_000, 9]
-        stream = [[bytes([i]) * size, bytes([i])] for i, size in enumerate(sizes)]
-        data = b"".join(_wire_bytes(m) for m in stream)
-        got, at = [], 0
-        while at < len(data):
-            step = rng.choice([1, 7, 4096, 20_000, 65_536, 100_000])
-            got += _feed(reader, sock, peer, data[at : at + step])
-            at += step
-        assert got == stream
-    finally:
-        sock.close()
-        peer.close()
+def test_bytes_arriving_one_at_a_time_make_one_message_at_the_last_byte(raw_pair) -> None:
+    sock, peer, reader = raw_pair
+    for message in ([b"ab", b"", b"c"], [b"q" * 70_000, b"r"]):  # in the read buffer, and larger
+        data = _wire_bytes(message)
+        # byte by byte over the header and the ends, in odd chunks in between
+        edges = {*range(40), *range(len(data) - 40, len(data))}
+        cuts = sorted(c for c in {*edges, *range(40, len(data), 4093)} if 0 <= c < len(data))
+        got: list[list[bytes]] = []
+        for start, end in zip(cuts, [*cuts[1:], len(data)], strict=True):
+            assert not got, f"a message completed at byte {start} of {len(data)}"
+            got = _feed(reader, sock, peer, data[start:end])
+        assert got == [message]
+
+
+def test_several_messages_in_one_read_and_messages_across_the_read_buffer(raw_pair) -> None:
+    sock, peer, reader = raw_pair
+    three = [[b"one"], [b"", b"two"], [b"three", b"3" * 1000]]
+    peer.sendall(b"".join(_wire_bytes(m) for m in three))
+    assert _as_bytes(reader.read(sock)) == three  # one read, all three
+    # Sizes around the 64 KiB read buffer, the stream cut anywhere: every message whole, in order.
+    rng = random.Random(7)
+    sizes = [60_000, 5_000, 65_500, 1, 0, 70_000, 4_090, 65_536 - 12, 130_000, 3, 65_000, 9]
+    stream = [[bytes([i]) * size, bytes([i])] for i, size in enumerate(sizes)]
+    data = b"".join(_wire_bytes(m) for m in stream)
+    got, at = [], 0
+    while at < len(data):
+        step = rng.choice([1, 7, 4096, 20_000, 65_536, 100_000])
+        got += _feed(reader, sock, peer, data[at : at + step])
+        at += step
+    assert got == stream
 
 
 # ---- 2. limits against a lying or hostile peer -----------------------------------------------------
