@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -100,6 +101,7 @@ class ShardServer(ZmqServer):
         self._dealer: Any = None  # to the index, created on the server thread: a DEALER or a Unix-lane conn
         self._outbox: list[_Forward] = []
         self._sent: dict[int, _Sent] = {}
+        self._next_check = 0.0  # no request in flight is due for a probe or its deadline before this
 
     def link(self, index: dict[str, Any]) -> None:
         """Where the index listens (its registry entry), so this shard can commit puts there."""
@@ -131,7 +133,7 @@ class ShardServer(ZmqServer):
             self._send_outbox()
         if type(self._dealer) is _unix.Conn and self._dealer.pending:  # the index's socket was full
             self._dealer.flush()
-        if self._sent:
+        if self._sent and time.monotonic() >= self._next_check:
             self._check_sent()
 
     # ---- to the index and back -------------------------------------------------------------------
@@ -165,7 +167,8 @@ class ShardServer(ZmqServer):
             self._refuse(items, exc)
             return
         now = time.monotonic()
-        self._sent[rid] = _Sent(items, now, now + self._index_wait_s, now + PROBE_S)
+        sent = self._sent[rid] = _Sent(items, now, now + self._index_wait_s, now + PROBE_S)
+        self._next_check = min(self._next_check, sent.deadline, sent.next_probe)
         self.core.ready_puts += len(items)  # counted for stats(): how many puts one request carries
         self.core.ready_batches += 1
 
@@ -271,6 +274,7 @@ class ShardServer(ZmqServer):
                         self._not_ready(s.items, link.died(INDEX))
                     self._drop_index_socket()
                     return
+        self._next_check = min((min(s.deadline, s.next_probe) for s in self._sent.values()), default=math.inf)
 
 
 def _rebuild(error: Any) -> BaseException:
