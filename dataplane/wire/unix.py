@@ -86,11 +86,10 @@ class _Reader:
         """What one non-blocking read completes (maybe nothing); ``ConnectionClosed`` on EOF or abuse."""
         if self.big is not None:
             return self._read_big(sock)
+        size = len(self.buf)
         if self.start and self.start == self.end:
             self.start = self.end = 0
-        elif len(self.buf) - self.end < min(
-            4096, len(self.buf) // 2
-        ):  # make room: move the tail to the front
+        elif size - self.end < min(4096, size // 2):  # make room: move the unparsed tail to the front
             tail = self.buf[self.start : self.end]
             self.buf[: len(tail)] = tail
             self.start, self.end = 0, len(tail)
