@@ -112,6 +112,7 @@ class ShardServer(ZmqServer):
         endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix)
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
         self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
+        self._link.uses_lane = True  # (the link connects over the lane whenever the index has one)
 
     # ---- requests --------------------------------------------------------------------------------
     def serve(

@@ -149,11 +149,16 @@ class _Endpoints:
         """The error for a target whose connection closed or could not be made: dead, or unavailable."""
         return self.died(target) if self.liveness.dead(target) else self.unavailable(target, waited, why)
 
+    uses_lane = False  # whether calls to a target with a Unix-lane address go over it (errors name it)
+
+    def _where(self, ep: Endpoint) -> str:
+        return f"unix:{ep.unix}" if self.uses_lane and ep.unix is not None else ep.address
+
     def unavailable(self, target: int, waited: float, why: str = "") -> ShardUnavailableError:
         ep = self.endpoints[target]
         return ShardUnavailableError(
             ep.name,
-            f"{ep.name} at {ep.address} did not answer within {waited:.1f}s{why}; it may be overloaded "
+            f"{ep.name} at {self._where(ep)} did not answer within {waited:.1f}s{why}; it may be overloaded "
             "or unreachable (check `rlplane store status` / the Ray dashboard), or rpc_timeout_s may be "
             "too small",
         )
@@ -162,13 +167,15 @@ class _Endpoints:
         ep = self.endpoints[target]
         return ShardUnavailableError(
             ep.name,
-            f"{ep.name} at {ep.address} is dead (its process is gone); its data went with it. The rest of "
-            "the store keeps working; `rlplane store stop` and a new store bring it back whole",
+            f"{ep.name} at {self._where(ep)} is dead (its process is gone); its data went with it. The "
+            "rest of the store keeps working; `rlplane store stop` and a new store bring it back whole",
         )
 
 
 class SyncTransport(_Endpoints):
     """Blocking request/reply over DEALER sockets from a small pool of per-call socket sets."""
+
+    uses_lane = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

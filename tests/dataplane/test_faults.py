@@ -116,6 +116,7 @@ def test_a_one_round_trip_put_to_a_stalled_index_says_its_row_is_stored_but_not_
             os.kill(index_pid, signal.SIGCONT)
         msg = str(err.value)
         assert err.value.shard == cfg.index_name() and "did not answer" in msg, msg
+        assert f"at unix:{registry['index']['unix']}" in msg, msg  # where the shard's link waited
         assert "['b'] (1 in all) are stored but may not be listed" in msg, msg
         assert 1.5 < took < 4, f"took {took:.1f}s: the shard answers at half of rpc_timeout_s (2 s)"
         assert dp.kv_batch_get(["b"], pid)["x"].tolist() == [2]  # stored on its shard, as said
