@@ -37,9 +37,11 @@ def start_store(**options):
     return cfg, registry, handle
 
 
-def store_fixtures(name: str, **options):
+def store_fixtures(name: str, transports: list[str] | None = None, **options):
     """A module-scoped ``store`` fixture (a store of the module's own) and an ``attached`` one (this
-    process attached to it for one test): ``store, attached = store_fixtures("t-x", num_shards=2)``."""
+    process attached to it for one test): ``store, attached = store_fixtures("t-x", num_shards=2)``.
+    With ``transports`` (e.g. ``["shm", "zmq"]``) each test using ``attached`` runs once per
+    transport, and ``attached`` yields the transport."""
     import dataplane as dp
 
     @pytest.fixture(scope="module")
@@ -50,11 +52,15 @@ def store_fixtures(name: str, **options):
         dp.close()
         handle.stop()
 
-    @pytest.fixture
-    def attached(store):
+    @pytest.fixture(params=transports or [None])
+    def attached(store, request):
         dp.close()  # a test before may have attached to a store of its own
-        dp.init(name=name)
-        yield store
+        if request.param is None:
+            dp.init(name=name)
+            yield store
+        else:
+            dp.init(name=name, transport=request.param)
+            yield request.param
         dp.close()
 
     return store, attached

@@ -37,7 +37,7 @@ from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, Call
 from dataplane.wire.transport import Endpoint, SyncTransport
 
-from .conftest import keys_on_shards, start_store, wait_for
+from .conftest import keys_on_shards, store_fixtures, wait_for
 
 DEADLINE_S = 10.0  # for every wait on a peer: a missing reply or close fails the test, never hangs it
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -757,26 +757,8 @@ def test_connecting_to_a_service_that_does_not_accept_honours_the_deadline(creds
 STORE = "t-unix-lane"
 
 
-@pytest.fixture(scope="module")
-def lane_store(ray_cluster):
-    import dataplane as dp
-
-    dp.close()
-    cfg, registry, handle = start_store(name=STORE, num_shards=2, rpc_timeout_s=20)
-    yield registry
-    dp.close()
-    handle.stop()
-
-
-@pytest.fixture(params=["shm", "zmq"])
-def attached(lane_store, request):
-    """This process attached to the module's store; with "zmq" the rows themselves cross the lane."""
-    import dataplane as dp
-
-    dp.close()
-    dp.init(name=STORE, transport=request.param)
-    yield request.param
-    dp.close()
+# With "zmq" the rows themselves cross the lane (no shared memory).
+store, attached = store_fixtures(STORE, transports=["shm", "zmq"], num_shards=2, rpc_timeout_s=20)
 
 
 def _client() -> Any:
@@ -852,7 +834,7 @@ def _without_the_lane(name: str, pid: str, keys: list[str]) -> dict[str, Any]:
 
 
 @pytest.mark.ray
-def test_a_process_without_the_unix_lane_uses_zmq_on_the_same_store(lane_store, pid) -> None:
+def test_a_process_without_the_unix_lane_uses_zmq_on_the_same_store(store, pid) -> None:
     import ray
     import torch
 
