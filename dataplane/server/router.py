@@ -88,7 +88,7 @@ class ZmqServer:
         self.ipc, self.tcp = self._bind(host_ip, max_message_bytes)
         self._max_message_bytes = max_message_bytes
         self._listener, self.unix = _unix.listen(f"{name}-{uuid.uuid4().hex[:12]}-u")
-        self._listening = True
+        self._listening = False  # (``_listen`` below)
         self._conns: dict[int, _unix.Conn] = {}  # accepted Unix-lane connections, by file descriptor
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
@@ -100,9 +100,9 @@ class ZmqServer:
         self._drains: dict[zmq.Socket, Callable[[], None]] = {}  # every zmq socket -> its drain
         self._touched: set[zmq.Socket] = set()  # zmq sockets sent on since the loop last drained them
         # Open connections (``rlplane store status`` shows a shard's as its clients), counted from
-        # each socket's accept/disconnect events, whose value is the connection's file descriptor.
-        # Watched before the routers are registered: poll() reports in registration order, so a
-        # connection is counted before its first request is answered (its accept event came first).
+        # each socket's accept/disconnect events, whose value is the connection's file descriptor,
+        # and from the Unix lane's accepted connections. A router's drain reads the monitors first,
+        # so a connection is counted before its first request is answered (its accept came first).
         self._peers: set[tuple[int, int]] = set()
         self.connections = 0
         self._monitors = []
@@ -114,7 +114,7 @@ class ZmqServer:
         self._add_zmq(self._zap, self._drain_zap)
         for sock in self._socks:
             self._add_zmq(sock, functools.partial(self._drain_router, sock))
-        self._add(self._listener.fileno(), lambda ev: self._accept())
+        self._listen()
 
     def _bind(self, host_ip: str, max_message_bytes: int) -> tuple[str, str]:
         """Bind the ROUTER sockets: PLAIN on a same-host ipc endpoint and on tcp, or CURVE on tcp when
@@ -251,6 +251,10 @@ class ZmqServer:
         self._ctx.term()
 
     # ---- the Unix lane ---------------------------------------------------------------------------
+    def _listen(self) -> None:
+        self._listening = True
+        self._add(self._listener.fileno(), lambda ev: self._accept())
+
     def _accept(self) -> None:
         while True:
             try:
@@ -308,8 +312,7 @@ class ZmqServer:
             if conn.closed or now - conn.since > _unix.HANDSHAKE_S:  # closed while answering, or silent
                 self._close_conn(conn)
         if not self._listening:
-            self._listening = True
-            self._add(self._listener.fileno(), lambda ev: self._accept())
+            self._listen()
 
     def poll_timeout_ms(self) -> int:
         """How long the loop may block in one poll (subclasses with deadlines shorten it)."""
@@ -348,7 +351,7 @@ class ZmqServer:
             if sock.pending:  # the rest goes when the socket is writable
                 self._ep.modify(sock.fd, select.EPOLLIN | select.EPOLLOUT)
             return True
-        self._touched.add(sock)
+        self.touch(sock)
         try:
             send_frames(sock, [ident, *reply])
             return True

@@ -45,7 +45,7 @@ from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, next_rid
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import PROBE_S, Endpoint, _Endpoints, recv_frames, send_frames
+from dataplane.wire.transport import PROBE_S, Endpoint, _Endpoints, close_socket, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -185,10 +185,7 @@ class ShardServer(ZmqServer):
     def _drop_index_socket(self) -> None:
         if self._dealer is not None:
             self.unwatch(self._dealer)
-            if type(self._dealer) is _unix.Conn:
-                self._dealer.close()
-            else:
-                self._dealer.close(linger=0)
+            close_socket(self._dealer)
             self._dealer = None
 
     def _on_index_reply(self) -> None:
@@ -196,14 +193,10 @@ class ShardServer(ZmqServer):
         if type(sock) is _unix.Conn:
             try:
                 messages = sock.read()
-            except _unix.ConnectionClosed as exc:  # what the index did with the commits in flight is unknown
-                self._drop_index_socket()
+            except _unix.ConnectionClosed as exc:
                 link = self._link
                 assert link is not None
-                err = link.gone(INDEX, 0.0, f" ({exc})")
-                sent, self._sent = list(self._sent.values()), {}
-                for s in sent:
-                    self._not_ready(s.items, err)
+                self._lose_index(link.gone(INDEX, 0.0, f" ({exc})"))
                 return
             for frames in messages:
                 self._index_reply(frames)
@@ -258,6 +251,14 @@ class ShardServer(ZmqServer):
             reply = {"index_error": _wire.error_fields(exc)}
             self.deliver(fwd.sock, fwd.ident, _wire.encode_reply(fwd.rid, reply))
 
+    def _lose_index(self, exc: BaseException) -> None:
+        """The index is gone: what it did with the commits in flight is unknown (``_not_ready``), and
+        the next commit opens a new socket."""
+        sent, self._sent = list(self._sent.values()), {}
+        for s in sent:
+            self._not_ready(s.items, exc)
+        self._drop_index_socket()
+
     def _check_sent(self) -> None:
         link = self._link
         assert link is not None
@@ -270,10 +271,7 @@ class ShardServer(ZmqServer):
                 # Only a /proc read here: asking Ray about a remote index could stall this loop.
                 sent.next_probe = now + PROBE_S
                 if link.liveness.dead(INDEX):
-                    for r, s in list(self._sent.items()):
-                        del self._sent[r]
-                        self._not_ready(s.items, link.died(INDEX))
-                    self._drop_index_socket()
+                    self._lose_index(link.died(INDEX))
                     return
         self._next_check = min((min(s.deadline, s.next_probe) for s in self._sent.values()), default=math.inf)
 

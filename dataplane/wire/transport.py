@@ -201,7 +201,7 @@ class SyncTransport(_Endpoints):
                 self._idle.append(socks)
                 return
         for sock in socks.values():
-            _close(sock)
+            close_socket(sock)
 
     def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
@@ -221,7 +221,7 @@ class SyncTransport(_Endpoints):
             # no late reply reaches a later call and the index sees its consumer leave (a batch it
             # would have handed out is given back instead).
             for sock in socks.values():
-                _close(sock)
+                close_socket(sock)
             raise
         self._checkin(socks)
         return results
@@ -301,7 +301,7 @@ class SyncTransport(_Endpoints):
                     self._forget(poller, targets, waiting, calls, results, c.target, sock)
                 continue
             waiting[rid] = i
-            handle = sock.fd if type(sock) is _unix.Conn else sock  # a poller reports a plain fd as the int
+            handle = _handle(sock)
             if handle not in targets:
                 targets[handle] = c.target
                 poller.register(handle, _POLLIN)
@@ -362,10 +362,9 @@ class SyncTransport(_Endpoints):
             if sock.wait(wait_ms) if unix else _poll(items, wait_ms):
                 if unix:
                     try:
-                        messages = sock.read()
-                    except _unix.ConnectionClosed as exc:
-                        self._drop(socks, None, c.target)
-                        return self.gone(c.target, time.monotonic() - start, f" ({exc})")
+                        messages = self._receive(socks, c.target, sock, start)
+                    except ShardUnavailableError as exc:  # the connection closed
+                        return exc
                 else:
                     try:
                         messages = [recv_frames(sock, _NOBLOCK)]
@@ -416,10 +415,10 @@ class SyncTransport(_Endpoints):
         if sock is not None:
             if poller is not None:
                 try:
-                    poller.unregister(sock.fd if type(sock) is _unix.Conn else sock)
+                    poller.unregister(_handle(sock))
                 except KeyError:
                     pass
-            _close(sock)
+            close_socket(sock)
 
     def close(self) -> None:
         with self._lock:
@@ -427,10 +426,15 @@ class SyncTransport(_Endpoints):
             idle, self._idle = self._idle, []
         for socks in idle:
             for sock in socks.values():
-                _close(sock)
+                close_socket(sock)
 
 
-def _close(sock: Any) -> None:
+def _handle(sock: Any) -> Any:
+    """What a zmq poller registers and reports for ``sock``: a Unix-lane connection by its fd."""
+    return sock.fd if type(sock) is _unix.Conn else sock
+
+
+def close_socket(sock: Any) -> None:
     """Close a DEALER (dropping what it still queues) or a Unix-lane connection."""
     if type(sock) is _unix.Conn:
         sock.close()
@@ -562,4 +566,4 @@ class AsyncTransport(_Endpoints):
         self._loops = weakref.WeakKeyDictionary()
 
 
-__all__ = ["AsyncTransport", "Endpoint", "SyncTransport", "recv_frames", "send_frames"]
+__all__ = ["AsyncTransport", "Endpoint", "SyncTransport", "close_socket", "recv_frames", "send_frames"]
