@@ -49,6 +49,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from dataplane import api
+from dataplane import stream as _stream
 from dataplane.errors import FieldNotFoundError, KeyNotFoundError, PartitionNotFoundError, StaleMetaError
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest, StreamResult
@@ -378,6 +379,11 @@ class _StreamCall:
         self.meta, self.start = meta, time.time()
         return meta.size > 0 or self.call.call_on_empty
 
+    @property
+    def leased(self) -> bool:
+        """The batch is leased and this rank answers for it (a collect rank: the one that writes)."""
+        return self.call.collect and "lease" in self.meta.extra_info
+
     def rows_to_write(self, output: Any, inputs: dict) -> TensorDict | None:
         out = _split(output, self.meta, inputs, self.call.name)
         self.per_row = out.rows is not None
@@ -415,14 +421,21 @@ def _run_stream(call: Any, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(stream.request.next_batch()):
         return stream.report()
-    new_args, new_kwargs = _replace(
-        call.args, call.kwargs, StreamRequest, lambda _r: _fetch(stream.meta, call.name)
-    )
-    inputs = _inputs_of(new_args, new_kwargs)
-    output = call.func(*new_args, **new_kwargs)
-    rows = stream.rows_to_write(output, inputs)
-    if rows is not None:
-        api.kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+    try:
+        new_args, new_kwargs = _replace(
+            call.args, call.kwargs, StreamRequest, lambda _r: _fetch(stream.meta, call.name)
+        )
+        inputs = _inputs_of(new_args, new_kwargs)
+        output = call.func(*new_args, **new_kwargs)
+        rows = stream.rows_to_write(output, inputs)
+        if rows is not None:
+            api.kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+    except BaseException:
+        if stream.leased:  # not done with: another consumer of the task gets it at once
+            _stream.release(stream.meta)
+        raise
+    if stream.leased:
+        _stream.ack(stream.meta)
     stream.wrote(rows)
     return stream.report(output)
 
@@ -431,13 +444,20 @@ async def _arun_stream(call: Any, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(await stream.request.async_next_batch()):
         return stream.report()
-    td = await _async_fetch(stream.meta, call.name)
-    new_args, new_kwargs = _replace(call.args, call.kwargs, StreamRequest, lambda _r: td)
-    inputs = _inputs_of(new_args, new_kwargs)
-    output = await call.func(*new_args, **new_kwargs)
-    rows = stream.rows_to_write(output, inputs)
-    if rows is not None:
-        await api.async_kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+    try:
+        td = await _async_fetch(stream.meta, call.name)
+        new_args, new_kwargs = _replace(call.args, call.kwargs, StreamRequest, lambda _r: td)
+        inputs = _inputs_of(new_args, new_kwargs)
+        output = await call.func(*new_args, **new_kwargs)
+        rows = stream.rows_to_write(output, inputs)
+        if rows is not None:
+            await api.async_kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+    except BaseException:
+        if stream.leased:
+            _stream.release(stream.meta)  # blocking: a cancelled coroutine may not get to run it
+        raise
+    if stream.leased:
+        await _stream.async_ack(stream.meta)
     stream.wrote(rows)
     return stream.report(output)
 

@@ -13,6 +13,7 @@ message names the culprit and, where there is one, the next step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 
@@ -166,6 +167,23 @@ class ReservationExpiredError(DataplaneError, TimeoutError):
     """
 
 
+class LeaseExpiredError(DataplaneError, TimeoutError):
+    """An ``ack`` came after the lease of some of its rows ran out: those rows went back to their task
+    and may have been delivered to another consumer. Attributes: ``partition_id``, ``keys`` (the
+    late ones; the others were acknowledged)."""
+
+    wire_attrs = ("partition_id",)
+
+    def __init__(self, partition_id: str, message: str | None = None, *, keys: Sequence[str] = ()) -> None:
+        self.partition_id = partition_id
+        self._keys = list(keys)  # raised by the client itself: the keys never cross the wire
+        super().__init__(message or f"the lease of {len(self._keys)} row(s) of {partition_id!r} ran out")
+
+    @property
+    def keys(self) -> list[str]:
+        return self._keys
+
+
 class ResourceLimitError(DataplaneError, OSError):
     """This process (or a shard) ran out of an OS resource, such as file descriptors; names the limit."""
 
@@ -222,6 +240,7 @@ __all__ = [
     "DataplaneError",
     "FieldNotFoundError",
     "KeyNotFoundError",
+    "LeaseExpiredError",
     "PartitionNotFoundError",
     "ProtocolVersionError",
     "ReservationExpiredError",

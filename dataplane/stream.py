@@ -24,19 +24,42 @@ that dies after its batch arrived loses that batch for its task; ``reset_consump
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dataplane.api import _client
 from dataplane.client import stream_ops as _stream_ops
+from dataplane.errors import LeaseExpiredError
 from dataplane.meta import KVBatchMeta
 from dataplane.samplers import Sampler
 
 if TYPE_CHECKING:
+    from dataplane.client.handle import StoreClient
     from dataplane.client.ops import Op
 
+_log = logging.getLogger(__name__)
 
-def _next_op(
+
+def _give_back(client: StoreClient, partition_id: str, task_name: str, take: _stream_ops.Take) -> None:
+    """The call ``take`` belongs to ended without handing its batch to its caller (cancelled,
+    interrupted, failed after the index answered): give back whatever the index handed it. Blocking,
+    even from an event loop: a cancelled coroutine cannot count on being resumed to send it."""
+    if not take.may_hold_rows:
+        return
+    try:
+        client.run(_stream_ops.release(partition_id, task_name, take.id))
+    except Exception as exc:  # noqa: BLE001 - the original exception is what the caller must see
+        _log.warning(
+            "could not give back the rows of an abandoned next_batch call (task %r, partition %r): %s; "
+            "they stay taken for this task (dp.reset_consumption reads them again)",
+            task_name,
+            partition_id,
+            exc,
+        )
+
+
+def _taking(
     partition_id: str,
     task_name: str,
     batch_size: int,
@@ -46,19 +69,12 @@ def _next_op(
     dp_rank: int | None,
     dp_size: int | None,
     batch_index: int | None,
-) -> Op:
-    return _stream_ops.next_batch(
-        _client().route,
-        partition_id,
-        task_name,
-        batch_size,
-        fields,
-        sampler,
-        timeout_s,
-        dp_rank,
-        dp_size,
-        batch_index,
-    )
+    lease_s: float | None,
+) -> tuple[StoreClient, _stream_ops.Take, Op]:
+    client = _client()
+    take = _stream_ops.Take.new()
+    args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
+    return client, take, _stream_ops.next_batch(client.route, *args, take, lease_s)
 
 
 def next_batch(
@@ -72,6 +88,7 @@ def next_batch(
     dp_rank: int | None = None,
     dp_size: int | None = None,
     batch_index: int | None = None,
+    lease_s: float | None = None,
 ) -> KVBatchMeta:
     """Up to ``batch_size`` rows of ``partition_id`` whose ``fields`` are all written and that
     ``task_name`` has not taken yet; marks them taken and returns their meta (listing ``fields``).
@@ -83,6 +100,14 @@ def next_batch(
     different keys. After ``finish_partition``, a call gets what is left (a short batch) and then an
     empty meta (``size == 0``) at once.
 
+    Delivery: rows are taken only by a call that returns them. A call that ends any other way
+    (cancelled, interrupted by a signal, failed after the index answered) gives back what the index
+    handed it, first in line for the task. By default a batch that was returned is taken for good
+    (at most once: if this process dies while working on it, the task never sees those rows again).
+    With ``lease_s``, the batch is leased instead: acknowledge it with ``dp.ack(meta)`` when done;
+    rows not acknowledged within ``lease_s`` seconds (the consumer died or stalled) go back to the task
+    and are delivered again (at least once; ``dp.release(meta)`` gives them back at once).
+
     Raises:
         BatchTimeoutError: fewer rows became ready within ``timeout_s`` (None: wait as long as it
             takes); says how many were ready, and names fields no put has written.
@@ -92,9 +117,16 @@ def next_batch(
 
     Example:
         >>> meta = dp.next_batch("step0", "reward", 64, ["responses"], timeout_s=30)
+        >>> leased = dp.next_batch("step0", "train", 64, ["advantages"], lease_s=600)
+        >>> dp.ack(leased)  # after the update that used it
     """
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
-    meta: KVBatchMeta = _client().run(_next_op(*args))
+    client, take, op = _taking(*args, lease_s)
+    try:
+        meta: KVBatchMeta = client.run(op)
+    except BaseException:
+        _give_back(client, partition_id, task_name, take)
+        raise
     return meta
 
 
@@ -109,11 +141,82 @@ async def async_next_batch(
     dp_rank: int | None = None,
     dp_size: int | None = None,
     batch_index: int | None = None,
+    lease_s: float | None = None,
 ) -> KVBatchMeta:
-    """Async ``next_batch``: the wait does not block the event loop."""
+    """Async ``next_batch``: the wait does not block the event loop. Cancelling it at any point gives
+    back what the index handed it."""
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
-    meta: KVBatchMeta = await _client().arun(_next_op(*args))
+    client, take, op = _taking(*args, lease_s)
+    try:
+        meta: KVBatchMeta = await client.arun(op)
+    except BaseException:
+        _give_back(client, partition_id, task_name, take)
+        raise
     return meta
+
+
+def _lease_of(meta: KVBatchMeta) -> tuple[str, str]:
+    lease = meta._extra.get("lease") if isinstance(meta, KVBatchMeta) else None
+    if not isinstance(lease, dict) or not isinstance(lease.get("task"), str):
+        raise ValueError(
+            "this meta holds no lease: pass a meta that next_batch(..., lease_s=...) returned (or a "
+            "chunk of one)"
+        )
+    return lease["task"], lease["take"]
+
+
+def ack(meta: KVBatchMeta) -> None:
+    """The consumer is done with the rows of ``meta``, a batch leased by ``next_batch(..., lease_s=)``
+    (or a chunk of one): they stay taken for good.
+
+    Raises:
+        LeaseExpiredError: some rows' lease had run out first; they went back to the task and may
+            have been delivered again (it names them). The other rows are acknowledged.
+
+    Example:
+        >>> meta = dp.next_batch("step0", "train", 64, ["advantages"], lease_s=600)
+        >>> dp.ack(meta)
+    """
+    task, take = _lease_of(meta)
+    late = _client().run(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
+    _raise_late(meta, task, late)
+
+
+async def async_ack(meta: KVBatchMeta) -> None:
+    task, take = _lease_of(meta)
+    late = await _client().arun(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
+    _raise_late(meta, task, late)
+
+
+def _raise_late(meta: KVBatchMeta, task: str, late: list[str]) -> None:
+    if late:
+        raise LeaseExpiredError(
+            meta._pid,
+            f"the lease of {len(late)} of {meta.size} row(s) of partition {meta._pid!r} (task "
+            f"{task!r}) ran out before this ack: they went back to the task and may have been delivered "
+            f"again: {late[:5]}; acknowledge sooner or ask for a longer lease_s",
+            keys=late,
+        )
+
+
+def release(meta: KVBatchMeta) -> int:
+    """Give the rows of leased ``meta`` back to its task now (they are delivered again, first in line);
+    rows already acknowledged stay taken. Returns how many went back.
+
+    Example:
+        >>> meta = dp.next_batch("step0", "train", 64, ["advantages"], lease_s=600)
+        >>> dp.release(meta)  # this consumer cannot use them after all
+        64
+    """
+    task, take = _lease_of(meta)
+    back: int = _client().run(_stream_ops.release(meta._pid, task, take))
+    return back
+
+
+async def async_release(meta: KVBatchMeta) -> int:
+    task, take = _lease_of(meta)
+    back: int = await _client().arun(_stream_ops.release(meta._pid, task, take))
+    return back
 
 
 def _pid(partition_id: Any) -> str:
@@ -181,6 +284,7 @@ class StreamRequest:
     dp_rank: int | None = None
     dp_size: int | None = None
     batch_index: int | None = None
+    lease_s: float | None = None  # lease each batch; the bridge acknowledges it once its outputs are written
 
     allows_uneven_chunks = True
     # Makes ``@register`` methods pull their batch for it (see ``controlplane.bridge``).
@@ -202,6 +306,7 @@ class StreamRequest:
                 i,
                 n,
                 self.batch_index,
+                self.lease_s,
             )
             for i in range(n)
         ]
@@ -217,30 +322,28 @@ class StreamRequest:
             list(first.fields),
             first.sampler,
             first.timeout_s,
+            lease_s=first.lease_s,
         )
 
-    def _op(self) -> Op:
-        return _next_op(
-            self.partition_id,
-            self.task_name,
-            self.batch_size,
-            self.fields,
-            self.sampler,
-            self.timeout_s,
-            self.dp_rank,
-            self.dp_size,
-            self.batch_index,
-        )
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            "sampler": self.sampler,
+            "timeout_s": self.timeout_s,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "batch_index": self.batch_index,
+            "lease_s": self.lease_s,
+        }
 
     def next_batch(self) -> KVBatchMeta:
         """``next_batch`` with this request's arguments."""
-        meta: KVBatchMeta = _client().run(self._op())
-        return meta
+        return next_batch(self.partition_id, self.task_name, self.batch_size, self.fields, **self._kwargs())
 
     async def async_next_batch(self) -> KVBatchMeta:
         """``async_next_batch`` with this request's arguments."""
-        meta: KVBatchMeta = await _client().arun(self._op())
-        return meta
+        return await async_next_batch(
+            self.partition_id, self.task_name, self.batch_size, self.fields, **self._kwargs()
+        )
 
 
 @dataclass
@@ -281,12 +384,16 @@ class StreamResult:
 __all__ = [
     "StreamRequest",
     "StreamResult",
+    "ack",
+    "async_ack",
     "async_consumption",
     "async_finish_partition",
     "async_next_batch",
+    "async_release",
     "async_reset_consumption",
     "consumption",
     "finish_partition",
     "next_batch",
+    "release",
     "reset_consumption",
 ]

@@ -33,6 +33,7 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "SchemaError": lambda c: c("f0", f"field {CULPRIT} has the wrong dtype"),
     "ShardUnavailableError": lambda c: c("shard-0", f"shard {CULPRIT} is dead"),
     "BatchTimeoutError": lambda c: c("p0", f"waited for {CULPRIT}"),
+    "LeaseExpiredError": lambda c: c("p0", f"the lease of {CULPRIT} ran out", keys=["k0"]),
     "ClusterConnectError": lambda c: c("10.0.0.1:6379", f"nothing answers at {CULPRIT}"),
     "ClusterAuthError": lambda c: c("10.0.0.1:6379", f"{CULPRIT} refused the token"),
     "ProtocolVersionError": lambda c: c(2, 1, f"{CULPRIT} speaks version 2"),

@@ -10,14 +10,44 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from dataplane.client.ops import Op, Route, _raise_first
-from dataplane.errors import BatchSizeError, DataplaneError, WireError
+from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
 from dataplane.meta import KVBatchMeta
+from dataplane.wire.protocol import MAX_LEASE_S
 from dataplane.wire.requests import INDEX, Call
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
+
+
+@dataclass
+class Take:
+    """One ``next_batch`` call as its rows' owner: the id the index files what it hands out under,
+    and whether the index may have handed this call rows (a request went out and no refusal came
+    back). A call that ends any other way than by returning its batch gives such rows back by id."""
+
+    id: str
+    sent: bool = False
+    refused: bool = False
+
+    @classmethod
+    def new(cls) -> Take:
+        return cls(uuid.uuid4().hex)
+
+    @property
+    def may_hold_rows(self) -> bool:
+        return self.sent and not self.refused
+
+    def answered(self, res: Any) -> None:
+        """A reply came: a refusal (not a lost connection) means the index took nothing for us."""
+        self.refused = isinstance(res, BaseException) and not isinstance(res, ShardUnavailableError)
+
+
+MAX_BATCH = 1 << 31  # rows one call may ask for
+MAX_TIMEOUT_S = 1e9  # a wait longer than this is a mistake (None waits as long as it takes)
 
 
 def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
@@ -25,14 +55,40 @@ def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, field
         raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
     if not isinstance(task_name, str) or not task_name:
         raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
-    if type(batch_size) is not int or batch_size < 1:
-        raise BatchSizeError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
+        raise BatchSizeError(f"batch_size must be an int in [1, 2**31], got {batch_size!r}")
     if isinstance(fields, str):
         fields = [fields]
     fields = list(fields) if fields is not None else []
     if not fields or any(type(f) is not str for f in fields):
         raise TypeError(f"fields must name at least one field (a list of str), got {fields!r}")
     return fields
+
+
+def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
+    for name, value, low in (
+        ("dp_rank", dp_rank, 0),
+        ("dp_size", dp_size, 1),
+        ("batch_index", batch_index, 0),
+    ):
+        if value is not None and (type(value) is not int or not low <= value < 1 << 62):
+            raise ValueError(f"{name} must be None or an int >= {low} (below 2**62), got {value!r}")
+    if dp_rank is not None and dp_size is not None and dp_rank >= dp_size:
+        raise ValueError(f"dp_rank must be below dp_size: got dp_rank={dp_rank}, dp_size={dp_size}")
+
+
+def _check_timeout(timeout_s: Any) -> float | None:
+    """``timeout_s`` as sent: None (or ``math.inf``) waits as long as it takes; else finite, >= 0."""
+    if timeout_s is None or timeout_s == math.inf:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be None or a number of seconds, not {type(timeout_s).__name__}")
+    if not 0 <= timeout_s <= MAX_TIMEOUT_S:  # (nan fails this too)
+        raise ValueError(
+            f"timeout_s must be None (wait as long as it takes) or a number of seconds in [0, 1e9], "
+            f"got {timeout_s!r}"
+        )
+    return float(timeout_s)
 
 
 def _wait_timeout(route: Route, timeout_s: float | None) -> float:
@@ -51,13 +107,22 @@ def next_batch(
     dp_rank: int | None,
     dp_size: int | None,
     batch_index: int | None,
+    take: Take,
+    lease_s: float | None = None,
 ) -> Op:
-    """The next batch of rows ready for ``task_name`` (see ``dataplane.stream.next_batch``)."""
+    """The next batch of rows ready for ``task_name`` (see ``dataplane.stream.next_batch``), taken
+    under ``take`` (leased for ``lease_s`` seconds when given)."""
     from dataplane.samplers import Sampler
 
     fields = _check_stream_args(partition_id, task_name, batch_size, fields)
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s < 0):
-        raise ValueError(f"timeout_s must be None or a number >= 0, got {timeout_s!r}")
+    timeout_s = _check_timeout(timeout_s)
+    _check_ranks(dp_rank, dp_size, batch_index)
+    if lease_s is not None and (
+        not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S or isinstance(lease_s, bool)
+    ):
+        raise ValueError(
+            f"lease_s must be None or a number of seconds in (0, {MAX_LEASE_S:.0f}], got {lease_s!r}"
+        )
     if sampler is not None and not isinstance(sampler, Sampler):
         raise TypeError(f"sampler must be a dataplane Sampler, not {type(sampler).__name__}")
     if sampler is not None:
@@ -66,7 +131,9 @@ def next_batch(
     common = {"pid": partition_id, "task": task_name, "fields": fields, "dp_rank": dp_rank}
     if sampler is not None and spec is None:  # a sampler of the caller's own: it runs here
         return (
-            yield from _next_client_side(route, common, sampler, batch_size, dp_size, batch_index, timeout_s)
+            yield from _next_client_side(
+                route, common, sampler, batch_size, dp_size, batch_index, timeout_s, take, lease_s
+            )
         )
     body = {
         **common,
@@ -75,14 +142,26 @@ def next_batch(
         "dp_size": dp_size,
         "batch_index": batch_index,
         "timeout_s": timeout_s,
+        "take": take.id,
+        "lease_s": lease_s,
     }
+    take.sent = True
     (res,) = yield [Call(INDEX, "next", body, timeout=_wait_timeout(route, timeout_s), exclusive=True)]
+    take.answered(res)
     _raise_first([res])
-    return _stream_meta(partition_id, res[0])
+    return _stream_meta(partition_id, res[0], task_name)
 
 
 def _next_client_side(
-    route: Route, common: dict, sampler: Any, batch_size: int, dp_size, batch_index, timeout_s
+    route: Route,
+    common: dict,
+    sampler: Any,
+    batch_size: int,
+    dp_size,
+    batch_index,
+    timeout_s,
+    take: Take,
+    lease_s: float | None,
 ) -> Op:
     from dataplane.samplers import ReadyRows
 
@@ -97,7 +176,7 @@ def _next_client_side(
         _raise_first([res])
         got = res[0]
         if got.get("cached"):
-            return _stream_meta(common["pid"], got)
+            return _stream_meta(common["pid"], got, common["task"])
         tags = dict((k, t) for k, t in got["rows"])
         ready = ReadyRows([k for k, _ in got["rows"]], tags.__getitem__)
         choice = sampler.sample(
@@ -105,7 +184,9 @@ def _next_client_side(
         )
         if choice is None or (not choice and not got["finished"]):
             if got["finished"]:  # no more rows will come: what it waits for never will
-                return _stream_meta(common["pid"], {"keys": [], "tags": [], "fields": common["fields"]})
+                return _stream_meta(
+                    common["pid"], {"keys": [], "tags": [], "fields": common["fields"]}, common["task"]
+                )
             min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
             continue
         if isinstance(choice, dict):
@@ -123,8 +204,10 @@ def _next_client_side(
                 f"the ready rows it was given: not all of {sorted(common['fields'])} written, already "
                 f"consumed, or unknown): {bad[:5]}"
             )
-        claim = {**common, "keys": keys, "batch_index": batch_index}
+        claim = {**common, "keys": keys, "batch_index": batch_index, "take": take.id, "lease_s": lease_s}
+        take.sent = True
         (res,) = yield [Call(INDEX, "claim", claim)]
+        take.answered(res)
         if isinstance(res, WireError) and "not ready" in str(res):
             lost += 1  # another consumer of this task took some of them first: choose again
             if lost < CLAIM_ATTEMPTS:
@@ -134,11 +217,30 @@ def _next_client_side(
                 f"{common['task']!r} first; retry"
             )
         _raise_first([res])
-        return _stream_meta(common["pid"], res[0])
+        return _stream_meta(common["pid"], res[0], common["task"])
 
 
-def _stream_meta(partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
-    return KVBatchMeta._trusted(body["keys"], body["tags"], partition_id, body["fields"])
+def _stream_meta(partition_id: str, body: dict[str, Any], task: str) -> KVBatchMeta:
+    meta = KVBatchMeta._trusted(body["keys"], body["tags"], partition_id, body["fields"])
+    if body.get("lease") is not None:  # what ``ack`` / ``release`` need to name the lease
+        meta.extra_info["lease"] = {"task": task, "take": body["lease"]}
+    return meta
+
+
+def release(partition_id: str, task_name: str, take: str) -> Op:
+    """Give back what take ``take`` got (a call its consumer gave up on, or a lease let go)."""
+    body = {"pid": partition_id, "task": task_name, "take": take}
+    (res,) = yield [Call(INDEX, "release", body)]
+    _raise_first([res])
+    return res[0]["released"]
+
+
+def ack(partition_id: str, task_name: str, take: str, keys: list[str]) -> Op:
+    """Acknowledge leased ``keys``; returns those whose lease had run out first."""
+    body = {"pid": partition_id, "task": task_name, "take": take, "keys": keys}
+    (res,) = yield [Call(INDEX, "ack", body)]
+    _raise_first([res])
+    return res[0]["late"]
 
 
 def stream_call(op: str, body: dict[str, Any]) -> Op:
@@ -148,4 +250,4 @@ def stream_call(op: str, body: dict[str, Any]) -> Op:
     return res[0]
 
 
-__all__ = ["next_batch", "stream_call"]
+__all__ = ["Take", "ack", "next_batch", "release", "stream_call"]

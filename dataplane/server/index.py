@@ -19,11 +19,18 @@ import heapq
 import itertools
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.codec.column_types import describe_family
-from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
+from dataplane.errors import (
+    BatchTimeoutError,
+    DataplaneError,
+    PartitionNotFoundError,
+    SchemaError,
+    WireError,
+)
 from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.router import POLL_MS, ZmqServer
@@ -43,6 +50,8 @@ class _KeyMeta:
 class _PartMeta:
     keys: dict[str, _KeyMeta] = field(default_factory=dict)
     streams: PartitionStreams = field(init=False)
+    # Which partition of this name it is: a consumer waiting on one never gets rows of a successor.
+    incarnation: int = field(default_factory=itertools.count(1).__next__)
 
     def __post_init__(self) -> None:
         self.streams = PartitionStreams(self.keys)
@@ -70,6 +79,8 @@ def _fieldset(fields: list[str]) -> frozenset[str]:
 
 
 def _sampler(body: Any) -> Any:
+    if body.dp_rank is not None and body.dp_size is not None and body.dp_rank >= body.dp_size:
+        raise WireError(f"dp_rank must be below dp_size: got dp_rank={body.dp_rank}, dp_size={body.dp_size}")
     try:
         sampler = from_spec(body.sampler)
         sampler.check(body.batch_size, body.dp_rank, body.dp_size, body.batch_index)
@@ -95,6 +106,11 @@ class IndexCore(Operations):
         self._txn_ids = itertools.count(1)
         self.registry: dict[str, Any] = {}
         self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
+        # Lease deadlines (deadline, seq, pid, task, take), stale entries dropped when they come up.
+        self.lease_due: list[tuple[float, int, str, str, str]] = []
+        # Takes given back by id (bounded, oldest dropped): a request carrying one that arrives after
+        # its release (it travelled on another connection) takes nothing.
+        self.released: OrderedDict[str, None] = OrderedDict()
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any
@@ -243,11 +259,12 @@ class IndexCore(Operations):
     def op_next(self, body: _protocol.Next) -> dict[str, Any] | None:
         """The next batch for a consumer task, or None while not enough rows are ready (the actor
         waits for a commit to this partition and asks again)."""
+        self._check_take(body.take)
         part = self.partitions.get(body.pid)
         if part is None:
             return None
         sampler = _sampler(body)
-        keys = part.streams.take(
+        got = part.streams.take(
             body.task,
             _fieldset(body.fields),
             sampler,
@@ -255,10 +272,12 @@ class IndexCore(Operations):
             body.dp_rank,
             body.dp_size,
             body.batch_index,
+            body.take,
+            self._lease(body),
         )
-        if keys is None:
+        if got is None:
             return None
-        return self._batch(part, body.pid, keys, body.fields)
+        return self._batch_of(part, body, got)
 
     def op_ready(self, body: _protocol.Ready) -> dict[str, Any] | None:
         """Ready rows (key, tag) for a client-side sampler, once ``min_rows`` are ready or the
@@ -277,32 +296,97 @@ class IndexCore(Operations):
         return {"rows": rows, "finished": part.streams.finished, "cached": False}
 
     def op_claim(self, body: _protocol.Claim) -> dict[str, Any]:
+        self._check_take(body.take)
         part = self.partitions.get(body.pid)
         if part is None:
             raise PartitionNotFoundError(body.pid)
-        keys = part.streams.claim(
+        got = part.streams.claim(
             body.task,
             _fieldset(body.fields),
             _protocol.unique_keys(body.keys, "claim"),
             body.dp_rank,
             body.batch_index,
+            body.take,
+            self._lease(body),
         )
-        return self._batch(part, body.pid, keys, body.fields)
+        return self._batch_of(part, body, got)
 
-    def _batch(self, part: _PartMeta, pid: str, keys: list[str], fields: list[str]) -> dict[str, Any]:
+    def _batch(
+        self, part: _PartMeta, pid: str, keys: list[str], fields: list[str], lease: str | None = None
+    ) -> dict[str, Any]:
         return {
             "keys": keys,
             "tags": [dict(part.keys[k].tag) for k in keys],
             "fields": fields,
             "finished": part.streams.finished,
+            "lease": lease,
         }
 
-    def unconsume(self, pid: str, task: str, keys: list[str]) -> None:
+    # ---- delivery: giving back, leases, acknowledgements ----------------------------------------------
+    def _check_take(self, take: str | None) -> None:
+        if take is not None and take in self.released:
+            raise DataplaneError(f"take {take!r} was given back by its consumer before it arrived")
+
+    @staticmethod
+    def _lease(body: Any) -> float | None:
+        """The deadline of the lease a taking request asks for, if it took rows now."""
+        return None if body.lease_s is None or body.take is None else time.monotonic() + body.lease_s
+
+    def _batch_of(self, part: _PartMeta, body: Any, got: tuple[list[str], str | None]) -> dict[str, Any]:
+        """The reply to a take; a lease it made is queued for expiry."""
+        keys, lease = got
+        if lease is not None:
+            deadline = part.streams.tasks[body.task].leases[lease].deadline
+            heapq.heappush(self.lease_due, (deadline, next(self._txn_ids), body.pid, body.task, lease))
+        return self._batch(part, body.pid, keys, body.fields, lease)
+
+    def give_back(self, pid: str, task: str, take: str | None, keys: list[str]) -> None:
         """A batch's reply could not be delivered (its consumer went away): its rows are ready again."""
         part = self.partitions.get(pid)
         if part is not None:
-            part.streams.unconsume(task, keys)
+            if take is None or part.streams.release(task, take) is None:
+                part.streams.unconsume(task, keys)
             self.changed.add(pid)
+
+    def op_release(self, body: _protocol.Release) -> dict[str, Any]:
+        """Give back what a take got (its consumer gave up on the call, or lets its lease go). A take
+        the index has not seen yet is refused when it comes (the release overtook it)."""
+        part = self.partitions.get(body.pid)
+        released = None if part is None else part.streams.release(body.task, body.take)
+        self.released[body.take] = None
+        while len(self.released) > RELEASED_MEMORY:
+            self.released.popitem(last=False)
+        if released:
+            self.changed.add(body.pid)
+        return {"released": released or 0, "known": released is not None}
+
+    def op_ack(self, body: _protocol.Ack) -> dict[str, Any]:
+        """Leased keys done with: taken for good. Answers the keys whose lease ran out first."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            raise PartitionNotFoundError(body.pid)
+        return {"late": part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))}
+
+    def next_lease_due(self) -> float:
+        return self.lease_due[0][0] if self.lease_due else math.inf
+
+    def expire_leases(self, now: float) -> None:
+        """Give back the unacknowledged keys of every lease that is due (its consumer took too long,
+        or died)."""
+        while self.lease_due and self.lease_due[0][0] <= now:
+            _, _, pid, task, take = heapq.heappop(self.lease_due)
+            part = self.partitions.get(pid)
+            if part is not None and part.streams.expire(task, take, now):
+                self.changed.add(pid)
+        if len(self.lease_due) > LEASE_HEAP_COMPACT:  # mostly acknowledged leases: keep the live ones
+            live = {
+                (p, name, take)
+                for p, part in self.partitions.items()
+                for name, t in part.streams.tasks.items()
+                for take in t.leases
+            }
+            self.lease_due = [e for e in self.lease_due if e[2:] in live]
+            heapq.heapify(self.lease_due)
 
     def timeout_error(self, op: str, body: Any, waited: float) -> Exception:
         """What a waiting call that timed out raises: which partition, how many rows were ready."""
@@ -325,7 +409,11 @@ class IndexCore(Operations):
 
     def op_finish(self, body: _protocol.OnePartition) -> dict[str, Any]:
         """Producers are done: consumers get what is left, then empty batches at once."""
-        part = self.partitions.setdefault(body.pid, _PartMeta())
+        part = self.partitions.get(body.pid)
+        if part is None:  # (a misspelt name must not create an empty, finished partition)
+            raise PartitionNotFoundError(
+                body.pid, f"partition {body.pid!r} not found: nothing to finish (no put created it)"
+            )
         part.streams.finished = True
         self.changed.add(body.pid)
         return {}
@@ -380,6 +468,8 @@ class IndexCore(Operations):
 
 # Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
 _TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
+RELEASED_MEMORY = 65536  # take ids given back, remembered to refuse a request that arrives after them
+LEASE_HEAP_COMPACT = 65536  # lease deadlines queued before the acknowledged ones are swept out
 
 
 @dataclass(eq=False)
@@ -394,6 +484,7 @@ class _Waiter:
     start: float
     deadline: float
     done: bool = False
+    incarnation: int | None = None  # of the partition it waits on, if that existed when it came
 
 
 class IndexServer(ZmqServer):
@@ -404,7 +495,7 @@ class IndexServer(ZmqServer):
     that partition (a commit, a delete, a finish, ...): woken by the change, never by polling. A
     parked request past its ``timeout_s`` is answered with ``BatchTimeoutError``. Replies use
     mandatory routing, so a batch whose consumer has gone away cannot be delivered and is given back
-    to the task (``IndexCore.unconsume``).
+    to the task (``IndexCore.give_back``).
     """
 
     core: IndexCore
@@ -412,6 +503,7 @@ class IndexServer(ZmqServer):
     def __init__(self, core: IndexCore, host_ip: str, name: str, creds: _auth.Credentials, **kw: Any) -> None:
         self._waiters: dict[str, list[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._by_take: dict[str, _Waiter] = {}  # parked takes, to unpark one its consumer gives up on
         self._seq = itertools.count()
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
@@ -424,6 +516,8 @@ class IndexServer(ZmqServer):
         self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         if op not in _TAKING_OPS:
+            if op == "release":  # a parked take its consumer gave up on waits no more
+                self._unpark(self._by_take.get(body.take))
             return super().serve(sock, ident, rid, op, body, bufs)
         # Answered now if it can be, else parked until its partition changes.
         now = time.monotonic()
@@ -433,23 +527,53 @@ class IndexServer(ZmqServer):
         if body.timeout_s is not None:
             waiter.deadline = now + body.timeout_s
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        part = self.core.partitions.get(body.pid)
+        waiter.incarnation = None if part is None else part.incarnation
         self._waiters.setdefault(body.pid, []).append(waiter)
+        take = getattr(body, "take", None)
+        if take is not None:
+            self._by_take[take] = waiter
         return None
+
+    def _unpark(self, w: _Waiter | None) -> None:
+        """Answer a parked request whose consumer gave it up, taking nothing; its socket may be gone."""
+        if w is None or w.done:
+            return
+        self._done(w)
+        waiting = self._waiters.get(w.body.pid, [])
+        if w in waiting:
+            waiting.remove(w)
+        err = DataplaneError(f"the consumer gave up on this {w.op!r} call; nothing was taken")
+        self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, err))
+
+    def _done(self, w: _Waiter) -> None:
+        w.done = True
+        take = getattr(w.body, "take", None)
+        if take is not None and self._by_take.get(take) is w:
+            del self._by_take[take]
 
     def _try(self, w: _Waiter) -> bool:
         """Answer ``w`` if it can be answered now (its rows are ready, or it failed)."""
         try:
+            if w.incarnation is not None:
+                part = self.core.partitions.get(w.body.pid)
+                if part is None or part.incarnation != w.incarnation:
+                    raise PartitionNotFoundError(
+                        w.body.pid,
+                        f"partition {w.body.pid!r} was cleared while this {w.op!r} call waited on it "
+                        "(clear_partition); nothing was taken",
+                    )
             result = self.core.operation(w.op)(w.body)
         except Exception as exc:  # noqa: BLE001 - the request gets the error, the loop goes on
-            w.done = True
+            self._done(w)
             self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, exc))
             return True
         if result is None:
             return False
-        w.done = True
+        self._done(w)
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
             if w.op in ("next", "claim") and result["keys"]:  # its consumer went away: ready again
-                self.core.unconsume(w.body.pid, w.body.task, result["keys"])
+                self.core.give_back(w.body.pid, w.body.task, w.body.take, result["keys"])
         return True
 
     def _recheck(self) -> None:
@@ -466,17 +590,19 @@ class IndexServer(ZmqServer):
     def poll_timeout_ms(self) -> int:
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
-        if not self._deadlines:
+        due = min(self._deadlines[0][0] if self._deadlines else math.inf, self.core.next_lease_due())
+        if due == math.inf:
             return POLL_MS
-        return max(0, min(POLL_MS, math.ceil((self._deadlines[0][0] - time.monotonic()) * 1000)))
+        return max(0, min(POLL_MS, math.ceil((due - time.monotonic()) * 1000)))
 
     def after_poll(self) -> None:
         now = time.monotonic()
+        self.core.expire_leases(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
             if w.done or self._try(w):
                 continue
-            w.done = True
+            self._done(w)
             err = self.core.timeout_error(w.op, w.body, now - w.start)
             self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, err))
             waiting = self._waiters.get(w.body.pid, [])

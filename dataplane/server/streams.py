@@ -22,6 +22,7 @@ from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
+TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
 
 
 @dataclass
@@ -31,10 +32,24 @@ class Stream:
 
 
 @dataclass
+class Lease:
+    """A leased take: its keys not yet acknowledged, and when they go back to the task."""
+
+    keys: dict[str, None]
+    deadline: float  # time.monotonic()
+
+
+@dataclass
 class Task:
     consumed: set[str] = field(default_factory=set)
     streams: dict[frozenset[str], Stream] = field(default_factory=dict)
     cache: OrderedDict[tuple, list[str]] = field(default_factory=OrderedDict)
+    # The last TAKE_MEMORY takes (id -> keys): a call its consumer gave up on is given back by id, and
+    # a retry of a take gets the same keys. Leases (id -> Lease) are kept until acknowledged or due;
+    # ``leased`` maps each key under a lease to its take.
+    takes: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    leased: dict[str, str] = field(default_factory=dict)
 
 
 class PartitionStreams:
@@ -62,6 +77,12 @@ class PartitionStreams:
             task.consumed.discard(key)
             for stream in task.streams.values():
                 stream.ready.pop(key, None)
+            take = task.leased.pop(key, None)
+            if take is not None:
+                lease = task.leases[take]
+                del lease.keys[key]
+                if not lease.keys:
+                    del task.leases[take]
 
     # ---- consumers -----------------------------------------------------------------------------
     def stream(self, task_name: str, fields: frozenset[str]) -> tuple[Task, Stream]:
@@ -89,12 +110,18 @@ class PartitionStreams:
         dp_rank: int | None,
         dp_size: int | None,
         batch_index: int | None,
-    ) -> list[str] | None:
-        """The keys this call gets (marked consumed), or None to wait for more rows."""
+        take: str | None = None,
+        lease_deadline: float | None = None,
+    ) -> tuple[list[str], str | None] | None:
+        """The keys this call gets (marked consumed) and the take they are held under (leased ones
+        until ``lease_deadline``), or None to wait for more rows."""
         task, stream = self.stream(task_name, fields)
+        if take is not None and take in task.takes:
+            return task.takes[take], take if take in task.leases else None  # a retry: the same keys
         slot = (fields, dp_rank, batch_index)
         if dp_rank is not None and batch_index is not None and slot in task.cache:
-            return task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
+            keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
+            return keys, next((t for t in map(task.leased.get, keys[:1]) if t is not None), None)
         choice = sampler.sample(
             self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=self.finished
         )
@@ -113,7 +140,7 @@ class PartitionStreams:
             for rank, keys in parts.items():
                 if rank is not None:
                     self._remember(task, (fields, rank, batch_index), keys)
-        return mine
+        return mine, self._record(task, take, mine, lease_deadline)
 
     def claim(
         self,
@@ -122,14 +149,83 @@ class PartitionStreams:
         keys: list[str],
         dp_rank: int | None,
         batch_index: int | None,
-    ) -> list[str]:
+        take: str | None = None,
+        lease_deadline: float | None = None,
+    ) -> tuple[list[str], str | None]:
         """Mark ``keys`` (chosen by a client-side sampler) consumed; all must be ready for the task."""
         task, stream = self.stream(task_name, fields)
+        if take is not None and take in task.takes:
+            return task.takes[take], take if take in task.leases else None  # a retry of the same claim
         self._check_ready(stream, keys, "the sampler")
         self.consume(task, keys)
         if dp_rank is not None and batch_index is not None:
             self._remember(task, (fields, dp_rank, batch_index), keys)
-        return keys
+        return keys, self._record(task, take, keys, lease_deadline)
+
+    @staticmethod
+    def _record(task: Task, take: str | None, keys: list[str], lease_deadline: float | None) -> str | None:
+        """Remember what ``take`` got, and lease it until ``lease_deadline``; returns the take id when
+        the keys are leased (None otherwise)."""
+        if take is None:
+            return None
+        task.takes[take] = keys
+        while len(task.takes) > TAKE_MEMORY:
+            task.takes.popitem(last=False)
+        if lease_deadline is None or not keys:
+            return None
+        task.leases[take] = Lease(dict.fromkeys(keys), lease_deadline)
+        for key in keys:
+            task.leased[key] = take
+        return take
+
+    # ---- giving back and acknowledging ------------------------------------------------------------
+    def release(self, task_name: str, take: str) -> int | None:
+        """Give back what ``take`` got and has not acknowledged: its consumer gave up on the call, or
+        lets the lease go. Returns how many keys went back (those a rank-aware slot holds stay with
+        it), or None when the task holds no such take."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return None
+        keys = task.takes.pop(take, None)
+        lease = task.leases.pop(take, None)
+        if lease is not None:
+            keys = list(lease.keys)
+            for key in keys:
+                del task.leased[key]
+        if keys is None:
+            return None
+        return self.unconsume(task_name, keys)
+
+    def ack(self, task_name: str, take: str, keys: list[str]) -> list[str]:
+        """``keys`` of leased ``take`` are done with: taken for good. Returns the keys whose lease had
+        run out before this (given back to the task, maybe delivered again since)."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return list(keys)
+        lease = task.leases.get(take)
+        got = task.takes.get(take, ())
+        late = []
+        for key in keys:
+            if task.leased.get(key) == take:
+                del task.leased[key]
+                del lease.keys[key]  # type: ignore[union-attr]
+            elif key not in got or key not in task.consumed or key in task.leased:
+                late.append(key)  # (else: this take acknowledged it before)
+        if lease is not None and not lease.keys:
+            del task.leases[take]
+        return late
+
+    def expire(self, task_name: str, take: str, now: float) -> int:
+        """Give back the unacknowledged keys of ``take`` if its lease is due; how many went back. A
+        rank-aware slot holding them lets them go too: its consumer is gone."""
+        task = self.tasks.get(task_name)
+        lease = None if task is None else task.leases.get(take)
+        if task is None or lease is None or lease.deadline > now:
+            return 0
+        keys = set(lease.keys)
+        for slot in [s for s, held in task.cache.items() if keys.intersection(held)]:
+            del task.cache[slot]
+        return self.release(task_name, take) or 0
 
     def cached(self, task_name: str, fields: frozenset[str], dp_rank: int | None, batch_index: int | None):
         task = self.tasks.get(task_name)
@@ -160,8 +256,8 @@ class PartitionStreams:
             for key in keys:
                 stream.ready.pop(key, None)
 
-    def unconsume(self, task_name: str, keys: list[str]) -> None:
-        """Give back keys whose batch never reached its consumer (it went away before the reply).
+    def unconsume(self, task_name: str, keys: list[str]) -> int:
+        """Give back keys whose batch never reached its consumer's code; how many went back.
 
         Keys a rank-aware call took stay with their ``(dp_rank, batch_index)`` slot instead: a TP/PP
         peer of that slot may already hold them, and a peer (or a replacement) asking that slot again
@@ -169,16 +265,17 @@ class PartitionStreams:
         """
         task = self.tasks.get(task_name)
         if task is None:
-            return
-        held = {k for slot_keys in task.cache.values() for k in slot_keys}
-        keys = [k for k in keys if k not in held]
+            return 0
+        held = {k for slot_keys in task.cache.values() for k in slot_keys} if task.cache else set()
+        keys = [k for k in keys if k not in held and k in task.consumed and k not in task.leased]
         if not keys:
-            return
+            return 0
         task.consumed.difference_update(keys)
         for stream in task.streams.values():
             back = {k: None for k in keys if k in self.keys and stream.fields <= self.keys[k].fields}
             if back:  # first in line again
                 stream.ready = {**back, **{k: None for k in stream.ready if k not in back}}
+        return len(keys)
 
     def reset(self, task_name: str | None) -> None:
         """Every row readable again for ``task_name`` (all tasks when None)."""
@@ -189,6 +286,9 @@ class PartitionStreams:
                 continue
             task.consumed.clear()
             task.cache.clear()
+            task.takes.clear()
+            task.leases.clear()
+            task.leased.clear()
             for stream in task.streams.values():
                 stream.ready = {k: None for k, meta in self.keys.items() if stream.fields <= meta.fields}
 
@@ -212,9 +312,10 @@ class PartitionStreams:
             "produced": produced,
             "consumed": len(consumed),
             "ready": produced - done,
+            "leased": 0 if task is None else len(task.leased),
             "finished": self.finished,
             "fields": sorted(fields),
         }
 
 
-__all__ = ["PartitionStreams", "Stream", "Task"]
+__all__ = ["Lease", "PartitionStreams", "Stream", "Task"]

@@ -121,6 +121,14 @@ class IndexAbort(_Body):
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
+# A take id: chosen by the consumer's client per call (``uuid4().hex``), so that a call it gave up on
+# can be given back by id (``Release``) whether or not its reply ever reached it.
+TakeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# How long a leased batch stays with its consumer before it is given back unless acknowledged.
+MAX_LEASE_S = 7 * 24 * 3600.0
+LeaseS = Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)]
+
+
 class Next(_Body):
     pid: str
     task: str
@@ -131,6 +139,8 @@ class Next(_Body):
     dp_size: Positive | None = None
     batch_index: NonNegative | None = None
     timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    take: TakeId | None = None
+    lease_s: LeaseS | None = None
 
 
 class Ready(_Body):
@@ -153,6 +163,25 @@ class Claim(_Body):
     keys: list[str]
     dp_rank: NonNegative | None = None
     batch_index: NonNegative | None = None
+    take: TakeId | None = None
+    lease_s: LeaseS | None = None
+
+
+class Release(_Body):
+    """Give back what take ``take`` got (a call its consumer gave up on, or a lease it lets go)."""
+
+    pid: str
+    task: str
+    take: TakeId
+
+
+class Ack(_Body):
+    """The consumer is done with ``keys`` of leased take ``take``: they stay taken for good."""
+
+    pid: str
+    task: str
+    take: TakeId
+    keys: list[str]
 
 
 class Reset(_Body):
@@ -207,6 +236,8 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "next": Next,
     "ready": Ready,
     "claim": Claim,
+    "release": Release,
+    "ack": Ack,
     "finish": OnePartition,
     "reset": Reset,
     "consumption": Consumption,

@@ -252,8 +252,9 @@ def test_finish_gives_a_short_batch_then_empty_batches():
     assert res["keys"] == ["c"] and res["finished"] is True
     assert nxt(core, "p", "t", 2, ["x"]) == []
     assert nxt(core, "p", "other", 5, ["never"]) == []  # finished: never waits
-    call(core, "finish", {"pid": "new"})  # finishing a partition nobody wrote: consumers get empty
-    assert nxt(core, "new", "t", 2, ["x"]) == []
+    with pytest.raises(PartitionNotFoundError, match="nothing to finish"):
+        call(core, "finish", {"pid": "new"})  # a typo must not create an empty, finished partition
+    assert call(core, "list", {})["list"].keys() == {"p"}
 
 
 def test_reset_per_task_and_for_all_tasks():
@@ -277,7 +278,15 @@ def test_consumption_counts():
     put(core, "p", ["a", "b", "c", "d"], ["x"])
     put(core, "p", ["a", "b"], ["y"])
     c = call(core, "consumption", {"pid": "p", "task": "t"})
-    assert c == {"total": 4, "produced": 4, "consumed": 0, "ready": 4, "finished": False, "fields": []}
+    assert c == {
+        "total": 4,
+        "produced": 4,
+        "consumed": 0,
+        "ready": 4,
+        "leased": 0,
+        "finished": False,
+        "fields": [],
+    }
     assert nxt(core, "p", "t", 1, ["x", "y"]) == ["a"]
     c = call(core, "consumption", {"pid": "p", "task": "t"})  # default: the fields last asked for
     assert (c["produced"], c["consumed"], c["ready"], c["fields"]) == (2, 1, 1, ["x", "y"])
@@ -487,12 +496,12 @@ def test_an_undelivered_batch_is_first_in_line_again():
     put(core, "p", ["a", "b", "c", "d"], ["x"])
     assert nxt(core, "p", "t", 2, ["x"]) == ["a", "b"]
     core.changed.clear()
-    core.unconsume("p", "t", ["a", "b"])
+    core.give_back("p", "t", None, ["a", "b"])
     assert core.changed == {"p"}  # waiting consumers are woken
     assert consumed(core, "p", "t") == []
     assert nxt(core, "p", "t", 3, ["x"]) == ["a", "b", "c"]
-    core.unconsume("p", "nobody", ["a"])  # unknown task or partition: nothing to do
-    core.unconsume("q", "t", ["a"])
+    core.give_back("p", "nobody", None, ["a"])  # unknown task or partition: nothing to do
+    core.give_back("q", "t", None, ["a"])
 
 
 def test_deleted_and_dropped_rows_leave_the_streams():
@@ -525,7 +534,7 @@ def test_an_undelivered_rank_aware_batch_stays_with_its_slot():
     first = nxt(core, "p", "t", 2, ["x"], **slot)  # delivered
     second = nxt(core, "p", "t", 2, ["x"], **slot)  # the slot's keys again; its consumer went away
     assert first == second == ["k0", "k1"]
-    core.unconsume("p", "t", second)
+    core.give_back("p", "t", None, second)
     assert consumed(core, "p", "t") == ["k0", "k1"]
     other = nxt(core, "p", "t", 2, ["x"], dp_rank=1, dp_size=2, batch_index=0)
     assert other == ["k2", "k3"], "a batch a TP peer received was handed to another rank"

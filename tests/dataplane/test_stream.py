@@ -530,8 +530,8 @@ def test_bad_input_is_refused_with_a_typed_error_and_consumes_nothing(attached, 
     with pytest.raises(dp.PartitionNotFoundError, match=f"partition '{missing}' not found") as err:
         dp.next_batch(missing, "t", 1, ["x"], timeout_s=0.3)
     assert err.value.partition_id == missing and time.monotonic() - t0 < 10
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(dp.BatchSizeError, match="batch_size must be an int >= 1"):
+    for bad in (0, -1, 1.5, True, "2", 2**70):
+        with pytest.raises(dp.BatchSizeError, match=r"batch_size must be an int in \[1, 2\*\*31\]"):
             dp.next_batch(pid, "t", bad, ["x"], timeout_s=1)
     with pytest.raises(
         dp.BatchSizeError, match="GroupSampler: batch_size 3 is not a multiple of group_size 2"
@@ -543,8 +543,12 @@ def test_bad_input_is_refused_with_a_typed_error_and_consumes_nothing(attached, 
         dp.next_batch(pid, "t", 1, [])
     with pytest.raises(TypeError, match="task_name must be a non-empty str"):
         dp.next_batch(pid, "", 1, ["x"])
-    with pytest.raises(ValueError, match="timeout_s must be None or a number >= 0"):
-        dp.next_batch(pid, "t", 1, ["x"], timeout_s=-1)
+    for bad in (-1, float("nan"), 1e306, -float("inf")):
+        with pytest.raises(ValueError, match=r"timeout_s must be None .* in \[0, 1e9\]"):
+            dp.next_batch(pid, "t", 1, ["x"], timeout_s=bad)
+    for ranks in ({"dp_rank": 2, "dp_size": 2}, {"dp_rank": -1}, {"dp_size": 0}, {"batch_index": 2**70}):
+        with pytest.raises(ValueError, match="dp_rank|dp_size|batch_index"):
+            dp.next_batch(pid, "t", 1, ["x"], timeout_s=1, **ranks)
     with pytest.raises(TypeError, match="sampler must be a dataplane Sampler"):
         dp.next_batch(pid, "t", 1, ["x"], sampler="group")
     t0 = time.monotonic()
@@ -555,7 +559,7 @@ def test_bad_input_is_refused_with_a_typed_error_and_consumes_nothing(attached, 
     assert time.monotonic() - t0 < 5, "a sampler's bad choice was retried instead of refused"
     c = dp.consumption(pid, "t", ["x"])
     assert (c["consumed"], c["ready"]) == (0, 4), f"a failed call consumed rows: {c}"
-    assert dp.next_batch(pid, "t", 4, ["x"], timeout_s=5).keys == keys
+    assert dp.next_batch(pid, "t", 4, ["x"], timeout_s=float("inf")).keys == keys  # inf: no limit
 
 
 def test_a_consumer_of_an_unknown_partition_waits_until_a_put_creates_it(attached, peers, pid):
