@@ -12,6 +12,10 @@ Three figures per system (issue 9, "Performance"):
    ``--tq-poll-s`` (1 s, its ``StreamingDataset`` default), which is what its consumer does here.
 3. **Readiness updates**: ``--writers`` (4) writer processes each put ``--updates`` 1-key rows
    (``kv_put``) into one partition at the same time; rows per second over the slowest writer.
+4. **Stuck groups** (this store only): 1-row put latency into a partition where 4 consumers wait
+   with ``GroupSampler("uid", 4)`` for groups that never complete, with ``--stuck-rows`` (50,000)
+   rows in incomplete groups against none: the index keeps complete groups indexed, so a commit
+   costs the same however many rows wait in incomplete groups.
 
 Usage::
 
@@ -196,6 +200,69 @@ def _updates(
     }
 
 
+def _group_waiter_class():
+    import ray
+
+    @ray.remote(num_cpus=0.1)
+    class GroupWaiter:
+        """A consumer waiting for whole groups of 4 that never complete (until the partition finishes)."""
+
+        def __init__(self) -> None:
+            import dataplane as dp
+
+            dp.init()
+            self.dp = dp
+
+        def wait(self, pid: str, task: str) -> int:
+            sampler = self.dp.GroupSampler("uid", 4)
+            return self.dp.next_batch(pid, task, 4, [FIELD], sampler=sampler, timeout_s=600).size
+
+        def ready(self) -> bool:
+            return True
+
+    return GroupWaiter
+
+
+def _stuck_groups(stuck: int, puts: int) -> dict[str, Any]:
+    """1-row put latency into a partition where 4 ``GroupSampler`` consumers wait for groups of 4 that
+    never complete, with ``stuck`` ready rows in incomplete groups (pairs) and with none."""
+    import ray
+    import torch
+    from tensordict import TensorDict
+
+    import dataplane as dp
+
+    waiters = [_group_waiter_class().remote() for _ in range(4)]
+    ray.get([w.ready.remote() for w in waiters], timeout=120)
+    out: dict[str, Any] = {"stuck_rows": stuck, "waiters": len(waiters)}
+    try:
+        for label, rows in (("empty", 0), ("stuck", stuck)):
+            pid = f"groups-{label}"
+            dp.kv_put("seed", pid, {FIELD: torch.tensor(0)}, tag={"uid": "seed"})
+            for start in range(0, rows, 10_000):
+                n = min(10_000, rows - start)
+                keys = [f"s-{i}" for i in range(start, start + n)]
+                tags = [{"uid": f"g{i // 2}"} for i in range(start, start + n)]  # pairs: never 4
+                dp.kv_batch_put(keys, pid, TensorDict({FIELD: torch.zeros(n, dtype=torch.int64)}, [n]), tags)
+            waiting = [w.wait.remote(pid, f"t{i}") for i, w in enumerate(waiters)]
+            while any(dp.consumption(pid, f"t{i}")["fields"] != [FIELD] for i in range(len(waiters))):
+                time.sleep(0.01)  # (a benchmark, not a test: the waiters park, then puts are timed)
+            samples = []
+            for i in range(puts):
+                t0 = time.perf_counter()
+                dp.kv_put(f"p-{i}", pid, {FIELD: torch.tensor(i)}, tag={"uid": f"lone-{i}"})
+                samples.append(time.perf_counter() - t0)
+            dp.finish_partition(pid)  # the waiters get an empty batch and return
+            ray.get(waiting, timeout=120)
+            out[label] = _common.latency(samples)
+            dp.clear_partition(pid)
+    finally:
+        for w in waiters:
+            ray.kill(w)
+    out["ratio"] = out["stuck"]["p50_us"] / out["empty"]["p50_us"]
+    return out
+
+
 def _server_pids() -> dict[str, int]:
     """The embedded store's index and shard processes (same host), for CPU accounting."""
     from dataplane import api
@@ -228,6 +295,7 @@ def run_store(cfg: argparse.Namespace) -> dict[str, Any]:
             "store", lambda k, pid, f: dp.kv_put(k, pid, {f: torch.tensor(0)}), cfg.wakeups, cfg.tq_poll_s
         )
         out["updates"] = _updates("store", cfg.writers, cfg.updates, _server_pids())
+        out["groups"] = _stuck_groups(cfg.stuck_rows, cfg.group_puts)
         return out
     finally:
         dp.close()
@@ -280,6 +348,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tq-poll-s", type=float, default=1.0, help="TransferQueue consumer's poll interval")
     p.add_argument("--writers", type=int, default=4, help="concurrent writer processes")
     p.add_argument("--updates", type=int, default=1500, help="1-key puts per writer")
+    p.add_argument("--stuck-rows", type=int, default=50_000, help="rows stuck in incomplete groups")
+    p.add_argument(
+        "--group-puts", type=int, default=300, help="timed 1-row puts beside waiting group samplers"
+    )
     p.add_argument("--skip-tq", action="store_true", help="do not run TransferQueue")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     return p.parse_args(argv)
@@ -333,6 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _common.Check(
             "updates_per_s", store["updates"]["rows_per_s"], 5000.0, ">=", "1-key rows/s, 4 writers"
         ),
+        _common.Check(
+            "stuck_groups_ratio",
+            store["groups"]["ratio"],
+            2.0,
+            "<=",
+            f"1-row put p50, {cfg.stuck_rows} stuck rows / none (4 GroupSampler waiters)",
+        ),
     ]
     print(
         f"stream bench: {cfg.rows} ready rows (+{cfg.others} partitions of as many), batches of {BATCH}, "
@@ -349,6 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dataplane readiness updates, CPU per row (us): "
         + ", ".join(f"{name} {us:.0f}" for name, us in updates["cpu_us_per_row"].items())
         + f" (writers: all {cfg.writers} together; load average {updates['load_avg_1m_at_start']:.2f})"
+    )
+    groups = store["groups"]
+    print(
+        f"1-row put beside 4 waiting GroupSampler consumers: p50 {groups['empty']['p50_us']:.0f} us with no "
+        f"stuck rows, {groups['stuck']['p50_us']:.0f} us with {groups['stuck_rows']} rows stuck"
     )
     print(f"\n{'check':<22} {'value':>10} {'target':>9}  verdict  what")
     for c in checks:

@@ -28,11 +28,22 @@ Choice = list[str] | dict[int, list[str]] | None
 
 
 class ReadyRows:
-    """The rows ready for one consumer: keys in ready order, each with its tag dict (read-only)."""
+    """The rows ready for one consumer: keys in ready order, each with its tag dict (read-only).
 
-    def __init__(self, keys: Any, tags: Callable[[str], dict[Any, Any]]) -> None:
+    In the index service it also offers ``groups(group_tag, group_size)``: an index of its complete
+    groups that the service keeps current as rows come and go (``server.ready``), so a grouped
+    sampler costs what it takes, not what is ready.
+    """
+
+    def __init__(
+        self,
+        keys: Any,
+        tags: Callable[[str], dict[Any, Any]],
+        groups: Callable[[str, int], Any] | None = None,
+    ) -> None:
         self._keys = keys  # an ordered container of keys (a dict's keys, a list)
         self._tags = tags  # key -> tag dict (a callable)
+        self.groups = groups  # (group_tag, group_size) -> an index with ``units(want)``, if kept
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -142,14 +153,21 @@ class GroupSampler(Sampler):
         return [k for g in groups for k in g]
 
 
+def group_id(tag: dict[Any, Any], group_tag: str, key: str) -> Any:
+    """The group a row belongs to: its ``group_tag`` value (a row without one is a group of itself)."""
+    gid = tag.get(group_tag, key)
+    return repr(gid) if isinstance(gid, (list, dict)) else gid
+
+
 def complete_groups(ready: ReadyRows, group_tag: str, group_size: int, want: int) -> list[list[str]]:
     """Up to ``want`` complete groups of ready rows, in the order they completed."""
+    if ready.groups is not None:  # kept current by the index service: no scan
+        units: list[list[str]] = ready.groups(group_tag, group_size).units(want)
+        return units
     partial: dict[Any, list[str]] = {}
     done: list[list[str]] = []
     for key in ready:
-        gid = ready.tag(key).get(group_tag, key)
-        if isinstance(gid, (list, dict)):
-            gid = repr(gid)
+        gid = group_id(ready.tag(key), group_tag, key)
         members = partial.setdefault(gid, [])
         members.append(key)
         if len(members) == group_size:
@@ -304,4 +322,5 @@ __all__ = [
     "balanced_partition",
     "complete_groups",
     "from_spec",
+    "group_id",
 ]

@@ -209,6 +209,7 @@ class IndexCore(Operations):
         out_tags = []
         for i, key in enumerate(keys):
             meta = part.keys.get(key)
+            existed = meta is not None
             if meta is None:
                 meta = part.keys[key] = _KeyMeta()
             # (what the key held before matters only to consumers' streams: no copy when there are none)
@@ -216,6 +217,8 @@ class IndexCore(Operations):
             meta.fields.update(fields)
             if tags is not None and tags[i]:
                 meta.tag.update(tags[i])
+                if existed and part.streams.by_fields:  # a ready row's group may have changed
+                    part.streams.on_retag(key)
             part.streams.on_commit(key, before, meta.fields)
             out_tags.append(dict(meta.tag))
             for f in meta.fields:

@@ -20,6 +20,7 @@ from typing import Any
 
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
+from dataplane.server.ready import ReadyKeys
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
@@ -28,7 +29,7 @@ TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest droppe
 @dataclass
 class Stream:
     fields: frozenset[str]
-    ready: dict[str, None] = field(default_factory=dict)
+    ready: ReadyKeys
 
 
 @dataclass
@@ -70,13 +71,13 @@ class PartitionStreams:
             if fields <= now and not fields <= before:
                 for task, stream in streams:
                     if key not in task.consumed:
-                        stream.ready[key] = None
+                        stream.ready.add(key)
 
     def on_clear(self, key: str) -> None:
         for task in self.tasks.values():
             task.consumed.discard(key)
             for stream in task.streams.values():
-                stream.ready.pop(key, None)
+                stream.ready.discard(key)
             take = task.leased.pop(key, None)
             if take is not None:
                 lease = task.leases[take]
@@ -91,15 +92,23 @@ class PartitionStreams:
             task = self.tasks[task_name] = Task()
         stream = task.streams.get(fields)
         if stream is None:  # first ask for these fields: one scan, then commits keep it current
-            stream = task.streams[fields] = Stream(fields)
-            for key, meta in self.keys.items():
-                if fields <= meta.fields and key not in task.consumed:
-                    stream.ready[key] = None
+            ready = (k for k, meta in self.keys.items() if fields <= meta.fields and k not in task.consumed)
+            stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, ready))
             self.by_fields.setdefault(fields, []).append((task, stream))
         return task, stream
 
+    def _tag(self, key: str) -> dict[str, Any]:
+        return self.keys[key].tag
+
+    def on_retag(self, key: str) -> None:
+        """``key``'s tags changed: streams that index ready rows by group file it again."""
+        for task in self.tasks.values():
+            for stream in task.streams.values():
+                if stream.ready.indexes:
+                    stream.ready.retag(key)
+
     def rows(self, stream: Stream) -> ReadyRows:
-        return ReadyRows(stream.ready, lambda key: self.keys[key].tag)
+        return ReadyRows(stream.ready, self._tag, stream.ready.groups)
 
     def take(
         self,
@@ -254,7 +263,7 @@ class PartitionStreams:
         task.consumed.update(keys)
         for stream in task.streams.values():
             for key in keys:
-                stream.ready.pop(key, None)
+                stream.ready.discard(key)
 
     def unconsume(self, task_name: str, keys: list[str]) -> int:
         """Give back keys whose batch never reached its consumer's code; how many went back.
@@ -272,9 +281,9 @@ class PartitionStreams:
             return 0
         task.consumed.difference_update(keys)
         for stream in task.streams.values():
-            back = {k: None for k in keys if k in self.keys and stream.fields <= self.keys[k].fields}
+            back = [k for k in keys if k in self.keys and stream.fields <= self.keys[k].fields]
             if back:  # first in line again
-                stream.ready = {**back, **{k: None for k in stream.ready if k not in back}}
+                stream.ready.put_first(back)
         return len(keys)
 
     def reset(self, task_name: str | None) -> None:
@@ -290,7 +299,7 @@ class PartitionStreams:
             task.leases.clear()
             task.leased.clear()
             for stream in task.streams.values():
-                stream.ready = {k: None for k, meta in self.keys.items() if stream.fields <= meta.fields}
+                stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
 
     def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
         task = self.tasks.get(task_name)
