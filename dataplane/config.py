@@ -15,6 +15,9 @@ Environment variables (read here only, each by one function; a value that does n
                                than the Unix lane (``wire.unix``; for comparisons)
     DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
                                (default 256 MiB; 0 turns the pool off)
+    DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
+                               connect to their Unix lane besides their own uid, which always may
+                               (default: none; any other uid is closed at accept)
 
 Example:
     >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
@@ -62,6 +65,28 @@ def env_unix_lane() -> bool:
     """Whether this process's blocking client talks to same-host services over the Unix lane
     (``wire.unix``); ``DATAPLANE_NO_UNIX_LANE=1`` keeps it on zmq ipc (to compare the two)."""
     return not env_flag("DATAPLANE_NO_UNIX_LANE")
+
+
+def unix_peer_uids() -> frozenset[int]:
+    """The uids whose processes may connect to this process's Unix-lane listeners: its own, and
+    those ``DATAPLANE_UNIX_PEER_UIDS`` lists (e.g. ``"1001,1002"``).
+
+    >>> os.getuid() in unix_peer_uids()
+    True
+    """
+    raw = os.environ.get("DATAPLANE_UNIX_PEER_UIDS", "")
+    uids = {os.getuid()}
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(
+                f"environment variable DATAPLANE_UNIX_PEER_UIDS={raw!r}: {part!r} is not a uid; "
+                "give numeric uids separated by commas, e.g. 1001,1002"
+            )
+        uids.add(int(part))
+    return frozenset(uids)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -195,4 +220,5 @@ __all__ = [
     "env_allows_pickle",
     "env_flag",
     "read_buffer_pool_bytes",
+    "unix_peer_uids",
 ]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dataplane.client.memory import SegmentUnavailable
+from dataplane.errors import WireError
 from dataplane.wire.shm import GEN, boot_id, fd_limit_error, generation, map_fd
 
 
@@ -129,8 +130,13 @@ def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) 
     """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
 
     The mapping holds no file descriptor (``wire.shm.map_fd``). Running out of descriptors while
-    opening the file raises ``ResourceLimitError`` naming the limit.
+    opening the file raises ``ResourceLimitError`` naming the limit. A ``size`` past the end of the
+    file (a corrupt or hostile reference: touching such a mapping beyond the file kills the process
+    with SIGBUS) raises ``WireError`` naming the file and both sizes, before anything is mapped.
     """
+    for name, value in (("fd", fd), ("size", size), ("inode", inode)):
+        if type(value) is not int:
+            raise WireError(f"a shard's segment reference has {name}={value!r}, not an integer")
     path = f"/proc/{pid}/fd/{fd}"
     try:
         local = os.open(path, os.O_RDWR)
@@ -139,9 +145,15 @@ def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) 
             raise fd_limit_error(f"mapping a shard segment ({path})", exc) from exc
         raise ShmUnavailable(f"cannot open {path}: {exc}") from exc
     try:
-        if os.fstat(local).st_ino != inode:
+        st = os.fstat(local)
+        if st.st_ino != inode:
             raise ShmUnavailable(
                 f"{path} is not the shard's segment (inode mismatch: closed, other host or pid ns)"
+            )
+        if size > st.st_size:
+            raise WireError(
+                f"a shard named {size} bytes of its segment {path} (inode {inode}), but the file holds "
+                f"{st.st_size}: the reference is corrupt; nothing was mapped"
             )
         return map_fd(local, size, populate=populate)
     finally:

@@ -10,8 +10,9 @@ undecodable message gets an error reply when it carries an identity, and the loo
 a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc socket
 (same host; nothing is left in the file system, even after a crash), and on the same-host Unix
 lane (``wire.unix``: the same frames without zmq's threads, for blocking clients and a shard's
-link to its index). Polls are bounded, so ``stop()`` returns within one poll interval, and
-``tick`` runs between requests.
+link to its index; other uids are closed at accept, and at most ``wire.unix.max_unauthenticated()``
+connections that have not said hello are kept, the oldest dropped first). Polls are bounded, so
+``stop()`` returns within one poll interval, and ``tick`` runs between requests.
 
 Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
 loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
@@ -35,6 +36,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from dataplane.config import unix_peer_uids
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
@@ -90,6 +92,12 @@ class ZmqServer:
         self._listener, self.unix = _unix.listen(f"{name}-{uuid.uuid4().hex[:12]}-u")
         self._listening = False  # (``_listen`` below)
         self._conns: dict[int, _unix.Conn] = {}  # accepted Unix-lane connections, by file descriptor
+        # Those of them that have not said hello yet, oldest first: at most ``_unauth_cap`` of them.
+        self._unauth: dict[int, _unix.Conn] = {}
+        self._unauth_cap = _unix.max_unauthenticated()
+        self._peer_uids = unix_peer_uids()  # other uids are closed at accept
+        self.refused = 0  # Unix-lane connections closed at accept for their uid
+        self.evicted = 0  # Unix-lane connections dropped, silent, for newer ones
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
         # One epoll for everything: a zmq socket is watched through its ZMQ_FD, which signals "look at
@@ -133,6 +141,9 @@ class ZmqServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if self._mandatory else 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # A peer that does not finish zmq's handshake (and ZAP) in time is dropped: the Unix lane's
+        # deadline, where libzmq's default is 30 s. Nothing in libzmq caps how many there are at once.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(_unix.HANDSHAKE_S * 1000))
         _auth.secure_server(sock, self._creds, curve)
         self._socks.append(sock)
         return sock
@@ -256,9 +267,16 @@ class ZmqServer:
         self._add(self._listener.fileno(), lambda ev: self._accept())
 
     def _accept(self) -> None:
-        while True:
+        # Bounded per wake-up (the listener stays readable): a flood of connects leaves the loop time
+        # for the connections it already has.
+        for _ in range(_unix.ACCEPTS_PER_WAKE):
             try:
-                conn = _unix.accept(self._listener)
+                conn = _unix.accept(self._listener, self._peer_uids)
+            except _unix.PeerRefused as exc:
+                if not self.refused:  # once: a flood would fill the log
+                    logger.warning("%s: %s (DATAPLANE_UNIX_PEER_UIDS allows others)", self.name, exc)
+                self.refused += 1
+                continue
             except OSError as exc:  # out of file descriptors: stop accepting until the next tick
                 logger.warning("%s: cannot accept a connection (%s); retrying shortly", self.name, exc)
                 self._remove(self._listener.fileno())
@@ -267,8 +285,20 @@ class ZmqServer:
             if conn is None:
                 return
             self._conns[conn.fd] = conn
+            self._unauth[conn.fd] = conn
             self._add(conn.fd, functools.partial(self._on_conn, conn))
+            if len(self._unauth) > self._unauth_cap:
+                self._evict_oldest()
             self._count()
+
+    def _evict_oldest(self) -> None:
+        """Drop the oldest connection that has not said hello, unless its hello has arrived by now
+        (read here, before the loop got to it: then it is served like any other)."""
+        conn = next(iter(self._unauth.values()))
+        self._on_conn(conn, select.EPOLLIN)
+        if self._unauth.get(conn.fd) is conn:  # still silent
+            self.evicted += 1
+            self._close_conn(conn)
 
     def _on_conn(self, conn: _unix.Conn, ev: int) -> None:
         if ev & select.EPOLLOUT and conn.flush():
@@ -287,6 +317,7 @@ class ZmqServer:
                 elif _unix.check_hello(
                     conn, frames, self._creds.secret, _LANE_FRAMES, self._max_message_bytes
                 ):
+                    self._unauth.pop(conn.fd, None)
                     messages.extend(conn.reader.buffered())  # what the peer sent right after its hello
                 else:
                     raise _unix.ConnectionClosed("not a peer of this store")
@@ -302,15 +333,19 @@ class ZmqServer:
     def _close_conn(self, conn: _unix.Conn) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
+            self._unauth.pop(conn.fd, None)
             self._remove(conn.fd)
             self._count()
         conn.close()
 
     def _check_conns(self, now: float) -> None:
         """Close peers that have not said hello in time; resume accepting after running out of fds."""
-        for conn in [c for c in self._conns.values() if c.closed or not c.authenticated]:
-            if conn.closed or now - conn.since > _unix.HANDSHAKE_S:  # closed while answering, or silent
-                self._close_conn(conn)
+        for conn in list(self._unauth.values()):  # oldest first: the first one in time ends the sweep
+            if now - conn.since <= _unix.HANDSHAKE_S:
+                break
+            self._close_conn(conn)
+        for conn in [c for c in self._conns.values() if c.closed]:  # closed while answering
+            self._close_conn(conn)
         if not self._listening:
             self._listen()
 

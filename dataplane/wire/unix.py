@@ -11,12 +11,16 @@ Framing: ``[u32 n][u64 length] * n`` then the ``n`` frames' bytes (little endian
 as a zmq multipart message (``wire.frames``), so one request path serves both lanes.
 
 Who may talk (the same rule as ``wire.auth``'s PLAIN over ipc): the listener is in the abstract
-namespace (nothing in the file system), and the first message on a connection must be
-``[HELLO, secret]`` with the store's secret (compared in constant time). A peer is closed, having
-been served nothing, when that first message is anything else, when it does not arrive within
-``HANDSHAKE_S``, and at any time when a message breaks the limits (frame count, total bytes): a
-declared size is never trusted with memory before the bytes arrive (``_Reader`` grows a large
-message's buffer as its bytes come in). A peer that does not read its replies is closed once
+namespace (nothing in the file system, so reachable from every uid), and ``accept`` closes a peer
+whose uid (``SO_PEERCRED``, what the kernel recorded at its connect) is not allowed at once, before
+it is given anything. The first message on a connection must be ``[HELLO, secret]`` with the store's
+secret (compared in constant time). A peer is closed, having been served nothing, when that first
+message is anything else, when it does not arrive within ``HANDSHAKE_S``, and at any time when a
+message breaks the limits (frame count, total bytes): a declared size is never trusted with memory
+before the bytes arrive (``_Reader`` grows a large message's buffer as its bytes come in). A server
+holds at most ``max_unauthenticated()`` connections that have not said hello and drops the oldest
+beyond that (``server.router``): a client sends its hello the moment it connects, so only peers that
+keep silent are ever dropped. A peer that does not read its replies is closed once
 ``MAX_PENDING_BYTES`` would wait behind the message being sent, so it cannot make a service buffer
 without bound (one message of any size may wait for the socket).
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import resource
 import select
 import socket
 import struct
@@ -42,14 +47,27 @@ HELLO_MAX_BYTES = 256  # each frame of the hello: an unauthenticated peer cannot
 MAX_PENDING_BYTES = 256 << 20  # replies a peer has not read: past this it is closed
 READ_CHUNK = 1 << 16
 IOV_MAX = 512  # buffers per sendmsg call (the kernel allows 1024)
+MAX_UNAUTHENTICATED = 1024  # connections a listener keeps before their hello (see max_unauthenticated)
+ACCEPTS_PER_WAKE = 64  # a flood of connects cannot keep a server's loop from its other sockets
+CONNECT_BACKOFF_S = (0.001, 0.025)  # first and longest pause between connects to a full backlog
 _FRAMES = struct.Struct("<I")
 _NOSIGNAL = socket.MSG_NOSIGNAL  # a peer that closed its end is an error to us, never a signal
 _LENGTHS = [struct.Struct(f"<{n}Q") for n in range(8)]  # cached formats of the common frame counts
 _HEADERS = [struct.Struct(f"<I{n}Q") for n in range(8)]
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 class ConnectionClosed(Exception):
     """The peer closed the connection, or broke the framing or limits (``str`` says which)."""
+
+
+class PeerRefused(Exception):
+    """``accept`` closed a connection from a process of a uid that may not talk to this listener."""
+
+    def __init__(self, uid: int, pid: int) -> None:
+        self.uid = uid
+        self.pid = pid
+        super().__init__(f"a connection from uid {uid} (pid {pid}) was refused: that uid is not allowed")
 
 
 def _lengths_format(n: int) -> struct.Struct:
@@ -346,14 +364,26 @@ def listen(name: str) -> tuple[socket.socket, str]:
 def connect(address: str, secret: str, *, max_frames: int, max_bytes: int, timeout: float = 0.0) -> Conn:
     """A client connection to ``address``, its hello queued first (no round trip of its own: a wrong
     secret shows as the service closing the connection). ``ConnectionError`` when nobody listens,
-    or when the service's backlog stays full for ``timeout`` seconds (0: do not wait at all)."""
+    or when the service's backlog stays full for ``timeout`` seconds (0: do not wait at all).
+
+    A full backlog (a busy or flooded service) is retried until ``timeout``, pausing between tries
+    (from 1 ms, doubling up to 25 ms): a connect that waits costs next to no CPU."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)  # a blocking connect to a full backlog would wait without any limit
+    where = abstract(address)
+    deadline = time.monotonic() + timeout
+    pause = CONNECT_BACKOFF_S[0]
     try:
-        sock.settimeout(timeout)  # a full backlog would block a plain connect without any limit
-        sock.connect(abstract(address))
-    except (BlockingIOError, TimeoutError) as exc:
-        sock.close()
-        raise ConnectionRefusedError(errno.EAGAIN, f"its backlog stayed full ({exc})") from None
+        while True:
+            try:
+                _attempt(sock, where)
+                break
+            except BlockingIOError as exc:  # EAGAIN: the backlog is full
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectionRefusedError(errno.EAGAIN, f"its backlog stayed full ({exc})") from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, CONNECT_BACKOFF_S[1])
     except OSError:
         sock.close()
         raise
@@ -364,9 +394,16 @@ def connect(address: str, secret: str, *, max_frames: int, max_bytes: int, timeo
     return conn
 
 
-def accept(listener: socket.socket) -> Conn | None:
+def _attempt(sock: socket.socket, where: str) -> None:
+    """One non-blocking connect (a Unix socket connects at once, or fails: EAGAIN when the backlog is
+    full, ECONNREFUSED when nobody listens)."""
+    sock.connect(where)
+
+
+def accept(listener: socket.socket, uids: frozenset[int]) -> Conn | None:
     """One pending connection of ``listener`` (None when there is none), not yet authenticated: until
-    its hello it may send one message of at most ``HELLO_MAX_BYTES``."""
+    its hello it may send one message of at most ``HELLO_MAX_BYTES``. A peer whose uid is not in
+    ``uids`` is closed at once and ``PeerRefused`` raised (call again for the next one)."""
     try:
         sock, _ = listener.accept()
     except (BlockingIOError, InterruptedError):
@@ -375,9 +412,21 @@ def accept(listener: socket.socket) -> Conn | None:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise
         return None
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    if uid not in uids:
+        sock.close()
+        raise PeerRefused(uid, pid)
     conn = Conn(sock, max_frames=2, max_bytes=HELLO_MAX_BYTES, buffer=1024)
     conn.reader.one = True
     return conn
+
+
+def max_unauthenticated() -> int:
+    """How many connections that have not said hello one listener keeps: ``MAX_UNAUTHENTICATED``, or
+    an eighth of this process's descriptors when that is less (never under 16)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    share = soft // 8 if soft != resource.RLIM_INFINITY else MAX_UNAUTHENTICATED
+    return max(16, min(MAX_UNAUTHENTICATED, share))
 
 
 def check_hello(conn: Conn, frames: list[memoryview], secret: str, max_frames: int, max_bytes: int) -> bool:
@@ -402,8 +451,10 @@ __all__ = [
     "HELLO",
     "Conn",
     "ConnectionClosed",
+    "PeerRefused",
     "accept",
     "check_hello",
     "connect",
     "listen",
+    "max_unauthenticated",
 ]

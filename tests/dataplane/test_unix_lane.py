@@ -10,7 +10,9 @@ store. Every wait has a deadline; a peer's close is seen as EOF on a poll, never
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pwd
 import random
 import select
 import socket
@@ -620,6 +622,138 @@ def test_a_client_that_gives_up_while_the_server_is_busy_does_not_take_it_down(c
         _connections_settle(server, 0)
 
 
+# A process of another user (stdlib only: that user may not read this venv). Started as root, it drops
+# to ``drop`` ("uid:gid") before it opens its socket, sends ``data`` (hex) and reports what came back
+# before the connection closed or ``wait_s`` passed (it stops at the first bytes).
+OTHER_USER = textwrap.dedent(
+    r"""
+    import json, os, select, socket, sys, time
+    cfg = json.loads(sys.stdin.read())
+    uid, gid = map(int, cfg["drop"].split(":"))
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + cfg["address"][1:])
+    got, closed, deadline = b"", False, time.monotonic() + cfg["wait_s"]
+    try:
+        sock.sendall(bytes.fromhex(cfg["data"]))
+    except (BrokenPipeError, ConnectionResetError):  # closed before all of it was sent
+        closed = True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while not got and not closed and (left := deadline - time.monotonic()) > 0:
+        if poller.poll(max(1, int(left * 1000))):
+            try:
+                chunk = sock.recv(1 << 16)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    print(json.dumps({"uid": os.getuid(), "got": len(got), "closed": closed}))
+    """
+)
+
+
+def _as_other_user(address: str, data: bytes) -> dict[str, Any]:
+    """Connect to ``address`` from a process running as uid ``nobody``, send ``data``, report."""
+    if os.geteuid() != 0:
+        pytest.skip("running a process as uid nobody needs root")
+    nobody = pwd.getpwnam("nobody")
+    cfg = {
+        "address": address,
+        "data": data.hex(),
+        "drop": f"{nobody.pw_uid}:{nobody.pw_gid}",
+        "wait_s": DEADLINE_S,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", OTHER_USER],
+        input=json.dumps(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["uid"] == nobody.pw_uid, report
+    return report
+
+
+def test_a_peer_of_another_uid_is_closed_at_accept_even_with_the_secret(index, creds) -> None:
+    report = _as_other_user(index.unix, _hello(creds.secret) + _request(41))
+    assert report == {**report, "got": 0, "closed": True}, report
+    assert index.ran == [] and index.refused >= 1, (index.ran, index.refused)
+    good = _good_client(index, creds)  # the store's own uid: served
+    try:
+        _ping(good, 42)
+        assert index.ran == ["ping"]
+    finally:
+        good.close()
+
+
+def test_a_uid_the_allow_list_names_may_connect(creds, monkeypatch) -> None:
+    monkeypatch.setenv("DATAPLANE_UNIX_PEER_UIDS", f"{pwd.getpwnam('nobody').pw_uid}")
+    with _serving(_Index, creds, "ul-allowed") as server:  # the list is read when a server starts
+        report = _as_other_user(server.unix, _hello(creds.secret) + _request(43))
+        assert report["got"] > 0, report  # its ping was answered
+        assert server.ran == ["ping"] and server.refused == 0
+
+
+def test_the_allow_list_must_be_uids() -> None:
+    from dataplane.config import unix_peer_uids
+
+    os.environ["DATAPLANE_UNIX_PEER_UIDS"] = "1001, alice"
+    try:
+        with pytest.raises(ValueError, match="DATAPLANE_UNIX_PEER_UIDS.*'alice' is not a uid"):
+            unix_peer_uids()
+        os.environ["DATAPLANE_UNIX_PEER_UIDS"] = " 1001,1002,"
+        assert unix_peer_uids() == {os.getuid(), 1001, 1002}
+    finally:
+        del os.environ["DATAPLANE_UNIX_PEER_UIDS"]
+
+
+def test_silent_connections_are_capped_oldest_first_and_a_hello_that_arrived_is_served(
+    creds, monkeypatch
+) -> None:
+    """A listener keeps at most ``max_unauthenticated()`` connections that have not said hello (16
+    here); a newer one drops the oldest, unless that one's hello has arrived by then: it is served.
+
+    The server's loop is held in a request while the connections queue up, so all arrive in one
+    accept pass, before the loop could read any of them: the first, which sent its hello and a ping,
+    is the oldest when the cap is passed and must be read, not dropped."""
+    monkeypatch.setattr(unix, "MAX_UNAUTHENTICATED", 16)
+    with _serving(_Slow, creds, "ul-capped") as server:
+        t = _transport(server, creds)
+        holder = threading.Thread(target=lambda: t.call_many([Call(0, "stats", {})]), daemon=True)
+        holder.start()
+        early: socket.socket | None = None
+        silent: list[socket.socket] = []
+        try:
+            assert server.entered.wait(DEADLINE_S), "the server never took the request that holds it"
+            early = _raw(server.unix)
+            early.sendall(_hello(creds.secret) + _request(51))
+            silent = [_raw(server.unix) for _ in range(20)]
+            server.release.set()
+            early_conn = unix.Conn(early, max_frames=16, max_bytes=-1)
+            ((rep, _),) = _replies(early_conn, 1)
+            assert rep.rid == 51 and rep.error is None, rep
+            for sock in silent[:4]:  # 21 accepted, 16 kept: the 4 oldest silent ones were dropped
+                assert _closed_by_peer(sock) == b""
+            _connections_settle(server, 1 + 1 + 16)  # the holder, the early one, 16 silent
+            assert server.evicted == 4
+            assert not any(_readable(sock, time.monotonic()) for sock in silent[4:])  # still open
+            _ping(early_conn, 52)  # and served on
+        finally:
+            server.release.set()
+            holder.join(DEADLINE_S)
+            t.close()
+            for sock in [s for s in (early, *silent) if s is not None]:
+                sock.close()
+
+
 # ---- 5. the blocking client ----------------------------------------------------------------------
 
 
@@ -720,24 +854,43 @@ def test_a_connection_lost_while_sending_ends_the_calls_already_sent_on_it_at_on
         t.close()
 
 
-def test_connecting_to_a_service_that_does_not_accept_honours_the_deadline(creds) -> None:
+def _full_backlog() -> tuple[socket.socket, str, list[socket.socket]]:
+    """A listener that does not accept, its backlog filled by connections of its own."""
     listener, address = unix.listen(f"ul-full-{uuid.uuid4().hex[:8]}")
     listener.listen(0)  # a backlog of one: what 513 connects do to a service whose loop is busy
     fill: list[socket.socket] = []
+    while len(fill) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        fill.append(s)
+        try:
+            s.connect(unix.abstract(address))
+        except BlockingIOError:  # the backlog is full
+            fill.pop().close()
+            return listener, address, fill
+    raise AssertionError("the backlog never filled")
+
+
+@pytest.fixture
+def connect_attempts(monkeypatch) -> list[float]:
+    """When each connect try of ``unix.connect`` was made (the real call, counted)."""
+    attempts: list[float] = []
+    real = unix._attempt
+
+    def counted(sock: socket.socket, where: str) -> None:
+        attempts.append(time.monotonic())
+        real(sock, where)
+
+    monkeypatch.setattr(unix, "_attempt", counted)
+    return attempts
+
+
+def test_connecting_to_a_service_that_does_not_accept_honours_the_deadline(creds) -> None:
+    listener, address, fill = _full_backlog()
     out: list = []
     t = SyncTransport({0: Endpoint("ipc://@none", "ul-full", False, address)}, creds, 1.0, Liveness({}))
     caller = threading.Thread(target=lambda: out.append(t.call_many([Call(0, "ping", {})])), daemon=True)
     try:
-        while len(fill) < 64:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            fill.append(s)
-            try:
-                s.connect(unix.abstract(address))
-            except BlockingIOError:  # the backlog is full
-                break
-        else:
-            pytest.fail("the backlog never filled")
         caller.start()
         caller.join(2.5)
         returned = not caller.is_alive()
@@ -750,6 +903,57 @@ def test_connecting_to_a_service_that_does_not_accept_honours_the_deadline(creds
     assert not caller.is_alive(), "the call did not end even once the listener closed"
     assert returned, "a call with a 1 s deadline was still connecting after 2.5 s"
     assert isinstance(out[0][0], ShardUnavailableError), out
+
+
+def test_a_connect_to_a_full_backlog_waits_for_room(creds, connect_attempts) -> None:
+    attempts = connect_attempts
+    listener, address, fill = _full_backlog()
+    out: list[Any] = []
+
+    def connecting() -> None:
+        try:
+            out.append(unix.connect(address, creds.secret, max_frames=16, max_bytes=-1, timeout=DEADLINE_S))
+        except OSError as exc:
+            out.append(exc)
+
+    caller = threading.Thread(target=connecting, daemon=True)
+    accepted: list[socket.socket] = []
+    try:
+        caller.start()
+        wait_for(lambda: len(attempts) >= 3 or out, DEADLINE_S, "three tries at the full backlog")
+        assert not out, f"the connect gave up at once on a full backlog: {out}"
+        accepted.append(listener.accept()[0])  # the service takes one: room for one more
+        caller.join(DEADLINE_S)
+        assert out and isinstance(out[0], unix.Conn), out
+        accepted += [listener.accept()[0] for _ in range(len(fill))]  # the rest, then the caller's
+        assert _readable(accepted[-1], time.monotonic() + DEADLINE_S)
+        assert accepted[-1].recv(1 << 10) == _hello(creds.secret)  # connected, its hello sent
+    finally:
+        for s in [*fill, *accepted, *[c.sock for c in out if isinstance(c, unix.Conn)]]:
+            s.close()
+        listener.close()
+
+
+def test_a_connect_to_a_backlog_that_stays_full_fails_at_its_deadline_without_spinning(
+    creds, connect_attempts
+) -> None:
+    attempts = connect_attempts
+    listener, address, fill = _full_backlog()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConnectionRefusedError, match="backlog stayed full"):
+            unix.connect(address, creds.secret, max_frames=16, max_bytes=-1, timeout=1.0)
+        assert time.monotonic() - started >= 1.0, "gave up before its deadline"
+        # pauses from 1 ms doubling to 25 ms: some 45 tries in a second (a spin would make thousands)
+        assert 2 <= len(attempts) <= 100, len(attempts)
+        attempts.clear()
+        with pytest.raises(ConnectionRefusedError):  # a deadline of 0: one try, no wait
+            unix.connect(address, creds.secret, max_frames=16, max_bytes=-1)
+        assert len(attempts) == 1
+    finally:
+        for s in fill:
+            s.close()
+        listener.close()
 
 
 # ---- 6. the store on the Unix lane ---------------------------------------------------------------
