@@ -7,6 +7,7 @@ test waits for the fault to be visible (the process gone), never for a fixed tim
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,6 +110,75 @@ def test_init_clears_a_broken_store_before_starting_one(ray_cluster):
         )
     finally:
         dp.close()
+        handle.stop()
+
+
+def _sigkill(pid: int) -> None:
+    """Kill process ``pid`` the way the OS does (not ``ray.kill``) and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: process_start(pid) == "", 30, f"process {pid} to exit after SIGKILL")
+
+
+def _init_in_another_process(address: str, name: str, num_shards: int, first: str = "") -> str:
+    """Run ``first`` then ``dp.init(name=...)`` and a put and get in a new process attached to the
+    cluster (the store's owner, this process, stays alive); its output (``INIT <seconds>`` on success)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import ray, torch, dataplane as dp
+        from dataplane.config import StoreConfig
+        from dataplane.service import launch
+        ray.init(address={address!r}, logging_level="ERROR")
+        {first}
+        started = time.monotonic()
+        info = dp.init(name={name!r}, num_shards={num_shards})
+        took = time.monotonic() - started
+        assert info.owned and info.num_shards == {num_shards}, info
+        dp.kv_batch_put(["a", "b"], "p", {{"x": torch.ones(2, 3)}})
+        assert dp.kv_batch_get(["a", "b"], "p")["x"].sum().item() == 6
+        print(f"INIT {{took:.2f}}")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr[-3000:]
+
+
+def test_a_sigkilled_index_is_recovered_by_init_in_another_process(ray_cluster):
+    # The index dies by an OS kill while its owner (this process) lives: Ray keeps such an owned
+    # actor registered, DEAD, and its name taken, until the owner lets go of it. dp.init() in any
+    # other process must still clear the broken store and start a fresh one under the same name.
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-index", num_shards=2)
+    try:
+        _sigkill(registry["index"]["pid"])
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 1)
+        assert "INIT" in out, out
+    finally:
+        handle.stop()
+
+
+def test_sigkilled_shards_do_not_block_a_new_store(ray_cluster):
+    # Every actor of the store killed by the OS (nothing of it is listed any more, yet every name is
+    # taken), then one shard of another store killed and the store stopped as `rlplane store stop`
+    # does: either way a new store of the same name starts in another process.
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-all", num_shards=2)
+    try:
+        for actor in [registry["index"], *registry["shards"]]:
+            _sigkill(actor["pid"])
+        wait_for(lambda: _service.store_actor_names(cfg) == [], 30, "Ray to see the store's actors dead")
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 2)
+        assert "INIT" in out, out
+    finally:
+        handle.stop()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-shard", num_shards=2)
+    try:
+        _sigkill(registry["shards"][1]["pid"])
+        stop = f"assert launch.stop_named(StoreConfig(name={cfg.name!r}))"
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 2, first=stop)
+        assert "INIT" in out, out
+    finally:
         handle.stop()
 
 
