@@ -6,6 +6,7 @@ test waits for the fault to be visible (the process gone), never for a fixed tim
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
 from dataplane.wire.liveness import process_start
 
-from .conftest import keys_on_shards, own_store, start_store, wait_for
+from .conftest import keys_on_shards, own_store, raw_unix_socket, request, start_store, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -180,6 +181,116 @@ def test_sigkilled_shards_do_not_block_a_new_store(ray_cluster):
         assert "INIT" in out, out
     finally:
         handle.stop()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether a SIGSTOP has taken effect: every thread of process ``pid`` is in state T."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # a thread that ended meanwhile
+            continue
+        states.append(stat[stat.rfind(")") + 2])
+    return bool(states) and all(state == "T" for state in states)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """Process ``pid`` stopped (SIGSTOP, and every thread seen stopped) for the block, then resumed."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _all_threads_stopped(pid), 30, f"process {pid} to stop")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _index_stats(registry: dict) -> dict:
+    """The index's own ``stats`` (a raw request: no shard is asked, so a stopped shard does not matter)."""
+    sock = raw_unix_socket(registry, "index")
+    try:
+        reply = request(sock, "stats", {}, timeout_ms=30_000)
+    finally:
+        sock.close()
+    assert reply is not None and reply[0].error is None, reply
+    return reply[0].body
+
+
+def _put_once_accepted(pid: str, what: str) -> None:
+    """Put an int64 ``f`` to key "late" until the index stops refusing its dtype (SchemaError)."""
+
+    def accepted() -> bool:
+        try:
+            dp.kv_batch_put(["late"], pid, {"f": torch.arange(2).view(1, 2)})
+        except dp.SchemaError:
+            return False
+        return True
+
+    wait_for(accepted, 60, what, interval=0.2)
+    assert dp.kv_batch_get(["late"], pid)["f"].tolist() == [[0, 1]]
+
+
+def test_a_put_that_failed_on_a_stalled_index_decides_no_schema(ray_cluster, pid):
+    # A put creating field f waits for its prepare while the index is stopped longer than
+    # rpc_timeout_s: the put fails. The prepare, and the abort the writer sent after it, reach the
+    # index once it runs again (in either order): the prepare must decide nothing, so a put of
+    # another dtype is accepted. It cannot have expired instead: reservation_timeout_s is 600 s.
+    options = {"num_shards": 1, "rpc_timeout_s": 3, "reservation_timeout_s": 600}
+    with own_store("t-fault-stalled-prepare", **options) as (cfg, registry):
+        with _stopped(registry["index"]["pid"]):
+            with pytest.raises(dp.ShardUnavailableError, match="did not answer") as err:
+                dp.kv_batch_put(["a"], pid, {"f": torch.zeros(1, 2)})
+        assert err.value.shard == cfg.index_name()
+        _put_once_accepted(pid, "the failed put's prepare to let go of field f")
+        assert dp.kv_list(pid) == {pid: {"late": {}}}  # the failed put recorded nothing
+        puts = _index_stats(registry)["puts"]
+        assert puts["open"] == 0 and puts["expired"] == 0, puts
+
+
+def test_a_writer_killed_between_prepare_and_commit_decides_no_schema(ray_cluster, pid):
+    # A writer's put of a new field f is prepared in the index, while its reservation waits on a
+    # stopped shard; then the writer is killed. Its prepare must not decide f's dtype for ever: it
+    # expires with the reservation (reservation_timeout_s), and a put of another dtype is accepted.
+    options = {"num_shards": 1, "rpc_timeout_s": 120, "reservation_timeout_s": 3}
+    with own_store("t-fault-dead-writer", **options) as (cfg, registry):
+        code = textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {ROOT!r})
+            import ray, torch, dataplane as dp
+            ray.init(address={ray_cluster.address!r}, logging_level="ERROR")
+            dp.init(name={cfg.name!r})
+            print("ATTACHED", flush=True)
+            sys.stdin.readline()
+            dp.kv_batch_put(["w"], {pid!r}, {{"f": torch.zeros(1, 2)}})
+            print("PUT RETURNED", flush=True)
+            """
+        )
+        writer = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert writer.stdout.readline().strip() == "ATTACHED"
+            with _stopped(registry["shards"][0]["pid"]):
+                writer.stdin.write("go\n")
+                writer.stdin.flush()
+                wait_for(lambda: _index_stats(registry)["puts"]["open"] == 1, 60, "the writer's prepare")
+                _sigkill(writer.pid)
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+            writer.wait(timeout=60)
+        _put_once_accepted(pid, "the dead writer's prepare to expire")
+        puts = _index_stats(registry)["puts"]
+        assert puts["open"] == 0 and puts["expired"] == 1, puts
+        wait_for(
+            lambda: dp.stats()["shards"][0]["reservations_expired"] == 1,
+            60,
+            "the shard to fence the dead writer's reservation",
+        )
+        assert dp.kv_list(pid) == {pid: {"late": {}}}
 
 
 def test_running_out_of_fds_is_a_typed_error_naming_the_limit(ray_cluster, pid):
