@@ -23,6 +23,7 @@ operation with scripted replies and bytearrays (``tests/dataplane/test_ops.py``)
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from dataplane.errors import (
     PartitionNotFoundError,
     ReservationExpiredError,
     SchemaError,
+    ShardUnavailableError,
     WireError,
 )
 from dataplane.meta import KVBatchMeta
@@ -127,8 +129,10 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
 
     All or nothing: everything is checked before the first request; the index decides new fields'
     schemas in the first round (``prepare``), together with the shards' reservations, and any
-    failure there aborts every reservation. A put that stalls between reserve and commit past most
-    of ``reservation_timeout_s`` aborts instead of committing (the shards would have fenced it).
+    failure there aborts every reservation and the prepare, whether or not the index answered it
+    (``_abort_put``): a put that fails before its shards commit decides no schema. A put that stalls
+    between reserve and commit past most of ``reservation_timeout_s`` aborts instead of committing
+    (the shards would have fenced it, and the index expired its prepare).
 
     The shards commit before the index does: the index's commit is what makes rows listed and
     ready for consumers (``next_batch``), so a row is never handed out before every shard holding
@@ -166,17 +170,16 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         reserves.append(call)
     if len(shards) == 1 and not parts[shards[0]] and _schema_known(route, partition_id, columns):
         return (yield from _put_inline(route, reserves[0], body, columns, groups, keys))
+    txn = secrets.randbits(63) or 1  # this put's id at the index, ours to choose (see _abort_put)
     started = time.monotonic()
-    results = yield [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs}), *reserves]
+    results = yield [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs, "txn": txn}), *reserves]
     prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
     aborts = [Call(s, "abort", {"resv": r[0]["resv"]}) for s, r in reserved.items() if _ok(r)]
-    if _ok(prepared):
-        aborts.append(Call(INDEX, "abort", {"txn": prepared[0]["txn"]}))
     errs = [r for r in results if not _ok(r)]
     if errs:
-        if aborts:
-            yield aborts
+        yield from _abort_put(route, aborts, txn, prepared)
         raise errs[0]
+    aborts.append(Call(INDEX, "abort", {"txn": txn}))
     commits = []
     try:
         for s in shards:
@@ -198,13 +201,39 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         )
     results = yield commits
     if not all(_ok(r) for r in results):
-        yield [Call(INDEX, "abort", {"txn": prepared[0]["txn"]})]
+        yield [Call(INDEX, "abort", {"txn": txn})]
         _raise_partial_put([*results, None], shards, groups, keys, partition_id)
-    body["txn"] = prepared[0]["txn"]
+    body["txn"] = txn
     (res,) = yield [Call(INDEX, "commit", body)]
     _raise_partial_put([*results, res], shards, groups, keys, partition_id)
     _remember_schema(route, partition_id, specs)
     return _meta(keys, partition_id, res[0])
+
+
+ABORT_WAIT_S = 1.0  # most a failed put waits for an index that did not answer its prepare to take the abort
+
+
+def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> Op:
+    """Undo a put that failed in its first round: the reservations that succeeded (``aborts``) and
+    the prepare ``txn``, answered or not.
+
+    A prepare the index did not answer (stalled longer than ``rpc_timeout_s``, or its reply lost)
+    may still reach it, and would decide the put's new fields: the abort follows it, and the index
+    refuses a prepare whose abort came first. That abort goes in a round of its own and waits at
+    most ``ABORT_WAIT_S``: a silent index would otherwise hold the put's error back for a second
+    ``rpc_timeout_s``, and once sent, the abort reaches a stalled index when it runs again (on the
+    Unix lane it is in the kernel's buffer already). If it never does, the prepare expires with
+    the reservations, after ``reservation_timeout_s``.
+    """
+    index_abort = Call(INDEX, "abort", {"txn": txn})
+    answered = _ok(prepared) or not isinstance(prepared, ShardUnavailableError)
+    if answered:  # (even refused: the index is answering, so its abort goes with the shards')
+        aborts = [*aborts, index_abort]
+    if aborts:
+        yield aborts
+    if not answered:
+        index_abort.timeout = min(route.rpc_timeout_s, ABORT_WAIT_S)
+        yield [index_abort]
 
 
 _ONE = np.zeros(1, dtype=np.int64)  # the positions of a one-key put's keys on its shard

@@ -19,7 +19,8 @@ import heapq
 import itertools
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from dataplane.errors import (
     BatchTimeoutError,
     DataplaneError,
     PartitionNotFoundError,
+    ReservationExpiredError,
     SchemaError,
     WireError,
 )
@@ -63,7 +65,7 @@ class _FieldSchema:
     ``prepare`` that named it (first writer wins); each row's shape is free.
 
     ``confirmed`` once a put that relies on it commits; until then ``pending`` holds the puts
-    (transaction ids) that rely on it, and the last of them to abort takes it back.
+    (transaction ids) that rely on it, and the last of them to abort or expire takes it back.
     """
 
     family: list[Any]
@@ -89,25 +91,42 @@ def _sampler(body: Any) -> Any:
     return sampler
 
 
+MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
+
+
 class IndexCore(Operations):
     """Metadata bookkeeping of the store. Plain class, tested without Ray.
 
     Its operations take the body only (the index takes no buffer frames) and return the reply
     body; a waiting one (``next``, ``ready``) returns None while its rows are not ready.
+
+    A put's prepare (``op_prepare``) stays open for ``prepare_ttl_s`` (the store's
+    ``reservation_timeout_s``, as long as the shards keep the put's reservations), then expires as
+    if aborted; ``clock`` is the monotonic clock those deadlines are read on (a test moves its own).
     """
 
     OPS = _protocol.INDEX_OPS
     SERVICE = "the index"
 
-    def __init__(self) -> None:
+    def __init__(self, prepare_ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.partitions: dict[str, _PartMeta] = {}
         self.schemas: dict[str, dict[str, _FieldSchema]] = {}  # pid -> field -> schema
         self.txns: dict[int, tuple[str, list[str]]] = {}  # open put -> (pid, fields it relies on)
-        self._txn_ids = itertools.count(1)
+        self.prepare_ttl_s = prepare_ttl_s
+        self._clock = clock
+        # When each open put expires, and the same in deadline order (one ttl for all: arrival order)
+        # so that expiring costs nothing while no deadline has passed.
+        self._open_until: dict[int, float] = {}
+        self._deadlines: deque[tuple[float, int]] = deque()
+        # Puts aborted before their prepare arrived (txn -> until when it is refused), same order.
+        self._early_aborts: dict[int, float] = {}
+        self._early_order: deque[tuple[float, int]] = deque()
+        self.put_counts = {"aborted": 0, "expired": 0, "refused": 0}
         self.registry: dict[str, Any] = {}
         self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
         # Lease deadlines (deadline, seq, pid, task, take), stale entries dropped when they come up.
         self.lease_due: list[tuple[float, int, str, str, str]] = []
+        self._lease_seq = itertools.count()
         # Takes given back by id (bounded, oldest dropped): a request carrying one that arrives after
         # its release (it travelled on another connection) takes nothing.
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -121,11 +140,23 @@ class IndexCore(Operations):
 
         Fields already decided must match; new ones are recorded now (not at commit), so of two
         puts racing to create a field with different specs exactly one passes, whichever shards
-        their keys live on. Returns the put's transaction id for ``commit`` / ``abort``.
+        their keys live on. The put's id (``body.txn``) is its client's choice, so the client can
+        abort a prepare whose answer it never saw: a prepare whose abort came first is refused
+        (``ReservationExpiredError``) and decides nothing. An open prepare expires after
+        ``prepare_ttl_s`` (``expire``). Answers ``{"txn": body.txn}``.
         """
-        pid = body.pid
+        now = self._clock()
+        self.expire(now)
+        pid, txn = body.pid, body.txn
+        if txn in self._early_aborts:  # its client gave up before this arrived (a stalled index)
+            self.put_counts["refused"] += 1
+            raise ReservationExpiredError(
+                f"put {txn} was aborted by its writer before its prepare reached the index; nothing was "
+                "recorded"
+            )
+        if txn in self.txns:
+            raise WireError(f"prepare: put {txn} is already open; a put id is used once (chosen at random)")
         families = self._families(pid, body.specs)
-        txn = next(self._txn_ids)
         schema = self.schemas.setdefault(pid, {})
         for name in body.specs:
             entry = schema.get(name)
@@ -134,7 +165,25 @@ class IndexCore(Operations):
             if not entry.confirmed:
                 entry.pending.add(txn)
         self.txns[txn] = (pid, list(body.specs))
+        until = now + self.prepare_ttl_s
+        self._open_until[txn] = until
+        self._deadlines.append((until, txn))
         return {"txn": txn}
+
+    def expire(self, now: float | None = None) -> None:
+        """Undo the prepares open longer than ``prepare_ttl_s`` (their writers died or gave up, and
+        the shards have fenced their reservations): new fields only they relied on are undecided
+        again, and a commit that comes later is refused. Forget early aborts as old."""
+        now = self._clock() if now is None else now
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, txn = self._deadlines.popleft()
+            if self._open_until.get(txn) == until:  # (else committed or aborted already)
+                self._release(txn)
+                self.put_counts["expired"] += 1
+        while self._early_order and self._early_order[0][0] <= now:
+            until, txn = self._early_order.popleft()
+            if self._early_aborts.get(txn) == until:
+                del self._early_aborts[txn]
 
     def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list]:
         """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
@@ -146,6 +195,14 @@ class IndexCore(Operations):
             families[name] = list(new_s.family())
             old = schema.get(name)
             if old is not None and old.family != families[name]:
+                if not old.confirmed:
+                    raise SchemaError(
+                        name,
+                        f"field {name!r}: new data ({describe_family(families[name])}) does not match "
+                        f"what a put in flight is creating the field as ({describe_family(old.family)}); "
+                        "write it with that dtype, or use a new field name (if that put never commits, "
+                        f"the field is free again within {self.prepare_ttl_s:.0f}s, reservation_timeout_s)",
+                    )
                 raise SchemaError(
                     name,
                     f"field {name!r}: new data ({describe_family(families[name])}) does not match the stored "
@@ -173,31 +230,60 @@ class IndexCore(Operations):
             entry.wire = specs[name]
 
     def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
-        """A prepared put gave up: new fields only it relied on are undecided again."""
-        pid, names = self.txns.pop(body.txn, (None, []))
-        schema = self.schemas.get(pid, {}) if pid is not None else {}
+        """A put gave up: new fields only it relied on are undecided again. Its prepare may not have
+        arrived yet (the writer never saw an answer): then it is refused when it does."""
+        now = self._clock()
+        self.expire(now)
+        txn = body.txn
+        if txn in self.txns:
+            self._release(txn)
+            self.put_counts["aborted"] += 1
+        elif txn not in self._early_aborts:
+            if len(self._early_aborts) >= MAX_EARLY_ABORTS:  # the oldest is the least likely to matter
+                _, oldest = self._early_order.popleft()
+                self._early_aborts.pop(oldest, None)
+            until = now + self.prepare_ttl_s
+            self._early_aborts[txn] = until
+            self._early_order.append((until, txn))
+        return {}
+
+    def _release(self, txn: int) -> None:
+        """Close the open put ``txn`` without committing it (aborted or expired)."""
+        pid, names = self.txns.pop(txn)
+        del self._open_until[txn]
+        schema = self.schemas.get(pid, {})
         for name in names:
             entry = schema.get(name)
             if entry is not None and not entry.confirmed:
-                entry.pending.discard(body.txn)
+                entry.pending.discard(txn)
                 if not entry.pending:
                     del schema[name]
-        if pid is not None and not schema and pid not in self.partitions:
+        if not schema and pid not in self.partitions:
             self.schemas.pop(pid, None)
-        return {}
 
     def op_commit(self, body: _protocol.IndexCommit) -> dict[str, Any]:
         """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags."""
         pid, keys, fields, tags = body.pid, _protocol.unique_keys(body.keys, "commit"), body.fields, body.tags
         if tags is not None and len(tags) != len(keys):
             raise WireError(f"commit: {len(tags)} tags for {len(keys)} keys")
+        self.expire()  # (a pending field of an expired put must not decide this commit's schema)
+        if body.txn is not None:  # checked before anything changes
+            opened = self.txns.get(body.txn)
+            if opened is None:  # as a shard refuses the commit of a reservation it fenced
+                raise ReservationExpiredError(
+                    f"commit: put {body.txn} is not open at the index: its prepare expired after "
+                    f"reservation_timeout_s ({self.prepare_ttl_s:.0f}s), was aborted, or never arrived; "
+                    "nothing was recorded"
+                )
+            if opened[0] != pid:  # a txn confirms only its own partition
+                raise WireError(
+                    f"commit: put {body.txn} was prepared for partition {opened[0]!r}, not {pid!r}"
+                )
         if body.specs:  # a put that skipped prepare: its fields' schemas must agree (or are new)
             self._decide(pid, body.specs)
         if body.txn is not None:
-            owner = self.txns.get(body.txn, (pid, []))[0]
-            if owner != pid:  # before changing anything: a txn confirms only its own partition
-                raise WireError(f"commit: put {body.txn} was prepared for partition {owner!r}, not {pid!r}")
-            _, names = self.txns.pop(body.txn, (pid, []))
+            _, names = self.txns.pop(body.txn)
+            del self._open_until[body.txn]
             for name in names:
                 entry = self.schemas.get(pid, {}).get(name)
                 if entry is not None:
@@ -340,7 +426,7 @@ class IndexCore(Operations):
         keys, lease = got
         if lease is not None:
             deadline = part.streams.tasks[body.task].leases[lease].deadline
-            heapq.heappush(self.lease_due, (deadline, next(self._txn_ids), body.pid, body.task, lease))
+            heapq.heappush(self.lease_due, (deadline, next(self._lease_seq), body.pid, body.task, lease))
         return self._batch(part, body.pid, keys, body.fields, lease)
 
     def give_back(self, pid: str, task: str, take: str | None, keys: list[str]) -> None:
@@ -463,7 +549,13 @@ class IndexCore(Operations):
         }
 
     def op_stats(self, body: _protocol.Stats) -> dict[str, Any]:
-        return {"partitions": {p: len(m.keys) for p, m in self.partitions.items()}}
+        """Keys per partition, and the prepared puts: open now, and how many were aborted, expired,
+        or refused (their abort had come first)."""
+        self.expire()
+        return {
+            "partitions": {p: len(m.keys) for p, m in self.partitions.items()},
+            "puts": {"open": len(self.txns), **self.put_counts},
+        }
 
     def op_ping(self, body: _protocol.Ping) -> dict[str, Any]:
         return {}
@@ -619,8 +711,14 @@ class IndexActor:
     start and describe it; every KV and streaming request reaches ``IndexServer`` over zmq, on
     sockets that admit only the store's own peers (``wire.auth``)."""
 
-    def __init__(self, name: str, creds: dict[str, str] | None = None, max_message_bytes: int = -1) -> None:
-        self.core = IndexCore()
+    def __init__(
+        self,
+        name: str,
+        creds: dict[str, str] | None = None,
+        max_message_bytes: int = -1,
+        reservation_timeout_s: float = 120.0,
+    ) -> None:
+        self.core = IndexCore(prepare_ttl_s=reservation_timeout_s)
         self._name = name
         self._creds = _auth.Credentials.from_dict(creds or {})
         self._max_message_bytes = max_message_bytes

@@ -86,20 +86,61 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return sorted(nodes, key=lambda n: n["NodeID"])
 
 
+def _is_store_name(cfg: StoreConfig, name: str) -> bool:
+    shard = f"{cfg.name}-shard-"
+    return name == cfg.index_name() or (name.startswith(shard) and name[len(shard) :].isdigit())
+
+
 def store_actor_names(cfg: StoreConfig) -> list[str]:
     """Names of the live actors of store ``cfg.name`` (index and shards) in the store's namespace."""
     import ray
 
-    shard = f"{cfg.name}-shard-"
     return sorted(
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a.get("namespace") == NAMESPACE
-        and (
-            a["name"] == cfg.index_name()
-            or (a["name"].startswith(shard) and a["name"][len(shard) :].isdigit())
-        )
+        if a.get("namespace") == NAMESPACE and _is_store_name(cfg, a["name"])
     )
+
+
+def release_dead_names(cfg: StoreConfig) -> list[str]:
+    """Free the names of store ``cfg.name`` that Ray still holds for dead actors; returns them.
+
+    Why a dead actor can hold its name: an actor owned by a process (an embedded store's, owned by
+    the driver that started it) whose own process died (an OS kill, a crash; ``max_restarts=0``) is
+    DEAD to Ray but stays registered, name included, until its owner drops every handle to it or
+    dies itself (Ray 2.60's GCS, ``GcsActorManager::RestartActor``). ``list_named_actors`` no longer
+    lists it, but creating an actor of that name fails with ``ActorAlreadyExistsError``, from any
+    process, for as long as the owner lives. ``ray.kill`` of such an actor, from any process,
+    destroys its registration and frees the name; ``ray.get_actor`` still hands out a handle to it.
+    (``ray.kill`` of a live store actor frees its name at once: only OS kills leave this behind.)
+
+    The dead holders are found in the GCS's actor table (every dead actor Ray remembers, with its
+    name); a handle is fetched by name only for those, and killed only if it is one of them (a new
+    actor may have taken a freed name meanwhile).
+    """
+    import ray
+    from ray._private import state as ray_state  # the GCS actor table with DEAD actors: no public API
+
+    dead = ray_state.actors(actor_state_name="DEAD")
+    dead_ids = {str(aid) for aid in dead}
+    alive = set(store_actor_names(cfg))
+    names = sorted({a["Name"] for a in dead.values() if _is_store_name(cfg, a["Name"])} - alive)
+    freed = []
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # not held: the dead actor's registration is gone already
+            continue
+        if actor._actor_id.hex() not in dead_ids:  # a live actor took the name since
+            continue
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - destroyed meanwhile by someone else: freed all the same
+            pass
+        freed.append(name)
+    if freed:
+        logger.warning("store %r: freed the names %s that Ray still held for dead actors", cfg.name, freed)
+    return freed
 
 
 def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[str, Any], Any] | None:
@@ -152,7 +193,23 @@ def _broken(cfg: StoreConfig, names: list[str]) -> str:
 
 
 def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
-    """Create the index and the shards, wait until all are up, and publish the registry."""
+    """Create the index and the shards, wait until all are up, and publish the registry.
+
+    A name of the store that Ray still holds for a dead actor (``release_dead_names``) is freed and
+    the start tried once more; a name a live actor holds raises ``ActorAlreadyExistsError`` (a
+    ``ValueError``): another process started the same store first.
+    """
+    import ray
+
+    try:
+        return _start_service(cfg)
+    except ray.exceptions.ActorAlreadyExistsError:
+        if not release_dead_names(cfg):
+            raise
+    return _start_service(cfg)
+
+
+def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -173,7 +230,11 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     opts = {"namespace": NAMESPACE, "num_cpus": cfg.num_cpus, "lifetime": lifetime, "max_restarts": 0}
     creds = Credentials.new(encrypt=cfg.encrypt).to_dict()
     index_limit = min(cfg.max_message_bytes, INDEX_MAX_MESSAGE_BYTES)
-    index = _remote(IndexActor).options(name=cfg.index_name(), **opts).remote(cfg.name, creds, index_limit)
+    index = (
+        _remote(IndexActor)
+        .options(name=cfg.index_name(), **opts)
+        .remote(cfg.name, creds, index_limit, cfg.reservation_timeout_s)
+    )
     handle = ServiceHandle(index)
     try:
         for i in range(n):
@@ -208,13 +269,13 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
 
 
 def stop_named(cfg: StoreConfig) -> bool:
-    """Stop every actor of the store named ``cfg.name`` (any owner, even a broken store); False when
-    none runs."""
+    """Stop every actor of the store named ``cfg.name`` (any owner, even a broken store), and free the
+    names Ray still holds for its dead ones (``release_dead_names``); False when there was nothing."""
     import ray
 
     names = store_actor_names(cfg)
     if not names:
-        return False
+        return bool(release_dead_names(cfg))
     index, shards = None, []
     for name in names:
         try:
@@ -226,7 +287,15 @@ def stop_named(cfg: StoreConfig) -> bool:
         else:
             shards.append(actor)
     ServiceHandle(index, shards).stop()
+    release_dead_names(cfg)
     return True
 
 
-__all__ = ["ServiceHandle", "find_service", "start_service", "stop_named", "store_actor_names"]
+__all__ = [
+    "ServiceHandle",
+    "find_service",
+    "release_dead_names",
+    "start_service",
+    "stop_named",
+    "store_actor_names",
+]

@@ -94,9 +94,15 @@ class Ping(_Body):
     pass
 
 
+TxnId = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+
+
 class Prepare(_Body):
+    """``txn`` is chosen by the client (at random), so it can abort a prepare whose answer it never saw."""
+
     pid: str
     specs: dict[str, WireSpec]
+    txn: TxnId
 
 
 class IndexCommit(_Body):
@@ -104,7 +110,7 @@ class IndexCommit(_Body):
     keys: list[str]
     fields: list[str] = []
     tags: Tags = None
-    txn: int | None = None
+    txn: TxnId | None = None
     specs: dict[str, WireSpec] | None = None  # a put without prepare: the index checks them here
 
 
@@ -115,7 +121,7 @@ class Commits(_Body):
 
 
 class IndexAbort(_Body):
-    txn: int
+    txn: TxnId
 
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]

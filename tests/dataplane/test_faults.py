@@ -6,7 +6,9 @@ test waits for the fault to be visible (the process gone), never for a fixed tim
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
 from dataplane.wire.liveness import process_start
 
-from .conftest import keys_on_shards, own_store, start_store, wait_for
+from .conftest import keys_on_shards, own_store, raw_unix_socket, request, start_store, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -110,6 +112,185 @@ def test_init_clears_a_broken_store_before_starting_one(ray_cluster):
     finally:
         dp.close()
         handle.stop()
+
+
+def _sigkill(pid: int) -> None:
+    """Kill process ``pid`` the way the OS does (not ``ray.kill``) and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: process_start(pid) == "", 30, f"process {pid} to exit after SIGKILL")
+
+
+def _init_in_another_process(address: str, name: str, num_shards: int, first: str = "") -> str:
+    """Run ``first`` then ``dp.init(name=...)`` and a put and get in a new process attached to the
+    cluster (the store's owner, this process, stays alive); its output (``INIT <seconds>`` on success)."""
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import ray, torch, dataplane as dp
+        from dataplane.config import StoreConfig
+        from dataplane.service import launch
+        ray.init(address={address!r}, logging_level="ERROR")
+        {first}
+        started = time.monotonic()
+        info = dp.init(name={name!r}, num_shards={num_shards})
+        took = time.monotonic() - started
+        assert info.owned and info.num_shards == {num_shards}, info
+        dp.kv_batch_put(["a", "b"], "p", {{"x": torch.ones(2, 3)}})
+        assert dp.kv_batch_get(["a", "b"], "p")["x"].sum().item() == 6
+        print(f"INIT {{took:.2f}}")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr[-3000:]
+
+
+def test_a_sigkilled_index_is_recovered_by_init_in_another_process(ray_cluster):
+    # The index dies by an OS kill while its owner (this process) lives: Ray keeps such an owned
+    # actor registered, DEAD, and its name taken, until the owner lets go of it. dp.init() in any
+    # other process must still clear the broken store and start a fresh one under the same name.
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-index", num_shards=2)
+    try:
+        _sigkill(registry["index"]["pid"])
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 1)
+        assert "INIT" in out, out
+    finally:
+        handle.stop()
+
+
+def test_sigkilled_shards_do_not_block_a_new_store(ray_cluster):
+    # Every actor of the store killed by the OS (nothing of it is listed any more, yet every name is
+    # taken), then one shard of another store killed and the store stopped as `rlplane store stop`
+    # does: either way a new store of the same name starts in another process.
+    dp.close()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-all", num_shards=2)
+    try:
+        for actor in [registry["index"], *registry["shards"]]:
+            _sigkill(actor["pid"])
+        wait_for(lambda: _service.store_actor_names(cfg) == [], 30, "Ray to see the store's actors dead")
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 2)
+        assert "INIT" in out, out
+    finally:
+        handle.stop()
+    cfg, registry, handle = start_store(name="t-fault-sigkill-shard", num_shards=2)
+    try:
+        _sigkill(registry["shards"][1]["pid"])
+        stop = f"assert launch.stop_named(StoreConfig(name={cfg.name!r}))"
+        out = _init_in_another_process(ray_cluster.address, cfg.name, 2, first=stop)
+        assert "INIT" in out, out
+    finally:
+        handle.stop()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether a SIGSTOP has taken effect: every thread of process ``pid`` is in state T."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # a thread that ended meanwhile
+            continue
+        states.append(stat[stat.rfind(")") + 2])
+    return bool(states) and all(state == "T" for state in states)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """Process ``pid`` stopped (SIGSTOP, and every thread seen stopped) for the block, then resumed."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _all_threads_stopped(pid), 30, f"process {pid} to stop")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _index_stats(registry: dict) -> dict:
+    """The index's own ``stats`` (a raw request: no shard is asked, so a stopped shard does not matter)."""
+    sock = raw_unix_socket(registry, "index")
+    try:
+        reply = request(sock, "stats", {}, timeout_ms=30_000)
+    finally:
+        sock.close()
+    assert reply is not None and reply[0].error is None, reply
+    return reply[0].body
+
+
+def _put_once_accepted(pid: str, what: str) -> None:
+    """Put an int64 ``f`` to key "late" until the index stops refusing its dtype (SchemaError)."""
+
+    def accepted() -> bool:
+        try:
+            dp.kv_batch_put(["late"], pid, {"f": torch.arange(2).view(1, 2)})
+        except dp.SchemaError:
+            return False
+        return True
+
+    wait_for(accepted, 60, what, interval=0.2)
+    assert dp.kv_batch_get(["late"], pid)["f"].tolist() == [[0, 1]]
+
+
+def test_a_put_that_failed_on_a_stalled_index_decides_no_schema(ray_cluster, pid):
+    # A put creating field f waits for its prepare while the index is stopped longer than
+    # rpc_timeout_s: the put fails. The prepare, and the abort the writer sent after it, reach the
+    # index once it runs again (in either order): the prepare must decide nothing, so a put of
+    # another dtype is accepted. It cannot have expired instead: reservation_timeout_s is 600 s.
+    options = {"num_shards": 1, "rpc_timeout_s": 3, "reservation_timeout_s": 600}
+    with own_store("t-fault-stalled-prepare", **options) as (cfg, registry):
+        with _stopped(registry["index"]["pid"]):
+            with pytest.raises(dp.ShardUnavailableError, match="did not answer") as err:
+                dp.kv_batch_put(["a"], pid, {"f": torch.zeros(1, 2)})
+        assert err.value.shard == cfg.index_name()
+        _put_once_accepted(pid, "the failed put's prepare to let go of field f")
+        assert dp.kv_list(pid) == {pid: {"late": {}}}  # the failed put recorded nothing
+        puts = _index_stats(registry)["puts"]
+        assert puts["open"] == 0 and puts["expired"] == 0, puts
+
+
+def test_a_writer_killed_between_prepare_and_commit_decides_no_schema(ray_cluster, pid):
+    # A writer's put of a new field f is prepared in the index, while its reservation waits on a
+    # stopped shard; then the writer is killed. Its prepare must not decide f's dtype for ever: it
+    # expires with the reservation (reservation_timeout_s), and a put of another dtype is accepted.
+    options = {"num_shards": 1, "rpc_timeout_s": 120, "reservation_timeout_s": 3}
+    with own_store("t-fault-dead-writer", **options) as (cfg, registry):
+        code = textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {ROOT!r})
+            import ray, torch, dataplane as dp
+            ray.init(address={ray_cluster.address!r}, logging_level="ERROR")
+            dp.init(name={cfg.name!r})
+            print("ATTACHED", flush=True)
+            sys.stdin.readline()
+            dp.kv_batch_put(["w"], {pid!r}, {{"f": torch.zeros(1, 2)}})
+            print("PUT RETURNED", flush=True)
+            """
+        )
+        writer = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert writer.stdout.readline().strip() == "ATTACHED"
+            with _stopped(registry["shards"][0]["pid"]):
+                writer.stdin.write("go\n")
+                writer.stdin.flush()
+                wait_for(lambda: _index_stats(registry)["puts"]["open"] == 1, 60, "the writer's prepare")
+                _sigkill(writer.pid)
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+            writer.wait(timeout=60)
+        _put_once_accepted(pid, "the dead writer's prepare to expire")
+        puts = _index_stats(registry)["puts"]
+        assert puts["open"] == 0 and puts["expired"] == 1, puts
+        wait_for(
+            lambda: dp.stats()["shards"][0]["reservations_expired"] == 1,
+            60,
+            "the shard to fence the dead writer's reservation",
+        )
+        assert dp.kv_list(pid) == {pid: {"late": {}}}
 
 
 def test_running_out_of_fds_is_a_typed_error_naming_the_limit(ray_cluster, pid):

@@ -233,11 +233,15 @@ SHARD_BUILDERS = [
 
 def _prepare(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
     names = rng.sample(sorted(FIELDS), rng.randint(1, 3))
-    return "prepare", {"pid": rng.choice(PIDS), "specs": {n: _spec_of(rng, n) for n in names}}, []
+    specs = {n: _spec_of(rng, n) for n in names}
+    return "prepare", {"pid": rng.choice(PIDS), "specs": specs, "txn": _txn(rng, core, open_share=0.05)}, []
 
 
-def _txn(rng: random.Random, core: IndexCore) -> int:
-    return rng.choice(sorted(core.txns)) if core.txns and rng.random() < 0.9 else rng.randrange(0, 1000)
+def _txn(rng: random.Random, core: IndexCore, open_share: float = 0.9) -> int:
+    """A put id: mostly an open one (``open_share``), else any (some taken, some out of range)."""
+    if core.txns and rng.random() < open_share:
+        return rng.choice(sorted(core.txns))
+    return rng.randrange(0, 1000)
 
 
 def _index_commit(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
@@ -564,6 +568,8 @@ def _check_index(core: IndexCore) -> list[str]:
     for txn, (pid, _names) in core.txns.items():
         if pid is None or type(pid) is not str:
             bad.append(f"open put {txn} has partition {pid!r}")
+    if core._open_until.keys() != core.txns.keys():
+        bad.append(f"open puts {sorted(core.txns)} but deadlines for {sorted(core._open_until)}")
     return bad
 
 
@@ -789,9 +795,8 @@ def test_regression_index_commit_with_a_txn_of_another_partition():
     partition's same-named fields are marked confirmed by a put that never wrote there.
     """
     core = IndexCore()
-    txn = _call(core, "prepare", {"pid": "a", "specs": {"x": ["dense", "float32", []]}}, max_frames=0).body[
-        "txn"
-    ]
+    spec = {"x": ["dense", "float32", []]}
+    txn = _call(core, "prepare", {"pid": "a", "specs": spec, "txn": 1}, max_frames=0).body["txn"]
     _call(core, "commit", {"pid": "b", "keys": ["k"], "fields": ["x"], "txn": txn}, max_frames=0)
     assert not _check_index(core), _check_index(core)
 

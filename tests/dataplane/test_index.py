@@ -10,7 +10,13 @@ import torch
 from dataplane.client.sharding import HashPlacement
 from dataplane.codec.columns import encode_fields
 from dataplane.codec.rows import assemble, contiguous_view
-from dataplane.errors import KeyNotFoundError, SchemaError, ShardUnavailableError, WireError
+from dataplane.errors import (
+    KeyNotFoundError,
+    ReservationExpiredError,
+    SchemaError,
+    ShardUnavailableError,
+    WireError,
+)
 from dataplane.server.index import IndexCore
 from dataplane.wire import frames as _wire
 
@@ -23,25 +29,90 @@ def call(core: IndexCore, op: str, body: dict) -> dict:
     return core.handle(op, msgspec.msgpack.encode(body), [])[0]
 
 
+def prepare(core: IndexCore, pid: str, specs: dict, txn: int) -> dict:
+    """A put's prepare; ``txn`` is the put's id, chosen by its client."""
+    return call(core, "prepare", {"pid": pid, "specs": specs, "txn": txn})
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_index_decides_a_new_fields_schema_at_prepare():
     core = IndexCore()
-    t1 = call(core, "prepare", {"pid": "p", "specs": {"x": F32}})["txn"]
+    assert prepare(core, "p", {"x": F32}, 1) == {"txn": 1}
     with pytest.raises(SchemaError, match="'x'"):  # a racing put of another dtype: refused at once
-        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
-    t2 = call(core, "prepare", {"pid": "p", "specs": {"x": F32}})["txn"]  # the same spec: fine
-    call(core, "abort", {"txn": t1})
-    with pytest.raises(SchemaError, match="'x'"):  # t2 still relies on it
-        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
-    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "txn": t2})
+        prepare(core, "p", {"x": I64}, 2)
+    prepare(core, "p", {"x": F32}, 3)  # the same spec: fine
+    call(core, "abort", {"txn": 1})
+    with pytest.raises(SchemaError, match="'x'"):  # 3 still relies on it
+        prepare(core, "p", {"x": I64}, 4)
+    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "txn": 3})
     with pytest.raises(SchemaError, match="'x'"):
-        call(core, "prepare", {"pid": "p", "specs": {"x": I64}})
-    call(core, "prepare", {"pid": "q", "specs": {"x": I64}})  # partitions are separate
+        prepare(core, "p", {"x": I64}, 5)
+    prepare(core, "q", {"x": I64}, 6)  # partitions are separate
     # a prepared put that gave up leaves no schema behind
-    t3 = call(core, "prepare", {"pid": "p", "specs": {"y": F32}})["txn"]
-    call(core, "abort", {"txn": t3})
-    call(core, "prepare", {"pid": "p", "specs": {"y": ["dense", "int8", []]}})
+    prepare(core, "p", {"y": F32}, 7)
+    call(core, "abort", {"txn": 7})
+    prepare(core, "p", {"y": ["dense", "int8", []]}, 8)
     with pytest.raises(SchemaError, match="'z'.*dtype 'float99'"):  # specs a shard could not size
-        call(core, "prepare", {"pid": "p", "specs": {"z": ["dense", "float99", []]}})
+        prepare(core, "p", {"z": ["dense", "float99", []]}, 9)
+    with pytest.raises(WireError, match="already open"):  # put ids are the clients': one may repeat
+        prepare(core, "p", {"w": F32}, 8)
+    for txn in (0, -1, 2**63):
+        with pytest.raises(WireError):
+            prepare(core, "p", {"w": F32}, txn)
+
+
+def test_a_prepare_expires_with_the_reservations_of_its_put():
+    """A put whose writer died (or gave up) after its prepare holds its new fields only as long as
+    the shards hold its reservations: past ``reservation_timeout_s`` they are undecided again, and
+    a commit that comes later is refused with nothing recorded, as the shards refuse theirs."""
+    clock = Clock()
+    core = IndexCore(prepare_ttl_s=10.0, clock=clock)
+    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": F32}})  # x decided
+    prepare(core, "p", {"x": F32, "y": F32, "z": F32}, 1)  # y, z are new: decided while put 1 is open
+    clock.now += 9.9
+    with pytest.raises(SchemaError, match="'y'.*put in flight") as err:
+        prepare(core, "p", {"y": I64}, 2)
+    assert "10s" in str(err.value), err.value  # says how long the in-flight put may hold it
+    clock.now += 0.1
+    assert prepare(core, "p", {"y": I64}, 3) == {"txn": 3}  # put 1 expired: y undecided, 3 decides it
+    one_trip = {"pid": "p", "keys": ["c"], "fields": ["z"], "specs": {"z": I64}}  # a put_ready's commit
+    call(core, "commit", one_trip)  # z is undecided again too
+    with pytest.raises(SchemaError, match="'x'"):  # a field decided by a commit stays decided
+        prepare(core, "p", {"x": I64}, 4)
+    with pytest.raises(ReservationExpiredError, match="put 1 .*expired.*nothing was recorded"):
+        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x", "y"], "txn": 1})
+    assert call(core, "list", {"pid": "p"}) == {"list": {"p": {"a": {}, "c": {}}}}  # b was not recorded
+    with pytest.raises(ReservationExpiredError):  # a put id the index never saw: refused alike
+        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x"], "txn": 77})
+    call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "txn": 3})
+    assert call(core, "stats", {})["puts"] == {"open": 0, "aborted": 0, "expired": 1, "refused": 0}
+
+
+def test_an_abort_that_overtakes_its_prepare_makes_the_index_refuse_the_prepare():
+    """A client aborts every prepare it sent, answered or not (the index may have been stalled): an
+    abort of a put the index has not seen yet is remembered, and the prepare, when it arrives, is
+    refused and decides nothing. The memory of such an abort lasts as long as a prepare would."""
+    clock = Clock()
+    core = IndexCore(prepare_ttl_s=10.0, clock=clock)
+    assert call(core, "abort", {"txn": 5}) == {}
+    with pytest.raises(ReservationExpiredError, match="put 5 was aborted"):
+        prepare(core, "p", {"x": F32}, 5)
+    assert core.schemas.get("p", {}) == {}
+    prepare(core, "p", {"x": I64}, 6)  # nothing of put 5 is left in the way
+    assert call(core, "stats", {})["puts"] == {"open": 1, "aborted": 0, "expired": 0, "refused": 1}
+    call(core, "abort", {"txn": 7})
+    clock.now += 10.0
+    prepare(core, "p", {"z": F32}, 7)  # forgotten with the reservations it stood for (6 expired too)
+    assert call(core, "stats", {})["puts"] == {"open": 1, "aborted": 0, "expired": 1, "refused": 1}
 
 
 def test_index_fields_tags_list_resolve_drop():
@@ -57,7 +128,7 @@ def test_index_fields_tags_list_resolve_drop():
         "known": {"a": ["x", "y"]},
     }
     call(core, "clear", {"pid": "p", "keys": ["a"]})
-    assert call(core, "stats", {}) == {"partitions": {"p": 1}}
+    assert call(core, "stats", {})["partitions"] == {"p": 1}
     call(core, "clear_partition", {"pid": "p"})
     assert call(core, "resolve", {"pid": "p", "keys": ["b"]})["partition"] is False
     with pytest.raises(WireError, match="malformed 'commit'"):
@@ -121,11 +192,11 @@ def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
     relies on that field too: the prepared put's abort must not take the field's schema back, or a
     later put could declare the field again with another dtype while rows of the first one exist."""
     core = IndexCore()
-    txn = call(core, "prepare", {"pid": "p", "specs": {"y": F32}})["txn"]
+    txn = prepare(core, "p", {"y": F32}, 1)["txn"]
     call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "specs": {"y": F32}})
     call(core, "abort", {"txn": txn})
     with pytest.raises(SchemaError, match="'y'"):
-        call(core, "prepare", {"pid": "p", "specs": {"y": I64}})
+        prepare(core, "p", {"y": I64}, 2)
     with pytest.raises(SchemaError, match="'y'"):  # the same spec is remembered, another is checked
         call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": I64}})
     call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": F32}})

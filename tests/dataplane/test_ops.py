@@ -330,25 +330,51 @@ def test_reserve_failure_aborts_the_reservations_that_succeeded(stores):
     assert PID not in route.schemas
 
 
-@pytest.mark.parametrize("culprit", [1, INDEX])
-def test_a_dead_peer_during_reserve_is_named_and_the_rest_undone(culprit):
-    """Scripted: one peer of the first round is dead; whatever answered is undone, in one round."""
+def test_a_dead_shard_during_reserve_is_named_and_the_rest_undone():
+    """Scripted: a shard of the first round is dead; whatever answered is undone, in one round."""
     route = make_route(2)
     keys = keys_on(route.placement, 0, 1) + keys_on(route.placement, 1, 1)
     op = ops.put(route, keys, PID, encode_fields(batch(2), 2), None)
 
     calls = next(op)
     assert targets(calls) == [(INDEX, "prepare"), (0, "reserve"), (1, "reserve")]
-    replies = {INDEX: ok({"txn": 7}), 0: ok({"resv": 11, "files": {}, "version": 0}), 1: ok({"resv": 12})}
-    replies[culprit] = dead(culprit)
-    aborts = op.send([replies[c.target] for c in calls])
+    txn = calls[0].body["txn"]  # the client's choice
+    aborts = op.send([ok({"txn": txn}), ok({"resv": 11, "files": {}, "version": 0}), dead(1)])
 
-    expected = [(0, {"resv": 11}), (1, {"resv": 12}), (INDEX, {"txn": 7})]
-    assert [(c.target, c.body) for c in aborts] == [a for a in expected if a[0] != culprit]
-    assert all(c.op == "abort" for c in aborts)
+    assert [(c.target, c.op, c.body) for c in aborts] == [
+        (0, "abort", {"resv": 11}),
+        (INDEX, "abort", {"txn": txn}),
+    ]
     with pytest.raises(ShardUnavailableError) as exc:
         op.send([ok() for _ in aborts])
-    assert exc.value.shard == ("index" if culprit == INDEX else f"shard{culprit}")
+    assert exc.value.shard == "shard1"
+
+
+@pytest.mark.parametrize("index_answer", ["dead", "silent"])
+def test_a_prepare_the_index_did_not_answer_is_aborted_all_the_same(index_answer):
+    """Scripted: the index did not answer the prepare (dead, or stalled past rpc_timeout_s). It may
+    still record the prepare later, so the client aborts it anyway, under the id it chose itself:
+    after undoing the reservations, in a round of its own that waits at most ABORT_WAIT_S."""
+    route = make_route(2)
+    keys = keys_on(route.placement, 0, 1) + keys_on(route.placement, 1, 1)
+    op = ops.put(route, keys, PID, encode_fields(batch(2), 2), None)
+
+    calls = next(op)
+    txn = calls[0].body["txn"]
+    silent = ShardUnavailableError("index", "index at unix:@x did not answer within 60.0s")
+    no_answer = dead(INDEX) if index_answer == "dead" else silent  # (the transport's own errors)
+    aborts = op.send([no_answer, ok({"resv": 11, "files": {}, "version": 0}), ok({"resv": 12})])
+    assert [(c.target, c.body) for c in aborts] == [(0, {"resv": 11}), (1, {"resv": 12})]
+    (index_abort,) = op.send([ok(), ok()])
+    assert (index_abort.target, index_abort.op, index_abort.body) == (INDEX, "abort", {"txn": txn})
+    assert index_abort.timeout == ops.ABORT_WAIT_S
+    with pytest.raises(ShardUnavailableError) as exc:
+        op.send([no_answer])  # the abort's own fate changes nothing: the put's error is the prepare's
+    assert exc.value.shard == "index"
+    assert (
+        calls[0].body["txn"]
+        != next(ops.put(route, keys, PID, encode_fields(batch(2), 2), None))[0].body["txn"]
+    )
 
 
 def test_schema_refusal_from_the_index(stores):
@@ -365,7 +391,7 @@ def test_schema_refusal_from_the_index(stores):
         )
 
     assert exc.value.field == "x"
-    assert store.rounds == [[(INDEX, "prepare"), (1, "reserve")], [(1, "abort")]]
+    assert store.rounds == [[(INDEX, "prepare"), (1, "reserve")], [(1, "abort"), (INDEX, "abort")]]
     assert store.shards[1].stats()["bytes_reserved"] == 0
     assert store.drive(ops.list_keys(route, PID)) == {PID: {k: {} for k in on0}}
 
@@ -389,10 +415,11 @@ def test_put_that_stalls_past_its_commit_window_aborts():
     route.commit_within_s = -1.0  # any time between reserve and commit is too long
     op = ops.put(route, ["a"], PID, encode_fields(batch(1), 1), None)
     calls = next(op)
-    aborts = op.send([ok({"txn": 3}), ok({"resv": 4, "files": {}, "version": 0})])
+    txn = calls[0].body["txn"]
+    aborts = op.send([ok({"txn": txn}), ok({"resv": 4, "files": {}, "version": 0})])
     assert [(c.target, c.op, c.body) for c in aborts] == [
         (0, "abort", {"resv": 4}),
-        (INDEX, "abort", {"txn": 3}),
+        (INDEX, "abort", {"txn": txn}),
     ]
     with pytest.raises(ReservationExpiredError, match="nothing was written"):
         op.send([ok(), ok()])
@@ -403,12 +430,12 @@ def test_failed_shard_commit_aborts_the_index_and_names_what_was_written():
     route = make_route(2)
     keys = keys_on(route.placement, 0, 1) + keys_on(route.placement, 1, 1)
     op = ops.put(route, keys, PID, encode_fields(batch(2), 2), None)
-    next(op)
+    txn = next(op)[0].body["txn"]
     reserved = [ok({"resv": r, "files": {}, "version": 0}) for r in (1, 2)]
-    commits = op.send([ok({"txn": 5}), *reserved])
+    commits = op.send([ok({"txn": txn}), *reserved])
     assert targets(commits) == [(0, "commit"), (1, "commit")]
     (abort,) = op.send([ok(), dead(1)])  # the index is not asked to commit: the rows are not made ready
-    assert (abort.target, abort.op, abort.body) == (INDEX, "abort", {"txn": 5})
+    assert (abort.target, abort.op, abort.body) == (INDEX, "abort", {"txn": txn})
     with pytest.raises(ShardUnavailableError, match=r"committed only in part: shards \[0\]") as exc:
         op.send([ok()])
     assert repr(keys[1]) in str(exc.value) and exc.value.shard == "shard1"
@@ -462,12 +489,16 @@ def _shm_put(route: ops.Route, memory: FakeMemory, keys: list[str], x: torch.Ten
     assert calls[1].body["fields"]["x"]["col"] is None and calls[1].bufs == []  # no bytes in the request
     ref = memory.add_file(0, file_id=7, size=nbytes + 100, slot=3, gen=9)
     reserved = {"resv": 5, "files": {"x": ref}, "version": 2, "live": [7]}
-    (commit,) = op.send([ok({"txn": 1}), ok(reserved)])
+    (commit,) = op.send([ok({"txn": calls[0].body["txn"]}), ok(reserved)])
     assert (commit.target, commit.op, commit.body["resv"]) == (0, "commit", 5)
     assert bytes(memory.files[(0, 7)][:nbytes]) == bytes(cols["x"].data)  # copied straight into the file
     assert memory.pruned == [(0, 2, [7])]
     (index_commit,) = op.send([ok()])
-    assert (index_commit.target, index_commit.op, index_commit.body["txn"]) == (INDEX, "commit", 1)
+    assert (index_commit.target, index_commit.op, index_commit.body["txn"]) == (
+        INDEX,
+        "commit",
+        calls[0].body["txn"],
+    )
     meta = finish(op, [ok({"fields": ["x"], "tags": [{} for _ in keys]})])
     assert meta.keys == keys
     return ref
@@ -590,12 +621,12 @@ def test_a_segment_that_cannot_be_mapped_aborts_the_put():
     memory = FakeMemory(1)
     route = make_route(1, shm=True, memory=memory)
     op = ops.put(route, ["a"], PID, encode_fields({"x": torch.ones(1, 3)}, 1), None)
-    next(op)
+    txn = next(op)[0].body["txn"]
     gone = [99, 1, 12, 1, 0, 1]  # a file the fake does not hold
-    aborts = op.send([ok({"txn": 2}), ok({"resv": 6, "files": {"x": gone}, "version": 1})])
+    aborts = op.send([ok({"txn": txn}), ok({"resv": 6, "files": {"x": gone}, "version": 1})])
     assert [(c.target, c.op, c.body) for c in aborts] == [
         (0, "abort", {"resv": 6}),
-        (INDEX, "abort", {"txn": 2}),
+        (INDEX, "abort", {"txn": txn}),
     ]
     with pytest.raises(SegmentUnavailable):
         op.send([ok(), ok()])

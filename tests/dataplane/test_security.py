@@ -693,8 +693,14 @@ def test_index_refuses_malformed_metadata(store):
     try:
         before = _ok(sock, "stats", {})
         cases = [
-            ("prepare", {"pid": "m", "specs": {"f": ["mystery", "x", []]}}, ("SchemaError",)),
-            ("prepare", {"pid": "m", "specs": {"f": ["dense", "float32", [1] * 40]}}, ("SchemaError",)),
+            ("prepare", {"pid": "m", "specs": {"f": ["mystery", "x", []]}, "txn": 1}, ("SchemaError",)),
+            (
+                "prepare",
+                {"pid": "m", "specs": {"f": ["dense", "float32", [1] * 40]}, "txn": 2},
+                ("SchemaError",),
+            ),
+            ("prepare", {"pid": "m", "specs": {"f": ["dense", "float32", []]}}, ("WireError",)),  # no put id
+            ("commit", {"pid": "m", "keys": ["a"], "txn": 3}, ("ReservationExpiredError",)),  # never prepared
             ("commit", {"pid": "m", "keys": ["a", "a"]}, ("WireError",)),
             ("commit", {"pid": "m", "keys": ["a"], "tags": [{}, {}]}, ("WireError",)),
             ("commit", {"pid": "m", "keys": "a"}, ("WireError",)),

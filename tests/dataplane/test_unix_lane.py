@@ -524,7 +524,7 @@ def test_a_hello_and_requests_in_one_send_are_all_served(index, creds) -> None:
         sock.sendall(_hello(creds.secret) + _request(11) + _request(12, "stats") + _request(13, "list", long))
         replies = [rep for rep, _ in _replies(conn, 3)]
         assert [(r.rid, r.error) for r in replies] == [(11, None), (12, None), (13, None)], replies
-        assert replies[1].body == {"partitions": {}} and replies[2].body == {"list": {}}
+        assert replies[1].body["partitions"] == {} and replies[2].body == {"list": {}}
         assert index.ran == ["ping", "stats", "list"]
     finally:
         conn.close()
@@ -762,7 +762,8 @@ def test_the_sync_client_is_answered_over_the_unix_lane(index, creds) -> None:
     try:
         assert t.call_many([Call(0, "ping", {})]) == [({}, [])]
         calls = [Call(0, "ping", {}), Call(INDEX, "stats", {}), Call(0, "ping", {})]
-        assert t.call_many(calls) == [({}, []), ({"partitions": {}}, []), ({}, [])]
+        ping, (stats, bufs), pong = t.call_many(calls)
+        assert ping == pong == ({}, []) and stats["partitions"] == {} and bufs == []
         (kept,) = t._idle  # the call set kept for the next call: Unix-lane connections, no zmq socket
         assert sorted(kept) == [INDEX, 0] and all(type(s) is unix.Conn for s in kept.values())
         assert index.connections == 2  # one per target, and nothing over zmq
