@@ -544,6 +544,7 @@ class IndexActor:
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
+            "max_message_bytes": self._max_message_bytes,  # clients refuse a bigger frame themselves
             "boot_id": boot_id(),
             "pid": pid,
             "pid_start": process_start(pid),

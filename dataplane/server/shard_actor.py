@@ -110,7 +110,8 @@ class ShardServer(ZmqServer):
         creds = self._creds.for_clients()
         address = index["ipc"] if local else index["tcp"]
         unix = index.get("unix") if local and env_unix_lane() else None
-        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix)
+        limit = index.get("max_message_bytes", -1)
+        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix, max_frame=limit)
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
         self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
         self._link.uses_lane = True  # (the link connects over the lane whenever the index has one)
@@ -161,6 +162,10 @@ class ShardServer(ZmqServer):
             sock = self._index_socket(link)
             rid = next_rid()
             frames = _wire.encode_request(rid, "commits", {"items": [f.commit for f in items]})
+            refused = link.too_large(INDEX, "commits", frames)
+            if refused is not None:  # (256 small puts' commits: never in practice)
+                self._refuse(items, refused)
+                return
             if type(sock) is _unix.Conn:
                 # Queued whole or not at all: what the socket does not take now is sent by after_poll.
                 if not sock.write(frames):
@@ -327,6 +332,7 @@ class ShardActor:
         limit = cfg["max_message_bytes"]
         if capacity_bytes is not None:  # no frame can be larger than what the shard may hold
             limit = min(limit, capacity_bytes + (1 << 20))
+        self._max_message_bytes = limit  # published (``info``): clients refuse a bigger frame themselves
         # What this process holds before it serves (modules, Ray's worker) lives as long as it does:
         # out of the garbage collector's sight, a full collection scans only the rows stored since.
         gc.freeze()
@@ -350,6 +356,7 @@ class ShardActor:
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
+            "max_message_bytes": self._max_message_bytes,
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
