@@ -28,12 +28,44 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 NAMESPACE = "rlplane"
 """Ray namespace of the store's named actors (embedded or started by ``rlplane store start``)."""
+
+MAX_TIMEOUT_S = 1e9
+"""The longest timeout, in seconds, any setting or call takes (about 31 years): finite, so no deadline
+computed from one overflows a clock or a poll. Where a call takes ``None``, that waits for ever."""
+
+INT64_MAX = 2**63 - 1
+"""The largest size or count the store takes: what a socket option, a numpy index or msgpack carries."""
+
+
+def check_number(
+    name: str, value: Any, low: float, high: float, *, integer: bool = False, above: bool = False
+) -> None:
+    """Refuse ``value`` for the argument ``name`` unless it is a finite number in ``[low, high]``
+    (``(low, high]`` with ``above``; an ``int`` with ``integer``): ``TypeError`` for another type (a
+    bool included), ``ValueError`` for ``nan``, ``inf`` or a value out of range. Both name the argument.
+
+        >>> check_number("rpc_timeout_s", float("inf"), 0, MAX_TIMEOUT_S, above=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: rpc_timeout_s=inf must be a finite number in (0, 1000000000.0]
+    """
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        what = "an int" if integer else "a number"
+        raise TypeError(f"{name} must be {what}, not {type(value).__name__} ({value!r})")
+    inside = (low < value if above else low <= value) and value <= high
+    if not inside or (type(value) is not int and not math.isfinite(value)):
+        bounds = f"{'(' if above else '['}{low!r}, {high!r}]"
+        what = "an int" if integer else "a finite number"
+        raise ValueError(f"{name}={value!r} must be {what} in {bounds}")
+
 
 TRANSPORTS = ("auto", "shm", "zmq", "tcp")
 
@@ -94,15 +126,18 @@ def _env_float(name: str, default: float) -> float:
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError as exc:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be a finite number >= 0")
+    return value
 
 
 def read_buffer_pool_bytes() -> int:
     """Most idle bytes of copy-out buffers a process keeps warm for its next reads
     (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
-    return int(_env_float("DATAPLANE_READ_POOL_BYTES", 256 * 2**20))
+    return min(int(_env_float("DATAPLANE_READ_POOL_BYTES", 256 * 2**20)), INT64_MAX)
 
 
 @dataclass
@@ -157,17 +192,12 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
-        if self.num_shards is not None and self.num_shards < 1:
-            raise ValueError(f"num_shards={self.num_shards} must be >= 1")
-        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={self.capacity_bytes} must be > 0")
-        if not 0 < self.num_cpus <= 64:
-            raise ValueError(f"num_cpus={self.num_cpus} must be > 0")
-        if self.max_message_bytes <= 0:
-            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be > 0")
-        for name in ("rpc_timeout_s", "schedule_timeout_s", "reservation_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        # Every number is checked here, where it enters (``dp.init``, ``rlplane store start``, an
+        # attaching client's copy): finite and in range, so nothing computed from it overflows later.
+        for name, low, high, integer, above in _NUMBERS:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                check_number(name, value, low, high, integer=integer, above=above)
 
     @classmethod
     def from_options(cls, **options: Any) -> StoreConfig:
@@ -205,6 +235,22 @@ class StoreConfig:
         return f"{self.name}-shard-{i}"
 
 
+# field, lowest, highest, an int, the lowest excluded
+_NUMBERS = (
+    ("num_shards", 1, 2**31 - 1, True, False),
+    ("capacity_bytes", 1, INT64_MAX, True, False),
+    ("num_cpus", 0, 64, False, True),
+    ("rpc_timeout_s", 0, MAX_TIMEOUT_S, False, True),
+    ("schedule_timeout_s", 0, MAX_TIMEOUT_S, False, True),
+    ("shm_min_bytes", 0, INT64_MAX, True, False),
+    ("warm_idle_s", 0, MAX_TIMEOUT_S, False, False),
+    ("warm_retain_bytes", 0, INT64_MAX, True, False),
+    ("reservation_timeout_s", 0, MAX_TIMEOUT_S, False, True),
+    ("max_message_bytes", 1, INT64_MAX, True, False),
+)
+_OPTIONAL = frozenset({"num_shards", "capacity_bytes"})  # None: one shard per node / unbounded
+
+
 def client_transport_override() -> str | None:
     """A per-process transport override (``DATAPLANE_TRANSPORT``) for clients attaching to a service."""
     raw = os.environ.get("DATAPLANE_TRANSPORT")
@@ -214,7 +260,10 @@ def client_transport_override() -> str | None:
 
 
 __all__ = [
+    "INT64_MAX",
+    "MAX_TIMEOUT_S",
     "NAMESPACE",
+    "check_number",
     "StoreConfig",
     "client_transport_override",
     "env_allows_pickle",

@@ -192,6 +192,13 @@ class WireError(DataplaneError, ValueError):
     """A request or reply could not be decoded or broke the protocol (names what was wrong)."""
 
 
+class RequestTooLargeError(WireError):
+    """A request holds a frame larger than its target takes (``max_message_bytes``; a shard with a
+    capacity takes no frame larger than that capacity plus 1 MiB). Refused by the client before
+    anything is sent, so nothing was written; the message names the frame, the limit and what to do
+    (fewer keys or smaller rows per call, or a store started with a larger limit)."""
+
+
 class ProtocolVersionError(WireError):
     """The two ends of a request speak different versions of the wire protocol (a client, or a
     shard, of another dataplane release than the service it called). Attributes:
@@ -243,6 +250,7 @@ __all__ = [
     "LeaseExpiredError",
     "PartitionNotFoundError",
     "ProtocolVersionError",
+    "RequestTooLargeError",
     "ReservationExpiredError",
     "ResourceLimitError",
     "SchedulingError",

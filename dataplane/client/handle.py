@@ -89,7 +89,13 @@ class StoreClient:
             local = actor["boot_id"] == here
             ipc = local and mode != "tcp"
             unix = actor.get("unix") if ipc and unix_lane else None
-            endpoints[i] = Endpoint(actor["ipc"] if ipc else actor["tcp"], name, curve and not ipc, unix)
+            endpoints[i] = Endpoint(
+                actor["ipc"] if ipc else actor["tcp"],
+                name,
+                curve and not ipc,
+                unix,
+                max_frame=actor.get("max_message_bytes", -1),  # what the service takes (-1: unknown)
+            )
             targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
         timeout = self.config.rpc_timeout_s
         self.liveness = Liveness(targets)

@@ -187,18 +187,18 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
             if "live" in body_s:  # forget mappings of files the shard has closed since we last looked
                 route.memory.prune(s, body_s["version"], body_s["live"])
             commits.append(_fill_segments(route, s, body_s, groups[s], columns, parts[s]))
-    except BaseException:  # e.g. a segment could not be mapped: undo every reservation, then raise
+    except BaseException as exc:  # e.g. a segment could not be mapped: undo every reservation, then raise
         yield aborts
+        took = time.monotonic() - started
+        if isinstance(exc, SegmentUnavailable) and took > route.commit_within_s:
+            # The shard expired the reservation (this process stalled past reservation_timeout_s) and
+            # closed its segment: the documented error, not the OSError of the closed file.
+            raise _expired(keys, partition_id, took, route) from exc
         raise
     took = time.monotonic() - started
     if took > route.commit_within_s:
         yield aborts
-        raise ReservationExpiredError(
-            f"a put of {len(keys)} keys to partition {partition_id!r} took {took:.1f}s between reserving "
-            f"space and committing, longer than {route.commit_within_s:.1f}s (most of "
-            "reservation_timeout_s); it was aborted and nothing was written. Raise reservation_timeout_s "
-            "if this process is often paused this long."
-        )
+        raise _expired(keys, partition_id, took, route)
     results = yield commits
     if not all(_ok(r) for r in results):
         yield [Call(INDEX, "abort", {"txn": txn})]
@@ -234,6 +234,15 @@ def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> 
     if not answered:
         index_abort.timeout = min(route.rpc_timeout_s, ABORT_WAIT_S)
         yield [index_abort]
+
+
+def _expired(keys: list[str], pid: str, took: float, route: Route) -> ReservationExpiredError:
+    return ReservationExpiredError(
+        f"a put of {len(keys)} keys to partition {pid!r} took {took:.1f}s between reserving space and "
+        f"committing, longer than {route.commit_within_s:.1f}s (most of reservation_timeout_s); it was "
+        "aborted and nothing was written. Raise reservation_timeout_s if this process is often paused "
+        "this long."
+    )
 
 
 _ONE = np.zeros(1, dtype=np.int64)  # the positions of a one-key put's keys on its shard

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataplane.client.ops import Op, Route, _raise_first
+from dataplane.config import MAX_TIMEOUT_S, check_number
 from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
 from dataplane.meta import KVBatchMeta
-from dataplane.wire.protocol import MAX_LEASE_S
+from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
 from dataplane.wire.requests import INDEX, Call
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
@@ -46,17 +47,13 @@ class Take:
         self.refused = isinstance(res, BaseException) and not isinstance(res, ShardUnavailableError)
 
 
-MAX_BATCH = 1 << 31  # rows one call may ask for
-MAX_TIMEOUT_S = 1e9  # a wait longer than this is a mistake (None waits as long as it takes)
-
-
 def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
     if not isinstance(partition_id, str):
         raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
     if not isinstance(task_name, str) or not task_name:
         raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
-    if type(batch_size) is not int or not 1 <= batch_size <= MAX_BATCH:
-        raise BatchSizeError(f"batch_size must be an int in [1, 2**31], got {batch_size!r}")
+    if type(batch_size) is not int or not 1 <= batch_size <= MAX_COUNT:
+        raise BatchSizeError(f"batch_size must be an int in [1, 2**31 - 1], got {batch_size!r}")
     if isinstance(fields, str):
         fields = [fields]
     fields = list(fields) if fields is not None else []
@@ -71,8 +68,8 @@ def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
         ("dp_size", dp_size, 1),
         ("batch_index", batch_index, 0),
     ):
-        if value is not None and (type(value) is not int or not low <= value < 1 << 62):
-            raise ValueError(f"{name} must be None or an int >= {low} (below 2**62), got {value!r}")
+        if value is not None:
+            check_number(name, value, low, MAX_COUNT, integer=True)
     if dp_rank is not None and dp_size is not None and dp_rank >= dp_size:
         raise ValueError(f"dp_rank must be below dp_size: got dp_rank={dp_rank}, dp_size={dp_size}")
 
@@ -81,13 +78,7 @@ def _check_timeout(timeout_s: Any) -> float | None:
     """``timeout_s`` as sent: None (or ``math.inf``) waits as long as it takes; else finite, >= 0."""
     if timeout_s is None or timeout_s == math.inf:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be None or a number of seconds, not {type(timeout_s).__name__}")
-    if not 0 <= timeout_s <= MAX_TIMEOUT_S:  # (nan fails this too)
-        raise ValueError(
-            f"timeout_s must be None (wait as long as it takes) or a number of seconds in [0, 1e9], "
-            f"got {timeout_s!r}"
-        )
+    check_number("timeout_s", timeout_s, 0, MAX_TIMEOUT_S)
     return float(timeout_s)
 
 
@@ -117,12 +108,8 @@ def next_batch(
     fields = _check_stream_args(partition_id, task_name, batch_size, fields)
     timeout_s = _check_timeout(timeout_s)
     _check_ranks(dp_rank, dp_size, batch_index)
-    if lease_s is not None and (
-        not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S or isinstance(lease_s, bool)
-    ):
-        raise ValueError(
-            f"lease_s must be None or a number of seconds in (0, {MAX_LEASE_S:.0f}], got {lease_s!r}"
-        )
+    if lease_s is not None:
+        check_number("lease_s", lease_s, 0, MAX_LEASE_S, above=True)
     if sampler is not None and not isinstance(sampler, Sampler):
         raise TypeError(f"sampler must be a dataplane Sampler, not {type(sampler).__name__}")
     if sampler is not None:

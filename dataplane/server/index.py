@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import logging
 import math
 import time
 from collections import OrderedDict, deque
@@ -40,6 +41,8 @@ from dataplane.server.streams import PartitionStreams
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -688,22 +691,46 @@ class IndexServer(ZmqServer):
         due = min(self._deadlines[0][0] if self._deadlines else math.inf, self.core.next_lease_due())
         if due == math.inf:
             return POLL_MS
-        return max(0, min(POLL_MS, math.ceil((due - time.monotonic()) * 1000)))
+        left = due - time.monotonic()
+        if left <= 0:
+            return 0
+        if not left < POLL_MS / 1000:  # (a deadline the protocol's bounds let through is finite; and
+            return POLL_MS  # should one not be, inf or nan ends here, never in an integer conversion)
+        return math.ceil(left * 1000)
 
     def after_poll(self) -> None:
+        """Answer the parked requests whose deadline passed; a request whose expiry fails is answered
+        with that failure (``_fail``), and the others are still served."""
         now = time.monotonic()
         self.core.expire_leases(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
-            if w.done or self._try(w):
+            if w.done:
                 continue
-            self._done(w)
-            err = self.core.timeout_error(w.op, w.body, now - w.start)
-            self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, err))
-            waiting = self._waiters.get(w.body.pid, [])
-            if w in waiting:
-                waiting.remove(w)
+            try:
+                self._expire(w, now)
+            except Exception as exc:  # noqa: BLE001 - this request gets the error, the loop goes on
+                logger.exception("%s: timing out a %r request failed", self.name, w.op)
+                why = f"{type(exc).__name__}: {exc}"
+                self._fail(w, DataplaneError(f"the index failed at this {w.op!r} request's deadline ({why})"))
         self._recheck()
+
+    def _expire(self, w: _Waiter, now: float) -> None:
+        """``w``'s deadline passed: its rows if they are ready now, else ``BatchTimeoutError``."""
+        if self._try(w):
+            return
+        err = self.core.timeout_error(w.op, w.body, now - w.start)
+        self._fail(w, err)
+
+    def _fail(self, w: _Waiter, exc: BaseException) -> None:
+        """Answer a parked request with ``exc`` (unless it was answered already) and forget it."""
+        waiting = self._waiters.get(w.body.pid, [])
+        if w in waiting:
+            waiting.remove(w)
+        if w.done:
+            return
+        self._done(w)
+        self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, exc))
 
 
 class IndexActor:
@@ -744,6 +771,7 @@ class IndexActor:
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
+            "max_message_bytes": self._max_message_bytes,  # clients refuse a bigger frame themselves
             "boot_id": boot_id(),
             "pid": pid,
             "pid_start": process_start(pid),

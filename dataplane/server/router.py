@@ -14,6 +14,12 @@ link to its index; other uids are closed at accept, and at most ``wire.unix.max_
 connections that have not said hello are kept, the oldest dropped first). Polls are bounded, so
 ``stop()`` returns within one poll interval, and ``tick`` runs between requests.
 
+The loop cannot die of an exception: every step of it (a handler, the poll timeout a subclass
+computes, its after-poll timers, the tick, draining a socket) runs guarded, so a failing step is
+logged and the loop goes on serving. A request whose handler raised is answered with the error
+(``frames.answer``: a ``dataplane.errors`` class, or ``DataplaneError`` naming the exception's
+type); a subclass answers the requests its own timers fail on (``IndexServer``, ``ShardServer``).
+
 Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
 loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
 a second ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import select
 import threading
 import time
@@ -56,6 +63,17 @@ _EVENTS = int(zmq.EVENTS)
 # a request may carry, so a request with too many frames gets the same typed refusal (``answer``)
 # as on zmq, while the header a peer can make us hold stays bounded (8 bytes a frame).
 _LANE_FRAMES = 2 * _wire.MAX_FRAMES + 2
+_LOG_EVERY_S = 10.0  # a loop step that keeps failing logs its traceback at most this often
+
+
+def _poll_seconds(timeout_ms: Any) -> float:
+    """A poll timeout in seconds from a subclass's ``poll_timeout_ms``: 0..POLL_MS whatever it said
+    (a negative value polls at once, anything else outside the range, ``nan`` included, POLL_MS)."""
+    if type(timeout_ms) in (int, float) and timeout_ms < 0:
+        return 0.0
+    if type(timeout_ms) not in (int, float) or not timeout_ms <= POLL_MS:
+        return POLL_MS / 1000
+    return timeout_ms / 1000
 
 
 class ZmqServer:
@@ -99,6 +117,7 @@ class ZmqServer:
         self.refused = 0  # Unix-lane connections closed at accept for their uid
         self.evicted = 0  # Unix-lane connections dropped, silent, for newer ones
         self._stop = threading.Event()
+        self._logged: dict[str, float] = {}  # loop step -> when its last failure was logged in full
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
         # One epoll for everything: a zmq socket is watched through its ZMQ_FD, which signals "look at
         # ZMQ_EVENTS" (edge-like: see ``_run``), a Unix-lane connection through its own descriptor. One
@@ -217,8 +236,36 @@ class ZmqServer:
                 frames = recv_frames(sock, _NOBLOCK)
             except zmq.Again:
                 break
-            self._serve_one(sock, frames)
+            self._serve_guarded(sock, frames)
         self._touched.discard(sock)  # drained after its replies went: its signal is re-armed
+
+    def _serve_guarded(self, sock: Any, msg: list[Any]) -> None:
+        """``_serve_one``, whose failures end with this message: the messages queued behind it are
+        still served (``_serve_one`` answers a handler's exception itself; what can reach here is a
+        subclass's work after the answer, such as re-trying parked requests)."""
+        try:
+            self._serve_one(sock, msg)
+        except Exception:  # noqa: BLE001 - the messages behind it are served all the same
+            self._failed("serving a request")
+
+    def _guarded(self, step: str, fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        """Run one step of the loop: an exception is logged (``_failed``) and the loop goes on;
+        returns ``default`` then."""
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - no exception of any step may end the loop
+            self._failed(step)
+            return default
+
+    def _failed(self, step: str) -> None:
+        """Log the exception being handled: its traceback at most once per ``_LOG_EVERY_S`` per step,
+        so a step failing on every pass cannot flood the log."""
+        now = time.monotonic()
+        if now - self._logged.get(step, -math.inf) >= _LOG_EVERY_S:
+            self._logged[step] = now
+            logger.exception("%s: %s failed; the loop serves on", self.name, step)
+        else:
+            logger.debug("%s: %s failed again", self.name, step, exc_info=True)
 
     def _run(self) -> None:
         ep, handlers = self._ep, self._handlers
@@ -229,8 +276,11 @@ class ZmqServer:
             # blocking (the drains re-arm the signal), and a wake-up with nothing to do drains all
             # (a missed signal could delay a message by one poll interval, never lose it).
             while self._touched:
-                self._drains[self._touched.pop()]()
-            events = ep.poll(self.poll_timeout_ms() / 1000)
+                drain = self._drains.get(self._touched.pop())
+                if drain is not None:
+                    self._guarded("draining a socket", drain)
+            timeout = self._guarded("computing the poll timeout", self.poll_timeout_ms, default=POLL_MS)
+            events = self._guarded("polling", ep.poll, _poll_seconds(timeout), default=[])
             for fd, ev in events:
                 handler = handlers.get(fd)
                 if handler is None:  # removed by an earlier handler of this pass
@@ -238,21 +288,18 @@ class ZmqServer:
                 try:
                     handler(ev)
                 except Exception:  # noqa: BLE001 - the loop serves everyone else all the same
-                    logger.exception("%s: serving fd %d failed", self.name, fd)
+                    self._failed(f"serving fd {fd}")
             if not events:
                 for drain in list(self._drains.values()):
-                    drain()
-            self.after_poll()
+                    self._guarded("draining a socket", drain)
+            self._guarded("the after-poll timers", self.after_poll)
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 last_tick = now
-                self._check_conns(now)
+                self._guarded("checking connections", self._check_conns, now)
                 if self._tick is not None:
                     with self._lock:
-                        try:
-                            self._tick()
-                        except Exception:  # noqa: BLE001 - housekeeping must never kill the loop
-                            logger.exception("server tick failed")
+                        self._guarded("the server tick", self._tick)
         for conn in self._conns.values():
             conn.close()
         self._listener.close()
@@ -313,7 +360,7 @@ class ZmqServer:
             while messages:
                 frames = messages.pop(0)
                 if conn.authenticated:
-                    self._serve_one(conn, [None, *frames])
+                    self._serve_guarded(conn, [None, *frames])
                 elif _unix.check_hello(
                     conn, frames, self._creds.secret, _LANE_FRAMES, self._max_message_bytes
                 ):

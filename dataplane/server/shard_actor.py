@@ -65,6 +65,7 @@ class _Forward:
     rid: int
     commit: dict[str, Any]
     undo: PutUndo
+    answered: bool = False
 
 
 @dataclass(eq=False)
@@ -109,7 +110,8 @@ class ShardServer(ZmqServer):
         creds = self._creds.for_clients()
         address = index["ipc"] if local else index["tcp"]
         unix = index.get("unix") if local and env_unix_lane() else None
-        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix)
+        limit = index.get("max_message_bytes", -1)
+        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix, max_frame=limit)
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
         self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
         self._link.uses_lane = True  # (the link connects over the lane whenever the index has one)
@@ -130,25 +132,40 @@ class ShardServer(ZmqServer):
         return None
 
     def after_poll(self) -> None:
+        # Each step guarded on its own: a failure in one answers the writers it concerns, and the
+        # others still run (``ZmqServer._guarded`` logs it).
         if self._outbox:
             self._send_outbox()
         if type(self._dealer) is _unix.Conn and self._dealer.pending:  # the index's socket was full
-            self._dealer.flush()
+            self._guarded("flushing the commits to the index", self._dealer.flush)
         if self._sent and time.monotonic() >= self._next_check:
-            self._check_sent()
+            try:
+                self._check_sent()
+            except Exception as exc:  # noqa: BLE001 - its writers are answered, the link starts afresh
+                logger.exception("%s: checking the commits in flight to the index failed", self.name)
+                link = self._link
+                assert link is not None
+                why = f" (checking its commits in flight failed: {exc!r})"
+                self._lose_index(link.unavailable(INDEX, 0.0, why))
 
     # ---- to the index and back -------------------------------------------------------------------
     def _send_outbox(self) -> None:
+        """Send the queued commits to the index in one request. Until the request is on its way
+        anything that fails refuses them (the index never saw them: their rows are taken back)."""
         items, self._outbox = self._outbox, []
         link = self._link
         assert link is not None  # _put_ready queues nothing before the link
-        if link.liveness.known_dead(INDEX):  # found dead before: these commits are not even sent
-            self._refuse(items, link.died(INDEX))
-            return
         try:
+            if link.liveness.known_dead(INDEX):  # found dead before: these commits are not even sent
+                self._refuse(items, link.died(INDEX))
+                return
             sock = self._index_socket(link)
             rid = next_rid()
             frames = _wire.encode_request(rid, "commits", {"items": [f.commit for f in items]})
+            refused = link.too_large(INDEX, "commits", frames)
+            if refused is not None:  # (256 small puts' commits: never in practice)
+                self._refuse(items, refused)
+                return
             if type(sock) is _unix.Conn:
                 # Queued whole or not at all: what the socket does not take now is sent by after_poll.
                 if not sock.write(frames):
@@ -165,6 +182,7 @@ class ShardServer(ZmqServer):
             self._refuse(items, link.gone(INDEX, 0.0, f" (connecting failed: {exc})"))
             return
         except Exception as exc:  # noqa: BLE001 - e.g. out of file descriptors: not sent either
+            logger.warning("%s: sending %d commits to the index failed: %r", self.name, len(items), exc)
             self._refuse(items, exc)
             return
         now = time.monotonic()
@@ -189,34 +207,42 @@ class ShardServer(ZmqServer):
             self._dealer = None
 
     def _on_index_reply(self) -> None:
+        link = self._link
+        assert link is not None
         sock = self._dealer
-        if type(sock) is _unix.Conn:
-            try:
-                messages = sock.read()
-            except _unix.ConnectionClosed as exc:
-                link = self._link
-                assert link is not None
-                self._lose_index(link.gone(INDEX, 0.0, f" ({exc})"))
-                return
-            for frames in messages:
-                self._index_reply(frames)
+        try:
+            if type(sock) is _unix.Conn:
+                try:
+                    messages = sock.read()
+                except _unix.ConnectionClosed as exc:
+                    self._lose_index(link.gone(INDEX, 0.0, f" ({exc})"))
+                    return
+            else:
+                messages = []
+                while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
+                    messages.append(recv_frames(sock, _NOBLOCK))
+        except Exception as exc:  # noqa: BLE001 - a link that cannot be read is lost: its writers are told
+            logger.exception("%s: reading the index's replies failed", self.name)
+            self._lose_index(link.unavailable(INDEX, 0.0, f" (reading its reply failed: {exc!r})"))
             return
-        while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
-            self._index_reply(recv_frames(sock, _NOBLOCK))
+        for frames in messages:
+            self._index_reply(frames)
 
     def _index_reply(self, frames: list[Any]) -> None:
         try:
             rep, _ = _wire.decode_reply(frames)
-        except WireError:
-            logger.warning("%s: an undecodable reply from the index was dropped", self.name)
+        except Exception:  # noqa: BLE001 - its writers are answered at its deadline
+            logger.warning("%s: an undecodable reply from the index was dropped", self.name, exc_info=True)
             return
         sent = self._sent.pop(rep.rid, None)
         if sent is None:  # the answer to a request that already timed out
             return
         try:
             self._settle(sent, rep)
-        except Exception:  # noqa: BLE001 - the loop serves every other request all the same
+        except Exception as exc:  # noqa: BLE001 - the writers not answered yet are told, the loop goes on
             logger.exception("%s: answering %d puts from the index failed", self.name, len(sent.items))
+            why = WireError(f"the shard failed to read the index's answer to this put ({exc!r})")
+            self._not_ready([f for f in sent.items if not f.answered], why)
 
     def _settle(self, sent: _Sent, rep: _wire.Reply) -> None:
         """Answer the writers of one ``commits`` request from the index's reply."""
@@ -230,7 +256,7 @@ class ShardServer(ZmqServer):
         for fwd, res in zip(sent.items, results, strict=True):
             ok = res.get("ok") if isinstance(res, dict) else None
             if isinstance(ok, dict):
-                self.deliver(fwd.sock, fwd.ident, _wire.encode_reply(fwd.rid, ok))
+                self._answer(fwd, _wire.encode_reply(fwd.rid, ok))
             elif isinstance(res, dict) and "err" in res:
                 self._refuse([fwd], _rebuild(res["err"]))
             else:
@@ -242,14 +268,17 @@ class ShardServer(ZmqServer):
             for fwd in items:
                 self.core.undo_put(fwd.undo)
         for fwd in items:
-            self.deliver(fwd.sock, fwd.ident, _wire.encode_error(fwd.rid, exc))
+            self._answer(fwd, _wire.encode_error(fwd.rid, exc))
+
+    def _answer(self, fwd: _Forward, reply: list[Any]) -> None:
+        fwd.answered = True
+        self.deliver(fwd.sock, fwd.ident, reply)
 
     def _not_ready(self, items: list[_Forward], exc: BaseException) -> None:
         """Whether the index recorded these puts is unknown: their rows stay, and the writers are told
         (taking the rows back could leave the index listing rows no shard holds)."""
         for fwd in items:
-            reply = {"index_error": _wire.error_fields(exc)}
-            self.deliver(fwd.sock, fwd.ident, _wire.encode_reply(fwd.rid, reply))
+            self._answer(fwd, _wire.encode_reply(fwd.rid, {"index_error": _wire.error_fields(exc)}))
 
     def _lose_index(self, exc: BaseException) -> None:
         """The index is gone: what it did with the commits in flight is unknown (``_not_ready``), and
@@ -303,6 +332,7 @@ class ShardActor:
         limit = cfg["max_message_bytes"]
         if capacity_bytes is not None:  # no frame can be larger than what the shard may hold
             limit = min(limit, capacity_bytes + (1 << 20))
+        self._max_message_bytes = limit  # published (``info``): clients refuse a bigger frame themselves
         # What this process holds before it serves (modules, Ray's worker) lives as long as it does:
         # out of the garbage collector's sight, a full collection scans only the rows stored since.
         gc.freeze()
@@ -326,6 +356,7 @@ class ShardActor:
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
+            "max_message_bytes": self._max_message_bytes,
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 

@@ -2,7 +2,11 @@
 
 Decoding a body is its first validation: a field of the wrong type, a negative size or a missing
 key is refused with a ``WireError`` naming the operation and the field before any handler code
-runs. What types cannot say (sizes against capacity, frame lengths against declared sizes, unique
+runs. Every number has a range, so no value a peer can send overflows anything the server computes
+from it: integers fit int64 (sizes and ids are never negative, a frame index is below
+``MAX_FRAMES``, a count of rows or ranks is below 2**31), and a timeout is a finite number of
+seconds between 0 and ``MAX_TIMEOUT_S`` (``inf``, ``nan`` and ``1e306`` are refused; ``None`` waits
+for ever). What types cannot say (sizes against capacity, frame lengths against declared sizes, unique
 keys) the handlers check next, still before they change anything. Clients send plain dicts with
 the same field names; msgpack encodes both alike.
 
@@ -17,10 +21,21 @@ from typing import Annotated, Any
 
 import msgspec
 
+from dataplane.config import INT64_MAX, MAX_TIMEOUT_S
 from dataplane.errors import WireError
+from dataplane.wire.frames import MAX_FRAMES
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-WireSpec = tuple[str, str, list[int]]  # kind, dtype, shape (see _wire.spec_to_wire)
+MAX_COUNT = 2**31 - 1  # rows of a batch, ranks, group sizes: far beyond any real one, far below overflow
+
+Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # a byte size, an id
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]  # rows, ranks, batch indexes
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+FrameIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
+OptionalFrame = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_FRAMES)]  # -1: no such frame
+Version = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]  # -1: the client knows no version yet
+Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT_S)]  # nan fails both bounds
+WireSpec = tuple[str, str, list[Int64]]  # kind, dtype, shape (see _wire.spec_to_wire; the codec checks dims)
 Tags = list[dict[str, Any] | None] | None
 
 
@@ -33,9 +48,9 @@ class WireColumn(_Body):
 
     spec: WireSpec
     rows: NonNegative
-    data: NonNegative
-    offsets: Annotated[int, msgspec.Meta(ge=-1)] = -1
-    shapes: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    data: FrameIndex
+    offsets: OptionalFrame = -1
+    shapes: OptionalFrame = -1
 
 
 class ReserveField(_Body):
@@ -48,7 +63,7 @@ class Reserve(_Body):
     pid: str
     keys: list[str]
     fields: dict[str, ReserveField]
-    version: int = -1
+    version: Version = -1
 
 
 class PutReady(Reserve):
@@ -59,13 +74,13 @@ class PutReady(Reserve):
 
 
 class Commit(_Body):
-    resv: int
-    offsets: dict[str, NonNegative] = {}
-    shapes: dict[str, NonNegative] = {}
+    resv: NonNegative
+    offsets: dict[str, FrameIndex] = {}
+    shapes: dict[str, FrameIndex] = {}
 
 
 class Abort(_Body):
-    resv: int
+    resv: NonNegative
 
 
 class Get(_Body):
@@ -74,7 +89,7 @@ class Get(_Body):
     fields: list[str] | None = None
     shm: bool = False
     export: bool = False
-    version: int = -1
+    version: Version = -1
 
 
 class Clear(_Body):
@@ -124,9 +139,6 @@ class IndexAbort(_Body):
     txn: TxnId
 
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-
-
 # A take id: chosen by the consumer's client per call (``uuid4().hex``), so that a call it gave up on
 # can be given back by id (``Release``) whether or not its reply ever reached it.
 TakeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -141,10 +153,10 @@ class Next(_Body):
     batch_size: Positive
     fields: list[str]
     sampler: dict[str, Any] | None = None
-    dp_rank: NonNegative | None = None
+    dp_rank: Count | None = None
     dp_size: Positive | None = None
-    batch_index: NonNegative | None = None
-    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    batch_index: Count | None = None
+    timeout_s: Timeout | None = None
     take: TakeId | None = None
     lease_s: LeaseS | None = None
 
@@ -155,11 +167,11 @@ class Ready(_Body):
     pid: str
     task: str
     fields: list[str]
-    min_rows: NonNegative = 1
+    min_rows: Count = 1
     limit: Positive = 1 << 20
-    dp_rank: NonNegative | None = None
-    batch_index: NonNegative | None = None
-    timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    dp_rank: Count | None = None
+    batch_index: Count | None = None
+    timeout_s: Timeout | None = None
 
 
 class Claim(_Body):
@@ -167,8 +179,8 @@ class Claim(_Body):
     task: str
     fields: list[str]
     keys: list[str]
-    dp_rank: NonNegative | None = None
-    batch_index: NonNegative | None = None
+    dp_rank: Count | None = None
+    batch_index: Count | None = None
     take: TakeId | None = None
     lease_s: LeaseS | None = None
 
@@ -267,7 +279,12 @@ def decode_body(
         dec = _decoders[cls] = msgspec.msgpack.Decoder(cls)
     try:
         return dec.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+    except msgspec.ValidationError as exc:  # the message names the field: "... - at `$.timeout_s`"
+        raise WireError(
+            f"malformed {op!r} request: {exc} (every number must be finite and within its range: "
+            "sizes and ids in 0..2**63-1, counts in 0..2**31-1, timeouts in seconds 0..1e9)"
+        ) from exc
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise WireError(f"malformed {op!r} request: {exc}") from exc
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dataplane.errors import ShardUnavailableError
+from dataplane.errors import RequestTooLargeError, ShardUnavailableError
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
@@ -96,6 +96,7 @@ class Endpoint:
     name: str
     curve: bool = False  # CURVE (encrypted tcp) rather than PLAIN
     unix: str | None = None  # the same-host Unix lane (``wire.unix``), used by blocking clients
+    max_frame: int = -1  # the largest frame the target takes (-1: no limit known)
 
 
 class _Endpoints:
@@ -144,6 +145,30 @@ class _Endpoints:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise fd_limit_error(f"opening a socket to {ep.name}", exc) from exc
             raise
+
+    def too_large(self, target: int, op: str, frames: list[Any]) -> RequestTooLargeError | None:
+        """The refusal of a request with a frame its target does not take, or None.
+
+        The target drops such a frame unread (libzmq's ``MAXMSGSIZE``, the Unix lane's frame limit:
+        the connection is closed), so the call would only end at its deadline, blamed on the target;
+        refused here, before it is sent, it ends at once and says why.
+        """
+        ep = self.endpoints[target]
+        limit = ep.max_frame
+        if limit < 0:
+            return None
+        for i, frame in enumerate(frames):
+            size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+            if size > limit:
+                what = "its header (keys, tags and column descriptions)" if i == 0 else f"buffer frame {i}"
+                return RequestTooLargeError(
+                    f"a {op!r} request to {ep.name} was not sent: {what} is {size} bytes, more than the "
+                    f"{limit} bytes that service takes in one frame (the store's max_message_bytes; a shard "
+                    "with a capacity takes no frame larger than its capacity plus 1 MiB); nothing was "
+                    "written. Send fewer keys (or smaller rows) per call, or start the store with a larger "
+                    "max_message_bytes (and capacity_bytes)"
+                )
+        return None
 
     def gone(self, target: int, waited: float, why: str) -> ShardUnavailableError:
         """The error for a target whose connection closed or could not be made: dead, or unavailable."""
@@ -241,6 +266,9 @@ class SyncTransport(_Endpoints):
     def _send(self, socks: dict[int, Any], c: Call, rid: int, deadline: float) -> Any:
         """Send ``c``; returns its socket, or the error the call ends with (nothing was sent)."""
         frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
+        refused = self.too_large(c.target, c.op, frames)
+        if refused is not None:
+            return refused
         started = time.monotonic()
         try:
             sock = self._socket(socks, c.target, deadline)
@@ -525,6 +553,9 @@ class AsyncTransport(_Endpoints):
         ch.futures[rid] = fut
         try:
             frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
+            refused = self.too_large(c.target, c.op, frames)
+            if refused is not None:
+                return refused
             try:  # the send is inside the deadline: a dead peer's full queue must not hang us
                 send = ch.sock.send_multipart(frames, copy=not _wire.zero_copy(frames))
                 await asyncio.wait_for(send, min(timeout, 3600.0))

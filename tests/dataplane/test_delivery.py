@@ -198,7 +198,7 @@ def test_acknowledged_rows_stay_taken_and_a_late_ack_names_the_rows_it_lost(atta
     assert dp.next_batch(pid, "t", 2, ["x"], timeout_s=10).keys == released.keys == keys[4:]
     with pytest.raises(ValueError, match="holds no lease"):
         dp.ack(again)
-    with pytest.raises(ValueError, match="lease_s"):
+    with pytest.raises(ValueError, match="lease_s=inf must be a finite number"):
         dp.next_batch(pid, "t", 2, ["x"], lease_s=float("inf"))
 
 

@@ -134,3 +134,36 @@ def test_failed_copy_into_shared_memory_undoes_the_put(store, pid):
     stats = dp.stats()
     assert all(s["bytes_reserved"] == 0 for s in stats["shards"]), "a reservation was left behind"
     assert dp.kv_list(pid) == {}
+
+
+@pytest.mark.parametrize("path", ["unix-lane", "zmq", "async-zmq"])
+def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(store, pid, monkeypatch, path):
+    """A frame larger than a shard takes (here its 1 MiB capacity + 1 MiB) would be dropped unread:
+    the put is refused at once, naming the limit, instead of failing after rpc_timeout_s (zmq) or on
+    a closed connection (the Unix lane) as if the shard were overloaded or dead."""
+    import asyncio
+
+    if path == "zmq":
+        monkeypatch.setenv("DATAPLANE_NO_UNIX_LANE", "1")  # blocking calls over zmq ipc, not the lane
+    dp.close()
+    dp.init(name=NAME, transport="zmq")  # rows travel as frames
+
+    def put(keys, fields):
+        if path == "async-zmq":
+            return asyncio.run(dp.async_kv_batch_put(keys, pid, fields))
+        return dp.kv_batch_put(keys, pid, fields)
+
+    try:
+        keys = [f"{i:0200d}" for i in range(25_000)]  # a header of about 2.5 MB for each shard
+        with pytest.raises(dp.RequestTooLargeError, match="header") as err:
+            put(keys, {"x": torch.zeros(len(keys), dtype=torch.uint8)})
+        msg = str(err.value)
+        assert "max_message_bytes" in msg and "nothing was written" in msg and "fewer keys" in msg, msg
+        with pytest.raises(dp.RequestTooLargeError, match="buffer frame"):
+            put(["big"], {"x": torch.zeros(1, 3 << 20, dtype=torch.uint8)})  # 3 MiB of data in one frame
+        assert dp.kv_list(pid) == {}
+        assert all(s["bytes_reserved"] == 0 for s in dp.stats()["shards"]), "a reservation was left behind"
+        put(["small"], {"x": torch.zeros(1, 16)})  # the store still works
+    finally:
+        dp.close()
+        dp.init(name=NAME)

@@ -271,6 +271,24 @@ def test_expired_reservation_cannot_overwrite_committed_data(ray_cluster):
             ray.kill(other)
 
 
+def test_a_writer_whose_reservation_expired_gets_reservation_expired_error(ray_cluster):
+    """The documented error, not the ``OSError`` of a segment the shard has closed meanwhile: a put
+    paused between reserve and copy until its reservation expired raises ``ReservationExpiredError``
+    and writes nothing (the old code raised ``ShmUnavailable``, an ``OSError``)."""
+    numel = 2**18  # 1 MiB of float32: above shm_min_bytes, so it is copied into a reserved segment
+    with own_store("t-race-expired", num_shards=1, rpc_timeout_s=30, reservation_timeout_s=1.0):
+        if not all(dp.api._client().route.shm):
+            pytest.skip("this client has no shared-memory path to the shard")
+        _, resume = paused_put(["late"], "P", {"x": torch.full((1, numel), 1.0)})
+        wait_for(lambda: dp.stats()["shards"][0]["bytes_reserved"] == 0, 30, "the reservation to expire")
+        ended = resume()
+        assert isinstance(ended, dp.ReservationExpiredError), f"the late put ended with {ended!r}"
+        assert "reservation_timeout_s" in str(ended) and "nothing was written" in str(ended), ended
+        assert dp.kv_list("P") == {}
+        dp.kv_batch_put(["next"], "P", {"x": torch.full((1, numel), 2.0)})  # the store still works
+        assert dp.kv_batch_get(["next"], "P")["x"].min().item() == 2.0
+
+
 # ---- 3. a new field's schema is decided once, across shards -------------------------------------------
 
 
