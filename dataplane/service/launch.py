@@ -119,9 +119,14 @@ def release_dead_names(cfg: StoreConfig) -> list[str]:
     actor may have taken a freed name meanwhile).
     """
     import ray
-    from ray._private import state as ray_state  # the GCS actor table with DEAD actors: no public API
 
-    dead = ray_state.actors(actor_state_name="DEAD")
+    try:  # the GCS actor table with its DEAD actors: no public API has it without the dashboard
+        from ray._private import state as ray_state
+
+        dead = ray_state.actors(actor_state_name="DEAD")
+    except Exception as exc:  # noqa: BLE001 - another Ray: the start fails as before, with Ray's error
+        logger.warning("store %r: cannot read Ray's table of dead actors (%s)", cfg.name, exc)
+        return []
     dead_ids = {str(aid) for aid in dead}
     alive = set(store_actor_names(cfg))
     names = sorted({a["Name"] for a in dead.values() if _is_store_name(cfg, a["Name"])} - alive)

@@ -237,7 +237,7 @@ def test_a_put_that_failed_on_a_stalled_index_decides_no_schema(ray_cluster, pid
     # rpc_timeout_s: the put fails. The prepare, and the abort the writer sent after it, reach the
     # index once it runs again (in either order): the prepare must decide nothing, so a put of
     # another dtype is accepted. It cannot have expired instead: reservation_timeout_s is 600 s.
-    options = {"num_shards": 1, "rpc_timeout_s": 3, "reservation_timeout_s": 600}
+    options = {"num_shards": 1, "rpc_timeout_s": 5, "reservation_timeout_s": 600}
     with own_store("t-fault-stalled-prepare", **options) as (cfg, registry):
         with _stopped(registry["index"]["pid"]):
             with pytest.raises(dp.ShardUnavailableError, match="did not answer") as err:
