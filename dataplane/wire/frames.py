@@ -37,7 +37,7 @@ from dataplane.errors import ProtocolVersionError, WireError
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: client-chosen put ids (prepare.txn), take ids and leases on next/claim
 """Bump when a change makes peers of the old and new code misread each other's messages."""
 
 
