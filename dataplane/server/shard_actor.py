@@ -37,6 +37,7 @@ import zmq
 from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
+from dataplane.server.host_memory import HostMemory
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.wire import frames as _wire
@@ -318,6 +319,12 @@ class ShardActor:
     def __init__(self, shard_id: int, capacity_bytes: int | None, cfg: dict[str, Any], creds: dict) -> None:
         import ray
 
+        # An unbounded store's shards on one host share its memory (``server.host_memory``).
+        host = (
+            None
+            if capacity_bytes is not None
+            else HostMemory.for_store(cfg["name"], creds["secret"], shard_id)
+        )
         self.core = ShardCore(
             shard_id,
             capacity_bytes,
@@ -325,6 +332,7 @@ class ShardActor:
             warm_retain_bytes=cfg["warm_retain_bytes"],
             reservation_timeout_s=cfg["reservation_timeout_s"],
             name=cfg["name"],
+            host=host,
         )
         self._lock = threading.Lock()
         ip = ray.util.get_node_ip_address()
