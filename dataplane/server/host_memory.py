@@ -15,11 +15,12 @@ reservation is admitted under an exclusive lock of that file:
 2. refuse (``StoreFullError``) when the put's bytes exceed the host's available memory less that sum;
 3. else write the put's bytes into this shard's slot; unlock; allocate; clear the slot.
 
-So two shards can never both admit what only one of them can allocate. The rule is conservative in
-two small ways: a put that will reuse a warm segment (pages already resident) is counted as new
-memory, and an allocation that just finished is counted twice until its slot is cleared a moment
-later. Puts whose rows travel inline are not checked here (their bytes are in memory already, as the
-request that carried them). A shard that cannot open the file (no ``/dev/shm``) admits against the
+So two shards can never both admit what only one of them can allocate. Only fresh allocations are
+admitted here: a put that reuses a warm segment needs no new memory (its pages are resident), and
+puts whose rows travel inline are in memory already (as the request that carried them). The rule is
+conservative in one small way: an allocation that just finished is counted twice until its slot is
+cleared a moment later. A shard killed while allocating leaves its slot counted until the store is
+restarted. A shard that cannot open the file (no ``/dev/shm``) admits against the
 host's available memory alone, and says so once in its log. The file is removed when the shards
 close; a store whose shards were killed leaves one page behind.
 
@@ -47,13 +48,18 @@ SLOTS = 4096  # shards of one store on one host (the file is sparse: untouched s
 _DIR = "/dev/shm"
 
 
+_meminfo = [-1]  # /proc/meminfo, kept open: a pread costs half of an open, read and close
+
+
 def available_bytes() -> int:
     """The host's available memory now (``MemAvailable``: free plus what the kernel can reclaim)."""
-    with open("/proc/meminfo", "rb") as f:
-        for line in f:
-            if line.startswith(b"MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # (kernels before 3.14)
+    if _meminfo[0] < 0:
+        _meminfo[0] = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+    data = os.pread(_meminfo[0], 8192, 0)
+    at = data.find(b"MemAvailable:")
+    if at < 0:  # (kernels before 3.14)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(data[at + len(b"MemAvailable:") : data.index(b"kB", at)]) * 1024
 
 
 class HostMemory:

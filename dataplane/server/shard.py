@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,13 +161,12 @@ class ShardCore(Operations):
         pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
         fields, need = self._checked_fields(pid, keys, body.fields, bufs)
         files = {}
-        shared = sum(max(1, e["nbytes"]) for e in fields.values() if "col" not in e)
+        admit = self._admit(pid)
         try:
-            with self._allocating(shared, pid):
-                for name, entry in fields.items():
-                    if "col" not in entry:
-                        entry["file"] = self.pool.acquire(max(1, entry["nbytes"]))
-                        files[name] = entry["file"].ref()
+            for name, entry in fields.items():
+                if "col" not in entry:
+                    entry["file"] = self.pool.acquire(max(1, entry["nbytes"]), admit)
+                    files[name] = entry["file"].ref()
         except OSError as exc:
             for entry in fields.values():
                 if "file" in entry:
@@ -229,13 +229,14 @@ class ShardCore(Operations):
         self._check_capacity(need, pid)
         return fields, need
 
-    def _allocating(self, nbytes: int, pid: str) -> contextlib.AbstractContextManager[None]:
-        """Admit ``nbytes`` of new shared memory: an unbounded shard asks its host (``HostMemory``:
-        the host's available memory, less what the store's other shards there are allocating);
-        a bounded one checked its capacity already."""
-        if self.capacity is not None or nbytes == 0:
-            return contextlib.nullcontext()
-        return self.host.admit(nbytes, f"shard {self.shard_id}: a put to partition {pid!r}")
+    def _admit(self, pid: str) -> Callable[[int], contextlib.AbstractContextManager[None]] | None:
+        """What admits a fresh shared-memory file for a put to ``pid``: on an unbounded shard its host
+        (``HostMemory``: the host's available memory, less what the store's other shards there are
+        allocating); a bounded one checked its capacity already, and a warm file needs no new memory."""
+        if self.capacity is not None:
+            return None
+        what = f"shard {self.shard_id}: a put to partition {pid!r}"
+        return lambda nbytes: self.host.admit(nbytes, what)
 
     def _check_capacity(self, need: int, pid: str) -> None:
         if self.capacity is None:  # unbounded: still never more than the host could hold
