@@ -3,26 +3,28 @@ shards on that host.
 
 A shard with no ``capacity_bytes`` may take what the host can hold, but every shard of the store on
 the same host draws on the same memory, so none may judge alone. What a shard allocates for a put is
-the shared memory of its reservation, and that allocation is immediate (``ShmFile.create`` fallocates
-the pages at reserve time): once allocated, the bytes are gone from the host's available memory
-(``MemAvailable`` of ``/proc/meminfo``, what ``psutil.virtual_memory().available`` reports), and
-every shard sees them there. What no shard can see there is an allocation another shard has admitted
-and not finished yet. So each shard of the store on a host has an 8-byte slot in one small shared
-file (``/dev/shm/rlplane-<store>-<id>.alloc``, one per store instance, ``id`` from its secret), and a
-reservation is admitted under an exclusive lock of that file:
+the shared memory of a fresh segment, and that allocation is immediate (``ShmFile.create``
+fallocates the pages at reserve time): once allocated, the bytes are gone from the host's available
+memory (``MemAvailable`` of ``/proc/meminfo``, what ``psutil.virtual_memory().available`` reports),
+where every shard sees them. What no shard can see there is an allocation another shard has admitted
+and not finished yet. So the store's shards on one host share a *ledger*: one small memfd with an
+8-byte slot per shard, made by each unbounded shard and, once the store's starter has told every
+shard of its peers (``share``), the one of the host's first shard, which the others open through
+``/proc/<pid>/fd`` (as clients open segments; they keep it open, so it outlives that shard). Nothing
+is ever written to ``/dev/shm``. A fresh allocation is admitted under an exclusive lock (``flock``)
+of the ledger:
 
 1. sum the other slots: the bytes the other shards are allocating right now;
-2. refuse (``StoreFullError``) when the put's bytes exceed the host's available memory less that sum;
-3. else write the put's bytes into this shard's slot; unlock; allocate; clear the slot.
+2. refuse (``StoreFullError``) when the allocation exceeds the host's available memory less that sum;
+3. else write the bytes into this shard's slot; unlock; allocate; clear the slot.
 
 So two shards can never both admit what only one of them can allocate. Only fresh allocations are
-admitted here: a put that reuses a warm segment needs no new memory (its pages are resident), and
-puts whose rows travel inline are in memory already (as the request that carried them). The rule is
+admitted: a put that reuses a warm segment needs no new memory (its pages are resident), and puts
+whose rows travel inline are in memory already (as the request that carried them). The rule is
 conservative in one small way: an allocation that just finished is counted twice until its slot is
 cleared a moment later. A shard killed while allocating leaves its slot counted until the store is
-restarted. A shard that cannot open the file (no ``/dev/shm``) admits against the
-host's available memory alone, and says so once in its log. The file is removed when the shards
-close; a store whose shards were killed leaves one page behind.
+restarted. A shard that cannot open its peer's ledger (another pid namespace) admits against the
+host's available memory and its own allocations alone, and says so in its log.
 
     >>> host = HostMemory.private()
     >>> with host.admit(1 << 20, "a put of 1 MiB"):
@@ -33,10 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
+import mmap
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -44,10 +47,7 @@ from dataplane.errors import StoreFullError
 
 logger = logging.getLogger(__name__)
 
-SLOTS = 4096  # shards of one store on one host (the file is sparse: untouched slots cost nothing)
-_DIR = "/dev/shm"
-
-
+SLOTS = 4096  # shards of one store (the ledger is sparse: untouched slots cost nothing)
 _meminfo = [-1]  # /proc/meminfo, kept open: a pread costs half of an open, read and close
 
 
@@ -63,18 +63,16 @@ def available_bytes() -> int:
 
 
 class HostMemory:
-    """This shard's view of its host's memory: admit an allocation, publishing it while it runs."""
+    """One shard's admission of fresh shared memory on its host (see the module docstring)."""
 
-    def __init__(self, fd: int = -1, slot: int = 0, path: str | None = None) -> None:
-        self._fd = fd
+    def __init__(self, slot: int = 0, ledger: bool = False, name: str = "dataplane") -> None:
         self._slot = slot
-        self._path = path
+        self._fd = -1
         self._slots: np.ndarray | None = None
-        if fd >= 0:
-            import mmap
-
-            self._map = mmap.mmap(fd, SLOTS * 8)
-            self._slots = np.frombuffer(self._map, dtype=np.int64)
+        if ledger and 0 <= slot < SLOTS:
+            fd = os.memfd_create(f"{name}-host-ledger", os.MFD_CLOEXEC)
+            os.ftruncate(fd, SLOTS * 8)
+            self._use(fd)
 
     @classmethod
     def private(cls) -> HostMemory:
@@ -82,25 +80,43 @@ class HostMemory:
         return cls()
 
     @classmethod
-    def for_store(cls, name: str, secret: str, shard: int) -> HostMemory:
-        """Slot ``shard`` of the store's file on this host, shared with its other shards here."""
-        if not 0 <= shard < SLOTS:
-            logger.warning("shard %d: no slot in the host's allocation file; admitting alone", shard)
-            return cls.private()
-        store = hashlib.sha256(secret.encode()).hexdigest()[:16]  # this store instance, not its secret
-        path = os.path.join(_DIR, f"rlplane-{name}-{store}.alloc")
+    def for_shard(cls, name: str, shard: int) -> HostMemory:
+        """A shard's own ledger, to be shared with its peers on the host (``share``)."""
+        return cls(shard, ledger=True, name=name)
+
+    def _use(self, fd: int) -> None:
+        self._close_ledger()
+        self._fd = fd
+        self._map = mmap.mmap(fd, SLOTS * 8)
+        self._slots = np.frombuffer(self._map, dtype=np.int64)
+
+    def ref(self) -> list[int] | None:
+        """What a peer needs to open this shard's ledger: ``[pid, fd, inode]`` (None: it has none)."""
+        if self._fd < 0:
+            return None
+        return [os.getpid(), self._fd, os.fstat(self._fd).st_ino]
+
+    def share(self, peers: list[dict[str, Any]], boot_id: str) -> None:
+        """Use the ledger of the first of ``peers`` (the store's shards, as ``ShardActor.info``
+        describes them) on this host: its own when that is this shard."""
+        here = [p for p in peers if p.get("boot_id") == boot_id and p.get("host_ledger")]
+        if self._fd < 0 or not here:
+            return
+        first = min(here, key=lambda p: p["shard"])["host_ledger"]
+        if list(first) == self.ref():  # this shard is the host's first
+            return
+        pid, fd, inode = first
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                if os.fstat(fd).st_size < SLOTS * 8:  # every shard asks for the same size: no race
-                    os.ftruncate(fd, SLOTS * 8)
-                return cls(fd, shard, path)
-            except OSError:
-                os.close(fd)
-                raise
+            theirs = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            logger.warning("shard %d: cannot share %s (%s); admitting puts alone", shard, path, exc)
-            return cls.private()
+            logger.warning("cannot open the host's ledger %s (%s): this shard admits puts alone", path, exc)
+            return
+        if os.fstat(theirs).st_ino != inode:
+            os.close(theirs)
+            logger.warning("%s is not the host's ledger (another pid namespace?): admitting alone", path)
+            return
+        self._use(theirs)
 
     @contextlib.contextmanager
     def admit(self, nbytes: int, what: str) -> Iterator[None]:
@@ -128,26 +144,23 @@ class HostMemory:
     def _check(nbytes: int, others: int, what: str) -> None:
         available = available_bytes()
         if nbytes > available - others:
-            allocating = (
-                f", less {others} bytes the store's other shards here are allocating" if others else ""
-            )
+            allocating = f", less {others} bytes the store's other shards here are allocating" * bool(others)
             raise StoreFullError(
                 f"{what} needs {nbytes} bytes of shared memory, more than this host has available "
                 f"({available} bytes{allocating}); nothing was written. Free memory on the host (clear "
                 "data with dp.kv_clear / dp.clear_partition), or give the store a capacity_bytes"
             )
 
-    def close(self) -> None:
-        """Forget the file (removed: the store is stopping; a shard still running keeps its mapping)."""
+    def _close_ledger(self) -> None:
         if self._fd < 0:
             return
         self._slots = None
         self._map.close()
         os.close(self._fd)
         self._fd = -1
-        if self._path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+
+    def close(self) -> None:
+        self._close_ledger()
 
 
 __all__ = ["HostMemory", "available_bytes"]

@@ -320,11 +320,7 @@ class ShardActor:
         import ray
 
         # An unbounded store's shards on one host share its memory (``server.host_memory``).
-        host = (
-            None
-            if capacity_bytes is not None
-            else HostMemory.for_store(cfg["name"], creds["secret"], shard_id)
-        )
+        host = None if capacity_bytes is not None else HostMemory.for_shard(cfg["name"], shard_id)
         self.core = ShardCore(
             shard_id,
             capacity_bytes,
@@ -365,12 +361,18 @@ class ShardActor:
             "ipc": self.server.ipc,
             "unix": self.server.unix,
             "max_message_bytes": self._max_message_bytes,
+            "host_ledger": self.core.host.ref(),  # (an unbounded shard's: see ``link_index``)
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
-    def link_index(self, index: dict[str, Any]) -> bool:
-        """Learn the index's endpoints (``ShardServer.link``); called once by the store's starter."""
+    def link_index(self, index: dict[str, Any], peers: list[dict[str, Any]] | None = None) -> bool:
+        """Learn the index's endpoints (``ShardServer.link``) and the store's shards (``peers``, their
+        ``info``: an unbounded shard shares its host's memory with those on its host,
+        ``HostMemory.share``); called once by the store's starter, before any client knows the shard."""
         self.server.link(index)
+        if peers:
+            with self._lock:
+                self.core.host.share(peers, boot_id())
         return True
 
     def ping(self) -> bool:

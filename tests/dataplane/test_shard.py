@@ -277,22 +277,22 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     shard admit up to the host's total memory on its own).
 
     The host's available memory is pinned at 64 MiB here (``available_bytes``): a full host cannot be
-    made for real on a machine others share. Everything else is real: two cores, each with its own
-    descriptor of the store's shared allocation file, its lock, and real shared-memory reservations.
+    made for real on a machine others share. Everything else is real: two cores, the second opening
+    the first's ledger through ``/proc`` as a peer shard does, its lock, and real reservations.
     """
-    import secrets
-    import uuid
-
     from dataplane.server import host_memory
     from dataplane.server.host_memory import HostMemory
+    from dataplane.wire.shm import boot_id
 
     mib = 1 << 20
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * mib)
-    name, secret = f"t-host-{uuid.uuid4().hex[:8]}", secrets.token_hex(16)
-    a = ShardCore(0, name=name, host=HostMemory.for_store(name, secret, 0))
-    b = ShardCore(1, name=name, host=HostMemory.for_store(name, secret, 1))
-    path = a.host._path
-    assert path is not None and path == b.host._path and os.path.exists(path)
+    a = ShardCore(0, name="t-host-a", host=HostMemory.for_shard("t-host", 0))
+    b = ShardCore(1, name="t-host-b", host=HostMemory.for_shard("t-host", 1))
+    peers = [{"shard": c.shard_id, "boot_id": boot_id(), "host_ledger": c.host.ref()} for c in (a, b)]
+    for c in (a, b):  # what the store's starter tells each shard (``ShardActor.link_index``)
+        c.host.share(peers, boot_id())
+    theirs, mine = a.host.ref(), b.host.ref()
+    assert theirs is not None and mine is not None and mine[2] == theirs[2], "b does not use a's ledger"
 
     def reserve(core: ShardCore, nbytes: int) -> dict:
         body = {
@@ -316,4 +316,3 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     finally:
         a.close()
         b.close()
-    assert not os.path.exists(path), "the store's allocation file outlived its shards"
