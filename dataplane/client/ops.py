@@ -44,6 +44,7 @@ from dataplane.errors import (
     PartitionNotFoundError,
     ReservationExpiredError,
     SchemaError,
+    SerializationError,
     ShardUnavailableError,
     WireError,
 )
@@ -111,6 +112,8 @@ def _check_tags(tags: Any, n: int) -> list[dict | None] | None:
             raise TypeError(f"tags[{i}] must be a dict or None, got {type(t).__name__}")
         try:
             out.append(None if t is None else plain_value(t, f"tags[{i}]"))
+        except SerializationError:  # plain, but nested too deep: its message says so and names the limit
+            raise
         except TypeError as exc:
             culprit = str(exc).split(";")[0]
             raise TypeError(

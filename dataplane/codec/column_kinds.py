@@ -21,7 +21,7 @@ import torch
 
 from dataplane import config
 from dataplane.codec.column_types import Column, ColumnSpec, torch_dtype
-from dataplane.codec.plain import plain_value
+from dataplane.codec.plain import MAX_DEPTH, plain_value
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,22 @@ def _tensor_bytes(name: str, t: torch.Tensor) -> memoryview:
         raise SerializationError(f"field {name!r}: tensors of dtype {t.dtype} cannot be stored ({e})") from e
 
 
+def check_storable(name: str, t: torch.Tensor) -> None:
+    """Refuse, naming the field, a tensor whose bytes the codec cannot read: one on the meta device
+    (a shape without data) or of a sparse layout. torch's own errors for them are untyped and name
+    no field (``NotImplementedError``, ``RuntimeError``)."""
+    if t.device.type == "meta":
+        raise SerializationError(
+            f"field {name!r} is a tensor on the meta device: it has a shape but no data to store; "
+            "create it on a real device (or fill torch.empty_like(t, device='cpu')) first"
+        )
+    if t.layout not in (torch.strided, torch.jagged):  # (jagged: a nested tensor's layout)
+        raise SerializationError(
+            f"field {name!r}: {t.layout} tensors are not supported; store t.to_dense(), or the sparse "
+            "tensor's indices and values as two fields"
+        )
+
+
 def _is_nontensor(value: Any) -> bool:
     return type(value).__name__ in ("NonTensorData", "NonTensorStack") and hasattr(value, "tolist")
 
@@ -139,6 +155,7 @@ class ValueEncoder:
 
     def encode(self, name: str, value: Any, num_rows: int) -> Column:
         if isinstance(value, torch.Tensor):
+            check_storable(name, value)
             if value.is_nested:
                 return self._nested(name, value, num_rows)
             return self._dense(name, value, num_rows)
@@ -180,8 +197,6 @@ class ValueEncoder:
         return t.to("cpu").contiguous()
 
     def _dense(self, name: str, t: torch.Tensor, num_rows: int) -> Column:
-        if t.layout != torch.strided:
-            raise SerializationError(f"field {name!r}: {t.layout} tensors are not supported; use .to_dense()")
         if t.dim() == 0:
             raise BatchSizeError(f"field {name!r} is a 0-d tensor (no batch dim); expected {num_rows} rows")
         _check_rows(name, t.shape[0], num_rows)
@@ -225,6 +240,8 @@ class ValueEncoder:
         """Rows of one dtype and one number of dims, each of its own shape: jagged when they differ
         only in their first dim, ragged (with each row's shape) otherwise. One copy."""
         _check_rows(name, len(rows), num_rows)
+        for r in rows:
+            check_storable(name, r)
         if all(r.dim() == 0 for r in rows):
             return self._dense(name, torch.stack(rows), num_rows)
         first = rows[0]
@@ -273,7 +290,15 @@ class ValueEncoder:
             return self._numpy(name, arr.to_numpy(zero_copy_only=False), num_rows)
         col = None if arr is None else _arrow_column(arr)
         if col is None:
-            col = _json_column(values)
+            try:
+                col = _json_column(values)
+            except SerializationError as exc:  # JSON-like, but nested too deep for a json column
+                if not self.allow_pickle:
+                    raise SerializationError(
+                        f"field {name!r}: {exc}; JSON-like values are stored without pickle up to "
+                        f"{MAX_DEPTH} levels deep. Flatten the value (or store it as a JSON string), or pass "
+                        "allow_pickle=True (or set DATAPLANE_ALLOW_PICKLE=1) to store it as an object column"
+                    ) from None
         return col if col is not None else self._object(name, values, num_rows)
 
     def _object(self, name: str, values: list, num_rows: int) -> Column:
@@ -301,10 +326,13 @@ def _json_column(values: list) -> Column | None:
     """A json column (one msgpack blob per row), or None when a row is not JSON-like.
 
     JSON-like: None, bool, int (64-bit), float, str, and lists, tuples (read back as lists) and dicts
-    (str or int keys) of those, nested. Anything else needs pickle.
+    (str or int keys) of those, nested at most ``MAX_DEPTH`` levels deep (deeper: ``SerializationError``
+    saying so). Anything else needs pickle.
     """
     try:
-        blobs = [_json_encoder.encode(plain_value(v, "row")) for v in values]
+        blobs = [_json_encoder.encode(plain_value(v, f"row {i}")) for i, v in enumerate(values)]
+    except SerializationError:  # nested too deep: the caller says so, or pickles it
+        raise
     except (TypeError, OverflowError):
         return None
     offsets = np.zeros(len(blobs) + 1, dtype=np.int64)

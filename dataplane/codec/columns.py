@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
-from dataplane.codec.column_kinds import ValueEncoder, decode_value, plain_rows, u8_tensor
+from dataplane.codec.column_kinds import ValueEncoder, check_storable, decode_value, plain_rows, u8_tensor
 from dataplane.codec.column_types import KINDS, Column, ColumnSpec, torch_dtype
 from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.errors import BatchSizeError
@@ -110,6 +110,8 @@ def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict
         return encode_fields(fields, 1, allow_pickle=allow_pickle)
     rows = {}
     for name, value in _field_items(fields):
+        if isinstance(value, torch.Tensor):
+            check_storable(name, value)  # before indexing it: a sparse tensor cannot even be indexed
         if isinstance(value, torch.Tensor) and value.is_nested:
             rows[name] = value
         elif isinstance(value, (torch.Tensor, np.ndarray)):

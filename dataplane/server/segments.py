@@ -32,12 +32,15 @@ The client side (mapping these files) is ``dataplane.client.mappings``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dataplane.errors import StoreFullError
 from dataplane.wire.shm import GEN, fd_limit_error, map_fd
@@ -172,8 +175,11 @@ class ShmPool:
         self.warm: list[ShmFile] = []
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
 
-    def acquire(self, nbytes: int) -> ShmFile:
-        """A file of at least ``nbytes``: a warm one that fits, else a fresh one."""
+    def acquire(
+        self, nbytes: int, admit: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
+    ) -> ShmFile:
+        """A file of at least ``nbytes``: a warm one that fits, else a fresh one, whose allocation
+        runs inside ``admit(bytes)`` when given (it may refuse: a warm file needs no new memory)."""
         best = None
         for f in self.warm:
             if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
@@ -182,12 +188,14 @@ class ShmPool:
         if best is not None:
             self.warm.remove(best)
         else:
-            slot = self.table.take()
-            try:
-                best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix)
-            except BaseException:
-                self.table.give_back(slot)
-                raise
+            size = size_class(nbytes)
+            with admit(size) if admit is not None else contextlib.nullcontext():
+                slot = self.table.take()
+                try:
+                    best = ShmFile.create(self._next_id, size, self.prefix)
+                except BaseException:
+                    self.table.give_back(slot)
+                    raise
             self._next_id += 1
             best.slot, best.gen = slot, self.table.new_generation(slot)
         self.live[best.file_id] = best

@@ -17,8 +17,9 @@ Invariants (``docs/reliability.md`` has the tests that back each):
 
 * Every peer-declared value is checked before anything changes: bodies are typed
   (``wire.protocol``), specs are ones the codec can write, declared byte counts equal the frames
-  sent and fit the capacity (or, unbounded, the host's memory), offsets rise from 0 to the data
-  length. A malformed request gets a typed error reply and changes nothing.
+  sent and fit the capacity (or, unbounded, the host's memory: what a put allocates must fit the
+  host's available memory, shared with the store's other shards there, ``server.host_memory``),
+  offsets rise from 0 to the data length. A malformed request gets a typed error reply and changes nothing.
 * A row's bytes never change while it is live: writers write only into segments they reserved,
   before the commit that makes them readable.
 * Memory is reused only when no reader can be misled (see ``server.segments``): a freed segment moves
@@ -29,10 +30,12 @@ Invariants (``docs/reliability.md`` has the tests that back each):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,7 @@ from dataplane.errors import (
     WireError,
 )
 from dataplane.server.dispatch import Operations
+from dataplane.server.host_memory import HostMemory
 from dataplane.server.segments import ShmFile, ShmPool
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
@@ -132,9 +136,13 @@ class ShardCore(Operations):
         warm_retain_bytes: int = 1 << 30,
         reservation_timeout_s: float = 120.0,
         name: str = "dataplane",
+        host: HostMemory | None = None,
     ) -> None:
         self.shard_id = shard_id
         self.capacity = capacity_bytes
+        # An unbounded shard admits shared memory against its host's (shared with the store's other
+        # shards there when ``host`` is theirs too, ``HostMemory.for_store``).
+        self.host = host if host is not None else HostMemory.private()
         self.pool = ShmPool(warm_idle_s, warm_retain_bytes, prefix=f"{name}-shard-{shard_id}")
         self.reservation_timeout_s = reservation_timeout_s
         self.partitions: dict[str, _Partition] = {}
@@ -153,10 +161,11 @@ class ShardCore(Operations):
         pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
         fields, need = self._checked_fields(pid, keys, body.fields, bufs)
         files = {}
+        admit = self._admit(pid)
         try:
             for name, entry in fields.items():
                 if "col" not in entry:
-                    entry["file"] = self.pool.acquire(max(1, entry["nbytes"]))
+                    entry["file"] = self.pool.acquire(max(1, entry["nbytes"]), admit)
                     files[name] = entry["file"].ref()
         except OSError as exc:
             for entry in fields.values():
@@ -219,6 +228,15 @@ class ShardCore(Operations):
                 need += 8 * len(keys) * spec.shape[0]
         self._check_capacity(need, pid)
         return fields, need
+
+    def _admit(self, pid: str) -> Callable[[int], contextlib.AbstractContextManager[None]] | None:
+        """What admits a fresh shared-memory file for a put to ``pid``: on an unbounded shard its host
+        (``HostMemory``: the host's available memory, less what the store's other shards there are
+        allocating); a bounded one checked its capacity already, and a warm file needs no new memory."""
+        if self.capacity is not None:
+            return None
+        what = f"shard {self.shard_id}: a put to partition {pid!r}"
+        return lambda nbytes: self.host.admit(nbytes, what)
 
     def _check_capacity(self, need: int, pid: str) -> None:
         if self.capacity is None:  # unbounded: still never more than the host could hold
@@ -537,6 +555,7 @@ class ShardCore(Operations):
     def close(self) -> None:
         self.partitions.clear()
         self.pool.close_all()
+        self.host.close()
 
 
 __all__ = ["PutUndo", "Segment", "ShardCore"]

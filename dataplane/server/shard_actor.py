@@ -37,6 +37,7 @@ import zmq
 from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
+from dataplane.server.host_memory import HostMemory
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.wire import frames as _wire
@@ -318,6 +319,8 @@ class ShardActor:
     def __init__(self, shard_id: int, capacity_bytes: int | None, cfg: dict[str, Any], creds: dict) -> None:
         import ray
 
+        # An unbounded store's shards on one host share its memory (``server.host_memory``).
+        host = None if capacity_bytes is not None else HostMemory.for_shard(cfg["name"], shard_id)
         self.core = ShardCore(
             shard_id,
             capacity_bytes,
@@ -325,6 +328,7 @@ class ShardActor:
             warm_retain_bytes=cfg["warm_retain_bytes"],
             reservation_timeout_s=cfg["reservation_timeout_s"],
             name=cfg["name"],
+            host=host,
         )
         self._lock = threading.Lock()
         ip = ray.util.get_node_ip_address()
@@ -357,12 +361,18 @@ class ShardActor:
             "ipc": self.server.ipc,
             "unix": self.server.unix,
             "max_message_bytes": self._max_message_bytes,
+            "host_ledger": self.core.host.ref(),  # (an unbounded shard's: see ``link_index``)
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
-    def link_index(self, index: dict[str, Any]) -> bool:
-        """Learn the index's endpoints (``ShardServer.link``); called once by the store's starter."""
+    def link_index(self, index: dict[str, Any], peers: list[dict[str, Any]] | None = None) -> bool:
+        """Learn the index's endpoints (``ShardServer.link``) and the store's shards (``peers``, their
+        ``info``: an unbounded shard shares its host's memory with those on its host,
+        ``HostMemory.share``); called once by the store's starter, before any client knows the shard."""
         self.server.link(index)
+        if peers:
+            with self._lock:
+                self.core.host.share(peers, boot_id())
         return True
 
     def ping(self) -> bool:

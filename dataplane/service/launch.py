@@ -258,9 +258,10 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
             )
         infos = ray.get(refs)
         # Shards commit small puts in the index themselves (``server.shard_actor``): tell them where it is
-        # before any client can learn of them.
+        # before any client can learn of them, and (unbounded) who shares their host's memory.
         index_entry = {**infos[0], "name": cfg.index_name()}
-        ray.get([s.link_index.remote(index_entry) for s in handle.shards], timeout=cfg.schedule_timeout_s)
+        links = [s.link_index.remote(index_entry, infos[1:]) for s in handle.shards]
+        ray.get(links, timeout=cfg.schedule_timeout_s)
         registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:]}
         ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)
         registry["credentials"] = Credentials.from_dict(creds).for_clients().to_dict()

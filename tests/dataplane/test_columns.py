@@ -322,11 +322,75 @@ def test_json_like_rows_need_no_pickle(monkeypatch):
         encode_fields({"big": [2**70, None]}, 2)
 
 
+def _nested(levels: int) -> object:
+    """A JSON-like value ``levels`` lists and dicts deep (``[{"a": [...]}]``)."""
+    value: object = 1
+    for i in range(levels):
+        value = [value] if i % 2 else {"a": value}
+    return value
+
+
+def test_json_like_rows_nest_32_levels_and_deeper_ones_say_so(monkeypatch):
+    """The depth limit is stated (``MAX_DEPTH``): 32 levels are a json column; 33 are refused naming
+    the field and the limit (the old code called them values that "need pickle"), or pickled when
+    pickle is allowed."""
+    from dataplane.codec.plain import MAX_DEPTH
+
+    monkeypatch.delenv("DATAPLANE_ALLOW_PICKLE", raising=False)
+    assert MAX_DEPTH == 32
+    deepest = [_nested(MAX_DEPTH), None]
+    cols = encode_fields({"m": deepest}, 2)
+    assert cols["m"].spec.kind == "json"
+    assert decode_fields(cols, 2).get("m").tolist() == deepest
+    too_deep = [_nested(MAX_DEPTH + 1), None]
+    with pytest.raises(SerializationError, match=r"'m'.*row 0.*nested deeper than 32 levels") as err:
+        encode_fields({"m": too_deep}, 2)
+    assert "need pickle" not in str(err.value) and "Flatten" in str(err.value), err.value
+    assert encode_fields({"m": too_deep}, 2, allow_pickle=True)["m"].spec.kind == "object"
+    from dataplane.client.ops import _check_tags  # a tag: the same limit, the same words
+
+    with pytest.raises(TypeError, match=r"tags\[0\]\['t'\].*nested deeper than 32 levels.*a tag"):
+        _check_tags([{"t": _nested(MAX_DEPTH)}], 1)
+
+
 def test_non_column_value_is_rejected_with_the_field():
     with pytest.raises(SerializationError, match="'cfg' is a dict, not a column of 2 rows"):
         encode_fields({"cfg": {"a": 1}}, 2)
     with pytest.raises(SerializationError, match="'e' is an empty list"):
         encode_fields({"e": []}, 0)
+
+
+def _sparse_or_meta(kind: str, how: str) -> object:
+    """A field of 2 rows (or one row, for ``kv_put``) of ``kind``, given the way ``how`` says."""
+    dense = torch.arange(6.0).view(2, 3)
+    if kind == "meta-nested":  # (no rows can be taken out of it: given whole every way)
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(1)], layout=torch.jagged).to("meta")
+    make = {
+        "sparse-coo": lambda t: t.to_sparse(),
+        "sparse-csr": lambda t: t.view(1, -1).to_sparse_csr(),  # (CSR has 2 dims)
+        "meta": lambda t: t.to("meta"),
+    }[kind]
+    if how == "row-list":
+        return [make(r) for r in dense.unbind()]
+    if how == "kv_put-row":
+        return make(dense[0])
+    return make(dense) if kind != "sparse-csr" else dense.to_sparse_csr()
+
+
+@pytest.mark.parametrize("kind", ["sparse-coo", "sparse-csr", "meta", "meta-nested"])
+@pytest.mark.parametrize("how", ["batch", "tensordict", "row-list", "kv_put-row"])
+def test_sparse_and_meta_tensors_are_refused_naming_the_field(kind, how):
+    """torch raised its own untyped errors (NotImplementedError for meta tensors, RuntimeError for a
+    sparse row): each is a SerializationError naming the field and saying what to do."""
+    value = _sparse_or_meta(kind, how)
+    hint = "to_dense" if kind.startswith("sparse") else "meta device"
+    with pytest.raises(SerializationError, match=f"'f'.*{hint}"):
+        if how in ("batch", "row-list"):
+            encode_fields({"f": value}, 2)
+        elif how == "tensordict":
+            encode_fields(TensorDict({"f": value}, [2]), 2)
+        else:
+            encode_row({"f": value})
 
 
 # -- batch size and schema errors ---------------------------------------------------------------

@@ -49,8 +49,18 @@ class Producer:
         dp.finish_partition(pid)
         return n
 
+
+@ray.remote(num_cpus=0.1)
+class Taker:
+    """A consumer that takes a leased batch and never acknowledges it (no torch: it starts fast)."""
+
+    def __init__(self, name: str) -> None:
+        dp.init(name=name)
+
+    def os_pid(self) -> int:
+        return os.getpid()
+
     def take(self, pid: str, task: str, n: int, lease_s: float) -> list[str]:
-        """A leased batch, which this process will never acknowledge."""
         return list(dp.next_batch(pid, task, n, ["x"], timeout_s=30, lease_s=lease_s).keys)
 
 
@@ -160,7 +170,7 @@ def test_a_leased_batch_of_a_killed_consumer_is_delivered_again(attached, pid):
     """A consumer process takes a batch under a 2 s lease and is SIGKILLed before it acknowledges it:
     the rows go back to the task when the lease runs out, and the live consumer gets exactly them."""
     keys = _put(pid, 6)
-    victim = Producer.remote(NAME)
+    victim = Taker.remote(NAME)
     victim_pid = ray.get(victim.os_pid.remote(), timeout=120)
     held = ray.get(victim.take.remote(pid, "t", 4, 2.0), timeout=60)
     assert held == keys[:4]

@@ -125,6 +125,32 @@ def test_index_refuses_tensor_bytes(shared):
     assert rep.rid == 7 and rep.error is not None and "metadata only" in rep.error[1]
 
 
+def test_an_unbounded_stores_shards_on_one_host_share_one_ledger(ray_cluster):
+    """Each unbounded shard admits fresh shared memory against the host's available memory less what
+    the store's other shards there are allocating (``server.host_memory``): the shards of one host
+    share the first one's ledger, which the others hold open through /proc; nothing in /dev/shm."""
+    dp.close()
+    cfg, registry, handle = start_store(name="t-ledger", num_shards=3)
+    try:
+        first, *rest = registry["shards"]
+        _, _, inode = first["host_ledger"]
+        for shard in rest:
+            held = set()
+            for fd in os.listdir(f"/proc/{shard['pid']}/fd"):
+                try:
+                    held.add(os.stat(f"/proc/{shard['pid']}/fd/{fd}").st_ino)
+                except FileNotFoundError:  # closed since it was listed
+                    pass
+            assert inode in held, f"shard {shard['shard']} does not hold the host's ledger"
+        assert not [f for f in os.listdir("/dev/shm") if "t-ledger" in f]
+        dp.init(name="t-ledger")
+        dp.kv_batch_put([f"k{i}" for i in range(16)], "p", {"x": torch.ones(16, 8192)})  # fresh segments
+        assert dp.kv_batch_get(["k3"], "p")["x"].sum().item() == 8192
+    finally:
+        dp.close()
+        handle.stop()
+
+
 def test_dead_shard_raises_and_leaves_no_memory(ray_cluster):
     dp.close()
     cfg, registry, handle = start_store(name="t-dead", num_shards=2, rpc_timeout_s=2)

@@ -269,3 +269,50 @@ def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
     with pytest.raises(WireError, match="inline"):
         call(one_step, "put", {"pid": "p", "keys": ["c"], "fields": {"x": wire}}, [])
     assert one_step.stats() == before and "c" not in one_step.partitions["p"].rows
+
+
+def test_unbounded_shards_on_one_host_admit_against_its_available_memory_together(monkeypatch):
+    """Two unbounded shards of one store on one host: what a put allocates must fit the host's
+    available memory less what the other shard is allocating at that moment (the old code let each
+    shard admit up to the host's total memory on its own).
+
+    The host's available memory is pinned at 64 MiB here (``available_bytes``): a full host cannot be
+    made for real on a machine others share. Everything else is real: two cores, the second opening
+    the first's ledger through ``/proc`` as a peer shard does, its lock, and real reservations.
+    """
+    from dataplane.server import host_memory
+    from dataplane.server.host_memory import HostMemory
+    from dataplane.wire.shm import boot_id
+
+    mib = 1 << 20
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * mib)
+    a = ShardCore(0, name="t-host-a", host=HostMemory.for_shard("t-host", 0))
+    b = ShardCore(1, name="t-host-b", host=HostMemory.for_shard("t-host", 1))
+    peers = [{"shard": c.shard_id, "boot_id": boot_id(), "host_ledger": c.host.ref()} for c in (a, b)]
+    for c in (a, b):  # what the store's starter tells each shard (``ShardActor.link_index``)
+        c.host.share(peers, boot_id())
+    theirs, mine = a.host.ref(), b.host.ref()
+    assert theirs is not None and mine is not None and mine[2] == theirs[2], "b does not use a's ledger"
+
+    def reserve(core: ShardCore, nbytes: int) -> dict:
+        body = {
+            "pid": "p",
+            "keys": ["k"],
+            "fields": {"x": {"spec": ["arrow", "large_binary", []], "nbytes": nbytes}},
+        }
+        return call(core, "reserve", body, [])[0]
+
+    try:
+        with pytest.raises(StoreFullError, match=r"available \(67108864 bytes\).*nothing was written"):
+            reserve(a, 65 * mib)  # more than the host has available, though far less than its RAM
+        with a.host.admit(48 * mib, "shard 0's put"):  # shard 0 is allocating 48 MiB right now
+            with pytest.raises(StoreFullError, match="less 50331648 bytes the store's other shards"):
+                reserve(b, 32 * mib)
+            assert b.stats()["bytes_reserved"] == 0
+            reserve(b, 8 * mib)  # what is left beside shard 0's allocation
+        resv = reserve(b, 32 * mib)["resv"]  # shard 0 is done allocating: admitted
+        assert b.stats()["bytes_reserved"] >= 32 * mib
+        call(b, "abort", {"resv": resv}, [])
+    finally:
+        a.close()
+        b.close()
