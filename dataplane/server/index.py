@@ -352,10 +352,10 @@ class IndexCore(Operations):
         """The next batch for a consumer task, or None while not enough rows are ready (the actor
         waits for a commit to this partition and asks again)."""
         self._check_take(body.take)
+        sampler = _sampler(body)  # (bad arguments are refused at once, not once rows exist)
         part = self.partitions.get(body.pid)
         if part is None:
             return None
-        sampler = _sampler(body)
         got = part.streams.take(
             body.task,
             _fieldset(body.fields),

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dataplane.errors import DataplaneError
+from dataplane.errors import DataplaneError, WireError
 from dataplane.server import index as index_mod
 from dataplane.server.index import IndexCore
 
@@ -109,3 +109,14 @@ def test_the_lease_queue_sheds_acknowledged_leases(monkeypatch):
             call(core, "ack", {"pid": "p", "task": "t", "take": f"L{i}", "keys": [f"k{i}"]})
     core.expire_leases(time.monotonic())
     assert [e[4] for e in core.lease_due] == ["L0"]
+
+
+def test_bad_sampler_arguments_are_refused_before_the_partition_exists():
+    """A consumer of a partition nobody wrote yet waits for it; its arguments are checked first."""
+    core = IndexCore()
+    bad = {"pid": "nobody", "task": "t", "batch_size": 2, "fields": ["x"], "dp_rank": 3, "dp_size": 2}
+    with pytest.raises(WireError, match="dp_rank must be below dp_size"):
+        call(core, "next", bad)
+    grouped = {**bad, "dp_rank": 0, "sampler": {"name": "group", "group_tag": "uid", "group_size": 4}}
+    with pytest.raises(WireError, match="not a multiple of group_size 4"):
+        call(core, "next", grouped)
