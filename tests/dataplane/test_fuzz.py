@@ -846,8 +846,8 @@ def test_regression_invalid_utf8_is_untyped():
         _, out = _answer(core, [bad_header])
         rep = _wire.decode_reply(out)[0]
         assert rep.error[0] == "WireError", rep.error
-        # [7, "clear_partition", {"pid": <invalid utf-8>}]
-        bad_body = b"\x93\x07\xafclear_partition\x81\xa3pid\xa2\xf4g"
+        # [7, "clear_partition", {"pid": <invalid utf-8>}, version]
+        bad_body = b"\x94\x07\xafclear_partition\x81\xa3pid\xa2\xf4g" + bytes([_wire.PROTOCOL_VERSION])
         _, out = _answer(core, [bad_body])
         rep = _wire.decode_reply(out)[0]
         assert rep.rid == 7 and rep.error[0] == "WireError", rep.error
