@@ -38,10 +38,19 @@ from dataplane.api import (
     kv_put,
     stats,
 )
+from dataplane.checkpoint import (
+    CheckpointInfo,
+    async_load_checkpoint,
+    async_save_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dataplane.config import StoreConfig
 from dataplane.errors import (
     BatchSizeError,
     BatchTimeoutError,
+    CheckpointError,
+    CheckpointNotFoundError,
     ClusterAuthError,
     ClusterConnectError,
     DataplaneError,
@@ -80,6 +89,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchSizeError",
     "BatchTimeoutError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
     "ClusterAuthError",
     "ClusterConnectError",
     "GroupSampler",
@@ -125,6 +137,8 @@ __all__ = [
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "async_load_checkpoint",
+    "async_save_checkpoint",
     "async_stats",
     "clear_partition",
     "close",
@@ -136,6 +150,8 @@ __all__ = [
     "kv_clear",
     "kv_list",
     "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
     "stats",
 ]
 

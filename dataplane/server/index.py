@@ -26,6 +26,7 @@ from dataplane.codec.column_types import describe_family
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, SchemaError, WireError
 from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
+from dataplane.server.index_checkpoint import IndexCheckpoints
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
 from dataplane.wire import auth as _auth
@@ -78,15 +79,17 @@ def _sampler(body: Any) -> Any:
     return sampler
 
 
-class IndexCore(Operations):
+class IndexCore(IndexCheckpoints, Operations):
     """Metadata bookkeeping of the store. Plain class, tested without Ray.
 
     Its operations take the body only (the index takes no buffer frames) and return the reply
-    body; a waiting one (``next``, ``ready``) returns None while its rows are not ready.
+    body; a waiting one (``next``, ``ready``) returns None while its rows are not ready. The
+    checkpoint operations are in ``server.index_checkpoint``.
     """
 
     OPS = _protocol.INDEX_OPS
     SERVICE = "the index"
+    PART, KEY, SCHEMA = _PartMeta, _KeyMeta, _FieldSchema  # for the checkpoint operations
 
     def __init__(self) -> None:
         self.partitions: dict[str, _PartMeta] = {}

@@ -192,6 +192,46 @@ class PartitionStreams:
             for stream in task.streams.values():
                 stream.ready = {k: None for k, meta in self.keys.items() if stream.fields <= meta.fields}
 
+    # ---- checkpoints (server.index_checkpoint) --------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """This partition's streaming state as plain values (msgpack, no pickle): per task the keys
+        it took, each stream's ready keys in ready order, the rank-aware cache; and ``finished``.
+        ``restore`` of it answers ``take``, ``cached`` and ``counts`` exactly as this one does."""
+        return {
+            "finished": self.finished,
+            "tasks": [
+                {
+                    "name": name,
+                    "consumed": list(task.consumed),
+                    "streams": [
+                        {"fields": sorted(s.fields), "ready": list(s.ready)} for s in task.streams.values()
+                    ],
+                    "cache": [[sorted(slot[0]), slot[1], slot[2], keys] for slot, keys in task.cache.items()],
+                }
+                for name, task in self.tasks.items()
+            ],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace the streaming state with a ``snapshot()`` taken of these keys. ``ValueError`` (or
+        ``KeyError`` / ``TypeError`` for a malformed one) when a stream lists a key that is not here."""
+        tasks: dict[str, Task] = {}
+        by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
+        for t in state["tasks"]:
+            task = tasks[str(t["name"])] = Task(consumed=set(t["consumed"]))
+            for s in t["streams"]:
+                fields = frozenset(s["fields"])
+                stream = task.streams[fields] = Stream(fields, dict.fromkeys(s["ready"]))
+                by_fields.setdefault(fields, []).append((task, stream))
+                unknown = [k for k in stream.ready if k not in self.keys]
+                if unknown:
+                    raise ValueError(
+                        f"task {t['name']!r} has {len(unknown)} unknown ready key(s): {unknown[:3]}"
+                    )
+            for fields, rank, index, keys in t["cache"]:
+                task.cache[(frozenset(fields), rank, index)] = list(keys)
+        self.tasks, self.by_fields, self.finished = tasks, by_fields, bool(state["finished"])
+
     def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
         task = self.tasks.get(task_name)
         consumed = task.consumed if task is not None else set()

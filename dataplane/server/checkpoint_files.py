@@ -1,0 +1,242 @@
+"""The files of a store checkpoint: names, checksummed writes and verified reads. No pickle anywhere.
+
+A checkpoint is a directory::
+
+    manifest.json       written last by the process that saved: format, version, the user's metadata,
+                        the number of shards, and every other file with its size and checksum
+    index.msgpack       the index's metadata (``server.index_checkpoint``): keys, tags, the fields each
+                        key holds, schemas, streaming state
+    shard-<i>.msgpack   shard i's manifest (``server.shard_checkpoint``): its keys, and per field the
+                        chunks of rows, each a column described as the wire describes one
+                        (``wire.frames.column_to_wire``: spec, rows, buffer numbers), with every
+                        buffer's place in the data file and its checksum
+    shard-<i>.bin       shard i's buffers, back to back: row bytes exactly as the shard holds them
+
+Checksums are CRC-32 (``zlib.crc32``, several GB/s): one per small file in ``manifest.json``, one per
+buffer of a data file in its shard's manifest (the buffers tile the data file, so every byte of it is
+covered, and a shard that reads part of a file checks the part it reads). Reads never trust a size
+or offset the files declare: a buffer must lie inside its file, and a short read, a size that
+differs from the manifest's or a checksum that does not match raises ``CheckpointError`` naming the
+file.
+
+    >>> shard_files(1)
+    ('shard-1.msgpack', 'shard-1.bin')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+import zlib
+from typing import Any
+
+import msgspec
+
+from dataplane.errors import CheckpointError, CheckpointNotFoundError
+
+FORMAT = "rlplane-store-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.msgpack"
+_TOKEN = re.compile(r"\.rlplane-save-[0-9a-f]{32}")
+SLICE = 8 << 20  # bytes checksummed then written (or read then checksummed) at a time: stays in cache
+
+
+def shard_files(shard: int) -> tuple[str, str]:
+    """The manifest and data file names of shard ``shard``."""
+    return f"shard-{shard}.msgpack", f"shard-{shard}.bin"
+
+
+def new_token() -> str:
+    """The name of the file a saving process creates in the directory it saves into (``check_visible``)."""
+    return f".rlplane-save-{uuid.uuid4().hex}"
+
+
+def check_visible(directory: str, token: str, who: str) -> None:
+    """Raise ``CheckpointError`` unless ``token`` (a file the saving process just created in
+    ``directory``) is visible here: proof that this process sees the same directory, and that the
+    caller could create files there (a store process writes nowhere else)."""
+    if not os.path.isabs(directory) or not _TOKEN.fullmatch(token):
+        raise CheckpointError(directory, f"{directory!r}: not an absolute path and a save token ({token!r})")
+    if not os.path.exists(os.path.join(directory, token)):
+        raise CheckpointError(
+            directory,
+            f"{who} cannot reach the checkpoint directory {directory}: the process saving the checkpoint "
+            "created it, but it is not there on this node. Put checkpoints on a filesystem every node of "
+            "the store mounts at the same path (NFS, Lustre, ...); the previous checkpoint is unchanged",
+        )
+
+
+class DataWriter:
+    """Appends buffers to a new file, checksumming each one as it goes; ``close`` makes it durable.
+
+    ``append`` returns ``[offset, nbytes, crc32]``, the buffer's entry in a manifest. Each buffer is
+    written in slices (``SLICE``): checksummed, then written while still in the CPU's cache, so a
+    segment of shared memory goes to the file with one copy (into the page cache) and one extra read.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.size = 0
+
+    def append(self, buf: Any) -> list[int]:
+        view = memoryview(buf).cast("B")
+        crc, start = 0, self.size
+        for lo in range(0, len(view), SLICE):
+            piece = view[lo : lo + SLICE]
+            crc = zlib.crc32(piece, crc)
+            while piece:
+                piece = piece[os.write(self.fd, piece) :]
+        self.size += len(view)
+        return [start, len(view), crc]
+
+    def close(self) -> int:
+        """fsync and close; returns the file's size."""
+        if self.fd >= 0:
+            try:
+                os.fsync(self.fd)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+        return self.size
+
+    def abandon(self) -> None:
+        """Close without syncing (a failed save: the directory it is in is thrown away)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_small(path: str, data: bytes) -> dict[str, int]:
+    """Write a small file durably; its manifest entry ``{"bytes", "crc32"}``."""
+    writer = DataWriter(path)
+    try:
+        _, nbytes, crc = writer.append(data)
+        writer.close()
+    finally:
+        writer.abandon()
+    return {"bytes": nbytes, "crc32": crc}
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_checked(path: str, nbytes: int, who: str = "") -> int:
+    """A read-only descriptor of ``path``, checked to hold exactly ``nbytes`` (its manifest's size)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        where = f" ({who} cannot see it: is the directory on a filesystem every node mounts?)" if who else ""
+        raise CheckpointNotFoundError(
+            path, f"checkpoint file {path} is missing{where}; nothing was loaded"
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(
+            path, f"checkpoint file {path} cannot be read ({exc}); nothing was loaded"
+        ) from exc
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        os.close(fd)
+        what = "truncated" if size < nbytes else "longer than it was written"
+        raise CheckpointError(
+            path,
+            f"checkpoint file {path} is {what}: {size} bytes, its manifest says {nbytes}; nothing was loaded",
+        )
+    return fd
+
+
+def read_into(fd: int, path: str, dst: memoryview, entry: Any, file_size: int, what: str) -> None:
+    """Read the buffer ``entry`` (``[offset, nbytes, crc32]`` from a manifest) of the open file ``fd``
+    into ``dst`` (exactly ``nbytes`` long), checking its place and its checksum."""
+    offset, nbytes, crc = _entry(entry, path, what)
+    if offset + nbytes > file_size or len(dst) != nbytes:
+        raise CheckpointError(
+            path, f"checkpoint file {path}: {what} lies outside the file ({offset}+{nbytes} of {file_size})"
+        )
+    got, done = 0, 0
+    while done < nbytes:
+        n = os.preadv(fd, [dst[done : done + SLICE]], offset + done)
+        if n <= 0:
+            raise CheckpointError(path, f"checkpoint file {path} ended early while reading {what}")
+        got = zlib.crc32(dst[done : done + n], got)
+        done += n
+    if got != crc:
+        raise CheckpointError(
+            path,
+            f"checkpoint file {path} is corrupted: {what} does not match its checksum; nothing was loaded",
+        )
+
+
+def read_small(path: str, entry: Any, who: str = "") -> bytes:
+    """The whole of a small file, checked against its manifest entry ``{"bytes", "crc32"}``."""
+    nbytes, crc = _size_crc(entry, path)
+    fd = open_checked(path, nbytes, who)
+    try:
+        buf = bytearray(nbytes)
+        read_into(fd, path, memoryview(buf), [0, nbytes, crc], nbytes, "the file")
+    finally:
+        os.close(fd)
+    return bytes(buf)
+
+
+def decode_file(data: bytes, path: str, struct: type[Any]) -> Any:
+    """A msgpack file of a checkpoint decoded as ``struct`` (which has a ``version``), checked."""
+    try:
+        state = msgspec.msgpack.decode(data, type=struct)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            path, f"checkpoint file {path} is malformed ({exc}); nothing was loaded"
+        ) from exc
+    if state.version != VERSION:
+        raise CheckpointError(
+            path, f"checkpoint file {path} has format version {state.version}; this release reads {VERSION}"
+        )
+    return state
+
+
+def _entry(entry: Any, path: str, what: str) -> tuple[int, int, int]:
+    if not (
+        isinstance(entry, list | tuple) and len(entry) == 3 and all(type(x) is int and x >= 0 for x in entry)
+    ):
+        raise CheckpointError(
+            path, f"checkpoint manifest entry of {path} ({what}) is malformed: {entry!r:.100}"
+        )
+    return entry[0], entry[1], entry[2]
+
+
+def _size_crc(entry: Any, path: str) -> tuple[int, int]:
+    try:
+        nbytes, crc = entry["bytes"], entry["crc32"]
+    except (KeyError, TypeError):
+        nbytes = crc = None
+    if type(nbytes) is not int or type(crc) is not int or nbytes < 0 or crc < 0:
+        raise CheckpointError(
+            path, f"the checkpoint manifest's entry for {path} is malformed: {entry!r:.100}"
+        )
+    return nbytes, crc
+
+
+__all__ = [
+    "FORMAT",
+    "INDEX_FILE",
+    "MANIFEST",
+    "VERSION",
+    "DataWriter",
+    "check_visible",
+    "decode_file",
+    "fsync_dir",
+    "new_token",
+    "open_checked",
+    "read_into",
+    "read_small",
+    "shard_files",
+    "write_small",
+]
