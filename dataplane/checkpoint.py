@@ -42,6 +42,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 import zlib
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ class CheckpointInfo:
             index's and the shards' answers, the manifest): metadata only.
         metadata: the ``metadata`` given to ``save_checkpoint``.
         seconds: how long the call took.
+        left_out: keys a save left out because they were cleared while it ran (see
+            ``save_checkpoint``); 0 for a load.
     """
 
     path: str
@@ -90,6 +93,7 @@ class CheckpointInfo:
     driver_bytes: int
     metadata: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    left_out: int = 0
 
 
 def save_checkpoint(
@@ -401,7 +405,8 @@ def _save_flow(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     elapsed = time.monotonic() - started
-    return CheckpointInfo(final, done["partitions"], data_bytes, count.bytes, metadata, elapsed)
+    left_out = sum(len(keys) for keys in missing.values())
+    return CheckpointInfo(final, done["partitions"], data_bytes, count.bytes, metadata, elapsed, left_out)
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -466,13 +471,18 @@ def _refuse_foreign(final: str) -> None:
 
 
 def _remove_ours(path: str) -> None:
+    """Remove a checkpoint directory of ours (a stale ``.tmp`` or ``.old``), refusing anything else.
+
+    Renamed away first: a shard of a killed save may still be writing into it (through its directory
+    descriptor, so into the renamed one), and the path is free at once whatever it still does there.
+    """
     if not os.path.lexists(path):
         return
     if not _is_ours(path):
-        raise CheckpointError(
-            path, f"{path} exists and is not a checkpoint's; remove it, or choose another path"
-        )
-    shutil.rmtree(path)
+        raise CheckpointError(path, f"{path} exists and is not a checkpoint's; remove it, or choose another")
+    trash = f"{path}.removing-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _swap(tmp: str, final: str, old: str) -> None:

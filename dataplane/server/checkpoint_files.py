@@ -49,23 +49,32 @@ def shard_files(shard: int) -> tuple[str, str]:
 
 
 def new_token() -> str:
-    """The name of the file a saving process creates in the directory it saves into (``check_visible``)."""
+    """The name of the file a saving process creates in the directory it saves into (``open_dir``)."""
     return f".rlplane-save-{uuid.uuid4().hex}"
 
 
-def check_visible(directory: str, token: str, who: str) -> None:
-    """Raise ``CheckpointError`` unless ``token`` (a file the saving process just created in
-    ``directory``) is visible here: proof that this process sees the same directory, and that the
-    caller could create files there (a store process writes nowhere else)."""
+def open_dir(directory: str, token: str, who: str) -> int:
+    """A descriptor of ``directory``, checked to hold ``token`` (a file the saving process just created
+    there): proof that this process sees the same directory, and that the caller could create files in
+    it (a store process writes nowhere else). Files are then created relative to the descriptor, so a
+    save whose directory was removed meanwhile (its process was killed and a new save began at the
+    same path) writes into the removed one, never into the new one. ``CheckpointError`` otherwise."""
     if not os.path.isabs(directory) or not _TOKEN.fullmatch(token):
         raise CheckpointError(directory, f"{directory!r}: not an absolute path and a save token ({token!r})")
-    if not os.path.exists(os.path.join(directory, token)):
+    fd = -1
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.stat(token, dir_fd=fd)
+    except OSError:
+        if fd >= 0:
+            os.close(fd)
         raise CheckpointError(
             directory,
             f"{who} cannot reach the checkpoint directory {directory}: the process saving the checkpoint "
             "created it, but it is not there on this node. Put checkpoints on a filesystem every node of "
             "the store mounts at the same path (NFS, Lustre, ...); the previous checkpoint is unchanged",
-        )
+        ) from None
+    return fd
 
 
 class DataWriter:
@@ -76,9 +85,9 @@ class DataWriter:
     segment of shared memory goes to the file with one copy (into the page cache) and one extra read.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    def __init__(self, path: str, dir_fd: int | None = None) -> None:
+        self.path = path  # relative to ``dir_fd`` when given (``open_dir``)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
         self.size = 0
 
     def append(self, buf: Any) -> list[int]:
@@ -109,9 +118,9 @@ class DataWriter:
             self.fd = -1
 
 
-def write_small(path: str, data: bytes) -> dict[str, int]:
+def write_small(path: str, data: bytes, dir_fd: int | None = None) -> dict[str, int]:
     """Write a small file durably; its manifest entry ``{"bytes", "crc32"}``."""
-    writer = DataWriter(path)
+    writer = DataWriter(path, dir_fd)
     try:
         _, nbytes, crc = writer.append(data)
         writer.close()
@@ -230,7 +239,7 @@ __all__ = [
     "MANIFEST",
     "VERSION",
     "DataWriter",
-    "check_visible",
+    "open_dir",
     "decode_file",
     "fsync_dir",
     "new_token",

@@ -33,8 +33,8 @@ from dataplane.errors import CheckpointError
 from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
-    check_visible,
     decode_file,
+    open_dir,
     read_small,
     write_small,
 )
@@ -104,11 +104,14 @@ class IndexCheckpoints:
 
     # ---- save -----------------------------------------------------------------------------------
     def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> dict[str, Any]:
-        check_visible(body.path, body.token, _node())
-        parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
-        data = msgspec.msgpack.encode({"version": VERSION, "partitions": parts})
+        dir_fd = open_dir(body.path, body.token, _node())
+        try:
+            parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
+            data = msgspec.msgpack.encode({"version": VERSION, "partitions": parts})
+            entry = write_small(INDEX_FILE, data, dir_fd)
+        finally:
+            os.close(dir_fd)
         path = os.path.join(body.path, INDEX_FILE)
-        entry = write_small(path, data)
         save = next(self._ckpt_ids)
         self._ckpt()["saves"] = {save: (path, data, entry)}  # the newest save only
         return {"save": save, "file": entry, "partitions": {p["pid"]: len(p["keys"]) for p in parts}}

@@ -316,7 +316,8 @@ class ShardActor:
             lock=self._lock,
             max_message_bytes=limit,
         ).start()
-        self.checkpoints = ShardCheckpoints(self.core, self._lock, ip, cfg["shm_min_bytes"])
+        node = f"{ip} (Ray node {self._node_id[:12]})"
+        self.checkpoints = ShardCheckpoints(self.core, self._lock, node, cfg["shm_min_bytes"])
 
     def info(self) -> dict[str, Any]:
         return {

@@ -52,9 +52,9 @@ from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
     DataWriter,
-    check_visible,
     decode_file,
     open_checked,
+    open_dir,
     read_into,
     read_small,
     shard_files,
@@ -149,12 +149,16 @@ class ShardCheckpoints:
     def save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> dict[str, Any]:
         """Write this shard's rows of the index's snapshot into ``path``; returns its files' manifest
         entries, rows saved per partition, and the keys it no longer held (``missing``)."""
-        check_visible(path, token, self.who)
-        mine = self._mine(path, index_entry, num_shards)
-        with self.lock:
-            plan, missing, pinned = self._pin(mine)
+        dir_fd = open_dir(path, token, self.who)
         try:
-            out = self._write(path, plan)
+            mine = self._mine(path, index_entry, num_shards)
+            with self.lock:
+                plan, missing, pinned = self._pin(mine)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            out = self._write(dir_fd, plan)
         except OSError as exc:
             raise CheckpointError(
                 path,
@@ -162,6 +166,7 @@ class ShardCheckpoints:
                 "unchanged",
             ) from exc
         finally:
+            os.close(dir_fd)
             with self.lock:
                 for seg in pinned:
                     self.core._unref(seg)
@@ -190,9 +195,9 @@ class ShardCheckpoints:
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
-    def _write(self, path: str, plan: list) -> dict[str, Any]:
+    def _write(self, dir_fd: int, plan: list) -> dict[str, Any]:
         man_name, bin_name = shard_files(self.core.shard_id)
-        writer = DataWriter(os.path.join(path, bin_name))
+        writer = DataWriter(bin_name, dir_fd)
         try:
             parts = []
             for pid, keys, locs in plan:
@@ -214,7 +219,7 @@ class ShardCheckpoints:
         finally:
             writer.abandon()
         manifest = {"version": VERSION, "shard": self.core.shard_id, "data": size, "partitions": parts}
-        entry = write_small(os.path.join(path, man_name), msgspec.msgpack.encode(manifest))
+        entry = write_small(man_name, msgspec.msgpack.encode(manifest), dir_fd)
         return {
             "files": {man_name: entry, bin_name: {"bytes": size}},
             "rows": {pid: len(keys) for pid, keys, _ in plan},

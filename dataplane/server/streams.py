@@ -202,7 +202,7 @@ class PartitionStreams:
             "tasks": [
                 {
                     "name": name,
-                    "consumed": list(task.consumed),
+                    "consumed": sorted(task.consumed),
                     "streams": [
                         {"fields": sorted(s.fields), "ready": list(s.ready)} for s in task.streams.values()
                     ],
