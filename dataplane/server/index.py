@@ -511,6 +511,7 @@ class IndexActor:
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
+        self.core.node = f"{host_ip} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
         gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes

@@ -82,10 +82,6 @@ def decode_index(data: bytes, path: str, struct: type[Any] = IndexState) -> Any:
     return decode_file(data, path, struct)
 
 
-def _node() -> str:
-    return f"the index (host {socket.gethostname()})"
-
-
 class IndexCheckpoints:
     """The checkpoint operations of ``IndexCore`` (see the module docstring). ``IndexCore`` names its
     metadata classes (``PART``, ``KEY``, ``SCHEMA``) so that this module need not import it."""
@@ -96,15 +92,19 @@ class IndexCheckpoints:
     partitions: dict[str, Any]
     schemas: dict[str, dict[str, Any]]
     changed: set[str]
+    node = ""  # where the index runs, for messages (``IndexActor`` sets it)
 
     _ckpt_ids = itertools.count(1)
+
+    def _who(self) -> str:
+        return f"the index on node {self.node or socket.gethostname()}"
 
     def _ckpt(self) -> dict[str, dict[int, Any]]:
         return self.__dict__.setdefault("_checkpoints", {"saves": {}, "loads": {}})
 
     # ---- save -----------------------------------------------------------------------------------
     def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> dict[str, Any]:
-        dir_fd = open_dir(body.path, body.token, _node())
+        dir_fd = open_dir(body.path, body.token, self._who())
         try:
             parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
             data = msgspec.msgpack.encode({"version": VERSION, "partitions": parts})
@@ -165,7 +165,7 @@ class IndexCheckpoints:
     # ---- load -----------------------------------------------------------------------------------
     def op_checkpoint_stage(self, body: _protocol.CheckpointStage) -> dict[str, Any]:
         path = os.path.join(body.path, INDEX_FILE)
-        state = decode_index(read_small(path, {"bytes": body.bytes, "crc32": body.crc32}, _node()), path)
+        state = decode_index(read_small(path, {"bytes": body.bytes, "crc32": body.crc32}, self._who()), path)
         staged = {}
         for p in state.partitions:
             if p.pid in staged:

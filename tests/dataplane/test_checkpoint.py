@@ -16,20 +16,14 @@ import torch
 
 import dataplane as dp
 
-from .conftest import start_store
+from .conftest import store_fixtures
 
 pytestmark = pytest.mark.ray
 
 NAME = "t-ckpt"
 
 
-@pytest.fixture(scope="module")
-def store(ray_cluster):
-    dp.close()
-    cfg, registry, handle = start_store(name=NAME, num_shards=2, rpc_timeout_s=20, warm_idle_s=0.5)
-    yield cfg
-    dp.close()
-    handle.stop()
+store, _ = store_fixtures(NAME, num_shards=2, rpc_timeout_s=20, warm_idle_s=0.5)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 
 import dataplane as dp
 
-from .conftest import start_store, wait_for
+from .conftest import store_fixtures, wait_for
 from .test_checkpoint import capture, clear_all
 
 pytestmark = pytest.mark.ray
@@ -25,13 +25,7 @@ pytestmark = pytest.mark.ray
 NAME = "t-ckpt-faults"
 
 
-@pytest.fixture(scope="module")
-def store(ray_cluster):
-    dp.close()
-    cfg, registry, handle = start_store(name=NAME, num_shards=2, rpc_timeout_s=20)
-    yield cfg
-    dp.close()
-    handle.stop()
+store, _ = store_fixtures(NAME, num_shards=2, rpc_timeout_s=20)
 
 
 @pytest.fixture
