@@ -25,10 +25,12 @@ file.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -40,7 +42,36 @@ VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_FILE = "index.msgpack"
 _TOKEN = re.compile(r"\.rlplane-save-[0-9a-f]{32}")
-SLICE = 8 << 20  # bytes checksummed then written (or read then checksummed) at a time: stays in cache
+SLICE = 8 << 20  # bytes written or read at a time
+OVERLAP_MIN = 4 << 20  # from this size on, a buffer's checksum runs on a helper thread beside the I/O
+
+
+class _Checksum:
+    """The CRC-32 of consecutive pieces of a buffer, computed beside the I/O that writes or reads them.
+
+    Small buffers are summed inline. For large ones a helper thread folds each piece into the running
+    CRC as it comes (in order: one thread), while this one writes or reads the next piece: both release
+    the GIL, so a buffer costs about the longer of the two instead of their sum.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.crc = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checksum") if nbytes >= OVERLAP_MIN else None
+
+    def _fold(self, piece: Any) -> None:
+        self.crc = zlib.crc32(piece, self.crc)
+
+    def add(self, piece: Any) -> None:
+        if self._pool is None:
+            self._fold(piece)
+        else:
+            self._pool.submit(self._fold, piece)
+
+    def value(self) -> int:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # every piece folded
+            self._pool = None
+        return self.crc
 
 
 def shard_files(shard: int) -> tuple[str, str]:
@@ -81,8 +112,8 @@ class DataWriter:
     """Appends buffers to a new file, checksumming each one as it goes; ``close`` makes it durable.
 
     ``append`` returns ``[offset, nbytes, crc32]``, the buffer's entry in a manifest. Each buffer is
-    written in slices (``SLICE``): checksummed, then written while still in the CPU's cache, so a
-    segment of shared memory goes to the file with one copy (into the page cache) and one extra read.
+    written in slices (``SLICE``) while a helper thread checksums them (``_Checksum``), so a segment
+    of shared memory goes to the file with one copy (into the page cache) and one extra read beside it.
     """
 
     def __init__(self, path: str, dir_fd: int | None = None) -> None:
@@ -92,14 +123,36 @@ class DataWriter:
 
     def append(self, buf: Any) -> list[int]:
         view = memoryview(buf).cast("B")
-        crc, start = 0, self.size
-        for lo in range(0, len(view), SLICE):
-            piece = view[lo : lo + SLICE]
-            crc = zlib.crc32(piece, crc)
-            while piece:
-                piece = piece[os.write(self.fd, piece) :]
+        start, checksum = self.size, _Checksum(len(view))
+        try:
+            for lo in range(0, len(view), SLICE):
+                piece = view[lo : lo + SLICE]
+                checksum.add(piece)
+                while piece:
+                    piece = piece[os.write(self.fd, piece) :]
+        finally:
+            crc = checksum.value()
         self.size += len(view)
         return [start, len(view), crc]
+
+    def append_from(self, src_fd: int, src_offset: int, view: memoryview) -> list[int]:
+        """``append(view)`` where ``view`` maps the bytes of file ``src_fd`` from ``src_offset`` on (a
+        shared-memory segment): the kernel copies them (``sendfile``: no page of ``view`` is touched for
+        the copy, only by the checksum beside it)."""
+        nbytes, start, checksum = len(view), self.size, _Checksum(len(view))
+        try:
+            for lo in range(0, nbytes, SLICE):
+                hi = min(lo + SLICE, nbytes)
+                checksum.add(view[lo:hi])
+                while lo < hi:
+                    sent = os.sendfile(self.fd, src_fd, src_offset + lo, hi - lo)
+                    if sent <= 0:
+                        raise OSError(errno.EIO, f"sendfile into {self.path} wrote nothing")
+                    lo += sent
+        finally:
+            crc = checksum.value()
+        self.size += nbytes
+        return [start, nbytes, crc]
 
     def close(self) -> int:
         """fsync and close; returns the file's size."""
@@ -162,21 +215,34 @@ def open_checked(path: str, nbytes: int, who: str = "") -> int:
     return fd
 
 
-def read_into(fd: int, path: str, dst: memoryview, entry: Any, file_size: int, what: str) -> None:
+def read_into(
+    fd: int, path: str, dst: memoryview, entry: Any, file_size: int, what: str, dst_fd: int = -1
+) -> None:
     """Read the buffer ``entry`` (``[offset, nbytes, crc32]`` from a manifest) of the open file ``fd``
-    into ``dst`` (exactly ``nbytes`` long), checking its place and its checksum."""
+    into ``dst`` (exactly ``nbytes`` long), checking its place and its checksum. With ``dst_fd`` (a
+    file ``dst`` maps from its start: a shared-memory segment) the kernel copies into it
+    (``sendfile``: it allocates the file's pages as it writes them, no zeroing and no page fault of
+    ``dst`` for the copy), and the checksum reads ``dst`` beside it."""
     offset, nbytes, crc = _entry(entry, path, what)
     if offset + nbytes > file_size or len(dst) != nbytes:
         raise CheckpointError(
             path, f"checkpoint file {path}: {what} lies outside the file ({offset}+{nbytes} of {file_size})"
         )
-    got, done = 0, 0
-    while done < nbytes:
-        n = os.preadv(fd, [dst[done : done + SLICE]], offset + done)
-        if n <= 0:
-            raise CheckpointError(path, f"checkpoint file {path} ended early while reading {what}")
-        got = zlib.crc32(dst[done : done + n], got)
-        done += n
+    checksum, done = _Checksum(nbytes), 0
+    if dst_fd >= 0:
+        os.lseek(dst_fd, 0, os.SEEK_SET)
+    try:
+        while done < nbytes:
+            if dst_fd >= 0:
+                n = os.sendfile(dst_fd, fd, offset + done, min(SLICE, nbytes - done))
+            else:
+                n = os.preadv(fd, [dst[done : done + SLICE]], offset + done)
+            if n <= 0:
+                raise CheckpointError(path, f"checkpoint file {path} ended early while reading {what}")
+            checksum.add(dst[done : done + n])
+            done += n
+    finally:
+        got = checksum.value()
     if got != crc:
         raise CheckpointError(
             path,

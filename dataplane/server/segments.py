@@ -172,8 +172,10 @@ class ShmPool:
         self.warm: list[ShmFile] = []
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
 
-    def acquire(self, nbytes: int) -> ShmFile:
-        """A file of at least ``nbytes``: a warm one that fits, else a fresh one."""
+    def acquire(self, nbytes: int, allocate: bool = True) -> ShmFile:
+        """A file of at least ``nbytes``: a warm one that fits, else a fresh one (its pages allocated up
+        front unless ``allocate`` is false: the caller fills it with ``write``/``sendfile``, which
+        allocate pages as they go)."""
         best = None
         for f in self.warm:
             if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
@@ -184,7 +186,7 @@ class ShmPool:
         else:
             slot = self.table.take()
             try:
-                best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix)
+                best = ShmFile.create(self._next_id, size_class(nbytes), self.prefix, allocate)
             except BaseException:
                 self.table.give_back(slot)
                 raise

@@ -203,17 +203,16 @@ class ShardCheckpoints:
             for pid, keys, locs in plan:
                 chunks = []
                 for name, entries in locs.items():
-                    for col, positions in _chunks(entries):
+                    for col, positions, source in _chunks(entries):
                         bufs: list[Any] = []
                         desc = column_to_wire(col, bufs)
-                        chunks.append(
-                            {
-                                "field": name,
-                                "col": desc,
-                                "bufs": [writer.append(b) for b in bufs],
-                                "keys": positions,
-                            }
-                        )
+                        written = []
+                        for i, buf in enumerate(bufs):
+                            if i == desc["data"] and source is not None:  # straight from the segment's file
+                                written.append(writer.append_from(*source, buf))
+                            else:
+                                written.append(writer.append(buf))
+                        chunks.append({"field": name, "col": desc, "bufs": written, "keys": positions})
                 parts.append({"pid": pid, "keys": keys, "chunks": chunks})
             size = writer.close()
         finally:
@@ -323,12 +322,13 @@ class ShardCheckpoints:
         shm: ShmFile | None = None
         for i, entry in enumerate(chunk.bufs):
             nbytes = entry[1]
+            dst_fd = -1
             if i == chunk.col.data and rows is None and nbytes >= self.heap_below:
-                shm = self._acquire(nbytes, staged)
-                dst = shm.view()[:nbytes]
+                shm = self._acquire(nbytes, staged, allocate=False)
+                dst, dst_fd = shm.view()[:nbytes], shm.fd
             else:
                 dst = memoryview(np.empty(nbytes, dtype=np.uint8))
-            read_into(fd, bin_path, dst, entry, size, f"{what} (buffer {i})")
+            read_into(fd, bin_path, dst, entry, size, f"{what} (buffer {i})", dst_fd)
             views.append(dst)
         try:
             col = column_from_wire(chunk.col, views, chunk.field)
@@ -353,9 +353,9 @@ class ShardCheckpoints:
         staged.segs.append(seg)
         return seg
 
-    def _acquire(self, nbytes: int, staged: _Load) -> ShmFile:
+    def _acquire(self, nbytes: int, staged: _Load, allocate: bool = True) -> ShmFile:
         with self.lock:
-            f = self.core.pool.acquire(nbytes)
+            f = self.core.pool.acquire(nbytes, allocate)
         staged.files.append(f)
         return f
 
@@ -435,9 +435,13 @@ class ShardCheckpoints:
                 self._release(staged)
 
 
-def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, list[int]]]:
+Source = tuple[int, int] | None  # the segment file and byte offset a chunk's data is in, if it is
+
+
+def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, list[int], Source]]:
     """One field's saved rows (segment, row, key position) as columns to write, with the key
-    position of each row: whole contiguous runs straight from their segment, the rest gathered."""
+    position of each row and where the data lies: whole contiguous runs straight from their segment
+    (its file, for a segment in shared memory), the rest gathered."""
     by_seg: dict[int, tuple[Segment, list[int], list[int]]] = {}
     for seg, r, pos in entries:
         got = by_seg.setdefault(id(seg), (seg, [], []))
@@ -452,7 +456,8 @@ def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, l
         col = seg.column()
         view = col if len(rows) == seg.num_rows else contiguous_view(col, rows)
         if view is not None and view.nbytes >= DIRECT_MIN:
-            yield view, pos.tolist()
+            start = col.row_range(int(rows[0]), int(rows[0]) + 1)[0]
+            yield view, pos.tolist(), None if seg.file is None else (seg.file.fd, start)
             continue
         spec = seg.spec
         pending.setdefault(spec, []).append((col, rows, pos))
@@ -466,12 +471,12 @@ def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, l
 
 def _gather(
     spec: ColumnSpec, pieces: list[tuple[Column, np.ndarray, np.ndarray]]
-) -> tuple[Column, list[int]]:
+) -> tuple[Column, list[int], Source]:
     total, parts = 0, []
     for col, rows, _ in pieces:
         parts.append((col, rows, np.arange(total, total + len(rows))))
         total += len(rows)
-    return assemble(spec, total, parts), np.concatenate([p for _, _, p in pieces]).tolist()
+    return assemble(spec, total, parts), np.concatenate([p for _, _, p in pieces]).tolist(), None
 
 
 def _entry(files: dict[str, Any], name: str, path: str) -> Any:
