@@ -141,7 +141,7 @@ def run_store(cfg: argparse.Namespace, payload: Any, workdir: str, disk: Disk) -
     nbytes = payload["x"].numel() * 4
     keys = _keys(cfg)
     path = os.path.join(workdir, "dataplane")
-    dp.init(num_shards=cfg.shards)
+    dp.init(name="bench-checkpoint", num_shards=cfg.shards)  # a store of its own: it saves every partition
     try:
         dp.kv_batch_put(keys, PARTITION, payload)
         saves, loads, infos = [], [], []
@@ -240,6 +240,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed saves and loads per system (best of)")
     p.add_argument("--dir", default=None, help="where to write checkpoints (default: the system's temp dir)")
     p.add_argument("--skip-tq", action="store_true", help="do not run TransferQueue")
+    p.add_argument("--address", default="local", help="the Ray to run on (default: a new local one)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
     cfg = p.parse_args(argv)
     if cfg.rows < 1 or cfg.bytes < cfg.rows * 4 or cfg.repeats < 1 or cfg.shards < 1:
@@ -256,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    opts = {"num_cpus": 8, "include_dashboard": False} if cfg.address == "local" else {}
+    ray.init(address=cfg.address, log_to_driver=False, logging_level="ERROR", **opts)
     workdir = tempfile.mkdtemp(prefix="rlplane-bench-checkpoint-", dir=cfg.dir)
     results: dict[str, Any] = {"disk": None, "store": None, "tq": None, "skipped": {}, "dir": workdir}
     try:
