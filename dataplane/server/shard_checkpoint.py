@@ -99,7 +99,8 @@ class ShardManifest(msgspec.Struct):
 class _Load:
     """A staged load (``parts`` built aside), then a committed one (``previous``: what it replaced)."""
 
-    parts: dict[str, _Partition]
+    pids: list[str]  # every partition of the checkpoint: each replaces this shard's partition of its name
+    parts: dict[str, _Partition]  # those of them with rows on this shard
     segs: list[Segment]
     files: list[ShmFile]  # the shared memory its segments use (given back if it is dropped)
     need: int  # bytes reserved (``ShardCore.pending``) until the commit
@@ -255,7 +256,7 @@ class ShardCheckpoints:
         need = sum(sum(b[1] for b in chunk.bufs) for _, _, sel in plans for _, chunk, _, _ in sel)
         with self.lock:
             self._reserve(need, path)
-        staged = _Load({}, [], [], need, time.monotonic() + timeout_s)
+        staged = _Load(list(expect), {}, [], [], need, time.monotonic() + timeout_s)
         try:
             for bin_path, size, selected in plans:
                 self._read(bin_path, size, selected, staged)
@@ -384,11 +385,12 @@ class ShardCheckpoints:
                 core.used += seg.accounted
                 core.heap_bytes += seg.heap_bytes
             staged.files.clear()  # owned by their segments now
-            for pid, part in staged.parts.items():
-                old = core.partitions.get(pid)
+            for pid in staged.pids:  # the checkpoint's partition replaces this shard's whole, rows or none
+                old = core.partitions.pop(pid, None)
                 if old is not None:
                     staged.previous[pid] = old
-                core.partitions[pid] = part
+                if pid in staged.parts:
+                    core.partitions[pid] = staged.parts[pid]
             staged.committed = True
 
     def finish(self, load: int, keep: bool) -> None:
@@ -402,7 +404,7 @@ class ShardCheckpoints:
                 return
             core = self.core
             if not keep:
-                for pid in staged.parts:
+                for pid in staged.pids:
                     part = core.partitions.pop(pid, None)
                     if part is not None:
                         core.drop_rows(part)

@@ -267,11 +267,16 @@ def test_a_damaged_checkpoint_loads_nothing(kv, pid, tmp_path, damage):
 
 
 def test_partitions_of_the_same_names_are_refused_unless_overwrite(kv, pid, tmp_path):
-    dp.kv_batch_put(["a", "b"], pid, {"f32": torch.zeros(2, 3)}, tags=[{"v": 0}, {"v": 0}])
+    from dataplane.client.sharding import HashPlacement
+
+    on = HashPlacement(2).shard_of  # "a" and "b" on one shard, "c" on the other
+    a, b = [k for k in (f"k{i}" for i in range(64)) if on(pid, k) == 0][:2]
+    c = next(k for k in (f"k{i}" for i in range(64)) if on(pid, k) == 1)
+    dp.kv_batch_put([a, b], pid, {"f32": torch.zeros(2, 3)}, tags=[{"v": 0}, {"v": 0}])
     dp.next_batch(pid, "reward", 1, ["f32"])
     saved = capture([pid])
     dp.save_checkpoint(tmp_path / "c")
-    dp.kv_batch_put(["a", "c"], pid, {"f32": torch.ones(2, 3)}, tags=[{"v": 1}, {"v": 1}])
+    dp.kv_batch_put([a, c], pid, {"f32": torch.ones(2, 3)}, tags=[{"v": 1}, {"v": 1}])
     changed, progress = capture([pid]), dp.consumption(pid, "reward")
     with pytest.raises(dp.CheckpointError, match=pid) as err:
         dp.load_checkpoint(tmp_path / "c")
@@ -279,6 +284,11 @@ def test_partitions_of_the_same_names_are_refused_unless_overwrite(kv, pid, tmp_
     assert capture([pid]) == changed and dp.consumption(pid, "reward") == progress  # nothing changed
     dp.load_checkpoint(tmp_path / "c", overwrite=True)
     assert capture([pid]) == saved and dp.consumption(pid, "reward")["consumed"] == 1
+    # replaced whole on every shard: c (written after the save, on a shard the checkpoint has no row
+    # of this partition on) is gone too
+    assert [s["partitions"].get(pid, 0) for s in dp.stats()["shards"]] == [2, 0]
+    with pytest.raises(dp.KeyNotFoundError):
+        dp.kv_batch_get([c], pid)
 
 
 def test_save_replaces_the_previous_checkpoint_atomically(kv, pid, tmp_path):
