@@ -116,9 +116,11 @@ class DataWriter:
             hi = min(lo + SLICE, nbytes)
             crc = crc32(view[lo:hi], crc)
             while lo < hi:
-                sent = os.sendfile(self.fd, src_fd, src_offset + lo, hi - lo)
+                sent = _sendfile(self.fd, src_fd, src_offset + lo, hi - lo)
+                if sent is None:  # not between these filesystems: through memory
+                    sent = os.write(self.fd, view[lo:hi])
                 if sent <= 0:
-                    raise OSError(errno.EIO, f"sendfile into {self.path} wrote nothing")
+                    raise OSError(errno.EIO, f"writing {self.path} wrote nothing")
                 lo += sent
         self.size += nbytes
         return [start, nbytes, crc]
@@ -184,6 +186,20 @@ def open_checked(path: str, nbytes: int, who: str = "") -> int:
     return fd
 
 
+_NO_KERNEL_COPY = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _sendfile(out_fd: int, in_fd: int, offset: int, count: int) -> int | None:
+    """``os.sendfile``, or None where the kernel cannot copy between these two files (the caller then
+    copies through memory)."""
+    try:
+        return os.sendfile(out_fd, in_fd, offset, count)
+    except OSError as exc:
+        if exc.errno in _NO_KERNEL_COPY:
+            return None
+        raise
+
+
 def read_into(
     fd: int, path: str, dst: memoryview, entry: Any, file_size: int, what: str, dst_fd: int = -1
 ) -> None:
@@ -201,9 +217,9 @@ def read_into(
     if dst_fd >= 0:
         os.lseek(dst_fd, 0, os.SEEK_SET)
     while done < nbytes:
-        if dst_fd >= 0:
-            n = os.sendfile(dst_fd, fd, offset + done, min(SLICE, nbytes - done))
-        else:
+        n = _sendfile(dst_fd, fd, offset + done, min(SLICE, nbytes - done)) if dst_fd >= 0 else None
+        if n is None:  # no descriptor, or not between these filesystems: through memory
+            dst_fd = -1
             n = os.preadv(fd, [dst[done : done + SLICE]], offset + done)
         if n <= 0:
             raise CheckpointError(path, f"checkpoint file {path} ended early while reading {what}")

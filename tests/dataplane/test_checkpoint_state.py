@@ -132,3 +132,19 @@ def test_open_dir_names_who_cannot_reach_the_directory(tmp_path):
         CheckpointError, match=f"shard 3 on node n1 cannot reach the checkpoint directory {tmp_path}"
     ):
         open_dir(str(tmp_path), new_token(), "shard 3 on node n1")
+
+
+def test_a_read_copies_through_memory_where_the_kernel_cannot_copy(tmp_path):
+    data = bytes(range(256)) * 40_000
+    writer = DataWriter(str(tmp_path / "d.bin"))
+    entry = writer.append(data)
+    size = writer.close()
+    sink = os.open(tmp_path / "sink", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # sendfile refuses O_APPEND
+    fd = open_checked(str(tmp_path / "d.bin"), size)
+    try:
+        out = memoryview(bytearray(len(data)))
+        read_into(fd, "d.bin", out, entry, size, "the buffer", dst_fd=sink)
+        assert bytes(out) == data and os.fstat(sink).st_size == 0
+    finally:
+        os.close(fd)
+        os.close(sink)
