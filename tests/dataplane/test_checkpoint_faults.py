@@ -45,6 +45,7 @@ dp.save_checkpoint(sys.argv[3], metadata={"step": 2})
 """
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(kv, pid, tmp_path, ray_cluster):
     target = tmp_path / "c"
     dp.kv_batch_put(["a", "b"], pid, {"f32": torch.arange(6.0).reshape(2, 3)}, tags=[{"v": 1}, {"v": 2}])
@@ -98,6 +99,7 @@ class Writer:
         return rounds
 
 
+@pytest.mark.slow
 def test_saves_racing_writers_and_clears_load_whole_rows(kv, pid, tmp_path):
     writers = [Writer.remote(NAME) for _ in range(2)]
     ray.get([w.__ray_ready__.remote() for w in writers])

@@ -43,6 +43,7 @@ def _fill(pid: str) -> None:
     dp.next_batch(pid, "reward", 5, ["f32"])
 
 
+@pytest.mark.slow
 def test_save_and_load_across_two_nodes(ray_cluster, tmp_path):
     node = ray_cluster.add_node(num_cpus=2)
     try:
@@ -69,6 +70,7 @@ def _can_hide_directories() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_hide_directories(), reason="needs unshare -m and mount (root or CAP_SYS_ADMIN)")
 def test_a_node_that_cannot_see_the_directory_fails_the_save_by_name(ray_cluster, tmp_path):
     shared = tmp_path / "shared"
