@@ -457,8 +457,18 @@ def _ours(name: str) -> bool:
 
 
 def _is_ours(path: str) -> bool:
-    """Whether ``path`` is a directory holding nothing but checkpoint files (or nothing)."""
-    return os.path.isdir(path) and not os.path.islink(path) and all(_ours(n) for n in os.listdir(path))
+    """Whether ``path`` is a checkpoint directory: one holding nothing but checkpoint files (or nothing),
+    or a checkpoint's manifest (files a caller added beside it, such as the ``dataplane.tq`` layout's,
+    go with it when it is replaced)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    if all(_ours(n) for n in os.listdir(path)):
+        return True
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            return bool(json.loads(f.read(MAX_MANIFEST_BYTES)).get("format") == FORMAT)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _refuse_foreign(final: str) -> None:

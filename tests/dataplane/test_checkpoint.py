@@ -295,10 +295,11 @@ def test_save_replaces_the_previous_checkpoint_atomically(kv, pid, tmp_path):
     target = tmp_path / "c"
     dp.kv_batch_put(["a"], pid, {"f32": torch.zeros(1, 3)})
     dp.save_checkpoint(target, metadata={"step": 1})
+    (target / "metadata.json").write_text("{}")  # a caller's file beside ours: replaced with the rest
     dp.kv_batch_put(["b"], pid, {"f32": torch.ones(1, 3)})
     second = capture([pid])
     dp.save_checkpoint(target, metadata={"step": 2})
-    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert sorted(os.listdir(tmp_path)) == ["c"] and not (target / "metadata.json").exists()
     clear_all()
     assert dp.load_checkpoint(target).metadata == {"step": 2} and capture([pid]) == second
 
