@@ -150,6 +150,31 @@ def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> pathlib
     return out
 
 
+def why_not_tq(skip: bool) -> str | None:
+    """Why TransferQueue is not run beside the store (``--skip-tq``, or not installed); None to run it."""
+    if skip:
+        return "--skip-tq"
+    try:
+        import transfer_queue  # noqa: F401
+    except ImportError:
+        return "transferqueue is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def report_checks(checks: list[Check], results: dict[str, Any], config: Any, json_path: str | None) -> int:
+    """Print the checks' table, add them, ``config`` and the machine's facts to ``results``, write it as
+    JSON to ``json_path`` (if any); the exit status: 1 if a check missed its target, else 0."""
+    print(f"\n{'check':<22} {'value':>10} {'target':>9}  verdict  what")
+    for c in checks:
+        print(f"{c.name:<22} {fmt(c.value):>10} {c.op} {c.target:<6}  {c.verdict:<7}  {c.what}")
+    results["checks"] = [c.as_dict() for c in checks]
+    results["config"] = vars(config)
+    results["machine"] = machine_facts()
+    if json_path:
+        print(f"JSON: {write_json(json_path, results)}")
+    return 0 if all(c.verdict != "MISS" for c in checks) else 1
+
+
 def fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     """Format a possibly-missing number for a table cell."""
     return "-" if value is None else f"{value:{spec}}{unit}"

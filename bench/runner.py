@@ -1,4 +1,4 @@
-"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench store|dispatch|bypass|stream|all [--out DIR]``.
+"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench store|dispatch|bypass|stream|checkpoint|all``.
 
 Each benchmark is a module in ``bench`` exposing ``main(argv: list[str] | None) -> int``. The runner
 starts each one in a child Python process (a fresh Ray per benchmark, and one benchmark's crash or
@@ -59,6 +59,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             out="build/bench",
         ),  # also writes bypass.png and bypass.run.json there
         Benchmark("stream", "bench.stream", "next_batch, wake-up and readiness updates vs TransferQueue"),
+        Benchmark("checkpoint", "bench.checkpoint", "checkpoint save/load vs the disk and TransferQueue"),
     )
 }
 

@@ -376,15 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"store": None, "tq": None, "skipped": {}}
     try:
         results["store"] = run_store(cfg)
-        if cfg.skip_tq:
-            results["skipped"]["tq"] = "--skip-tq"
+        skipped = _common.why_not_tq(cfg.skip_tq)
+        if skipped:
+            results["skipped"]["tq"] = skipped
         else:
-            try:
-                import transfer_queue  # noqa: F401
-            except ImportError:
-                results["skipped"]["tq"] = "transferqueue is not installed (pip install -e '.[bench]')"
-            else:
-                results["tq"] = run_tq(cfg)
+            results["tq"] = run_tq(cfg)
     finally:
         ray.shutdown()
     store, tq = results["store"], results["tq"]
@@ -434,15 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"1-row put beside 4 waiting GroupSampler consumers: p50 {groups['empty']['p50_us']:.0f} us with no "
         f"stuck rows, {groups['stuck']['p50_us']:.0f} us with {groups['stuck_rows']} rows stuck"
     )
-    print(f"\n{'check':<22} {'value':>10} {'target':>9}  verdict  what")
-    for c in checks:
-        print(f"{c.name:<22} {_common.fmt(c.value):>10} {c.op} {c.target:<6}  {c.verdict:<7}  {c.what}")
-    results["checks"] = [c.as_dict() for c in checks]
-    results["config"] = vars(cfg)
-    results["machine"] = _common.machine_facts()
-    if cfg.json:
-        print(f"JSON: {_common.write_json(cfg.json, results)}")
-    return 0 if all(c.verdict != "MISS" for c in checks) else 1
+    return _common.report_checks(checks, results, cfg, cfg.json)
 
 
 if __name__ == "__main__":

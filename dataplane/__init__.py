@@ -38,10 +38,19 @@ from dataplane.api import (
     kv_put,
     stats,
 )
+from dataplane.checkpoint import (
+    CheckpointInfo,
+    async_load_checkpoint,
+    async_save_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dataplane.config import StoreConfig
 from dataplane.errors import (
     BatchSizeError,
     BatchTimeoutError,
+    CheckpointError,
+    CheckpointNotFoundError,
     ClusterAuthError,
     ClusterConnectError,
     DataplaneError,
@@ -86,6 +95,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchSizeError",
     "BatchTimeoutError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
     "ClusterAuthError",
     "ClusterConnectError",
     "GroupSampler",
@@ -137,6 +149,8 @@ __all__ = [
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "async_load_checkpoint",
+    "async_save_checkpoint",
     "async_stats",
     "clear_partition",
     "close",
@@ -148,6 +162,8 @@ __all__ = [
     "kv_clear",
     "kv_list",
     "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
     "stats",
 ]
 

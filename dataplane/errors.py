@@ -220,6 +220,30 @@ class ProtocolVersionError(WireError):
         )
 
 
+class CheckpointError(DataplaneError, ValueError):
+    """A checkpoint could not be saved or loaded (``dp.save_checkpoint`` / ``dp.load_checkpoint``).
+    Attribute: ``path``, the file or directory at fault.
+
+    On load: a file is truncated, corrupted (its checksum does not match the manifest) or
+    inconsistent with the others, or the store already holds partitions of the same names; nothing
+    was loaded. On save: a store process cannot reach the directory (it is not on a filesystem every
+    node mounts at the same path), a write failed, or a shard died; the previous checkpoint at that
+    path is intact. The message names the file, the node where it matters, and the next step.
+    """
+
+    wire_attrs = ("path",)
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint directory, or a file its manifest lists, does not exist. Attribute: ``path``.
+
+    Also a ``FileNotFoundError``, as TransferQueue raises for a missing checkpoint."""
+
+
 class ClusterConnectError(DataplaneError, ConnectionError):
     """This process could not connect to the Ray cluster at ``address`` (``dp.init(address=...)``,
     ``rlplane ... --address``): nothing answers there, or it is not a Ray cluster this process can
@@ -242,6 +266,8 @@ class ClusterAuthError(ClusterConnectError, PermissionError):
 __all__ = [
     "BatchSizeError",
     "BatchTimeoutError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "ClusterAuthError",
     "ClusterConnectError",
     "DataplaneError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -190,3 +191,23 @@ def test_store_benchmark_tiny_transferqueue_run(ray_cluster, tmp_path) -> None:
     assert {"put", "get", "latency", "init_s"} <= tq.keys(), tq.get("error")
     assert {"bare_ray", "bare_ray_no_arg", "put", "get"} <= tq["latency"].keys()
     assert tq["get"]["n"] == 1
+
+
+@pytest.mark.ray
+def test_checkpoint_benchmark_tiny_run_writes_json(ray_cluster, tmp_path) -> None:
+    out = tmp_path / "checkpoint.json"
+    cmd = [sys.executable, "-m", "bench.checkpoint", "--bytes", "64K", "--rows", "4", "--repeats", "1",
+           "--skip-tq", "--address", ray_cluster.address, "--dir", str(tmp_path),
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    # 64 KiB is all fixed costs: the speed targets may miss, the benchmark must still run whole
+    assert proc.returncode in (0, 1), f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads(out.read_text())
+    assert results["skipped"]["tq"] == "--skip-tq" and results["disk"]["write"]["n"] == 1
+    store = results["store"]
+    assert (
+        store["data_bytes"] >= 64 * 1024 and store["save"]["best_gbps"] > 0 and store["load"]["best_gbps"] > 0
+    )
+    checks = {c["name"]: c for c in results["checks"]}
+    assert checks["driver_bytes_ratio"]["verdict"] == "PASS"  # 1.2 KB whatever the rows hold
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json"]  # its checkpoints are gone

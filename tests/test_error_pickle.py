@@ -37,6 +37,8 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "ClusterConnectError": lambda c: c("10.0.0.1:6379", f"nothing answers at {CULPRIT}"),
     "ClusterAuthError": lambda c: c("10.0.0.1:6379", f"{CULPRIT} refused the token"),
     "ProtocolVersionError": lambda c: c(2, 1, f"{CULPRIT} speaks version 2"),
+    "CheckpointError": lambda c: c("/ckpt/shard-0.bin", f"file {CULPRIT} is corrupted"),
+    "CheckpointNotFoundError": lambda c: c("/ckpt/manifest.json", f"{CULPRIT} does not exist"),
     "WorkerDiedError": lambda c: c(f"worker {CULPRIT} (rank 1) is dead", rank=1, worker_name=CULPRIT),
     "MeshConflictError": lambda c: c(f"mesh {CULPRIT} is already registered", mesh_name=CULPRIT),
     "WorkerCallError": lambda c: c("W.f", [1], ValueError(CULPRIT), world_size=2),

@@ -210,6 +210,25 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--timeline", default=None, help="timeline JSON path (default: next to the summary; a PNG beside it)"
     )
+    demo.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="stream mode: save checkpoints here (the policy, its optimizer and the store together)",
+    )
+    demo.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stream mode: save a checkpoint before every N-th step (needs --checkpoint-dir)",
+    )
+    demo.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="stream mode: resume from the newest complete checkpoint in DIR (a --checkpoint-dir)",
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -219,7 +238,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         epilog="flags after the benchmark's name go to it: `rlplane bench bypass --help` lists bypass's "
         "(--quick, --payload, --workers, --address, --transport, ...)",
     )
-    bench.add_argument("which", nargs="?", default="all", help="store | dispatch | bypass | stream | all")
+    bench.add_argument(
+        "which", nargs="?", default="all", help="store | dispatch | bypass | stream | checkpoint | all"
+    )
     bench.add_argument(
         "--out", default=None, help="folder for the results (default: bench/results; bypass: build/bench)"
     )

@@ -109,6 +109,10 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("bytes via driver", _bytes(summary["driver_bytes"])),
         ("bytes via store", _bytes(summary["store_bytes"])),
     ]
+    if summary.get("resumed_from") is not None:
+        rows.append(
+            ("resumed", f"from the checkpoint before step {summary['resumed_from']} (run {summary['run']})")
+        )
     if "overlap_s" in summary and "seconds" in summary:
         rows.append(("tasks overlapping", f"{summary['overlap_s']:.2f} s of {summary['seconds']:.2f} s"))
     return rows
@@ -189,10 +193,15 @@ def cli(args: argparse.Namespace) -> int:
     mode = getattr(args, "mode", "sync") or "sync"
     modes = list(MODES) if mode == "both" else [mode]
     extra: dict[str, Any] = {}
-    for name in ("steps", "max_staleness", "stream_chunks", "rollout_chunks", "colocate"):
+    names = ("steps", "max_staleness", "stream_chunks", "rollout_chunks", "colocate", "checkpoint_dir")
+    for name in (*names, "checkpoint_every", "resume"):
         if getattr(args, name, None) is not None:
             extra[name] = getattr(args, name)
-    configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
+    try:
+        configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
+    except ValueError as exc:
+        sys.stdout.write(f"rlplane demo: {exc}\n")
+        return 2
     t0 = time.perf_counter()
     try:
         started_ray = _join_ray(getattr(args, "address", None) or "local")
@@ -231,6 +240,9 @@ def cli(args: argparse.Namespace) -> int:
     timeline_json = timeline.write(runs, getattr(args, "timeline", None) or timeline.timeline_path(out))
     png, note = timeline.plot(runs, timeline_json.with_suffix(".png"))
     verdicts = [judge(s) for s in summaries.values()]
+    verdicts += [
+        (0 if s["ledger_ok"] else 1, s["ledger_line"]) for s in summaries.values() if "ledger_ok" in s
+    ]
     lines = [
         text,
         f"summary written to {out}",

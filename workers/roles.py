@@ -162,6 +162,26 @@ class ActorRolloutRefWorker(RoleWorker):
         self._model_ready()
         return self.reference.compute_ref_log_prob(batch)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_state(self, path: str) -> bool:
+        """Write the policy's weights and optimizer state to ``path`` (rank 0: every rank holds the
+        same after each update); atomic (a temporary file, then a rename)."""
+        actor = self._model_ready()
+        if self.rank == 0:
+            tmp = f"{path}.tmp"
+            torch.save({"model": actor.model.state_dict(), "optimizer": actor.optimizer.state_dict()}, tmp)
+            os.replace(tmp, path)
+        return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_state(self, path: str) -> bool:
+        """Load what ``save_state`` wrote, on every rank (tensors only: ``weights_only``)."""
+        actor = self._model_ready()
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        actor.model.load_state_dict(state["model"])
+        actor.optimizer.load_state_dict(state["optimizer"])
+        return True
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     @tqbridge(call_on_empty=True)
     def update_actor(self, batch: TensorDict) -> dict[str, float]:

@@ -7,10 +7,11 @@ no index lookup. Its assumption: the number of shards is fixed for the life of t
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
+
+from dataplane.wire.placement import shard_of
 
 
 class Placement:
@@ -36,7 +37,7 @@ class HashPlacement(Placement):
     """crc32(partition \\0 key) mod num_shards."""
 
     def shard_of(self, partition_id: str, key: str) -> int:
-        return zlib.crc32(f"{partition_id}\0{key}".encode()) % self.num_shards
+        return shard_of(partition_id, key, self.num_shards)
 
 
 __all__ = ["HashPlacement", "Placement"]

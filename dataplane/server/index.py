@@ -36,6 +36,7 @@ from dataplane.errors import (
 )
 from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
+from dataplane.server.index_checkpoint import IndexCheckpoints
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
 from dataplane.wire import auth as _auth
@@ -97,11 +98,12 @@ def _sampler(body: Any) -> Any:
 MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
 
 
-class IndexCore(Operations):
+class IndexCore(IndexCheckpoints, Operations):
     """Metadata bookkeeping of the store. Plain class, tested without Ray.
 
     Its operations take the body only (the index takes no buffer frames) and return the reply
-    body; a waiting one (``next``, ``ready``) returns None while its rows are not ready.
+    body; a waiting one (``next``, ``ready``) returns None while its rows are not ready. The
+    checkpoint operations are in ``server.index_checkpoint``.
 
     A put's prepare (``op_prepare``) stays open for ``prepare_ttl_s`` (the store's
     ``reservation_timeout_s``, as long as the shards keep the put's reservations), then expires as
@@ -110,6 +112,7 @@ class IndexCore(Operations):
 
     OPS = _protocol.INDEX_OPS
     SERVICE = "the index"
+    PART, KEY, SCHEMA = _PartMeta, _KeyMeta, _FieldSchema  # for the checkpoint operations
 
     def __init__(self, prepare_ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.partitions: dict[str, _PartMeta] = {}
@@ -428,9 +431,12 @@ class IndexCore(Operations):
         """The reply to a take; a lease it made is queued for expiry."""
         keys, lease = got
         if lease is not None:
-            deadline = part.streams.tasks[body.task].leases[lease].deadline
-            heapq.heappush(self.lease_due, (deadline, next(self._lease_seq), body.pid, body.task, lease))
+            self.queue_lease(part.streams.tasks[body.task].leases[lease].deadline, body.pid, body.task, lease)
         return self._batch(part, body.pid, keys, body.fields, lease)
+
+    def queue_lease(self, deadline: float, pid: str, task: str, take: str) -> None:
+        """Give the lease's unacknowledged rows back at ``deadline`` (``expire_leases``)."""
+        heapq.heappush(self.lease_due, (deadline, next(self._lease_seq), pid, task, take))
 
     def give_back(self, pid: str, task: str, take: str | None, keys: list[str]) -> None:
         """A batch's reply could not be delivered (its consumer went away): its rows are ready again."""
@@ -762,6 +768,7 @@ class IndexActor:
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
+        self.core.node = f"{host_ip} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
         gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes

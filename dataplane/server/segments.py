@@ -176,10 +176,15 @@ class ShmPool:
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
 
     def acquire(
-        self, nbytes: int, admit: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
+        self,
+        nbytes: int,
+        admit: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+        allocate: bool = True,
     ) -> ShmFile:
         """A file of at least ``nbytes``: a warm one that fits, else a fresh one, whose allocation
-        runs inside ``admit(bytes)`` when given (it may refuse: a warm file needs no new memory)."""
+        runs inside ``admit(bytes)`` when given (it may refuse: a warm file needs no new memory). A
+        fresh file's pages are allocated up front unless ``allocate`` is false (the caller fills it
+        with ``write``/``sendfile``, which allocate pages as they go)."""
         best = None
         for f in self.warm:
             if nbytes <= f.size <= max(size_class(nbytes), int(nbytes * _REUSE_SLACK)):
@@ -192,7 +197,7 @@ class ShmPool:
             with admit(size) if admit is not None else contextlib.nullcontext():
                 slot = self.table.take()
                 try:
-                    best = ShmFile.create(self._next_id, size, self.prefix)
+                    best = ShmFile.create(self._next_id, size, self.prefix, allocate)
                 except BaseException:
                     self.table.give_back(slot)
                     raise

@@ -155,6 +155,7 @@ class ShardCore(Operations):
         self.host_memory = host_memory_bytes()
         self.ready_puts = 0  # put_ready requests stored and passed on to the index (by ShardServer)
         self.ready_batches = 0  # the index requests that carried them
+        self.tick_hooks: list[Callable[[float], None]] = []  # more housekeeping (checkpoint expiry)
 
     # ---- put --------------------------------------------------------------------------------
     def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -507,13 +508,14 @@ class ShardCore(Operations):
 
     def op_clear_partition(self, body: _protocol.OnePartition, bufs: list[memoryview]) -> tuple[dict, list]:
         part = self.partitions.pop(body.pid, None)
-        removed = 0
-        if part is not None:
-            removed = len(part.rows)
-            for row in part.rows.values():
-                for seg, _ in row.values():
-                    self._unref(seg)
-        return {"removed": removed}, []
+        return {"removed": 0 if part is None else self.drop_rows(part)}, []
+
+    def drop_rows(self, part: _Partition) -> int:
+        """Let go of every row of ``part`` (no longer in ``partitions``); returns how many there were."""
+        for row in part.rows.values():
+            for seg, _ in row.values():
+                self._unref(seg)
+        return len(part.rows)
 
     # ---- housekeeping -----------------------------------------------------------------------
     def op_stats(self, body: _protocol.Stats, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -551,6 +553,8 @@ class ShardCore(Operations):
                 if "file" in entry:  # its writer may still write into it: never reuse it
                     self.pool.fence(entry["file"])
         self.pool.trim(now)
+        for hook in self.tick_hooks:
+            hook(now)
 
     def close(self) -> None:
         self.partitions.clear()

@@ -1,8 +1,8 @@
 """The shard's process side: a Ray actor holding a ``ShardCore`` served by a ``ShardServer`` thread.
 
-The actor's Ray methods are used only to start, describe, link and stop the shard; every KV operation
-reaches it over zmq, on sockets that admit only the store's own peers (``wire.auth``). Runs on the
-shard's node.
+The actor's Ray methods are used only to start, describe, link and stop the shard, and to save and load
+its rows in a checkpoint (long file I/O, run beside the request loop); every KV operation reaches it
+over zmq, on sockets that admit only the store's own peers (``wire.auth``). Runs on the shard's node.
 
 ``ShardServer`` also makes small puts ready in the index itself (``put_ready``), so a writer's small
 put costs it one round trip instead of two (one to the shard, one to the index):
@@ -40,6 +40,7 @@ from dataplane.server.dispatch import OpReply
 from dataplane.server.host_memory import HostMemory
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
+from dataplane.server.shard_checkpoint import ShardCheckpoints
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
@@ -349,6 +350,8 @@ class ShardActor:
             lock=self._lock,
             max_message_bytes=limit,
         ).start()
+        node = f"{ip} (Ray node {self._node_id[:12]})"
+        self.checkpoints = ShardCheckpoints(self.core, self._lock, node, cfg["shm_min_bytes"])
 
     def info(self) -> dict[str, Any]:
         return {
@@ -385,6 +388,24 @@ class ShardActor:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self.core.stats()
+
+    # ---- checkpoints (``server.shard_checkpoint``): Ray calls, so that the request loop keeps serving
+    # while the files are written or read; the actor runs one at a time.
+    def checkpoint_save(self, path: str, token: str, num_shards: int, index_file: dict) -> dict[str, Any]:
+        return self.checkpoints.save(path, token, num_shards, index_file)
+
+    def checkpoint_stage(
+        self, path: str, load: int, num_shards: int, files: dict, saved_shards: int, timeout_s: float
+    ) -> dict[str, Any]:
+        return self.checkpoints.stage(path, load, num_shards, files, saved_shards, timeout_s)
+
+    def checkpoint_commit(self, load: int) -> bool:
+        self.checkpoints.commit(load)
+        return True
+
+    def checkpoint_finish(self, load: int, keep: bool) -> bool:
+        self.checkpoints.finish(load, keep)
+        return True
 
     def shutdown(self) -> bool:
         self.server.stop()

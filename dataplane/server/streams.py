@@ -301,6 +301,61 @@ class PartitionStreams:
             for stream in task.streams.values():
                 stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
 
+    # ---- checkpoints (server.index_checkpoint) --------------------------------------------------
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """This partition's streaming state as plain values (msgpack, no pickle): per task the keys
+        it took, each stream's ready keys in ready order, the rank-aware cache, the takes it
+        remembers and its leases (unacknowledged keys, seconds left at ``now``); and ``finished``.
+        ``restore`` of it answers ``take``, ``cached``, ``ack`` and ``counts`` exactly as this one does."""
+        return {
+            "finished": self.finished,
+            "tasks": [
+                {
+                    "name": name,
+                    "consumed": sorted(task.consumed),
+                    "streams": [
+                        {"fields": sorted(s.fields), "ready": list(s.ready)} for s in task.streams.values()
+                    ],
+                    "cache": [[sorted(slot[0]), slot[1], slot[2], keys] for slot, keys in task.cache.items()],
+                    "takes": [[take, keys] for take, keys in task.takes.items()],
+                    "leases": [
+                        [take, list(lease.keys), max(0.0, lease.deadline - now)]
+                        for take, lease in task.leases.items()
+                    ],
+                }
+                for name, task in self.tasks.items()
+            ],
+        }
+
+    def restore(self, state: dict[str, Any], now: float) -> None:
+        """Replace the streaming state with a ``snapshot()`` taken of these keys; leases run out the
+        seconds they had left, from ``now``. ``ValueError`` (or ``KeyError`` / ``TypeError`` for a
+        malformed one) when a stream or a lease names a key that is not here."""
+        tasks: dict[str, Task] = {}
+        by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
+        for t in state["tasks"]:
+            task = tasks[str(t["name"])] = Task(consumed=set(t["consumed"]))
+            for s in t["streams"]:
+                fields = frozenset(s["fields"])
+                unknown = [k for k in s["ready"] if k not in self.keys]
+                if unknown:
+                    raise ValueError(
+                        f"task {t['name']!r} has {len(unknown)} unknown ready key(s): {unknown[:3]}"
+                    )
+                stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, s["ready"]))
+                by_fields.setdefault(fields, []).append((task, stream))
+            for fields, rank, index, keys in t["cache"]:
+                task.cache[(frozenset(fields), rank, index)] = list(keys)
+            for take, keys in t.get("takes", ()):
+                task.takes[str(take)] = list(keys)
+            for take, keys, left in t.get("leases", ()):
+                bad = [k for k in keys if k not in task.consumed]
+                if bad:
+                    raise ValueError(f"task {t['name']!r} leases key(s) it has not taken: {bad[:3]}")
+                task.leases[str(take)] = Lease(dict.fromkeys(keys), now + float(left))
+                task.leased.update(dict.fromkeys(keys, str(take)))
+        self.tasks, self.by_fields, self.finished = tasks, by_fields, bool(state["finished"])
+
     def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
         task = self.tasks.get(task_name)
         consumed = task.consumed if task is not None else set()

@@ -5,8 +5,9 @@ shard and index operation), ``auth`` (one secret per store, checked before any m
 ``shm`` (the shared-memory contract between a shard and same-host clients), ``requests`` (the
 calls an operation yields and the results it receives, with no socket), ``unix`` (the same-host
 lane: those frames on a Unix stream socket, without zmq), ``transport`` (the request/reply
-sockets a client, or a shard talking to the index, sends them through) and ``liveness``
-(whether a silent peer is dead).
+sockets a client, or a shard talking to the index, sends them through), ``liveness``
+(whether a silent peer is dead) and ``placement`` (which shard holds a key: the rule clients
+route by and shards find their rows of a checkpoint by).
 
 Rule: the wire imports only ``errors``, ``config``, the codec and itself; never the client or the
 server side, which both build on it.

@@ -227,6 +227,41 @@ class Resolve(_Body):
     keys: list[str]
 
 
+class CheckpointSave(_Body):
+    """The index writes its metadata into a checkpoint directory being saved (``path``, where the
+    saving process created the file ``token``: proof that the index sees the same directory)."""
+
+    path: str
+    token: str
+
+
+class CheckpointFinish(_Body):
+    """A save's shards are done: keys a shard no longer held (cleared meanwhile) leave the metadata."""
+
+    save: NonNegative
+    missing: dict[str, list[str]] = {}
+
+
+class CheckpointStage(_Body):
+    """The index reads and checks a checkpoint's metadata (``bytes`` / ``crc32`` from its manifest)
+    and holds it, installed by ``CheckpointInstall`` once every shard has its rows."""
+
+    path: str
+    bytes: NonNegative
+    crc32: NonNegative
+
+
+class CheckpointInstall(_Body):
+    load: NonNegative
+    overwrite: bool = False
+
+
+class CheckpointDrop(_Body):
+    """Forget a save's snapshot or a staged load (the checkpoint failed elsewhere)."""
+
+    id: NonNegative
+
+
 SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "reserve": Reserve,
     "put": Reserve,  # reserve and commit at once: inline columns only
@@ -260,6 +295,11 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "reset": Reset,
     "consumption": Consumption,
     "consumed": Consumed,
+    "checkpoint_save": CheckpointSave,
+    "checkpoint_finish": CheckpointFinish,
+    "checkpoint_stage": CheckpointStage,
+    "checkpoint_install": CheckpointInstall,
+    "checkpoint_drop": CheckpointDrop,
 }
 WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or at their timeout)
 

@@ -1,0 +1,299 @@
+"""The files of a store checkpoint: names, checksummed writes and verified reads. No pickle anywhere.
+
+A checkpoint is a directory::
+
+    manifest.json       written last by the process that saved: format, version, the user's metadata,
+                        the number of shards, and every other file with its size and checksum
+    index.msgpack       the index's metadata (``server.index_checkpoint``): keys, tags, the fields each
+                        key holds, schemas, streaming state
+    shard-<i>.msgpack   shard i's manifest (``server.shard_checkpoint``): its keys, and per field the
+                        chunks of rows, each a column described as the wire describes one
+                        (``wire.frames.column_to_wire``: spec, rows, buffer numbers), with every
+                        buffer's place in the data file and its checksum
+    shard-<i>.bin       shard i's buffers, back to back: row bytes exactly as the shard holds them
+
+Checksums are CRC-32 (ISA-L's: zlib's values at several times zlib's speed; zlib's own when isal is
+missing): one per small file in ``manifest.json``, one per buffer of a data file in its shard's
+manifest (the buffers tile the data file, so every byte of it is covered, and a shard that reads
+part of a file checks the part it reads). Reads never trust a size or offset the files declare: a
+buffer must lie inside its file, and a short read, a size that differs from the manifest's or a
+checksum that does not match raises ``CheckpointError`` naming the file.
+
+    >>> shard_files(1)
+    ('shard-1.msgpack', 'shard-1.bin')
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import uuid
+from typing import Any
+
+import msgspec
+
+try:  # ISA-L's CRC-32: the same values as zlib's, several times faster (carry-less multiply)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib's gives the same checksums
+    from zlib import crc32
+
+from dataplane.errors import CheckpointError, CheckpointNotFoundError
+
+FORMAT = "rlplane-store-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.msgpack"
+_TOKEN = re.compile(r"\.rlplane-save-[0-9a-f]{32}")
+SLICE = 8 << 20  # bytes checksummed and written (or read and checksummed) at a time
+
+
+def shard_files(shard: int) -> tuple[str, str]:
+    """The manifest and data file names of shard ``shard``."""
+    return f"shard-{shard}.msgpack", f"shard-{shard}.bin"
+
+
+def new_token() -> str:
+    """The name of the file a saving process creates in the directory it saves into (``open_dir``)."""
+    return f".rlplane-save-{uuid.uuid4().hex}"
+
+
+def open_dir(directory: str, token: str, who: str) -> int:
+    """A descriptor of ``directory``, checked to hold ``token`` (a file the saving process just created
+    there): proof that this process sees the same directory, and that the caller could create files in
+    it (a store process writes nowhere else). Files are then created relative to the descriptor, so a
+    save whose directory was removed meanwhile (its process was killed and a new save began at the
+    same path) writes into the removed one, never into the new one. ``CheckpointError`` otherwise."""
+    if not os.path.isabs(directory) or not _TOKEN.fullmatch(token):
+        raise CheckpointError(directory, f"{directory!r}: not an absolute path and a save token ({token!r})")
+    fd = -1
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.stat(token, dir_fd=fd)
+    except OSError:
+        if fd >= 0:
+            os.close(fd)
+        raise CheckpointError(
+            directory,
+            f"{who} cannot reach the checkpoint directory {directory}: the process saving the checkpoint "
+            "created it, but it is not there on this node. Put checkpoints on a filesystem every node of "
+            "the store mounts at the same path (NFS, Lustre, ...); the previous checkpoint is unchanged",
+        ) from None
+    return fd
+
+
+class DataWriter:
+    """Appends buffers to a new file, checksumming each one as it goes; ``close`` makes it durable.
+
+    ``append`` returns ``[offset, nbytes, crc32]``, the buffer's entry in a manifest. Each buffer is
+    written in slices (``SLICE``), each checksummed just before it is written (while the checksum's
+    read left it in the CPU's cache; a helper thread summing beside the I/O measured slower on two
+    cores), so a segment goes to the file with one copy (into the page cache) and one extra read.
+    """
+
+    def __init__(self, path: str, dir_fd: int | None = None) -> None:
+        self.path = path  # relative to ``dir_fd`` when given (``open_dir``)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        self.size = 0
+
+    def append(self, buf: Any) -> list[int]:
+        view = memoryview(buf).cast("B")
+        start, crc = self.size, 0
+        for lo in range(0, len(view), SLICE):
+            piece = view[lo : lo + SLICE]
+            crc = crc32(piece, crc)
+            while piece:
+                piece = piece[os.write(self.fd, piece) :]
+        self.size += len(view)
+        return [start, len(view), crc]
+
+    def append_from(self, src_fd: int, src_offset: int, view: memoryview) -> list[int]:
+        """``append(view)`` where ``view`` maps the bytes of file ``src_fd`` from ``src_offset`` on (a
+        shared-memory segment): the kernel copies them (``sendfile``: no page of ``view`` is touched for
+        the copy, only by the checksum beside it)."""
+        nbytes, start, crc = len(view), self.size, 0
+        for lo in range(0, nbytes, SLICE):
+            hi = min(lo + SLICE, nbytes)
+            crc = crc32(view[lo:hi], crc)
+            while lo < hi:
+                sent = _sendfile(self.fd, src_fd, src_offset + lo, hi - lo)
+                if sent is None:  # not between these filesystems: through memory
+                    sent = os.write(self.fd, view[lo:hi])
+                if sent <= 0:
+                    raise OSError(errno.EIO, f"writing {self.path} wrote nothing")
+                lo += sent
+        self.size += nbytes
+        return [start, nbytes, crc]
+
+    def close(self) -> int:
+        """fsync and close; returns the file's size."""
+        if self.fd >= 0:
+            try:
+                os.fsync(self.fd)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+        return self.size
+
+    def abandon(self) -> None:
+        """Close without syncing (a failed save: the directory it is in is thrown away)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_small(path: str, data: bytes, dir_fd: int | None = None) -> dict[str, int]:
+    """Write a small file durably; its manifest entry ``{"bytes", "crc32"}``."""
+    writer = DataWriter(path, dir_fd)
+    try:
+        _, nbytes, crc = writer.append(data)
+        writer.close()
+    finally:
+        writer.abandon()
+    return {"bytes": nbytes, "crc32": crc}
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_checked(path: str, nbytes: int, who: str = "") -> int:
+    """A read-only descriptor of ``path``, checked to hold exactly ``nbytes`` (its manifest's size)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        where = f" ({who} cannot see it: is the directory on a filesystem every node mounts?)" if who else ""
+        raise CheckpointNotFoundError(
+            path, f"checkpoint file {path} is missing{where}; nothing was loaded"
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(
+            path, f"checkpoint file {path} cannot be read ({exc}); nothing was loaded"
+        ) from exc
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        os.close(fd)
+        what = "truncated" if size < nbytes else "longer than it was written"
+        raise CheckpointError(
+            path,
+            f"checkpoint file {path} is {what}: {size} bytes, its manifest says {nbytes}; nothing was loaded",
+        )
+    return fd
+
+
+_NO_KERNEL_COPY = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _sendfile(out_fd: int, in_fd: int, offset: int, count: int) -> int | None:
+    """``os.sendfile``, or None where the kernel cannot copy between these two files (the caller then
+    copies through memory)."""
+    try:
+        return os.sendfile(out_fd, in_fd, offset, count)
+    except OSError as exc:
+        if exc.errno in _NO_KERNEL_COPY:
+            return None
+        raise
+
+
+def read_into(
+    fd: int, path: str, dst: memoryview, entry: Any, file_size: int, what: str, dst_fd: int = -1
+) -> None:
+    """Read the buffer ``entry`` (``[offset, nbytes, crc32]`` from a manifest) of the open file ``fd``
+    into ``dst`` (exactly ``nbytes`` long), checking its place and its checksum. With ``dst_fd`` (a
+    file ``dst`` maps from its start: a shared-memory segment) the kernel copies into it
+    (``sendfile``: it allocates the file's pages as it writes them, no zeroing and no page fault of
+    ``dst`` for the copy), and the checksum reads ``dst`` beside it."""
+    offset, nbytes, crc = _entry(entry, path, what)
+    if offset + nbytes > file_size or len(dst) != nbytes:
+        raise CheckpointError(
+            path, f"checkpoint file {path}: {what} lies outside the file ({offset}+{nbytes} of {file_size})"
+        )
+    got, done = 0, 0
+    if dst_fd >= 0:
+        os.lseek(dst_fd, 0, os.SEEK_SET)
+    while done < nbytes:
+        n = _sendfile(dst_fd, fd, offset + done, min(SLICE, nbytes - done)) if dst_fd >= 0 else None
+        if n is None:  # no descriptor, or not between these filesystems: through memory
+            dst_fd = -1
+            n = os.preadv(fd, [dst[done : done + SLICE]], offset + done)
+        if n <= 0:
+            raise CheckpointError(path, f"checkpoint file {path} ended early while reading {what}")
+        got = crc32(dst[done : done + n], got)  # while the slice is still in the cache
+        done += n
+    if got != crc:
+        raise CheckpointError(
+            path,
+            f"checkpoint file {path} is corrupted: {what} does not match its checksum; nothing was loaded",
+        )
+
+
+def read_small(path: str, entry: Any, who: str = "") -> bytes:
+    """The whole of a small file, checked against its manifest entry ``{"bytes", "crc32"}``."""
+    nbytes, crc = _size_crc(entry, path)
+    fd = open_checked(path, nbytes, who)
+    try:
+        buf = bytearray(nbytes)
+        read_into(fd, path, memoryview(buf), [0, nbytes, crc], nbytes, "the file")
+    finally:
+        os.close(fd)
+    return bytes(buf)
+
+
+def decode_file(data: bytes, path: str, struct: type[Any]) -> Any:
+    """A msgpack file of a checkpoint decoded as ``struct`` (which has a ``version``), checked."""
+    try:
+        state = msgspec.msgpack.decode(data, type=struct)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            path, f"checkpoint file {path} is malformed ({exc}); nothing was loaded"
+        ) from exc
+    if state.version != VERSION:
+        raise CheckpointError(
+            path, f"checkpoint file {path} has format version {state.version}; this release reads {VERSION}"
+        )
+    return state
+
+
+def _entry(entry: Any, path: str, what: str) -> tuple[int, int, int]:
+    if not (
+        isinstance(entry, list | tuple) and len(entry) == 3 and all(type(x) is int and x >= 0 for x in entry)
+    ):
+        raise CheckpointError(
+            path, f"checkpoint manifest entry of {path} ({what}) is malformed: {entry!r:.100}"
+        )
+    return entry[0], entry[1], entry[2]
+
+
+def _size_crc(entry: Any, path: str) -> tuple[int, int]:
+    try:
+        nbytes, crc = entry["bytes"], entry["crc32"]
+    except (KeyError, TypeError):
+        nbytes = crc = None
+    if type(nbytes) is not int or type(crc) is not int or nbytes < 0 or crc < 0:
+        raise CheckpointError(
+            path, f"the checkpoint manifest's entry for {path} is malformed: {entry!r:.100}"
+        )
+    return nbytes, crc
+
+
+__all__ = [
+    "FORMAT",
+    "INDEX_FILE",
+    "MANIFEST",
+    "VERSION",
+    "DataWriter",
+    "open_dir",
+    "decode_file",
+    "fsync_dir",
+    "new_token",
+    "open_checked",
+    "read_into",
+    "read_small",
+    "shard_files",
+    "write_small",
+]

@@ -1,0 +1,227 @@
+"""The index's side of a store checkpoint: its metadata in ``index.msgpack``, saved and staged.
+
+What is saved per partition: its keys in the index's order, each key's tag and the fields it holds,
+the confirmed schema of each field (a put still being prepared is not in a checkpoint), and the
+streaming state (``PartitionStreams.snapshot``). Fields are stored once per distinct set
+(``layouts``) and each key names its set (``layout``), so a partition of a million rows of the same
+fields costs a million small integers, not a million lists.
+
+The operations (mixed into ``IndexCore``; each runs on the index's one thread, so a snapshot is one
+consistent instant of the metadata):
+
+* ``checkpoint_save``: write the snapshot into the directory being saved, keep it for the finish;
+* ``checkpoint_finish``: drop the keys the shards no longer held (cleared while the save ran: the
+  clear wins) and write the file again, if there were any; the save is over;
+* ``checkpoint_stage``: read ``index.msgpack`` of a checkpoint, check it, build its partitions aside;
+* ``checkpoint_install``: put the staged partitions in place (after the shards installed their rows);
+* ``checkpoint_drop``: forget a save's snapshot or a staged load.
+
+Only the newest save and the newest staged load are kept: one whose saving process died holds
+metadata only, until the next checkpoint replaces it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from typing import Any, ClassVar
+
+import msgspec
+
+from dataplane.errors import CheckpointError
+from dataplane.server.checkpoint_files import (
+    INDEX_FILE,
+    VERSION,
+    decode_file,
+    open_dir,
+    read_small,
+    write_small,
+)
+from dataplane.wire import protocol as _protocol
+
+
+class PartKeys(msgspec.Struct):
+    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds."""
+
+    pid: str
+    keys: list[str]
+    layouts: list[list[str]]
+    layout: list[int]
+
+    def fields_of(self) -> list[list[str]]:
+        """The fields of every key, in key order; ``ValueError`` when the lists disagree."""
+        if len(self.layout) != len(self.keys):
+            raise ValueError(f"partition {self.pid!r}: {len(self.layout)} layouts for {len(self.keys)} keys")
+        try:
+            return [self.layouts[i] for i in self.layout]
+        except IndexError:
+            raise ValueError(f"partition {self.pid!r}: a key names a layout that does not exist") from None
+
+
+class IndexKeys(msgspec.Struct):
+    version: int
+    partitions: list[PartKeys]
+
+
+class PartState(PartKeys):
+    """One partition of ``index.msgpack`` in full."""
+
+    tags: list[dict[Any, Any]]
+    schema: list[tuple[str, list[Any]]]
+    streams: dict[str, Any]
+
+
+class IndexState(msgspec.Struct):
+    version: int
+    partitions: list[PartState]
+
+
+def decode_index(data: bytes, path: str, struct: type[Any] = IndexState) -> Any:
+    """``index.msgpack`` decoded as ``struct`` (``IndexKeys``: keys and fields only), checked."""
+    return decode_file(data, path, struct)
+
+
+class IndexCheckpoints:
+    """The checkpoint operations of ``IndexCore`` (see the module docstring). ``IndexCore`` names its
+    metadata classes (``PART``, ``KEY``, ``SCHEMA``) so that this module need not import it."""
+
+    PART: ClassVar[Any]
+    KEY: ClassVar[Any]
+    SCHEMA: ClassVar[Any]
+    partitions: dict[str, Any]
+    schemas: dict[str, dict[str, Any]]
+    changed: set[str]
+    node = ""  # where the index runs, for messages (``IndexActor`` sets it)
+
+    _ckpt_ids = itertools.count(1)
+
+    def _who(self) -> str:
+        return f"the index on node {self.node or socket.gethostname()}"
+
+    def _ckpt(self) -> dict[str, dict[int, Any]]:
+        return self.__dict__.setdefault("_checkpoints", {"saves": {}, "loads": {}})
+
+    # ---- save -----------------------------------------------------------------------------------
+    def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> dict[str, Any]:
+        dir_fd = open_dir(body.path, body.token, self._who())
+        try:
+            parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
+            data = msgspec.msgpack.encode({"version": VERSION, "partitions": parts})
+            entry = write_small(INDEX_FILE, data, dir_fd)
+        finally:
+            os.close(dir_fd)
+        path = os.path.join(body.path, INDEX_FILE)
+        save = next(self._ckpt_ids)
+        self._ckpt()["saves"] = {save: (path, data, entry)}  # the newest save only
+        return {"save": save, "file": entry, "partitions": {p["pid"]: len(p["keys"]) for p in parts}}
+
+    def _snapshot(self, pid: str, part: Any) -> dict[str, Any]:
+        layouts: dict[frozenset[str], int] = {}
+        layout = []
+        for meta in part.keys.values():
+            fields = frozenset(meta.fields)
+            layout.append(layouts.setdefault(fields, len(layouts)))
+        schema = self.schemas.get(pid, {})
+        return {
+            "pid": pid,
+            "keys": list(part.keys),
+            "layouts": [sorted(fields) for fields in layouts],
+            "layout": layout,
+            "tags": [meta.tag for meta in part.keys.values()],
+            "schema": [[name, entry.family] for name, entry in schema.items() if entry.confirmed],
+            "streams": part.streams.snapshot(time.monotonic()),
+        }
+
+    def op_checkpoint_finish(self, body: _protocol.CheckpointFinish) -> dict[str, Any]:
+        saved = self._ckpt()["saves"].pop(body.save, None)
+        if saved is None:
+            raise CheckpointError(
+                "", f"checkpoint save {body.save} is unknown to the index (a later save replaced it)"
+            )
+        path, data, entry = saved
+        state = decode_index(data, path)
+        missing = {pid: set(keys) for pid, keys in body.missing.items() if keys}
+        if missing:  # cleared while the shards saved: out of the metadata too, as if cleared before
+            parts = []
+            for p in state.partitions:
+                part, _ = self._restore(p, path)
+                for key in missing.get(p.pid, ()):
+                    if part.keys.pop(key, None) is not None:
+                        part.streams.on_clear(key)
+                parts.append(self._snapshot_state(p, part))
+            os.unlink(path)
+            entry = write_small(path, msgspec.msgpack.encode({"version": VERSION, "partitions": parts}))
+            counts = {p["pid"]: len(p["keys"]) for p in parts}
+        else:
+            counts = {p.pid: len(p.keys) for p in state.partitions}
+        return {"file": entry, "partitions": counts}
+
+    def _snapshot_state(self, p: PartState, part: Any) -> dict[str, Any]:
+        out = self._snapshot(p.pid, part)
+        out["schema"] = p.schema  # the schema as saved, not the live one
+        return out
+
+    # ---- load -----------------------------------------------------------------------------------
+    def op_checkpoint_stage(self, body: _protocol.CheckpointStage) -> dict[str, Any]:
+        path = os.path.join(body.path, INDEX_FILE)
+        state = decode_index(read_small(path, {"bytes": body.bytes, "crc32": body.crc32}, self._who()), path)
+        staged = {}
+        for p in state.partitions:
+            if p.pid in staged:
+                raise CheckpointError(path, f"checkpoint file {path} lists partition {p.pid!r} twice")
+            staged[p.pid] = self._restore(p, path)
+        load = next(self._ckpt_ids)
+        self._ckpt()["loads"] = {load: staged}  # the newest staged load only
+        return {
+            "load": load,
+            "partitions": {pid: len(part.keys) for pid, (part, _) in staged.items()},
+            "existing": sorted(pid for pid in staged if pid in self.partitions),
+        }
+
+    def _restore(self, p: PartState, path: str) -> tuple[Any, dict[str, Any]]:
+        """A partition's metadata and schema rebuilt from its saved state (checked)."""
+        try:
+            part = self.PART()
+            fields = p.fields_of()
+            if len(p.tags) != len(p.keys) or len(set(p.keys)) != len(p.keys):
+                raise ValueError("keys and tags disagree, or a key repeats")
+            for key, tag, held in zip(p.keys, p.tags, fields, strict=True):
+                part.keys[key] = self.KEY(tag=tag, fields=set(held))
+            part.streams.restore(p.streams, time.monotonic())
+            schema = {str(name): self.SCHEMA(list(family), confirmed=True) for name, family in p.schema}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                path,
+                f"checkpoint file {path}: partition {p.pid!r} is inconsistent ({exc}); nothing was loaded",
+            ) from exc
+        return part, schema
+
+    def op_checkpoint_install(self, body: _protocol.CheckpointInstall) -> dict[str, Any]:
+        staged = self._ckpt()["loads"].get(body.load)
+        if staged is None:
+            raise CheckpointError(
+                "", f"checkpoint load {body.load} is unknown to the index (a later load replaced it)"
+            )
+        existing = sorted(pid for pid in staged if pid in self.partitions)
+        if existing and not body.overwrite:  # created since the stage: refuse, nothing changed
+            raise CheckpointError("", f"the store now holds partitions {existing}; nothing was loaded")
+        del self._ckpt()["loads"][body.load]
+        for pid, (part, schema) in staged.items():
+            self.partitions[pid] = part
+            self.schemas[pid] = schema
+            self.changed.add(pid)  # consumers waiting on it look again
+            for task_name, task in part.streams.tasks.items():  # its leases run out here from now on
+                for take, lease in task.leases.items():
+                    self.queue_lease(lease.deadline, pid, task_name, take)
+        return {}
+
+    def op_checkpoint_drop(self, body: _protocol.CheckpointDrop) -> dict[str, Any]:
+        state = self._ckpt()
+        state["saves"].pop(body.id, None)
+        state["loads"].pop(body.id, None)
+        return {}
+
+
+__all__ = ["IndexCheckpoints", "IndexKeys", "IndexState", "PartKeys", "PartState", "decode_index"]

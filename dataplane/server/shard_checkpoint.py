@@ -1,0 +1,528 @@
+"""A shard's side of a store checkpoint: it writes its own rows into the directory, and reads them back.
+
+The bytes never leave the shard's node through anything but the filesystem: no driver, no index.
+
+**Save** (``ShardCheckpoints.save``, a Ray call on the shard's actor, so its request loop keeps
+serving meanwhile):
+
+1. read the keys the index saved (``index.msgpack``, written a moment before) and keep those this
+   shard holds (``wire.placement``); a key whose row, or one of whose fields, is gone (a clear that
+   raced the save) is reported *missing*, and the index drops it from the checkpoint;
+2. under the shard's lock, look up those rows and *pin* their segments (one extra reference each),
+   so a clear or an overwrite that comes while the files are written cannot free them;
+3. without the lock, write them: a segment whose chosen rows are one contiguous run of at least
+   ``DIRECT_MIN`` bytes goes to the file straight from shared memory; smaller runs and scattered
+   rows of one spec are gathered into chunks of about ``GATHER_MAX`` bytes first (one copy);
+4. unpin.
+
+A chunk is a column exactly as the wire describes one (``column_to_wire``: spec, rows, buffers),
+so every kind (dense, jagged, ragged tensors, arrow strings and lists, JSON-like values, pickled
+objects as opaque bytes) keeps its exact dtype and shapes, and a get after a load answers as before.
+
+**Load** is two-phase, so that a load is all or nothing across the shards and the index:
+
+* ``stage``: read the keys the index lists and keep this shard's (by the new store's hashing: the
+  checkpoint may come from another number of shards), read the chunks holding them (each buffer's
+  checksum checked), and build the partitions aside, their memory reserved against the capacity.
+  The rows staged must be exactly the rows the index lists for this shard, or nothing loads;
+* ``commit``: put them in place (the partitions they replace are kept aside);
+* ``finish``: drop what they replaced, or, when the index refused to install its side, put it back.
+
+A staged load whose process died is dropped when its deadline passes (the shard's tick), one
+committed but never finished is finished then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from dataplane.codec.column_types import Column, ColumnSpec
+from dataplane.codec.rows import assemble, contiguous_view, nbytes_of
+from dataplane.errors import CheckpointError, StoreFullError, WireError
+from dataplane.server.checkpoint_files import (
+    INDEX_FILE,
+    VERSION,
+    DataWriter,
+    decode_file,
+    open_checked,
+    open_dir,
+    read_into,
+    read_small,
+    shard_files,
+    write_small,
+)
+from dataplane.server.index_checkpoint import IndexKeys, decode_index
+from dataplane.server.segments import ShmFile
+from dataplane.server.shard import Segment, ShardCore, _Partition
+from dataplane.wire.frames import column_from_wire, column_to_wire
+from dataplane.wire.placement import shard_of
+from dataplane.wire.protocol import WireColumn
+
+logger = logging.getLogger(__name__)
+
+DIRECT_MIN = 1 << 20  # a contiguous run of rows this large is written straight from its segment
+GATHER_MAX = 16 << 20  # smaller runs of one spec are gathered into chunks of about this many bytes
+
+
+class Chunk(msgspec.Struct):
+    """Rows of one field in a shard's data file: ``keys`` are positions in the partition's keys."""
+
+    field: str
+    col: WireColumn
+    bufs: list[tuple[int, int, int]]  # per buffer of ``col``: offset in the data file, bytes, crc32
+    keys: list[int]
+
+
+class ShardPart(msgspec.Struct):
+    pid: str
+    keys: list[str]
+    chunks: list[Chunk]
+
+
+class ShardManifest(msgspec.Struct):
+    version: int
+    shard: int
+    data: int  # bytes of the data file
+    partitions: list[ShardPart]
+
+
+@dataclass(eq=False)
+class _Load:
+    """A staged load (``parts`` built aside), then a committed one (``previous``: what it replaced)."""
+
+    pids: list[str]  # every partition of the checkpoint: each replaces this shard's partition of its name
+    parts: dict[str, _Partition]  # those of them with rows on this shard
+    segs: list[Segment]
+    files: list[ShmFile]  # the shared memory its segments use (given back if it is dropped)
+    need: int  # bytes reserved (``ShardCore.pending``) until the commit
+    deadline: float
+    committed: bool = False
+    previous: dict[str, _Partition] = field(default_factory=dict)
+
+
+class ShardCheckpoints:
+    """Checkpoint save and load of one shard (``ShardActor`` holds one; see the module docstring).
+
+    Every change to the shard's state happens under ``lock`` (the one its request loop holds);
+    files are written and read without it.
+    """
+
+    def __init__(self, core: ShardCore, lock: threading.Lock, node: str, heap_below: int) -> None:
+        self.core = core
+        self.lock = lock
+        self.node = node
+        self.heap_below = heap_below  # loaded chunks smaller than this live in the heap, not a memfd
+        self._loads: dict[int, _Load] = {}
+        core.tick_hooks.append(self._expire)
+
+    @property
+    def who(self) -> str:
+        return f"shard {self.core.shard_id} on node {self.node}"
+
+    def _mine(self, path: str, entry: Any, num_shards: int) -> dict[str, dict[str, list[str]]]:
+        """The keys of ``index.msgpack`` placed on this shard in a store of ``num_shards``, with the
+        fields each holds (keys holding tags only have no rows)."""
+        index_path = os.path.join(path, INDEX_FILE)
+        index = decode_index(read_small(index_path, entry, self.who), index_path, IndexKeys)
+        me, out = self.core.shard_id, {}
+        for p in index.partitions:
+            try:
+                fields = p.fields_of()
+            except ValueError as exc:
+                raise CheckpointError(index_path, f"checkpoint file {index_path}: {exc}") from exc
+            out[p.pid] = {
+                k: f
+                for k, f in zip(p.keys, fields, strict=True)
+                if f and (num_shards == 1 or shard_of(p.pid, k, num_shards) == me)
+            }
+        return out
+
+    # ---- save -----------------------------------------------------------------------------------
+    def save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> dict[str, Any]:
+        """Write this shard's rows of the index's snapshot into ``path``; returns its files' manifest
+        entries, rows saved per partition, and the keys it no longer held (``missing``)."""
+        dir_fd = open_dir(path, token, self.who)
+        try:
+            mine = self._mine(path, index_entry, num_shards)
+            with self.lock:
+                plan, missing, pinned = self._pin(mine)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            out = self._write(dir_fd, plan)
+        except OSError as exc:
+            raise CheckpointError(
+                path,
+                f"{self.who} could not write its rows into {path} ({exc}); the previous checkpoint is "
+                "unchanged",
+            ) from exc
+        finally:
+            os.close(dir_fd)
+            with self.lock:
+                for seg in pinned:
+                    self.core._unref(seg)
+        out["missing"] = missing
+        return out
+
+    def _pin(self, mine: dict[str, dict[str, list[str]]]) -> tuple[list, dict[str, list[str]], list[Segment]]:
+        plan, missing, pinned = [], {}, {}
+        for pid, wanted in mine.items():
+            part = self.core.partitions.get(pid)
+            keys: list[str] = []
+            locs: dict[str, list[tuple[Segment, int, int]]] = {}
+            for key, fields in wanted.items():
+                row = part.rows.get(key) if part is not None else None
+                if row is None or any(f not in row for f in fields):
+                    missing.setdefault(pid, []).append(key)
+                    continue
+                pos = len(keys)
+                keys.append(key)
+                for f in fields:
+                    seg, r = row[f]
+                    locs.setdefault(f, []).append((seg, r, pos))
+                    if id(seg) not in pinned:
+                        pinned[id(seg)] = seg
+                        seg.live += 1  # released by ``_unref`` once written
+            plan.append((pid, keys, locs))
+        return plan, missing, list(pinned.values())
+
+    def _write(self, dir_fd: int, plan: list) -> dict[str, Any]:
+        man_name, bin_name = shard_files(self.core.shard_id)
+        writer = DataWriter(bin_name, dir_fd)
+        try:
+            parts = []
+            for pid, keys, locs in plan:
+                chunks = []
+                for name, entries in locs.items():
+                    for col, positions, source in _chunks(entries):
+                        bufs: list[Any] = []
+                        desc = column_to_wire(col, bufs)
+                        written = []
+                        for i, buf in enumerate(bufs):
+                            if i == desc["data"] and source is not None:  # straight from the segment's file
+                                written.append(writer.append_from(*source, buf))
+                            else:
+                                written.append(writer.append(buf))
+                        chunks.append({"field": name, "col": desc, "bufs": written, "keys": positions})
+                parts.append({"pid": pid, "keys": keys, "chunks": chunks})
+            size = writer.close()
+        finally:
+            writer.abandon()
+        manifest = {"version": VERSION, "shard": self.core.shard_id, "data": size, "partitions": parts}
+        entry = write_small(man_name, msgspec.msgpack.encode(manifest), dir_fd)
+        return {
+            "files": {man_name: entry, bin_name: {"bytes": size}},
+            "rows": {pid: len(keys) for pid, keys, _ in plan},
+            "bytes": size,
+        }
+
+    # ---- load -----------------------------------------------------------------------------------
+    def stage(
+        self,
+        path: str,
+        load: int,
+        num_shards: int,
+        files: dict[str, Any],
+        saved_shards: int,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """Read this shard's rows of the checkpoint at ``path`` (saved by a store of ``saved_shards``)
+        into partitions built aside; ``CheckpointError`` naming the file when anything is wrong."""
+        expect = self._mine(path, _entry(files, INDEX_FILE, path), num_shards)
+        sources = [self.core.shard_id] if saved_shards == num_shards else list(range(saved_shards))
+        plans = []
+        for s in sources:
+            man_name, bin_name = shard_files(s)
+            man_path = os.path.join(path, man_name)
+            man = decode_file(
+                read_small(man_path, _entry(files, man_name, path), self.who), man_path, ShardManifest
+            )
+            bin_entry = _entry(files, bin_name, path)
+            if man.data != bin_entry.get("bytes"):
+                raise CheckpointError(
+                    man_path, f"{man_path} and the checkpoint's manifest disagree on {bin_name}'s size"
+                )
+            plans.append((os.path.join(path, bin_name), man.data, _select(man, expect, man_path)))
+        need = sum(sum(b[1] for b in chunk.bufs) for _, _, sel in plans for _, chunk, _, _ in sel)
+        with self.lock:
+            self._reserve(need, path)
+        staged = _Load(list(expect), {}, [], [], need, time.monotonic() + timeout_s)
+        try:
+            for bin_path, size, selected in plans:
+                self._read(bin_path, size, selected, staged)
+            _check_complete(staged, expect, path)
+        except BaseException:
+            with self.lock:
+                self._release(staged)
+            raise
+        with self.lock:
+            for old in self._loads.values():  # the newest staged load only (see the module doc)
+                if not old.committed:
+                    self._release(old)
+            self._loads = {k: v for k, v in self._loads.items() if v.committed}
+            self._loads[load] = staged
+        rows = {pid: len(part.rows) for pid, part in staged.parts.items()}
+        return {"rows": rows, "bytes": sum(seg.nbytes for seg in staged.segs)}
+
+    def _reserve(self, need: int, path: str) -> None:
+        try:
+            self.core._check_capacity(need, "(a checkpoint)")
+        except StoreFullError as exc:
+            raise StoreFullError(
+                f"{self.who} cannot hold the {need} bytes of its rows of checkpoint {path}: {exc}; nothing "
+                "was loaded"
+            ) from None
+        self.core.pending += need
+
+    def _read(self, bin_path: str, size: int, selected: list, staged: _Load) -> None:
+        if not selected:
+            return
+        fd = open_checked(bin_path, size, self.who)
+        try:
+            for pid, chunk, keys, rows in selected:
+                seg = self._read_chunk(fd, bin_path, size, pid, chunk, rows, staged)
+                part = staged.parts.setdefault(pid, _Partition())
+                part.specs.setdefault(chunk.field, seg.spec)
+                if rows is not None:
+                    keys = [keys[i] for i in rows]
+                for r, key in enumerate(keys):
+                    row = part.rows.setdefault(key, {})
+                    if chunk.field in row:
+                        raise CheckpointError(
+                            bin_path, f"{bin_path}: key {key!r} of {pid!r} holds {chunk.field!r} twice"
+                        )
+                    row[chunk.field] = (seg, r)
+                seg.live = len(keys)
+        finally:
+            os.close(fd)
+
+    def _read_chunk(
+        self,
+        fd: int,
+        bin_path: str,
+        size: int,
+        pid: str,
+        chunk: Chunk,
+        rows: np.ndarray | None,
+        staged: _Load,
+    ) -> Segment:
+        """One chunk's rows (all, or ``rows`` of them) as a new segment: data of ``heap_below`` bytes or
+        more in a shared-memory file (read straight into it when all rows are taken), the rest in the heap."""
+        what = f"partition {pid!r} field {chunk.field!r}"
+        views: list[memoryview] = []
+        shm: ShmFile | None = None
+        for i, entry in enumerate(chunk.bufs):
+            nbytes = entry[1]
+            dst_fd = -1
+            if i == chunk.col.data and rows is None and nbytes >= self.heap_below:
+                shm = self._acquire(nbytes, staged, allocate=False)
+                dst, dst_fd = shm.view()[:nbytes], shm.fd
+            else:
+                dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+            read_into(fd, bin_path, dst, entry, size, f"{what} (buffer {i})", dst_fd)
+            views.append(dst)
+        try:
+            col = column_from_wire(chunk.col, views, chunk.field)
+        except WireError as exc:
+            raise CheckpointError(
+                bin_path, f"checkpoint file {bin_path}: {what}: {exc}; nothing was loaded"
+            ) from exc
+        if len(chunk.keys) != col.num_rows:
+            raise CheckpointError(
+                bin_path, f"{bin_path}: {what} has {col.num_rows} rows for {len(chunk.keys)} keys"
+            )
+        if rows is not None:  # a store of another number of shards: this shard's rows of the chunk only
+            nbytes = nbytes_of(col, rows)
+            out = None
+            if nbytes >= self.heap_below:
+                shm = self._acquire(nbytes, staged)
+                out = shm.view()[:nbytes]
+            col = assemble(col.spec, len(rows), [(col, rows, np.arange(len(rows)))], out=out)
+        seg = Segment(
+            col.spec, col.num_rows, col.nbytes, None if shm else col.data, col.offsets, shm, col.shapes
+        )
+        staged.segs.append(seg)
+        return seg
+
+    def _acquire(self, nbytes: int, staged: _Load, allocate: bool = True) -> ShmFile:
+        with self.lock:
+            f = self.core.pool.acquire(nbytes, allocate=allocate)
+        staged.files.append(f)
+        return f
+
+    def _release(self, staged: _Load) -> None:
+        """Give back a staged load's memory and its reservation (under the lock)."""
+        self.core.pending -= staged.need
+        staged.need = 0
+        for f in staged.files:
+            self.core.pool.release(f)
+        staged.files.clear()
+        staged.segs.clear()
+        staged.parts.clear()
+
+    def commit(self, load: int) -> None:
+        """Put a staged load's partitions in place; what they replace is kept until ``finish``."""
+        with self.lock:
+            staged = self._loads.get(load)
+            if staged is None or staged.committed:
+                raise CheckpointError(
+                    "", f"{self.who}: checkpoint load {load} is not staged here (expired or replaced)"
+                )
+            core = self.core
+            core.pending -= staged.need
+            staged.need = 0
+            for seg in staged.segs:  # (each holds rows: every chunk read has at least one)
+                core.used += seg.accounted
+                core.heap_bytes += seg.heap_bytes
+            staged.files.clear()  # owned by their segments now
+            for pid in staged.pids:  # the checkpoint's partition replaces this shard's whole, rows or none
+                old = core.partitions.pop(pid, None)
+                if old is not None:
+                    staged.previous[pid] = old
+                if pid in staged.parts:
+                    core.partitions[pid] = staged.parts[pid]
+            staged.committed = True
+
+    def finish(self, load: int, keep: bool) -> None:
+        """Drop what a committed load replaced (``keep``), or undo the load and put that back."""
+        with self.lock:
+            staged = self._loads.pop(load, None)
+            if staged is None:
+                return
+            if not staged.committed:
+                self._release(staged)
+                return
+            core = self.core
+            if not keep:
+                for pid in staged.pids:
+                    part = core.partitions.pop(pid, None)
+                    if part is not None:
+                        core.drop_rows(part)
+                core.partitions.update(staged.previous)
+            else:
+                for old in staged.previous.values():
+                    core.drop_rows(old)
+            staged.previous.clear()
+
+    def drop(self, load: int) -> None:
+        """Forget a load that failed elsewhere (staged: freed; committed: undone)."""
+        self.finish(load, keep=False)
+
+    def _expire(self, now: float) -> None:
+        """The shard's tick (under the lock): loads whose process never finished them."""
+        for load, staged in list(self._loads.items()):
+            if now < staged.deadline:
+                continue
+            del self._loads[load]
+            logger.warning(
+                "%s: checkpoint load %d was never finished; %s",
+                self.who,
+                load,
+                "keeping it" if staged.committed else "dropping it",
+            )
+            if staged.committed:
+                for old in staged.previous.values():
+                    self.core.drop_rows(old)
+            else:
+                self._release(staged)
+
+
+Source = tuple[int, int] | None  # the segment file and byte offset a chunk's data is in, if it is
+
+
+def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, list[int], Source]]:
+    """One field's saved rows (segment, row, key position) as columns to write, with the key
+    position of each row and where the data lies: whole contiguous runs straight from their segment
+    (its file, for a segment in shared memory), the rest gathered."""
+    by_seg: dict[int, tuple[Segment, list[int], list[int]]] = {}
+    for seg, r, pos in entries:
+        got = by_seg.setdefault(id(seg), (seg, [], []))
+        got[1].append(r)
+        got[2].append(pos)
+    pending: dict[ColumnSpec, list[tuple[Column, np.ndarray, np.ndarray]]] = {}
+    pending_bytes: dict[ColumnSpec, int] = {}
+    for seg, rows_l, pos_l in by_seg.values():
+        rows, pos = np.asarray(rows_l, dtype=np.int64), np.asarray(pos_l, dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        rows, pos = rows[order], pos[order]
+        col = seg.column()
+        view = col if len(rows) == seg.num_rows else contiguous_view(col, rows)
+        if view is not None and view.nbytes >= DIRECT_MIN:
+            start = col.row_range(int(rows[0]), int(rows[0]) + 1)[0]
+            yield view, pos.tolist(), None if seg.file is None else (seg.file.fd, start)
+            continue
+        spec = seg.spec
+        pending.setdefault(spec, []).append((col, rows, pos))
+        pending_bytes[spec] = pending_bytes.get(spec, 0) + nbytes_of(col, rows)
+        if pending_bytes[spec] >= GATHER_MAX:
+            yield _gather(spec, pending.pop(spec))
+            pending_bytes[spec] = 0
+    for spec, pieces in pending.items():
+        yield _gather(spec, pieces)
+
+
+def _gather(
+    spec: ColumnSpec, pieces: list[tuple[Column, np.ndarray, np.ndarray]]
+) -> tuple[Column, list[int], Source]:
+    total, parts = 0, []
+    for col, rows, _ in pieces:
+        parts.append((col, rows, np.arange(total, total + len(rows))))
+        total += len(rows)
+    return assemble(spec, total, parts), np.concatenate([p for _, _, p in pieces]).tolist(), None
+
+
+def _entry(files: dict[str, Any], name: str, path: str) -> Any:
+    entry = files.get(name)
+    if not isinstance(entry, dict):
+        raise CheckpointError(path, f"the manifest of checkpoint {path} does not list {name}")
+    return entry
+
+
+def _select(man: ShardManifest, expect: dict[str, dict[str, list[str]]], path: str) -> list:
+    """The chunks of a shard manifest holding rows this shard loads: ``(pid, chunk, the key of each
+    of its rows, the rows to take or None for all)``."""
+    out = []
+    for part in man.partitions:
+        want = expect.get(part.pid, {})
+        for chunk in part.chunks:
+            if len(chunk.bufs) < 1 or any(k < 0 or k >= len(part.keys) for k in chunk.keys):
+                raise CheckpointError(path, f"checkpoint file {path}: a chunk of {part.pid!r} is malformed")
+            keys = [part.keys[k] for k in chunk.keys]
+            take = [i for i, k in enumerate(keys) if chunk.field in want.get(k, ())]
+            if not take:
+                continue
+            rows = None if len(take) == len(keys) else np.asarray(take, dtype=np.int64)
+            out.append((part.pid, chunk, keys, rows))
+    return out
+
+
+def _check_complete(staged: _Load, expect: dict[str, dict[str, list[str]]], path: str) -> None:
+    """The staged rows must be exactly the rows the index lists for this shard."""
+    for pid, wanted in expect.items():
+        rows = staged.parts[pid].rows if pid in staged.parts else {}
+        for key, fields in wanted.items():
+            have = rows.get(key, {})
+            lost = [f for f in fields if f not in have]
+            if lost:
+                raise CheckpointError(
+                    path,
+                    f"checkpoint {path} lists key {key!r} of partition {pid!r} with fields {lost}, but no "
+                    "shard file holds them; nothing was loaded",
+                )
+        if len(rows) != len(wanted):
+            raise CheckpointError(
+                path, f"checkpoint {path}: the shard files hold rows of {pid!r} the index does not list"
+            )
+
+
+__all__ = ["ShardCheckpoints"]

@@ -1,0 +1,165 @@
+"""The pieces of a checkpoint without Ray: the index's metadata through its file, the streaming
+state's snapshot, and the checked file reads (``server.checkpoint_files``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import pytest
+
+from dataplane.errors import CheckpointError
+from dataplane.server.checkpoint_files import DataWriter, new_token, open_checked, open_dir, read_into
+from dataplane.server.index import IndexCore
+from dataplane.server.streams import PartitionStreams
+
+F32 = ["dense", "float32", [4]]
+
+
+def call(core: IndexCore, op: str, body: dict) -> dict:
+    return core.handle(op, msgspec.msgpack.encode(body), [])[0]
+
+
+def _busy_index() -> IndexCore:
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(12)]
+    tags = [{"uid": i // 3, "n": [i, {"x": i}]} for i in range(12)]
+    call(core, "commit", {"pid": "p", "keys": keys, "fields": ["a"], "tags": tags, "specs": {"a": F32}})
+    call(core, "commit", {"pid": "p", "keys": keys[:8], "fields": ["b"], "specs": {"b": F32}})
+    call(core, "next", {"pid": "p", "task": "t", "batch_size": 3, "fields": ["a"]})
+    group = {"name": "group", "group_tag": "uid", "group_size": 3}
+    call(core, "next", {"pid": "p", "task": "g", "batch_size": 3, "fields": ["a", "b"], "sampler": group})
+    call(
+        core,
+        "next",
+        {"pid": "p", "task": "r", "batch_size": 2, "fields": ["a"], "dp_rank": 1, "batch_index": 4},
+    )
+    lease = {"pid": "p", "task": "l", "batch_size": 4, "fields": ["a"], "take": "L1", "lease_s": 600}
+    call(core, "next", lease)
+    call(core, "ack", {"pid": "p", "task": "l", "take": "L1", "keys": ["k0"]})  # 3 keys stay leased
+    call(core, "commit", {"pid": "q", "keys": ["gone"]})
+    call(core, "clear", {"pid": "q", "keys": ["gone"]})
+    call(core, "finish", {"pid": "q"})  # an empty, finished partition
+    return core
+
+
+def _state(core: IndexCore) -> dict:
+    """Every partition's saved state; a lease's seconds left to the second (read at two instants)."""
+    state = {pid: core._snapshot(pid, part) for pid, part in core.partitions.items()}
+    for part in state.values():
+        for task in part["streams"]["tasks"]:
+            task["leases"] = [[take, keys, round(left)] for take, keys, left in task["leases"]]
+    return state
+
+
+def test_the_index_metadata_round_trips_through_its_file(tmp_path):
+    core = _busy_index()
+    token = new_token()
+    (tmp_path / token).touch()
+    saved = call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
+    assert saved["partitions"] == {"p": 12, "q": 0}
+    call(core, "clear", {"pid": "p", "keys": ["k4"]})  # cleared while the shards saved: left out
+    done = call(core, "checkpoint_finish", {"save": saved["save"], "missing": {"p": ["k4"]}})
+    assert done["partitions"] == {"p": 11, "q": 0}
+    fresh = IndexCore()
+    call(fresh, "commit", {"pid": "q", "keys": ["z"]})
+    staged = call(fresh, "checkpoint_stage", {"path": str(tmp_path), **done["file"]})
+    assert staged["existing"] == ["q"] and fresh.partitions["q"].keys.keys() == {"z"}  # nothing changed yet
+    with pytest.raises(CheckpointError, match=r"now holds partitions \['q'\]"):
+        call(fresh, "checkpoint_install", {"load": staged["load"]})
+    call(fresh, "checkpoint_install", {"load": staged["load"], "overwrite": True})
+    assert _state(fresh) == _state(core)
+    again = {"pid": "p", "task": "t", "batch_size": 2, "fields": ["a"]}
+    assert call(fresh, "next", again) == call(core, "next", again)
+    leased = fresh.partitions["p"].streams.tasks["l"].leased
+    assert sorted(leased) == ["k1", "k2", "k3"] and [e[4] for e in fresh.lease_due] == ["L1"]
+    fresh.expire_leases(time.monotonic() + 601)  # the lease runs out in the loaded store too
+    assert call(fresh, "consumption", {"pid": "p", "task": "l"})["ready"] == 11 - 1
+    assert fresh.schemas["p"].keys() == {"a", "b"} and all(e.confirmed for e in fresh.schemas["p"].values())
+
+
+def test_a_damaged_index_file_is_refused_by_name(tmp_path):
+    core = _busy_index()
+    token = new_token()
+    (tmp_path / token).touch()
+    saved = call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
+    path = tmp_path / "index.msgpack"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="index.msgpack is corrupted"):
+        call(IndexCore(), "checkpoint_stage", {"path": str(tmp_path), **saved["file"]})
+
+
+def test_the_index_writes_only_where_the_saver_proved_it_can(tmp_path):
+    core = _busy_index()
+    with pytest.raises(CheckpointError, match="cannot reach the checkpoint directory"):
+        call(core, "checkpoint_save", {"path": str(tmp_path), "token": new_token()})
+    with pytest.raises(CheckpointError, match="not an absolute path and a save token"):
+        call(core, "checkpoint_save", {"path": str(tmp_path), "token": "../etc"})
+    assert os.listdir(tmp_path) == []
+
+
+def test_stream_state_refuses_keys_the_partition_does_not_hold():
+    keys = {"a": object()}
+    streams = PartitionStreams(keys)
+    state = {
+        "finished": False,
+        "tasks": [
+            {
+                "name": "t",
+                "consumed": [],
+                "streams": [{"fields": ["x"], "ready": ["a", "ghost"]}],
+                "cache": [],
+            }
+        ],
+    }
+    with pytest.raises(ValueError, match="ghost"):
+        streams.restore(state, 0.0)
+    assert streams.tasks == {}  # unchanged
+
+
+def test_file_reads_check_place_size_and_checksum(tmp_path):
+    writer = DataWriter(str(tmp_path / "d.bin"))
+    first = writer.append(b"hello world")
+    second = writer.append(bytes(range(256)) * 100)
+    size = writer.close()
+    fd = open_checked(str(tmp_path / "d.bin"), size)
+    try:
+        out = memoryview(bytearray(second[1]))
+        read_into(fd, "d.bin", out, second, size, "the second buffer")
+        assert bytes(out) == bytes(range(256)) * 100
+        with pytest.raises(CheckpointError, match="does not match its checksum"):
+            read_into(fd, "d.bin", memoryview(bytearray(11)), [first[0], first[1], first[2] ^ 1], size, "x")
+        with pytest.raises(CheckpointError, match="outside the file"):
+            read_into(fd, "d.bin", memoryview(bytearray(11)), [size - 5, 11, first[2]], size, "x")
+    finally:
+        os.close(fd)
+    with pytest.raises(CheckpointError, match="truncated"):
+        open_checked(str(tmp_path / "d.bin"), size + 1)
+    with pytest.raises(CheckpointError, match="missing"):
+        open_checked(str(tmp_path / "nope.bin"), 1)
+
+
+def test_open_dir_names_who_cannot_reach_the_directory(tmp_path):
+    with pytest.raises(
+        CheckpointError, match=f"shard 3 on node n1 cannot reach the checkpoint directory {tmp_path}"
+    ):
+        open_dir(str(tmp_path), new_token(), "shard 3 on node n1")
+
+
+def test_a_read_copies_through_memory_where_the_kernel_cannot_copy(tmp_path):
+    data = bytes(range(256)) * 40_000
+    writer = DataWriter(str(tmp_path / "d.bin"))
+    entry = writer.append(data)
+    size = writer.close()
+    sink = os.open(tmp_path / "sink", os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # sendfile refuses O_APPEND
+    fd = open_checked(str(tmp_path / "d.bin"), size)
+    try:
+        out = memoryview(bytearray(len(data)))
+        read_into(fd, "d.bin", out, entry, size, "the buffer", dst_fd=sink)
+        assert bytes(out) == data and os.fstat(sink).st_size == 0
+    finally:
+        os.close(fd)
+        os.close(sink)

@@ -1,0 +1,74 @@
+"""The stream demo survives a crash: killed with SIGKILL once it has saved a checkpoint, then started
+again with ``--resume``, it continues from that checkpoint and trains every prompt of every step
+exactly once across the two runs.
+
+Each run is its own process with its own local Ray (as ``rlplane demo`` runs), in a process group of
+its own so that the kill takes its Ray along; the kill waits for a natural point (the first complete
+checkpoint on disk), never for a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.dataplane.conftest import wait_for
+from workers.checkpoints import check_ledger
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
+
+
+def _demo(ckpt, summary, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "workers.cli", "demo", "--mode", "stream", "--steps", str(STEPS),
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--summary", str(summary), *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prompt_once(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    first = subprocess.Popen(
+        _demo(ckpt, tmp_path / "first.json"),
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: (ckpt / "latest").exists() or first.poll() is not None, 600, "the first checkpoint")
+        assert first.poll() is None, "the first run ended before it saved a checkpoint"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert first.returncode == -signal.SIGKILL and not (tmp_path / "first.json").exists()
+    killed_at = int((ckpt / "latest").read_text().strip().removeprefix("step-"))
+    assert 0 < killed_at < STEPS
+
+    second = subprocess.run(
+        _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt)),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr  # the reward rose, the ledger holds
+    summary = json.loads((tmp_path / "second.json").read_text())
+    assert summary["resumed_from"] >= killed_at and summary["run"] == 2
+    ok, line = check_ledger(summary["ledger"], STEPS, PROMPTS, N)
+    assert ok and summary["ledger_ok"], line
+    runs = {entry["step"]: entry["run"] for entry in summary["ledger"]}
+    assert runs == {s: 1 if s < summary["resumed_from"] else 2 for s in range(STEPS)}
+    assert "was trained exactly once (run 1: steps 0-" in second.stdout and "run 2: steps" in second.stdout
+    assert len(summary["reward_history"]) == STEPS and summary["reward_last"] > summary["reward_first"]
+    for task, counts in summary["stream_rows"].items():  # every stage took every row of every step once
+        assert counts["rows"] == STEPS * PROMPTS * N, task
