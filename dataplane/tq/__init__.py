@@ -33,7 +33,10 @@ Better than TransferQueue, without breaking its users:
 
 * **A missing key raises** ``KeyNotFoundError`` (a ``ValueError`` and ``KeyError``, also
   ``tq.StorageKeyNotFoundError``) naming the key; TransferQueue drops missing keys silently when at
-  least one key exists, so a batch shrinks without a sign.
+  least one key exists, so a batch shrinks without a sign. A selected field that no requested key
+  holds is left out of a ``kv_batch_get`` as in TransferQueue (verl's trainers ask for optional
+  fields so); one that only some of the keys hold raises ``FieldNotFoundError`` (TransferQueue
+  drops it too).
 * **No client-shipped code runs anywhere**: ``data_parser`` raises ``NotImplementedError``
   (transform the data before the put), and the sampler in the config is shared as a name and
   parameters, never as code (a sampler class of your own is passed per call instead:
@@ -55,9 +58,9 @@ Raising ``NotImplementedError`` (no equivalent here), each naming what to use in
   ``ZMQServerInfo``, ``ZMQMessage``, ``ZMQRequestType``, ``process_zmq_server_info``,
   ``SimpleStorageUnit``, ``AsyncSimpleStorageManager``, ``storage.simple_storage.StorageUnitData``:
   TransferQueue's zmq protocol and storage machinery;
-* the client's ``save_controller_checkpoint``, ``load_controller_checkpoint``,
-  ``save_storage_checkpoint``, ``load_storage_checkpoint`` (and ``async_`` forms): use
-  ``tq.save_checkpoint`` / ``tq.load_checkpoint``;
+* the client's ``save_controller_checkpoint`` / ``load_controller_checkpoint`` (and ``async_``
+  forms): the store saves everything as one checkpoint, use ``tq.save_checkpoint`` /
+  ``tq.load_checkpoint`` (the client's ``save_storage_checkpoint`` / ``load_storage_checkpoint``);
 * ``tq.save_checkpoint`` / ``tq.load_checkpoint`` while the store has no checkpoint
   (``dataplane.save_checkpoint``, issue 23);
 * ``StreamingDataLoader(num_workers>0)``: use ``dataplane.StreamingDataset(prefetch=...)``.

@@ -39,7 +39,7 @@ from dataplane.errors import BatchTimeoutError, KeyNotFoundError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.samplers import SequentialSampler as _StoreSequential
 from dataplane.tq import _layout, _session
-from dataplane.tq.metadata import BatchMeta, extract_field_schema
+from dataplane.tq.metadata import BatchMeta, extract_field_schema, kept_schema
 from dataplane.tq.sampler import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler
 from dataplane.tq.sampler import SequentialSampler as TQSequentialSampler
 
@@ -422,7 +422,7 @@ class TransferQueueClient:
             part = data if len(groups) == 1 else _rows(data, pos)
             tags = [metadata.custom_meta[i] for i in pos]
             api.kv_batch_put(keys, pid, _layout.per_row_values(part), tags if any(tags) else None)
-            _session.tell("record_schema", pid, _schema_only(schema))
+            _session.tell("record_schema", pid, kept_schema(schema))
         return metadata.add_fields(data)
 
     def get_data(self, metadata: BatchMeta, *, layout: str = "jagged") -> Any:
@@ -514,16 +514,28 @@ class TransferQueueClient:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_controller_checkpoint(self, path: str) -> None:
-        raise NotImplementedError(_CHECKPOINT_PARTS)
+        raise NotImplementedError(_CONTROLLER_CHECKPOINT)
 
     def load_controller_checkpoint(self, path: str) -> None:
-        raise NotImplementedError(_CHECKPOINT_PARTS)
+        raise NotImplementedError(_CONTROLLER_CHECKPOINT)
 
-    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        raise NotImplementedError(_CHECKPOINT_PARTS)
+    def save_storage_checkpoint(self, checkpoint_dir: str, *, metadata: dict[str, Any] | None = None) -> None:
+        """The store's checkpoint (``dataplane.save_checkpoint``): rows, tags, schemas, streaming
+        state, and ``metadata``; what ``tq.save_checkpoint`` calls."""
+        _session.attach()
+        _store_checkpoint("save_checkpoint")(checkpoint_dir, metadata=metadata)
 
     def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        raise NotImplementedError(_CHECKPOINT_PARTS)
+        """Load the store's checkpoint (``dataplane.load_checkpoint``), replacing partitions of the
+        same names; what ``tq.load_checkpoint`` calls."""
+        import inspect
+
+        _session.attach()
+        load = _store_checkpoint("load_checkpoint")
+        if "overwrite" in inspect.signature(load).parameters:
+            load(checkpoint_dir, overwrite=True)
+        else:
+            load(checkpoint_dir)
 
     def close(self) -> None:
         """Nothing to release: the client is this process's store client (``tq.close()`` detaches)."""
@@ -611,20 +623,33 @@ class TransferQueueClient:
     async def async_load_controller_checkpoint(self, path: str, socket: Any = None) -> None:
         self.load_controller_checkpoint(path)
 
-    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.save_storage_checkpoint(checkpoint_dir)
+    async def async_save_storage_checkpoint(
+        self, checkpoint_dir: str, *, metadata: dict[str, Any] | None = None
+    ) -> None:
+        await asyncio.to_thread(self.save_storage_checkpoint, checkpoint_dir, metadata=metadata)
 
     async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.load_storage_checkpoint(checkpoint_dir)
+        await asyncio.to_thread(self.load_storage_checkpoint, checkpoint_dir)
 
 
 AsyncTransferQueueClient = TransferQueueClient
 
-_CHECKPOINT_PARTS = (
-    "TransferQueue's separate controller and storage checkpoints have no equivalent here: the store "
-    "saves rows, tags and streaming state as one checkpoint; use tq.save_checkpoint(dir) / "
-    "tq.load_checkpoint(dir)"
+_CONTROLLER_CHECKPOINT = (
+    "TransferQueue's separate controller checkpoint has no equivalent here: the store saves rows, tags "
+    "and streaming state as one checkpoint; use tq.save_checkpoint(dir) / tq.load_checkpoint(dir)"
 )
+
+
+def _store_checkpoint(name: str) -> Any:
+    import dataplane
+
+    fn = getattr(dataplane, name, None)
+    if fn is None:
+        raise NotImplementedError(
+            f"tq.{name}: the store's checkpoint (dataplane.{name}, issue 23: checkpoint and restore) "
+            "is not in this build"
+        )
+    return fn
 
 
 def _key_list(keys: Any) -> list[str]:
@@ -637,20 +662,6 @@ def _key_list(keys: Any) -> list[str]:
     if not all(isinstance(k, str) for k in keys):
         raise TypeError("Not all elements in `keys` are strings.")
     return list(keys)
-
-
-def _schema_only(schema: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The schema the controller keeps: per field, without per-row shapes (a nested field whose
-    rows all have one shape is recorded with that shape)."""
-    out = {}
-    for name, meta in schema.items():
-        entry = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
-        if meta.get("is_nested") and meta.get("per_sample_shapes"):
-            shapes = {tuple(s) for s in meta["per_sample_shapes"]}
-            entry["shape"] = next(iter(shapes)) if len(shapes) == 1 else None
-            entry["is_nested"] = len(shapes) > 1
-        out[name] = entry
-    return out
 
 
 def _rows(data: Any, positions: list[int]) -> Any:

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from dataplane import api as _api
+from dataplane.errors import FieldNotFoundError, StoreNotInitializedError
 from dataplane.meta import KVBatchMeta as _StoreMeta
 from dataplane.tq import _layout, _session
 from dataplane.tq.client import TransferQueueClient, no_data_parser, sampler_spec
-from dataplane.tq.metadata import KVBatchMeta, extract_field_schema
+from dataplane.tq.metadata import KVBatchMeta, kept_schema, mapping_schema
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
     if existing is not None:  # another process initialised it: attach, its config wins
         shared = _session.attach()
     else:
-        info = _api.init(**options)
+        # A Ray worker attaches only: a store it started would die with it (a driver starts one).
+        info = _api.init(attach_only=_in_ray_worker(), **options)
         spec = sampler_spec(sampler)
         _session.start_controllers(
             {"store": info.extra.get("name", "dataplane"), "polling_mode": polling, "sampler": spec}
@@ -116,6 +118,12 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
     _TQ_CONTROLLER = _session.state.controller
     _TQ_CLIENT = TransferQueueClient()
     return {"store": options, "polling_mode": shared["polling_mode"], "sampler": shared["sampler"]}
+
+
+def _in_ray_worker() -> bool:
+    import ray
+
+    return bool(ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
 
 
 def close() -> None:
@@ -132,10 +140,12 @@ def close() -> None:
 def get_client() -> TransferQueueClient:
     """TransferQueue's low-level client (``get_meta``, ``put``, ``get_data``, ...) on this store;
     attaches first in a process of the cluster that never called ``init``."""
-    global _TQ_CLIENT
+    global _TQ_CLIENT, _TQ_CONTROLLER
     _session.attach()
     if _TQ_CLIENT is None:
         _TQ_CLIENT = TransferQueueClient()
+    if _TQ_CONTROLLER is None:
+        _TQ_CONTROLLER = _session.state.controller
     return _TQ_CLIENT
 
 
@@ -176,29 +186,8 @@ def _row(fields: Any) -> Any:
 
 def _record_schema(partition_id: str, fields: Any, n: int) -> None:
     """Tell the controller the schema of what a KV put wrote (for ``BatchMeta.field_schema``)."""
-    if fields is None:
-        return
-    try:
-        if hasattr(fields, "batch_size"):
-            schema = extract_field_schema(fields)
-        else:
-            from tensordict import TensorDict
-
-            schema = extract_field_schema(TensorDict(dict(fields), batch_size=[n]))
-    except Exception:  # an unusual layout the store takes but TensorDict does not: no schema
-        return
-    from dataplane.tq.client import _schema_only
-
-    _session.tell("record_schema", partition_id, _schema_only(schema))
-
-
-def _row_as_batch(fields: Any) -> Any:
-    """kv_put's row as a batch of one (tensors gain the batch dim), for its schema."""
-    import torch
-
-    if fields is None or hasattr(fields, "batch_size"):
-        return fields
-    return {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) else [v]) for k, v in fields.items()}
+    if fields is not None:
+        _session.tell("record_schema", partition_id, kept_schema(mapping_schema(fields, n)))
 
 
 def kv_put(
@@ -209,7 +198,7 @@ def kv_put(
     _check_put(fields, tag, data_parser)
     _session.attach()
     meta = _api.kv_put(key, partition_id, _row(fields), tag)
-    return _put_done(partition_id, _row_as_batch(fields), meta)
+    return _put_done(partition_id, fields, meta)
 
 
 def kv_batch_put(
@@ -227,6 +216,27 @@ def kv_batch_put(
     )
 
 
+def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldNotFoundError) -> list[str]:
+    """The selected fields every key holds; a field no key holds is left out (TransferQueue does, and
+    verl's trainers ask for optional fields that way); one only some keys hold raises ``error``."""
+    from dataplane.client import stream_ops as _stream_ops
+
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+    body = {"pid": partition_id, "keys": keys}
+    known = _api._client().run(_stream_ops.stream_call("resolve", body))["known"]
+    held = {f: sum(f in known.get(k, ()) for k in keys) for f in fields}
+    if any(0 < n < len(keys) for n in held.values()):
+        raise error
+    return [f for f in fields if held[f] == len(keys)]
+
+
+def _empty(keys: Any) -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict({}, batch_size=[1 if isinstance(keys, str) else len(keys)])
+
+
 def kv_batch_get(
     keys: list[str] | str,
     partition_id: str,
@@ -236,10 +246,17 @@ def kv_batch_get(
 ) -> Any:
     """TransferQueue's ``kv_batch_get``: rows in key order, in TransferQueue's layout (tensor fields
     jagged; ``layout="dense"``: as the store returns them); without ``select_fields`` the fields
-    every key holds. A missing key raises ``KeyNotFoundError`` (a ``ValueError``)."""
+    every key holds. A missing key raises ``KeyNotFoundError`` (a ``ValueError``); a selected field
+    no key holds is left out, as in TransferQueue; one that only some keys hold raises
+    ``FieldNotFoundError``."""
     _layout.check_layout(layout)
     _session.attach()
-    return _layout.to_layout(_api.kv_batch_get(keys, partition_id, select_fields), layout)
+    try:
+        td = _api.kv_batch_get(keys, partition_id, select_fields)
+    except FieldNotFoundError as exc:
+        fields = _held_by_all(keys, partition_id, select_fields, exc)
+        td = _api.kv_batch_get(keys, partition_id, fields) if fields else _empty(keys)
+    return _layout.to_layout(td, layout)
 
 
 def kv_batch_get_by_meta(
@@ -278,7 +295,7 @@ async def async_kv_put(
     _check_put(fields, tag, data_parser)
     await _attach()
     meta = await _api.async_kv_put(key, partition_id, _row(fields), tag)
-    return _put_done(partition_id, _row_as_batch(fields), meta)
+    return _put_done(partition_id, fields, meta)
 
 
 async def async_kv_batch_put(
@@ -303,7 +320,12 @@ async def async_kv_batch_get(
 ) -> Any:
     _layout.check_layout(layout)
     await _attach()
-    return _layout.to_layout(await _api.async_kv_batch_get(keys, partition_id, select_fields), layout)
+    try:
+        td = await _api.async_kv_batch_get(keys, partition_id, select_fields)
+    except FieldNotFoundError as exc:
+        fields = await asyncio.to_thread(_held_by_all, keys, partition_id, select_fields, exc)
+        td = await _api.async_kv_batch_get(keys, partition_id, fields) if fields else _empty(keys)
+    return _layout.to_layout(td, layout)
 
 
 async def async_kv_batch_get_by_meta(
@@ -330,49 +352,47 @@ async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
-_NO_CHECKPOINT = (
-    "the store's checkpoint (dataplane.save_checkpoint / dataplane.load_checkpoint, issue 23: "
-    "checkpoint and restore) is not in this build"
-)
 
-
-def _store_checkpoint(name: str) -> Any:
-    import dataplane
-
-    fn = getattr(dataplane, name, None)
-    if fn is None:
-        raise NotImplementedError(f"tq.{name}: {_NO_CHECKPOINT}")
-    return fn
+def _initialized() -> None:
+    """TransferQueue's rule for checkpoints: only a process that called ``init`` (or attached through
+    ``get_client``) saves or loads."""
+    if _TQ_CONTROLLER is None:
+        raise StoreNotInitializedError("TransferQueue is not initialized: call tq.init() first")
 
 
 def save_checkpoint(
     checkpoint_dir: str | Path, *, include_storage: bool = True, metadata: dict[str, Any] | None = None
 ) -> None:
-    """TransferQueue's ``save_checkpoint``: the store's rows, tags and streaming state, with
-    ``metadata`` (plain values) saved alongside. The store always saves its rows (as TransferQueue
-    does for its default, in-memory backend): ``include_storage=False`` only logs a warning.
+    """TransferQueue's ``save_checkpoint``: the store's rows, tags, schemas and streaming state, with
+    ``metadata`` (JSON values) kept alongside, written atomically (``dataplane.save_checkpoint``).
+    The store always saves its rows (as TransferQueue does for its in-memory backend):
+    ``include_storage=False`` only logs a warning.
 
     Raises:
-        NotImplementedError: this build has no store checkpoint yet (issue 23).
+        StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
+        NotImplementedError: this build has no store checkpoint (issue 23).
     """
-    save = _store_checkpoint("save_checkpoint")
-    _session.attach()
+    _initialized()
     if not include_storage:
         logger.warning(
             "tq.save_checkpoint: include_storage=False has no effect: the store's rows live in memory"
         )
-    save(checkpoint_dir, metadata=metadata)
+    get_client().save_storage_checkpoint(str(checkpoint_dir), metadata=metadata)
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
-    """TransferQueue's ``load_checkpoint``: restore what ``save_checkpoint`` saved.
+    """TransferQueue's ``load_checkpoint``: restore what ``save_checkpoint`` saved; partitions of the
+    same names are replaced whole, as TransferQueue replaces its state.
 
     Raises:
-        NotImplementedError: this build has no store checkpoint yet (issue 23).
+        StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
+        FileNotFoundError: no checkpoint at ``checkpoint_dir``.
+        NotImplementedError: this build has no store checkpoint (issue 23).
     """
-    load = _store_checkpoint("load_checkpoint")
-    _session.attach()
-    load(checkpoint_dir)
+    _initialized()
+    if not Path(checkpoint_dir).exists() and not Path(f"{checkpoint_dir}.old").exists():
+        raise FileNotFoundError(f"no checkpoint at {str(checkpoint_dir)!r}")
+    get_client().load_storage_checkpoint(str(checkpoint_dir))
 
 
 __all__ = [

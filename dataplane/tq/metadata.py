@@ -272,6 +272,43 @@ def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
     return {name: _schema_of(data.get(name), n, name) for name in data.keys()}
 
 
+def mapping_schema(fields: Any, n: int) -> dict[str, dict[str, Any]]:
+    """The schema of a put's ``fields`` (a TensorDict, or a mapping of ``n``-row columns; a row of
+    tensors without the batch dim when ``n`` is 1 and they are not batched); columns whose layout it
+    cannot read are left out (the store took them; only their schema is unknown)."""
+    import torch
+
+    get = fields.get if hasattr(fields, "batch_size") else fields.__getitem__
+    out = {}
+    for name in list(fields.keys()):
+        value = get(name)
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_nested
+            and (value.dim() == 0 or value.shape[0] != n)
+        ):
+            value = value.unsqueeze(0)  # kv_put's row
+        try:
+            out[name] = _schema_of(value, n, name)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
+
+
+def kept_schema(schema: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A schema as the controller keeps it: per field, without per-row shapes (a nested field whose
+    rows all have one shape is kept with that shape)."""
+    out = {}
+    for name, meta in schema.items():
+        entry = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
+        shapes = {tuple(s) for s in meta.get("per_sample_shapes") or ()}
+        if meta.get("is_nested") and shapes:
+            entry["shape"] = next(iter(shapes)) if len(shapes) == 1 else None
+            entry["is_nested"] = len(shapes) > 1
+        out[name] = entry
+    return out
+
+
 class _SampleView:
     """One row of a ``BatchMeta``, read-only (mappings are ``MappingProxyType``)."""
 
@@ -741,4 +778,11 @@ def _merged_field(name: str, meta: dict[str, Any], parts: Sequence[BatchMeta]) -
     return out
 
 
-__all__ = ["BatchMeta", "KVBatchMeta", "KeysNotInBatchError", "extract_field_schema"]
+__all__ = [
+    "BatchMeta",
+    "KVBatchMeta",
+    "KeysNotInBatchError",
+    "extract_field_schema",
+    "kept_schema",
+    "mapping_schema",
+]

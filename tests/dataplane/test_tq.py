@@ -318,22 +318,61 @@ def test_machinery_without_an_equivalent_names_the_alternative():
     with pytest.raises(NotImplementedError, match="get_client"):
         tq.process_zmq_server_info(None)
     with pytest.raises(NotImplementedError, match="tq.save_checkpoint"):
-        tq.TransferQueueClient().save_storage_checkpoint("/tmp/x")
+        tq.TransferQueueClient().save_controller_checkpoint("/tmp/x")
 
 
 def test_checkpoints_go_to_the_stores_or_say_they_are_missing(attached, tmp_path, monkeypatch):
     import dataplane
 
+    ckpt = tmp_path / "ckpt"
     if getattr(dataplane, "save_checkpoint", None) is None:
         with pytest.raises(NotImplementedError, match="issue 23"):
-            tq.save_checkpoint(tmp_path / "ckpt", metadata={"global_steps": 3})
-        with pytest.raises(NotImplementedError, match="issue 23"):
-            tq.load_checkpoint(tmp_path / "ckpt")
+            tq.save_checkpoint(ckpt, metadata={"global_steps": 3})
     calls = []
-    monkeypatch.setattr(
-        dataplane, "save_checkpoint", lambda d, *, metadata=None: calls.append((d, metadata)), raising=False
-    )
-    monkeypatch.setattr(dataplane, "load_checkpoint", lambda d: calls.append((d,)), raising=False)
-    tq.save_checkpoint(tmp_path / "ckpt", include_storage=True, metadata={"global_steps": 3})
-    tq.load_checkpoint(tmp_path / "ckpt")
-    assert calls == [(tmp_path / "ckpt", {"global_steps": 3}), (tmp_path / "ckpt",)]
+
+    def save(path, *, metadata=None):
+        calls.append(("save", path, metadata))
+        ckpt.mkdir()
+
+    def load(path, *, overwrite=False):
+        calls.append(("load", path, overwrite))
+
+    monkeypatch.setattr(dataplane, "save_checkpoint", save, raising=False)
+    monkeypatch.setattr(dataplane, "load_checkpoint", load, raising=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        tq.load_checkpoint(ckpt)
+    tq.save_checkpoint(ckpt, include_storage=True, metadata={"global_steps": 3})
+    tq.load_checkpoint(ckpt)
+    # TransferQueue's load replaces its state: partitions of the same names are overwritten
+    assert calls == [("save", str(ckpt), {"global_steps": 3}), ("load", str(ckpt), True)]
+    monkeypatch.setattr(tq.interface, "_TQ_CONTROLLER", None)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        tq.save_checkpoint(ckpt)
+
+
+def test_selected_fields_no_key_holds_are_left_out_like_transferqueue(attached, pid):
+    """verl's trainers ask for optional fields (values, ref_log_prob) that may not exist; a field
+    only some keys hold is a real gap and raises."""
+    tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.ones(2, 2)}, [2]))
+    tq.kv_put("a", pid, {"y": torch.ones(2)})
+    got = tq.kv_batch_get(["a", "b"], pid, select_fields=["x", "values"])
+    assert list(got.keys()) == ["x"] and got.batch_size[0] == 2
+    assert list(asyncio.run(tq.async_kv_batch_get(["a", "b"], pid, ["values"])).keys()) == []
+    with pytest.raises(dp.FieldNotFoundError, match="'y'"):
+        tq.kv_batch_get(["a", "b"], pid, select_fields=["x", "y"])
+
+
+def test_init_in_a_ray_worker_attaches_and_never_starts_a_store(attached, pid):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def worker(pid: str):
+        import dataplane as wdp
+        import dataplane.tq as wtq
+
+        got = wtq.init({"controller": {"polling_mode": False}})  # attaches: the shared config wins
+        wtq.kv_put("w", pid, {"x": torch.ones(1)})
+        return got["polling_mode"], wdp.init().owned
+
+    polling, owned = ray.get(worker.remote(pid), timeout=120)
+    assert polling is True and owned is False and "w" in tq.kv_list(pid)[pid]
