@@ -376,3 +376,34 @@ def test_init_in_a_ray_worker_attaches_and_never_starts_a_store(attached, pid):
 
     polling, owned = ray.get(worker.remote(pid), timeout=120)
     assert polling is True and owned is False and "w" in tq.kv_list(pid)[pid]
+
+
+def test_global_indexes_are_never_reused(attached, pid):
+    """A cleared key written again gets a new index; the old one names nothing any more, so a
+    stale BatchMeta can never read another row's data through it."""
+    client = tq.get_client()
+    tq.kv_batch_put(["a"], pid, TensorDict({"x": torch.zeros(1)}, [1]))
+    (old,) = client.kv_retrieve_meta(["a"], pid).global_indexes
+    tq.kv_clear(["a"], pid)
+    tq.kv_batch_put(["a"], pid, TensorDict({"x": torch.ones(1)}, [1]))
+    (new,) = client.kv_retrieve_meta(["a"], pid).global_indexes
+    assert new != old and client.kv_retrieve_keys([new], pid) == ["a"]
+    with pytest.raises(tq.UnknownIndexError, match=str(old)):
+        client.kv_retrieve_keys([old], pid)
+    with pytest.raises(tq.UnknownIndexError, match="unknown"):
+        client.get_data(tq.BatchMeta([old], [pid], {"x": {"dtype": torch.float32}}))
+
+
+def test_a_fetch_outside_polling_mode_waits_with_a_deadline(ray_cluster, pid):
+    """TransferQueue's controller waits 5 s then errors; so does get_meta here (timeout_s to tune)."""
+    tq.close()
+    tq.init({"controller": {"polling_mode": False}})
+    try:
+        client = tq.get_client()
+        client.put(TensorDict({"x": torch.zeros(1)}, [1]), partition_id=pid)
+        with pytest.raises(tq.GetMetaTimeoutError, match="within 0.2 s") as err:
+            client.get_meta(["x"], 2, pid, task_name="t", sampling_config={"timeout_s": 0.2})
+        assert isinstance(err.value, TimeoutError) and isinstance(err.value, RuntimeError)
+        assert client.get_meta(["x"], 1, pid, task_name="t").size == 1
+    finally:
+        tq.close()

@@ -176,3 +176,19 @@ def test_chunk_batch_fn_keeps_nested_fields_nested():
     assert [c[1].global_indexes for c in chunks] == [[0, 1], [2]]
     with pytest.raises(ValueError, match="exceeds"):
         chunk_batch_fn(td, BatchMeta([0, 1, 2], ["p"] * 3), micro_batch_size=4)
+
+
+def test_the_shared_config_carries_sampler_names_never_code():
+    from dataplane.tq.client import sampler_from_spec, sampler_spec
+
+    spec = sampler_spec(GRPOGroupNSampler(n_samples_per_prompt=4))
+    assert spec == {"name": "GRPOGroupNSampler", "params": {"n_samples_per_prompt": 4}}
+    assert sampler_from_spec(spec).n_samples_per_prompt == 4 and sampler_spec("SequentialSampler")
+
+    class Mine(SequentialSampler):
+        pass
+
+    with pytest.raises(ValueError, match="never code"):
+        sampler_spec(Mine())
+    with pytest.raises(ValueError, match="Could not find sampler"):
+        sampler_spec("NoSuchSampler")
