@@ -407,3 +407,22 @@ def test_a_fetch_outside_polling_mode_waits_with_a_deadline(ray_cluster, pid):
         assert client.get_meta(["x"], 1, pid, task_name="t").size == 1
     finally:
         tq.close()
+
+
+def test_streaming_dataset_with_transferqueues_constructor(attached, pid):
+    """Batches of 4 for dp_rank 0, in micro-batches of 2; a finite partition ends the stream; the
+    loader keeps the batches for replay and refuses worker processes (they cannot attach)."""
+    tq.get_client().put(TensorDict({"ids": torch.arange(16).view(8, 2)}, [8]), partition_id=pid)
+    ds = tq.StreamingDataset(
+        None, 4, 2, ["ids"], pid, "train", dp_rank=0, should_check_consumption_status=True
+    )
+    loader = tq.StreamingDataLoader(ds)
+    seen = [(td, meta) for td, meta in loader]
+    assert [td.batch_size[0] for td, _ in seen] == [2, 2, 2, 2]
+    assert all(isinstance(m, tq.BatchMeta) and m.size == 2 for _, m in seen)
+    got = sorted(v for td, _ in seen for row in td["ids"].unbind() for v in row.tolist())
+    assert got == list(range(16)) and len(loader.get_buffer()) == 2
+    loader.reset()
+    assert len(list(loader)) == 4  # replayed from the buffer
+    with pytest.raises(NotImplementedError, match="num_workers=2"):
+        tq.StreamingDataLoader(ds, num_workers=2)
