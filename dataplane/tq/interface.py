@@ -366,7 +366,10 @@ def save_checkpoint(
     """TransferQueue's ``save_checkpoint``: the store's rows, tags, schemas and streaming state, with
     ``metadata`` (JSON values) kept alongside, written atomically (``dataplane.save_checkpoint``).
     The store always saves its rows (as TransferQueue does for its in-memory backend):
-    ``include_storage=False`` only logs a warning.
+    ``include_storage=False`` only logs a warning. Then, for tools that read TransferQueue's layout,
+    ``metadata.json`` (``{"storage_saved": true, "user_metadata": metadata}``) is written into the
+    checkpoint, itself atomically; the store's own manifest holds the same metadata and is what a
+    load reads, so a checkpoint without it (a crash between the two) still loads.
 
     Raises:
         StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
@@ -378,6 +381,22 @@ def save_checkpoint(
             "tq.save_checkpoint: include_storage=False has no effect: the store's rows live in memory"
         )
     get_client().save_storage_checkpoint(str(checkpoint_dir), metadata=metadata)
+    _write_json(
+        Path(checkpoint_dir) / "metadata.json", {"storage_saved": True, "user_metadata": metadata or {}}
+    )
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """``value`` as JSON at ``path``, atomically (a temp file renamed over it)."""
+    import json
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:

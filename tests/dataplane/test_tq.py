@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 
 import numpy as np
@@ -333,6 +334,7 @@ def test_checkpoints_go_to_the_stores_or_say_they_are_missing(attached, tmp_path
     def save(path, *, metadata=None):
         calls.append(("save", path, metadata))
         ckpt.mkdir()
+        (ckpt / "manifest.json").write_text("{}")
 
     def load(path, *, overwrite=False):
         calls.append(("load", path, overwrite))
@@ -345,6 +347,9 @@ def test_checkpoints_go_to_the_stores_or_say_they_are_missing(attached, tmp_path
     tq.load_checkpoint(ckpt)
     # TransferQueue's load replaces its state: partitions of the same names are overwritten
     assert calls == [("save", str(ckpt), {"global_steps": 3}), ("load", str(ckpt), True)]
+    # TransferQueue's metadata.json, next to the store's files, for tools that read it
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta == {"storage_saved": True, "user_metadata": {"global_steps": 3}}
     monkeypatch.setattr(tq.interface, "_TQ_CONTROLLER", None)
     with pytest.raises(RuntimeError, match="not initialized"):
         tq.save_checkpoint(ckpt)
