@@ -409,9 +409,17 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         NotImplementedError: this build has no store checkpoint (issue 23).
     """
     _initialized()
-    if not Path(checkpoint_dir).exists() and not Path(f"{checkpoint_dir}.old").exists():
+    path = Path(checkpoint_dir)
+    if not path.exists() and not Path(f"{checkpoint_dir}.old").exists():
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint_dir)!r}")
-    get_client().load_storage_checkpoint(str(checkpoint_dir))
+    try:
+        get_client().load_storage_checkpoint(str(checkpoint_dir))
+    except FileNotFoundError as exc:
+        if (path / "metadata.json").exists():
+            raise
+        raise FileNotFoundError(
+            f"{str(checkpoint_dir)!r} holds no checkpoint of this store: no metadata.json, and {exc}"
+        ) from exc
 
 
 __all__ = [

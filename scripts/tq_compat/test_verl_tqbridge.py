@@ -62,6 +62,10 @@ class BridgeWorker(Worker):
         await asyncio.sleep(0)
         return _plus(data, "x", "z", 1.0)
 
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="dp"))
+    def ids_plus_three(self, data: TensorDict) -> TensorDict:
+        return _plus(data, "input_ids", "ids3", 3.0)
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="replica"))
     def replica_plus_two(self, data: TensorDict) -> TensorDict:
         return _plus(data, "x", "w", 2.0)
@@ -129,6 +133,16 @@ def test_method_reads_its_rows_and_writes_back(group, method, field, add):
     assert isinstance(out, KVBatchMeta) and out.keys == meta.keys and field in out.fields
     got = tq.kv_batch_get(keys=out.keys, partition_id=pid, select_fields=["x", field])
     assert torch.equal(_dense(got, field), _dense(got, "x") + add)
+
+
+def test_a_kv_meta_naming_its_field_as_a_str(group):
+    """verl's bridge takes ``KVBatchMeta.fields`` as a str too (``kv_batch_meta2batch_meta``)."""
+    pid = f"p{uuid.uuid4().hex[:8]}"
+    keys = _put_rows(2, pid).keys
+    tq.kv_batch_put(keys=keys, partition_id=pid, fields=TensorDict({"input_ids": torch.ones(2, 3)}, [2]))
+    out = group.ids_plus_three(KVBatchMeta(keys=keys, tags=[{}, {}], partition_id=pid, fields="input_ids"))
+    got = tq.kv_batch_get(keys=keys, partition_id=pid, select_fields="ids3")
+    assert "ids3" in out.fields and torch.equal(_dense(got, "ids3"), torch.full((2, 3), 4.0))
 
 
 def test_outputs_chain_into_the_next_call(group):
