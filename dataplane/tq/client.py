@@ -196,7 +196,6 @@ class TransferQueueClient:
         zmq_max_sockets: int | None = None,
     ) -> None:
         self.client_id = client_id or "dataplane.tq"
-        self._sampler_cache: dict[tuple[str, str], Sampler | None] = {}
 
     def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: Any = None) -> None:
         """TransferQueue's storage backend choice: this store is the backend; nothing to do."""
