@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test lint typecheck bench bench-quick install clean
+.PHONY: demo test lint typecheck bench bench-quick compat install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ bench: $(BENCH_STAMP)
 # Controller bypass in under a minute (64 MiB, 2 workers): build/bench/bypass.json and bypass.png.
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/rlplane bench bypass --quick --out build/bench
+
+# verl 0.9.1's TransferQueue code and TransferQueue 0.1.11's own tests, unchanged, against dataplane.tq
+# and against the real TransferQueue (both installed into a temp dir; needs PyPI; some 15-30 minutes).
+# Prints passed / failed per file and per implementation. IMPLS=dataplane runs ours only.
+compat: $(STAMP)
+	scripts/tq_compat.sh
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

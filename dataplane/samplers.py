@@ -256,28 +256,33 @@ def _length(tag: dict[Any, Any], length_tag: str) -> float:
     return float(value)
 
 
-def balanced_partition(weights: list[float], k: int) -> list[list[int]]:
-    """Indexes of ``weights`` split into ``k`` parts of (nearly) equal count with balanced sums.
+def balanced_partition(weights: list[float], k: int, equal_size: bool = True) -> list[list[int]]:
+    """Indexes of ``weights`` split into ``k`` parts with balanced sums; with ``equal_size`` the parts
+    also have (nearly) equal counts (``len(weights) // k`` or one more items).
 
-    Karmarkar-Karp largest differencing: each item starts as a k-tuple of one filled part; the two
-    tuples with the largest spread are merged (largest part with smallest), until one remains. Parts
-    have ``len(weights) // k`` or one more items.
+    Karmarkar-Karp largest differencing: each item starts as a k-tuple of parts (with
+    ``equal_size``, k items at a time fill one tuple; else each item fills one part of its own
+    tuple); the two tuples with the largest spread are merged (largest part with smallest), until
+    one remains.
 
     >>> balanced_partition([8, 7, 6, 5, 4, 3, 2, 1], 2)  # sums 18 and 18
     [[0, 3, 5, 6], [1, 2, 4, 7]]
+    >>> balanced_partition([100, 10, 10, 10, 10], 2, equal_size=False)
+    [[0], [1, 2, 3, 4]]
     """
     if k == 1:
         return [list(range(len(weights)))]
-    # Pad with zero-weight items so every part gets the same count, then drop the padding.
     n = len(weights)
-    pad = (-n) % k
+    # equal counts: pad with zero-weight items to a multiple of k, dropped at the end
+    pad = (-n) % k if equal_size else 0
     items = [*weights, *([0.0] * pad)]
     order = sorted(range(len(items)), key=lambda i: -items[i])
+    step = k if equal_size else 1
     heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
     counter = 0
-    for start in range(0, len(order), k):  # equal counts: merge rows of k items at a time
-        chunk = order[start : start + k]
-        parts = [(items[i], [i]) for i in chunk]
+    for start in range(0, len(order), step):
+        chunk = order[start : start + step]
+        parts = [(items[i], [i]) for i in chunk] + [(0.0, []) for _ in range(k - len(chunk))]
         parts.sort(key=lambda p: -p[0])
         spread = parts[0][0] - parts[-1][0]
         heapq.heappush(heap, (-spread, counter, parts))

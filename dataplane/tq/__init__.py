@@ -1,0 +1,174 @@
+"""A TransferQueue 0.1.11-compatible front: ``import dataplane.tq as tq`` replaces ``import
+transfer_queue as tq``, with its public names, submodules (``sampler``, ``dataloader``,
+``metadata``, ``interface``, ``client``), keywords, layouts and error contract, on this store.
+
+    import dataplane.tq as tq
+
+    tq.init()                                   # or tq.init(conf): a dict or OmegaConf config
+    meta = tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=td, tags=[{}, {}])
+    td = tq.kv_batch_get(keys=["a", "b"], partition_id="train", select_fields=["prompt"])
+    client = tq.get_client()                    # get_meta / put / get_data on BatchMeta
+    tq.kv_clear(keys=["a", "b"], partition_id="train")
+    tq.close()
+
+verl 0.9.1's TransferQueue code (``tqbridge``, the v1 trainers and ``ReplayBuffer``) and
+TransferQueue's own tests of its public classes run unchanged on it (``scripts/tq_compat.sh``).
+
+As in TransferQueue:
+
+* **Layout.** Reads return tensor fields as jagged nested tensors, even when the rows share a
+  shape (``layout="dense"`` on a read returns the store's ``[B, ...]`` instead; ``dp.*`` reads are
+  always dense where rows agree).
+* **Metadata.** ``BatchMeta`` (integer ``global_indexes``, ``partition_ids``, ``field_schema``,
+  ``production_status``, ``custom_meta``, ``select_samples``, ``chunk(chunks=...)``, ``concat``,
+  ``union``, ...) and ``KVBatchMeta`` (``partition_id=None``, ``fields`` as a str, TransferQueue's
+  messages) with TransferQueue's constructors; global indexes are handed out per key by the
+  ``TransferQueueController`` actor and never reused.
+* **Attach.** Any process of the Ray cluster may call any function without ``init()``: the first
+  call attaches (to the store and the controller, with the config every process shares).
+* **Client.** ``get_client()`` has every public method of TransferQueue's client, sync and
+  ``async_``, with its signatures.
+
+Better than TransferQueue, without breaking its users:
+
+* **A missing key raises** ``KeyNotFoundError`` (a ``ValueError`` and ``KeyError``, also
+  ``tq.StorageKeyNotFoundError``) naming the key; TransferQueue drops missing keys silently when at
+  least one key exists, so a batch shrinks without a sign. A selected field that no requested key
+  holds is left out of a ``kv_batch_get`` as in TransferQueue (verl's trainers ask for optional
+  fields so); one that only some of the keys hold raises ``FieldNotFoundError`` (TransferQueue
+  drops it too).
+* **No client-shipped code runs anywhere**: ``data_parser`` raises ``NotImplementedError``
+  (transform the data before the put), and the sampler in the config is shared as a name and
+  parameters, never as code (a sampler class of your own is passed per call instead:
+  ``get_meta(..., sampling_config={"sampler": ...})``; it runs in the calling process).
+* **Nothing is unpickled unless the reading process opted in** (``DATAPLANE_ALLOW_PICKLE=1``);
+  numpy byte-string and object arrays travel as bytes / str per row, without pickle.
+* **Tags merge** (``set_custom_meta``, ``put``): TransferQueue replaces each row's dict, so two
+  writers lose each other's tags.
+* **Global indexes are never reused**, so a stale ``BatchMeta`` never reads another row.
+* **Every wait has a deadline**: a non-polling ``get_meta`` waits 5 s (``sampling_config
+  ["timeout_s"]``) then raises ``GetMetaTimeoutError``; controller calls time out after 60 s.
+* **``close()``** stops the store and controller only in the process that started them; in
+  TransferQueue any caller kills the shared controller.
+
+Raising ``NotImplementedError`` (no equivalent here), each naming what to use instead:
+
+* ``data_parser=`` of ``kv_put``, ``kv_batch_put``, ``put`` and their ``async_`` forms;
+* ``TransferQueueController`` (the class: ``tq.init()`` starts the controller),
+  ``ZMQServerInfo``, ``ZMQMessage``, ``ZMQRequestType``, ``process_zmq_server_info``,
+  ``SimpleStorageUnit``, ``AsyncSimpleStorageManager``, ``storage.simple_storage.StorageUnitData``:
+  TransferQueue's zmq protocol and storage machinery;
+* the client's ``save_controller_checkpoint`` / ``load_controller_checkpoint`` (and ``async_``
+  forms): the store saves everything as one checkpoint, use ``tq.save_checkpoint`` /
+  ``tq.load_checkpoint`` (the client's ``save_storage_checkpoint`` / ``load_storage_checkpoint``);
+* ``tq.save_checkpoint`` / ``tq.load_checkpoint`` while the store has no checkpoint
+  (``dataplane.save_checkpoint``, issue 23);
+* ``StreamingDataLoader(num_workers>0)``: use ``dataplane.StreamingDataset(prefetch=...)``.
+
+The config: ``backend.SimpleStorage.num_data_storage_units`` sets the number of shards;
+``controller.polling_mode`` and ``controller.sampler`` apply to ``get_meta`` in every process.
+Capacity is bytes here (``StoreConfig.capacity_bytes``), not a sample count; every other key is
+ignored with one warning naming them. A ``TransferQueueController`` actor answers TransferQueue's
+introspection calls (``list_partitions``, ``clear_partition``, ``get_partition_snapshot``) in the
+``transfer_queue`` namespace and in the caller's.
+"""
+
+from __future__ import annotations
+
+from dataplane.tq import _unsupported
+from dataplane.tq.client import (
+    AsyncTransferQueueClient,
+    GetMetaTimeoutError,
+    TransferQueueClient,
+    UnknownIndexError,
+)
+from dataplane.tq.controller import TransferQueueController
+from dataplane.tq.dataloader import StreamingDataLoader, StreamingDataset
+from dataplane.tq.interface import (
+    async_kv_batch_get,
+    async_kv_batch_get_by_meta,
+    async_kv_batch_put,
+    async_kv_clear,
+    async_kv_list,
+    async_kv_put,
+    close,
+    get_client,
+    get_metrics_endpoint,
+    init,
+    kv_batch_get,
+    kv_batch_get_by_meta,
+    kv_batch_put,
+    kv_clear,
+    kv_list,
+    kv_put,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dataplane.tq.metadata import BatchMeta, KVBatchMeta
+from dataplane.tq.sampler import (
+    BaseSampler,
+    GRPOGroupNSampler,
+    RankAwareSampler,
+    SeqlenBalancedSampler,
+    SequentialSampler,
+)
+from dataplane.tq.storage import StorageKeyNotFoundError
+
+__version__ = "0.1.11"  # the TransferQueue release whose interface this follows
+
+
+ZMQServerInfo = _unsupported.unsupported("ZMQServerInfo")
+ZMQMessage = _unsupported.unsupported("ZMQMessage")
+ZMQRequestType = _unsupported.unsupported("ZMQRequestType")
+SimpleStorageUnit = _unsupported.unsupported("SimpleStorageUnit")
+AsyncSimpleStorageManager = _unsupported.unsupported("AsyncSimpleStorageManager")
+process_zmq_server_info = _unsupported.unsupported_function("process_zmq_server_info")
+
+__all__ = [
+    # KV interface
+    "init",
+    "close",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "KVBatchMeta",
+    # checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    # streaming data loader
+    "StreamingDataset",
+    "StreamingDataLoader",
+    # low-level interface
+    "get_client",
+    "BatchMeta",
+    "TransferQueueClient",
+    "AsyncTransferQueueClient",
+    "StorageKeyNotFoundError",
+    # samplers
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "SequentialSampler",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+    # TransferQueue's machinery: importable, NotImplementedError when used
+    "TransferQueueController",
+    "ZMQServerInfo",
+    "ZMQMessage",
+    "ZMQRequestType",
+    "SimpleStorageUnit",
+    "AsyncSimpleStorageManager",
+    "process_zmq_server_info",
+    # this store's additions
+    "GetMetaTimeoutError",
+    "UnknownIndexError",
+]
