@@ -350,3 +350,16 @@ def test_driver_bytes_do_not_grow_with_the_payload(kv, pid, tmp_path):
     small, large = infos
     assert large.data_bytes > 1000 * small.data_bytes // 2
     assert large.driver_bytes < small.driver_bytes + 256  # the same metadata, a few more digits
+
+
+def test_a_checkpoint_larger_than_the_store_loads_nothing(kv, pid, tmp_path):
+    from .conftest import own_store
+
+    dp.kv_batch_put([f"k{i}" for i in range(8)], pid, {"f32": torch.ones(8, 65536)})  # 2 MiB
+    dp.save_checkpoint(tmp_path / "c")
+    with own_store("t-ckpt-small", num_shards=2, capacity_bytes=1 << 20):  # 512 KiB a shard
+        dp.kv_batch_put(["x"], "other", {"f32": torch.ones(1, 3)})
+        with pytest.raises(dp.StoreFullError, match="nothing was loaded"):
+            dp.load_checkpoint(tmp_path / "c")
+        assert list(dp.kv_list()) == ["other"]
+        assert all(s["bytes_reserved"] == 0 for s in dp.stats()["shards"])
