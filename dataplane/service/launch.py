@@ -160,9 +160,10 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
     # creates makes Ray 2.60 cancel that creation ("all references removed").
     names = store_actor_names(cfg)
     if cfg.index_name() not in names:
-        if names:
+        if not names:
+            return None
+        if not _being_created(cfg.index_name()):
             raise StoreNotInitializedError(_broken(cfg, names))
-        return None
     try:
         index = ray.get_actor(cfg.index_name(), namespace=NAMESPACE)
     except ValueError:
@@ -175,10 +176,13 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
         except ray.exceptions.GetTimeoutError:
             registry = {}
         except ray.exceptions.RayActorError:
-            rest = [n for n in store_actor_names(cfg) if n != cfg.index_name()]
-            if rest:
-                raise StoreNotInitializedError(_broken(cfg, rest)) from None
-            return None
+            if _being_created(cfg.index_name()):  # alive, only unreachable for now (a busy node): again
+                registry = {}
+            else:
+                rest = [n for n in store_actor_names(cfg) if n != cfg.index_name()]
+                if rest:
+                    raise StoreNotInitializedError(_broken(cfg, rest)) from None
+                return None
         if registry.get("shards"):
             return registry, index
         if left <= 0:
@@ -188,6 +192,23 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
                 f"{cfg.schedule_timeout_s:.0f}s; stop it with `rlplane store stop` and start again"
             )
         time.sleep(0.05)
+
+
+def _being_created(name: str) -> bool:
+    """Whether an actor named ``name`` is registered and not dead (starting, alive or restarting).
+
+    A store is broken only when its index is dead: a call to an index that is alive but does not
+    answer Ray for a while (``ActorUnavailableError``, a ``RayActorError``, on a busy node) must not
+    get a live store stopped by the next ``dp.init``. Read from the GCS's actor table; unreadable
+    (another Ray): False, the store is judged by its live names alone, as before.
+    """
+    try:
+        from ray._private import state as ray_state
+
+        table = ray_state.actors()
+    except Exception:  # noqa: BLE001 - no table: as before this check
+        return False
+    return any(a.get("Name") == name and a.get("State") != "DEAD" for a in table.values())
 
 
 def _broken(cfg: StoreConfig, names: list[str]) -> str:

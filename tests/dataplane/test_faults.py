@@ -335,3 +335,26 @@ def test_running_out_of_fds_is_a_typed_error_naming_the_limit(ray_cluster, pid):
     finally:
         dp.close()
         handle.stop()
+
+
+def test_an_index_that_does_not_answer_ray_for_a_while_is_not_broken(ray_cluster, monkeypatch):
+    """A live index whose Ray call fails as unavailable (a busy node: ``ActorUnavailableError``, a
+    ``RayActorError``) is asked again, not taken for dead: the old code called the store broken and
+    the next ``dp.init`` stopped it. (Ray's unavailability cannot be caused on demand: the first
+    ``ray.get`` of the lookup raises it, the rest is real.)"""
+    cfg, _, handle = start_store(name="t-busy-index", num_shards=1)
+    real_get, calls = ray.get, []
+
+    def flaky_get(refs, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ray.exceptions.ActorUnavailableError("the node did not answer in time", None)
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", flaky_get)
+    try:
+        found = _service.find_service(cfg, timeout=30)
+        assert found is not None and found[0]["shards"] and len(calls) >= 2
+    finally:
+        monkeypatch.undo()
+        handle.stop()
