@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataplane.client.ops import Op, Route, _raise_first
-from dataplane.config import MAX_TIMEOUT_S, check_number
+from dataplane.config import INT64_MAX, MAX_TIMEOUT_S, check_number
 from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
 from dataplane.meta import KVBatchMeta
 from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
@@ -63,13 +63,13 @@ def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, field
 
 
 def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
-    for name, value, low in (
-        ("dp_rank", dp_rank, 0),
-        ("dp_size", dp_size, 1),
-        ("batch_index", batch_index, 0),
+    for name, value, low, high in (
+        ("dp_rank", dp_rank, 0, MAX_COUNT),
+        ("dp_size", dp_size, 1, MAX_COUNT),
+        ("batch_index", batch_index, 0, INT64_MAX),  # (the bridge derives 62-bit ones from a hash)
     ):
         if value is not None:
-            check_number(name, value, low, MAX_COUNT, integer=True)
+            check_number(name, value, low, high, integer=True)
     if dp_rank is not None and dp_size is not None and dp_rank >= dp_size:
         raise ValueError(f"dp_rank must be below dp_size: got dp_rank={dp_rank}, dp_size={dp_size}")
 

@@ -155,7 +155,7 @@ class Next(_Body):
     sampler: dict[str, Any] | None = None
     dp_rank: Count | None = None
     dp_size: Positive | None = None
-    batch_index: Count | None = None
+    batch_index: NonNegative | None = None  # (the bridge derives 62-bit ones from a hash)
     timeout_s: Timeout | None = None
     take: TakeId | None = None
     lease_s: LeaseS | None = None
@@ -170,7 +170,7 @@ class Ready(_Body):
     min_rows: Count = 1
     limit: Positive = 1 << 20
     dp_rank: Count | None = None
-    batch_index: Count | None = None
+    batch_index: NonNegative | None = None  # (the bridge derives 62-bit ones from a hash)
     timeout_s: Timeout | None = None
 
 
@@ -180,7 +180,7 @@ class Claim(_Body):
     fields: list[str]
     keys: list[str]
     dp_rank: Count | None = None
-    batch_index: Count | None = None
+    batch_index: NonNegative | None = None  # (the bridge derives 62-bit ones from a hash)
     take: TakeId | None = None
     lease_s: LeaseS | None = None
 

@@ -546,7 +546,13 @@ def test_bad_input_is_refused_with_a_typed_error_and_consumes_nothing(attached, 
     for bad in (-1, float("nan"), 1e306, -float("inf")):
         with pytest.raises(ValueError, match=r"timeout_s=.* must be a finite number in \[0, 1000000000.0\]"):
             dp.next_batch(pid, "t", 1, ["x"], timeout_s=bad)
-    for ranks in ({"dp_rank": 2, "dp_size": 2}, {"dp_rank": -1}, {"dp_size": 0}, {"batch_index": 2**70}):
+    for ranks in (
+        {"dp_rank": 2, "dp_size": 2},
+        {"dp_rank": -1},
+        {"dp_size": 0},
+        {"batch_index": 2**70},
+        {"batch_index": -1},
+    ):
         with pytest.raises(ValueError, match="dp_rank|dp_size|batch_index"):
             dp.next_batch(pid, "t", 1, ["x"], timeout_s=1, **ranks)
     with pytest.raises(TypeError, match="sampler must be a dataplane Sampler"):
