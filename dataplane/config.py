@@ -18,6 +18,7 @@ Environment variables (read here only, each by one function; a value that does n
     DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
                                connect to their Unix lane besides their own uid, which always may
                                (default: none; any other uid is closed at accept)
+    DATAPLANE_TQ_CONTROLLER_TIMEOUT_S  seconds ``dataplane.tq`` waits for its controller actor (60)
 
 Example:
     >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
@@ -132,6 +133,12 @@ def _env_float(name: str, default: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"environment variable {name}={raw!r} must be a finite number >= 0")
     return value
+
+
+def tq_controller_timeout_s() -> float:
+    """Seconds ``dataplane.tq`` waits for its TransferQueue controller actor to answer
+    (``DATAPLANE_TQ_CONTROLLER_TIMEOUT_S``, default 60)."""
+    return _env_float("DATAPLANE_TQ_CONTROLLER_TIMEOUT_S", 60.0)
 
 
 def read_buffer_pool_bytes() -> int:

@@ -9,11 +9,11 @@ Calls to the controller have a deadline (``DATAPLANE_TQ_CONTROLLER_TIMEOUT_S``, 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 from dataplane import api
+from dataplane.config import tq_controller_timeout_s
 from dataplane.errors import StoreNotInitializedError
 from dataplane.tq.controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, Controller
 
@@ -30,7 +30,7 @@ state = _State()
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("DATAPLANE_TQ_CONTROLLER_TIMEOUT_S", "60"))
+    return tq_controller_timeout_s()
 
 
 def _find(namespace: str) -> Any:
