@@ -89,7 +89,10 @@ class StoreConfig:
             different names can run side by side in one cluster.
         num_shards: storage shards; ``None`` means one per alive Ray node.
         capacity_bytes: byte capacity of the *whole* store (split evenly over shards); ``None`` = unbounded.
-        num_cpus: logical CPUs each store actor requests (small, so a store fits a 2-core machine).
+        num_cpus: logical CPUs each store actor requests. 0 by default: the store never takes a CPU
+            slot a worker group needs, so a store plus a group of as many workers as the machine has
+            cores schedules on a plain ``ray.init()`` (the actors still run; Ray only stops counting
+            them). Give a fraction to make Ray account for them on a shared cluster.
         transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", "zmq" (frames
             over the same-host ipc socket, or tcp across hosts), or "tcp" (frames over tcp even on the
             same host: what a client on another node gets, for tests and benchmarks).
@@ -116,7 +119,7 @@ class StoreConfig:
     name: str = "dataplane"
     num_shards: int | None = None
     capacity_bytes: int | None = None
-    num_cpus: float = 0.1
+    num_cpus: float = 0.0
     transport: str = "auto"
     rpc_timeout_s: float = 60.0
     schedule_timeout_s: float = 30.0
@@ -136,8 +139,8 @@ class StoreConfig:
             raise ValueError(f"num_shards={self.num_shards} must be >= 1")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={self.capacity_bytes} must be > 0")
-        if not 0 < self.num_cpus <= 64:
-            raise ValueError(f"num_cpus={self.num_cpus} must be > 0")
+        if not 0 <= self.num_cpus <= 64:
+            raise ValueError(f"num_cpus={self.num_cpus} must be between 0 and 64")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be > 0")
         for name in ("rpc_timeout_s", "schedule_timeout_s", "reservation_timeout_s"):

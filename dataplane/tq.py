@@ -129,7 +129,7 @@ def _start_controller(store_name: str) -> None:
         # (asked by listing: a failed get_actor of a name then created cancels the creation)
         if (namespace, CONTROLLER_NAME) not in named:  # else another process started it
             actor = ray.remote(Controller).options(
-                name=CONTROLLER_NAME, namespace=namespace, num_cpus=0.01, max_restarts=0
+                name=CONTROLLER_NAME, namespace=namespace, num_cpus=0, max_restarts=0
             )
             started.append(actor.remote(store_name))
     settings.controller = started
