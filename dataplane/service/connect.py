@@ -190,6 +190,56 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                 raise failure_error(address, kind, f"Ray: {getattr(exc, 'message', exc)}") from None
 
 
+def token_for_this_machines_cluster(address: str | None) -> bool:
+    """Present this machine's Ray token to the cluster ``ray start`` started here when ``address``
+    names it by ``HOST:PORT`` (as ``RAY_ADDRESS`` too); True when token mode was switched on.
+
+    Ray 2.60 gives its default token (``~/.ray/auth_token``) to the cluster it finds by itself (address
+    ``auto`` or none: the one ``ray start`` recorded on this machine) but never to an address it is
+    given, so ``dp.init(address="HOST:PORT")`` of that very cluster was refused ("RAY_AUTH_MODE is unset
+    here") while ``dp.init()`` worked. Named by its address, the recorded cluster is the one ``auto``
+    would trust, so token mode is switched on here as Ray's ``auto`` does. Any other address gets no
+    token unless ``RAY_AUTH_MODE=token`` says so (a token sent to a host someone typed could leak).
+
+    Example:
+        >>> token_for_this_machines_cluster("local")  # not an address: nothing to do
+        False
+    """
+    if os.environ.get("RAY_AUTH_MODE") is not None:  # the user decided
+        return False
+    if address in (None, "auto"):
+        address = os.environ.get("RAY_ADDRESS") or None  # an address Ray was given all the same
+    try:
+        wanted = parse_address(address)
+    except ValueError:  # e.g. a ray:// client address in RAY_ADDRESS: Ray's own business
+        return False
+    if wanted is None:
+        return False
+    try:
+        from ray._private.authentication import authentication_token_setup as tokens
+        from ray._private.services import find_bootstrap_address
+    except ImportError:  # a Ray without token authentication
+        return False
+    try:
+        recorded = parse_address(find_bootstrap_address(None) or "auto")  # what `ray start` wrote here
+    except ValueError:
+        return False
+    if recorded is None or recorded[1] != wanted[1] or not _same_host(wanted[0], recorded[0]):
+        return False
+    ray_log = logging.getLogger(tokens.__name__)  # its notice that token mode is on: not for a user
+    level = ray_log.level
+    ray_log.setLevel(logging.ERROR)
+    try:
+        return bool(tokens.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    finally:
+        ray_log.setLevel(level)
+
+
+def _same_host(host: str, recorded: str) -> bool:
+    """Whether ``host`` names ``recorded``, an address of this machine (where ``ray start`` ran)."""
+    return host in (recorded, "localhost", "127.0.0.1", "::1") or _ip(host) == recorded
+
+
 def check_joined(address: str | None) -> None:
     """With Ray already initialised here, an explicit ``HOST:PORT`` must name the cluster joined.
 
@@ -236,6 +286,7 @@ def connect(address: str | None, **ray_options: Any) -> Any:
 
     parse_address(address)  # the forms are checked before anything starts
     ray_options.setdefault("logging_level", logging.WARNING)
+    token_for_this_machines_cluster(address)
     if address is None or address == "local":
         # Not captured: a new local Ray's processes would inherit the capture file as their stderr.
         try:
@@ -273,4 +324,5 @@ __all__ = [
     "failure_error",
     "parse_address",
     "probe",
+    "token_for_this_machines_cluster",
 ]
