@@ -57,6 +57,7 @@ RUNNABLE = [
     "dataplane._worker_bridge",
     "dataplane.cli",
     "dataplane.config",
+    "dataplane.dataset.StreamBatch",
     "dataplane.meta",
     "dataplane.samplers.balanced_partition",
     "dataplane.service.connect",
