@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 RUNNABLE = [
     "bench._bypass_data",
+    "bench._bypass_report.headline",
     "bench._common",
     "bench._driver_cost",
     "bench.bypass.parse_size",

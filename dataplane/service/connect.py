@@ -18,6 +18,13 @@ a second: a TCP connect (nothing listens: ``ClusterConnectError``), then one que
 (a token refused: ``ClusterAuthError``). For ``auto`` Ray finds the address itself, so the join's
 log lines are kept off the terminal instead, and the failure is classified from their text.
 
+Token authentication (Ray 2.60, on by default): Ray presents this machine's token
+(``~/.ray/auth_token``) to the cluster it finds by itself, never to an address it is given. A
+``HOST:PORT`` (or ``RAY_ADDRESS``) naming the cluster ``ray start`` recorded on this machine, the one
+``auto`` finds, gets the token too, once that cluster refused this process for want of one
+(``token_for_this_machines_cluster``), so the ``dp.init(address="HOST:PORT")`` line ``rlplane store
+start`` prints works as printed. Any other address gets a token only from ``RAY_AUTH_MODE=token``.
+
 Runs in the driver (the ``rlplane`` command, or the user's process calling ``dp.init``).
 """
 
@@ -190,25 +197,14 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                 raise failure_error(address, kind, f"Ray: {getattr(exc, 'message', exc)}") from None
 
 
-def token_for_this_machines_cluster(address: str | None) -> bool:
-    """Present this machine's Ray token to the cluster ``ray start`` started here when ``address``
-    names it by ``HOST:PORT`` (as ``RAY_ADDRESS`` too); True when token mode was switched on.
-
-    Ray 2.60 gives its default token (``~/.ray/auth_token``) to the cluster it finds by itself (address
-    ``auto`` or none: the one ``ray start`` recorded on this machine) but never to an address it is
-    given, so ``dp.init(address="HOST:PORT")`` of that very cluster was refused ("RAY_AUTH_MODE is unset
-    here") while ``dp.init()`` worked. Named by its address, the recorded cluster is the one ``auto``
-    would trust, so token mode is switched on here as Ray's ``auto`` does. Any other address gets no
-    token unless ``RAY_AUTH_MODE=token`` says so (a token sent to a host someone typed could leak).
+def recorded_here(address: str | None) -> bool:
+    """Whether ``address`` (``HOST:PORT``) names the cluster ``ray start`` recorded on this machine, the
+    one Ray's ``auto`` finds (``ray_current_cluster`` in Ray's temp dir).
 
     Example:
-        >>> token_for_this_machines_cluster("local")  # not an address: nothing to do
+        >>> recorded_here("local")  # not an address
         False
     """
-    if os.environ.get("RAY_AUTH_MODE") is not None:  # the user decided
-        return False
-    if address in (None, "auto"):
-        address = os.environ.get("RAY_ADDRESS") or None  # an address Ray was given all the same
     try:
         wanted = parse_address(address)
     except ValueError:  # e.g. a ray:// client address in RAY_ADDRESS: Ray's own business
@@ -216,15 +212,38 @@ def token_for_this_machines_cluster(address: str | None) -> bool:
     if wanted is None:
         return False
     try:
-        from ray._private.authentication import authentication_token_setup as tokens
         from ray._private.services import find_bootstrap_address
-    except ImportError:  # a Ray without token authentication
+    except ImportError:
         return False
     try:
-        recorded = parse_address(find_bootstrap_address(None) or "auto")  # what `ray start` wrote here
+        recorded = parse_address(find_bootstrap_address(None) or "auto")
     except ValueError:
         return False
-    if recorded is None or recorded[1] != wanted[1] or not _same_host(wanted[0], recorded[0]):
+    return recorded is not None and recorded[1] == wanted[1] and _same_host(wanted[0], recorded[0])
+
+
+def token_for_this_machines_cluster(address: str | None) -> bool:
+    """Switch token mode on in this process, presenting this machine's Ray token, when ``address``
+    names the cluster ``ray start`` recorded here (``recorded_here``) and nothing says otherwise
+    (``RAY_AUTH_MODE`` unset, a token in ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``); True if it did.
+
+    Ray 2.60 gives its default token to the cluster it finds by itself (address ``auto`` or none)
+    but never to an address it is given (an argument or ``RAY_ADDRESS``), so
+    ``dp.init(address="HOST:PORT")`` of that very cluster was refused ("RAY_AUTH_MODE is unset here")
+    while ``dp.init()`` worked. ``connect`` calls this only after the cluster refused this process for
+    want of a token: named by its address, the recorded cluster is the one ``auto`` would trust. Any
+    other address gets no token unless ``RAY_AUTH_MODE=token`` says so (a token sent to a host someone
+    typed could leak).
+
+    Example:
+        >>> token_for_this_machines_cluster("local")  # not an address: nothing to do
+        False
+    """
+    if os.environ.get("RAY_AUTH_MODE") is not None or not recorded_here(address):
+        return False
+    try:
+        from ray._private.authentication import authentication_token_setup as tokens
+    except ImportError:  # a Ray without token authentication
         return False
     ray_log = logging.getLogger(tokens.__name__)  # its notice that token mode is on: not for a user
     level = ray_log.level
@@ -233,6 +252,17 @@ def token_for_this_machines_cluster(address: str | None) -> bool:
         return bool(tokens.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
     finally:
         ray_log.setLevel(level)
+
+
+def _probe_presenting_token(address: str) -> None:
+    """``probe``; if the cluster refuses this process for want of a token and is the one ``ray start``
+    recorded here, present this machine's token and probe again."""
+    try:
+        probe(address)
+    except ClusterAuthError:
+        if not token_for_this_machines_cluster(address):
+            raise
+        probe(address)
 
 
 def _same_host(host: str, recorded: str) -> bool:
@@ -286,7 +316,9 @@ def connect(address: str | None, **ray_options: Any) -> Any:
 
     parse_address(address)  # the forms are checked before anything starts
     ray_options.setdefault("logging_level", logging.WARNING)
-    token_for_this_machines_cluster(address)
+    given = os.environ.get("RAY_ADDRESS") if address in (None, "auto") else None
+    if given and recorded_here(given):  # Ray joins it as an address it was given: it may want our token
+        _probe_presenting_token(given)
     if address is None or address == "local":
         # Not captured: a new local Ray's processes would inherit the capture file as their stderr.
         try:
@@ -296,7 +328,7 @@ def connect(address: str | None, **ray_options: Any) -> Any:
             detail = f"Ray: {getattr(exc, 'message', exc)}"
             raise failure_error(address or "auto", classify_failure(text), detail) from None
     if address != "auto":
-        probe(address)
+        _probe_presenting_token(address)
     with captured_stderr() as lines:
         try:
             ctx = ray.init(address=address, **ray_options)
@@ -324,5 +356,6 @@ __all__ = [
     "failure_error",
     "parse_address",
     "probe",
+    "recorded_here",
     "token_for_this_machines_cluster",
 ]
