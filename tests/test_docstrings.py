@@ -61,6 +61,7 @@ RUNNABLE = [
     "dataplane.dataset.StreamBatch",
     "dataplane.meta",
     "dataplane.samplers.balanced_partition",
+    "dataplane.stream.StreamRequest",
     "dataplane.service.connect",
     "workers",
     "workers.cli",
