@@ -42,24 +42,6 @@ _CLIENTS_TIMEOUT_S = 10.0
 _MAX_PARTITIONS_LISTED = 12
 
 
-def command(name: str) -> str:
-    """How a shell calls this installation's command ``name`` (``rlplane``, ``ray``): the bare name when
-    PATH finds this one, else its full path (a venv used without activating it), so a printed line
-    works as printed.
-
-    Example:
-        >>> command("rlplane").endswith("rlplane")
-        True
-    """
-    import shutil
-
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    found = shutil.which(name)
-    if found and os.path.realpath(found) == os.path.realpath(here):
-        return name
-    return here
-
-
 def _say(text: str) -> None:
     """CLI output (the one place this package writes to stdout)."""
     sys.stdout.write(text + "\n")
@@ -90,7 +72,7 @@ def _start_head() -> str:
             f"`ray start --head` failed ({why}); if a Ray cluster already runs on this machine, start the "
             "store on it with --address auto",
         )
-    return f"started a new Ray head on this machine for the store (`{command('ray')} stop` stops it)"
+    return f"started a new Ray head on this machine for the store (`{_connect.command('ray')} stop` stops it)"
 
 
 def _join(address: str, action: str) -> None:
@@ -196,7 +178,7 @@ def _attach_lines(address: str) -> list[str]:
         token_auth = get_authentication_mode() == AuthenticationMode.TOKEN
     except ImportError:  # a Ray without token authentication
         token_auth = False
-    return attach_lines(address, token_auth, command("rlplane"), command("ray"))
+    return attach_lines(address, token_auth, _connect.command("rlplane"), _connect.command("ray"))
 
 
 def option_differences(registry: dict[str, Any], asked: dict[str, Any]) -> list[str]:
@@ -300,11 +282,12 @@ def _start(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
         registry = found[0]
         asked = {"shards": args.shards, "capacity": args.capacity, "encrypt": args.encrypt or None}
         differ = option_differences(registry, asked)
+        rlplane = _connect.command("rlplane")
         if differ:
             _say(
                 f"rlplane store start: store {cfg.name!r} is already running, with other options than "
-                f"asked: {'; '.join(differ)}. Stop it first (`{command('rlplane')} store stop --address "
-                f"{address}`) to start it with these, or use it as it is:"
+                f"asked: {'; '.join(differ)}. Stop it first (`{rlplane} store stop --address {address}`) to "
+                "start it with these, or use it as it is:"
             )
             _say("\n".join([describe(registry), *_attach_lines(address)]))
             return 1
@@ -349,7 +332,7 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
     if found is None:
         _say(
             f"rlplane store status: no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r} (Ray cluster "
-            f"at {address}); start one with `{command('rlplane')} store start --address {address}`"
+            f"at {address}); start one with `{_connect.command('rlplane')} store start --address {address}`"
         )
         return 1
     client = StoreClient(found[0])

@@ -46,11 +46,34 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 5.0  # a TCP connect to the head: a live head answers in milliseconds
 
 # Ray's token authentication (Ray >= 2.52): where a process finds the token it presents.
-_TOKEN_HELP = (
-    "give this process the cluster's token: RAY_AUTH_TOKEN=<token>, or RAY_AUTH_TOKEN_PATH=<file> "
-    "(default file ~/.ray/auth_token), with RAY_AUTH_MODE=token; `ray get-auth-token` on the head "
-    "node prints the token"
-)
+
+
+def command(name: str) -> str:
+    """How a shell calls this installation's command ``name`` (``rlplane``, ``ray``): the bare name when
+    PATH finds this one, else its full path (a venv used without activating it), so that a line a
+    message or the CLI prints works as printed.
+
+    Example:
+        >>> command("ray").endswith("ray")
+        True
+    """
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = shutil.which(name)
+    if found and os.path.realpath(found) == os.path.realpath(here):
+        return name
+    return here
+
+
+def _token_help() -> str:
+    return (
+        "give this process the cluster's token: RAY_AUTH_TOKEN=<token>, or RAY_AUTH_TOKEN_PATH=<file> "
+        f"(default file ~/.ray/auth_token), with RAY_AUTH_MODE=token; `{command('ray')} get-auth-token` on "
+        "the head node prints the token"
+    )
+
+
 # Text Ray's GCS client writes (C++ log line, exception message) when the GCS refuses a token.
 _REFUSED_MARKS = ("InvalidAuthToken", "Unauthenticated", "token is invalid or incorrect")
 _NO_TOKEN_MARKS = ("no authentication token was found",)
@@ -121,15 +144,15 @@ def failure_error(address: str, kind: str, detail: str = "") -> ClusterConnectEr
         return ClusterAuthError(
             address,
             f"the Ray cluster {where} refused this process: it uses token authentication and {sent}"
-            f"{why}; {_TOKEN_HELP}",
+            f"{why}; {_token_help()}",
         )
     if kind == "no_token":
         return ClusterAuthError(
-            address, f"token authentication is on for this process but it has no token{why}; {_TOKEN_HELP}"
+            address, f"token authentication is on for this process but it has no token{why}; {_token_help()}"
         )
     hint = (
-        "start one with `ray start --head`, or pass --address HOST:PORT of its head (the port `ray start` "
-        "printed, 6379 by default)"
+        f"start one with `{command('ray')} start --head`, or pass --address HOST:PORT of its head (the port "
+        "`ray start` printed, 6379 by default)"
         if address == "auto"
         else "check the host and port (the head's GCS port, 6379 by default), or use the address 'local' "
         "for a new Ray on this machine"
@@ -352,6 +375,7 @@ __all__ = [
     "captured_stderr",
     "check_joined",
     "classify_failure",
+    "command",
     "connect",
     "failure_error",
     "parse_address",
