@@ -139,17 +139,19 @@ class StoreClient:
             raise
 
     def _store_stopped(self, failed: str) -> bool:
-        """Whether the whole store was stopped (its index is gone too), not one actor lost.
+        """Whether the whole store was stopped (its index and shards are gone), not one actor lost.
 
-        A store being stopped closes its shards' connections and kills its actors one after the other,
-        so the index may still run for a moment after the shard this call found gone: this waits up to
-        ``STOPPED_WAIT_S`` for it to go (a shard lost alone costs its error that much more).
+        A store being stopped closes its shards' connections and kills its shards, then its index
+        (``ServiceHandle.stop``), so the index may still run for a moment after the shard this call
+        found gone: that waits up to ``STOPPED_WAIT_S`` for it to go (a shard lost alone costs its
+        error that much more). An index found gone while shard 0 lives died alone (a broken store).
         """
+        if failed == self.config.index_name():
+            return self.liveness.dead(0)
         target = next((i for i in range(len(self.shm)) if self.config.shard_name(i) == failed), 0)
         deadline = time.monotonic() + STOPPED_WAIT_S
         while True:
-            index_gone = self.liveness.dead(INDEX)
-            if index_gone and (failed == self.config.index_name() or self.liveness.dead(target)):
+            if self.liveness.dead(INDEX) and self.liveness.dead(target):
                 return True
             if time.monotonic() >= deadline:
                 return False
