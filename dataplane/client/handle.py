@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any
@@ -29,6 +30,7 @@ from dataplane.wire.transport import AsyncTransport, Endpoint, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 STOPPED_WAIT_S = 2.0  # how long a failed call waits to learn whether the whole store was stopped
+STOPPED_RECHECK_S = 10.0  # that verdict holds this long for the calls that found the same target gone
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class StoreClient:
         )
         self.engine = select_engine(registry)(self.route)
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)
+        self._stopped_lock = threading.Lock()
+        self._stopped_seen: dict[str, tuple[float, bool]] = {}  # failed target -> (when, stopped?)
 
     @property
     def transport(self) -> str:
@@ -141,11 +145,24 @@ class StoreClient:
     def _store_stopped(self, failed: str) -> bool:
         """Whether the whole store was stopped (its index and shards are gone), not one actor lost.
 
-        A store being stopped closes its shards' connections and kills its shards, then its index
-        (``ServiceHandle.stop``), so the index may still run for a moment after the shard this call
-        found gone: that waits up to ``STOPPED_WAIT_S`` for it to go (a shard lost alone costs its
-        error that much more). An index found gone while shard 0 lives died alone (a broken store).
+        One check per failed target at a time, its verdict kept ``STOPPED_RECHECK_S``: a burst of
+        calls that found the same shard gone (200 concurrent async gets) waits for one check, not
+        one each.
         """
+        with self._stopped_lock:
+            seen = self._stopped_seen.get(failed)
+            if seen is not None and time.monotonic() - seen[0] < STOPPED_RECHECK_S:
+                return seen[1]
+            verdict = self._check_stopped(failed)
+            self._stopped_seen[failed] = (time.monotonic(), verdict)
+            return verdict
+
+    def _check_stopped(self, failed: str) -> bool:
+        """A store being stopped closes its shards' connections and kills its shards, then its index
+        (``ServiceHandle.stop``), so the index may still run for a moment after the shard this call
+        found gone: this waits up to ``STOPPED_WAIT_S`` for it to go (a shard lost alone costs its
+        error that much more, once). An index found gone while shard 0 lives died alone (a broken
+        store)."""
         if failed == self.config.index_name():
             return self.liveness.dead(0)
         target = next((i for i in range(len(self.shm)) if self.config.shard_name(i) == failed), 0)
