@@ -275,8 +275,64 @@ def plot_unavailable() -> str | None:
     return None
 
 
+_LOOKS = {  # path: (colour, marker); markers tell apart lines that overlap (store and tq bytes)
+    "floor": ("0.5", "s"),
+    "classic": ("tab:red", "o"),
+    "store": ("tab:blue", "D"),
+    "tq": ("tab:orange", "^"),
+    "pyzmq": ("tab:green", "v"),
+}
+
+
+def headline(records: list[dict[str, Any]]) -> str:
+    """What to read from the chart, from the records: at the largest payload (first group size), how
+    many times fewer bytes the driver carried on the store path than on the classic one, and each
+    path's step time over the compute floor; with several payloads, how the driver bytes grow.
+
+    Example:
+        >>> rec = lambda path, p, b, o: {"path": path, "payload_bytes": p, "workers": 2,
+        ...                              "driver_bytes": b, "overhead_s": o}
+        >>> print(headline([rec("classic", 64 * MiB, 128 * MiB, 0.5), rec("store", 64 * MiB, 8192, 0.1)]))
+        64 MiB per step, 2 workers: the driver carries 16384x fewer bytes on the store path (8.0 KiB) than
+        on the classic one (128.0 MiB); over the compute floor a step takes 0.10 s (store), 0.50 s (classic)
+    """
+    from dataplane._units import format_bytes
+
+    workers = min(r["workers"] for r in records)
+    mine = [r for r in records if r["workers"] == workers]
+    top = max(r["payload_bytes"] for r in mine)
+    at = {r["path"]: r for r in mine if r["payload_bytes"] == top}
+    head = f"{format_bytes(top).replace('.0 ', ' ')} per step, {workers} workers"
+    parts = []
+    store, classic = at.get("store"), at.get("classic")
+    if store and classic and store["driver_bytes"]:
+        ratio = classic["driver_bytes"] / store["driver_bytes"]
+        parts.append(
+            f"the driver carries {ratio:.0f}x fewer bytes on the store path "
+            f"({format_bytes(store['driver_bytes'])}) than on the classic one "
+            f"({format_bytes(classic['driver_bytes'])})"
+        )
+    over = [f"{at[p]['overhead_s']:.2f} s ({p})" for p in ("store", "classic", "tq") if p in at]
+    if over:
+        parts.append("over the compute floor a step takes " + ", ".join(over))
+    payloads = sorted({r["payload_bytes"] for r in mine})
+    growth = {
+        p: [r["driver_bytes"] for r in sorted(mine, key=lambda r: r["payload_bytes"]) if r["path"] == p]
+        for p in ("store", "classic")
+    }
+    if len(payloads) > 1 and all(len(v) > 1 and v[0] for v in growth.values()):
+        parts.append(
+            f"from {format_bytes(payloads[0])} to {format_bytes(top)} the classic driver's bytes grow "
+            f"{growth['classic'][-1] / growth['classic'][0]:.0f}x, the store's "
+            f"{growth['store'][-1] / growth['store'][0]:.1f}x"
+        )
+    return f"{head}: " + "; ".join(parts) if parts else head
+
+
 def plot(records: list[dict[str, Any]], path: str) -> pathlib.Path | None:
-    """Step time and driver bytes against payload, one line per path (and group size), log scales.
+    """The chart of a run, titled with what to read from it (``headline``): step time and driver bytes
+    against payload, one line per path (and group size), log scales; a run of one payload per group
+    (``--quick``) gets bars per path instead, one point being no line.
 
     Returns the PNG's path, or None (with ``plot_unavailable()`` saying why) without matplotlib.
     """
@@ -287,17 +343,25 @@ def plot(records: list[dict[str, Any]], path: str) -> pathlib.Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.8))
+    one_point = len({r["payload_bytes"] for r in records}) == 1
+    (_bars if one_point else _lines)(records, ax_t, ax_b)
+    import textwrap
+
+    fig.suptitle(textwrap.fill(headline(records), 150), fontsize=9)
+    fig.tight_layout()
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _lines(records: list[dict[str, Any]], ax_t: Any, ax_b: Any) -> None:
+    """Step time and driver bytes against payload, a line per path and group size."""
     groups = sorted({r["workers"] for r in records})
     styles = ["-", "--", ":", "-."]
-    looks = {  # path: (colour, marker); markers tell apart lines that overlap (store and tq bytes)
-        "floor": ("0.5", "s"),
-        "classic": ("tab:red", "o"),
-        "store": ("tab:blue", "D"),
-        "tq": ("tab:orange", "^"),
-        "pyzmq": ("tab:green", "v"),
-    }
-    for name, (color, marker) in looks.items():
+    for name, (color, marker) in _LOOKS.items():
         for i, workers in enumerate(groups):
             rs = sorted((r for r in records if r["path"] == name and r["workers"] == workers),
                         key=lambda r: r["payload_bytes"])  # fmt: skip
@@ -312,7 +376,7 @@ def plot(records: list[dict[str, Any]], path: str) -> pathlib.Path | None:
     ticks = sorted({r["payload_bytes"] / MiB for r in records})
     for ax, title, unit in (
         (ax_t, "step time (median)", "seconds"),
-        (ax_b, "bytes through the driver", "bytes"),
+        (ax_b, "bytes through the driver (the store's: metadata, flat)", "bytes"),
     ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -322,9 +386,31 @@ def plot(records: list[dict[str, Any]], path: str) -> pathlib.Path | None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+
+
+def _bars(records: list[dict[str, Any]], ax_t: Any, ax_b: Any) -> None:
+    """One payload: a bar per path (and group size) for step time and for driver bytes, labelled."""
+    from dataplane._units import format_bytes
+
+    rs = sorted(
+        records, key=lambda r: (r["workers"], list(_LOOKS).index(r["path"]) if r["path"] in _LOOKS else 9)
+    )
+    groups = len({r["workers"] for r in rs})
+    names = [r["path"] if groups == 1 else f"{r['path']}\nW={r['workers']}" for r in rs]
+    colors = [_LOOKS.get(r["path"], ("0.3", ""))[0] for r in rs]
+    bars = ax_t.bar(names, [r["step_s"] for r in rs], color=colors)
+    ax_t.bar_label(bars, [f"{r['step_s']:.2f} s" for r in rs], fontsize=8)
+    ax_t.set_ylabel("seconds")
+    ax_t.set_title("step time (median); floor: the compute alone")
+    carried = [r for r in rs if r["driver_bytes"]]
+    bars = ax_b.bar(
+        [n for n, r in zip(names, rs, strict=True) if r["driver_bytes"]],
+        [r["driver_bytes"] for r in carried],
+        color=[c for c, r in zip(colors, rs, strict=True) if r["driver_bytes"]],
+    )
+    ax_b.bar_label(bars, [format_bytes(r["driver_bytes"]) for r in carried], fontsize=8)
+    ax_b.set_yscale("log")
+    ax_b.set_ylabel("bytes (log scale)")
+    ax_b.set_title("bytes through the driver per step")
+    for ax in (ax_t, ax_b):
+        ax.grid(True, axis="y", which="both", alpha=0.3)

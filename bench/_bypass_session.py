@@ -49,7 +49,8 @@ class Session:
         self.store_nodes: list[str] = []
         self.raw = False
         self.paths = [p for p in cfg.paths if p != "tq"]
-        self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its pool), until stopped
+        self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its slice), until stopped
+        self._pool: Any = None  # one pool of 1-CPU bundles that every group of the run shares
         self._spawned: dict[int, Any] = {}  # consumer groups started ahead, by size
         self._attached: dict[int, list[dict[str, Any]]] = {}  # and where their workers run
         self.setup_s: dict[str, float] = {}  # seconds per phase outside the timed steps
@@ -165,24 +166,42 @@ class Session:
             tqi._TQ_CLIENT = None
 
     def _spawn(self, cls: type, n: int) -> Any:
-        """Start ``n`` workers of ``cls``, one CPU bundle each, spread or packed; stopped with the run."""
-        from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        """Start ``n`` workers of ``cls`` on the first ``n`` bundles of the run's pool; stopped with the run.
 
-        pool = RayResourcePool([n], use_gpu=False, max_colocate_count=1)
+        Producers and every consumer group share one pool of 1-CPU bundles, as many as the largest
+        group (each actor asks a tenth of its bundle): the producers are the benchmark's own helpers
+        and take no CPU slot a consumer needs, so ``--workers N`` fits a cluster of N CPUs (a plain
+        ``ray start --head`` on an N-core machine).
+        """
+        from controlplane import RayClassWithInitArgs, RayWorkerGroup, SubRayResourcePool
+
+        pool = self._shared_pool()
+        slice_ = SubRayResourcePool(pool.get_placement_groups(), 0, n, use_gpu=False, max_colocate_count=1)
         wg = None
         try:
-            # Placed before the group asks (it would pack them): SPREAD puts bundles on different
-            # nodes where it can, PACK on as few as it can; both fall back rather than fail.
-            pool.get_placement_groups(strategy="SPREAD" if self.cfg.strategy == "spread" else "PACK")
             wg = RayWorkerGroup(
-                pool, RayClassWithInitArgs(cls, seq=1), call_timeout_s=self.cfg.call_timeout_s
+                slice_, RayClassWithInitArgs(cls, seq=1), call_timeout_s=self.cfg.call_timeout_s
             )
         except BaseException:
-            _stop_group(wg, pool)
+            _stop_group(wg)
             raise
-        self._groups[id(wg)] = (wg, pool)
+        self._groups[id(wg)] = (wg, slice_)
         self._stack.callback(self._stop, wg)
         return wg
+
+    def _shared_pool(self) -> Any:
+        """The run's pool, placed on first use and removed at the end (after every group on it)."""
+        if self._pool is None:
+            from controlplane import RayResourcePool
+
+            size = max(max(self.cfg.workers), self.cfg.producers)
+            pool = RayResourcePool([size], use_gpu=False, max_colocate_count=1)
+            # SPREAD puts bundles on different nodes where it can, PACK on as few as it can; both fall
+            # back rather than fail.
+            pool.get_placement_groups(strategy="SPREAD" if self.cfg.strategy == "spread" else "PACK")
+            self._stack.callback(pool.remove)
+            self._pool = pool
+        return self._pool
 
     @property
     def _attach_args(self) -> tuple[str, str]:
@@ -209,7 +228,7 @@ class Session:
 
     def _stop(self, wg: Any) -> None:
         if id(wg) in self._groups:
-            _stop_group(*self._groups.pop(id(wg)))
+            _stop_group(self._groups.pop(id(wg))[0])
 
     @contextlib.contextmanager
     def consumers(self, n: int) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
@@ -251,15 +270,14 @@ class _Background:
             raise self.error
 
 
-def _stop_group(wg: Any, pool: Any) -> None:
-    """Detach the workers' clients (best effort), kill them, free their placement group."""
+def _stop_group(wg: Any) -> None:
+    """Detach the workers' clients (best effort) and kill them (their bundles stay the run's)."""
     if wg is not None:
         try:
             wg.teardown()
         except Exception as exc:  # noqa: BLE001 - the workers are killed next either way
             log.warning("bypass workers did not detach cleanly: %s", exc)
         wg.kill()
-    pool.remove()
 
 
 # ---------------------------------------------------------------------------- one point

@@ -52,7 +52,6 @@ from typing import Any
 from bench import _bypass_report as report
 from bench import _common
 from bench._bypass_data import BypassCheckError
-from bench._bypass_session import Session, measure_point
 
 __all__ = [
     "PATHS",
@@ -171,6 +170,8 @@ def run_report(config: BypassConfig | None = None, **options: Any) -> report.Rep
         ValueError: a bad setting (``BypassConfig.validate``).
         BypassCheckError: a path delivered wrong data.
     """
+    from bench._bypass_session import Session, measure_point  # Ray, torch: not needed for `--help`
+
     cfg = dataclasses.replace(config or BypassConfig(), **options)
     cfg.validate()
     started = time.perf_counter()

@@ -76,7 +76,8 @@ def run_one(
     its exit status."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-c", _CHILD, bench.module, *bench.argv(out), *(extra or [])]
-    print(f"== rlplane bench {bench.name}: {bench.description}", flush=True)
+    if not {"-h", "--help"} & set(extra or []):  # a help text starts with its usage line
+        print(f"== rlplane bench {bench.name}: {bench.description}", flush=True)
     try:
         return subprocess.run(cmd, timeout=timeout_s, check=False).returncode
     except subprocess.TimeoutExpired:

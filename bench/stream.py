@@ -368,10 +368,10 @@ def _row(name: str, res: dict[str, Any] | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = parse_args(argv)  # before importing Ray: `--help` answers at once
     import ray
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = parse_args(argv)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     results: dict[str, Any] = {"store": None, "tq": None, "skipped": {}}
     try:

@@ -9,19 +9,37 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from controlplane.errors import ResourceShortageError
+from controlplane.errors import ControlPlaneError, ResourceShortageError
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-9
+_QUIET_WAIT_S = 2.0  # a placement that takes longer waits for resources in use: say what holds them
+
+
+def require_ray(what: str) -> None:
+    """Refuse to go on without Ray, naming the fix (Ray's own error speaks of its "state API").
+
+    Raises:
+        ControlPlaneError: Ray is not initialised in this process.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        raise ControlPlaneError(
+            f"{what} needs Ray, which is not initialised in this process: call ray.init() first (it "
+            "starts a local Ray, or joins your cluster when RAY_ADDRESS is set or address='auto' is given)"
+        )
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
     import ray
 
+    require_ray("a RayResourcePool (and the RayWorkerGroup on it)")
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
@@ -59,31 +77,145 @@ def check_fits(demands: Sequence[tuple[str, int, dict[str, float]]], *, use_avai
     First-fit decreasing over the nodes' available (or total) resources.
 
     Raises:
-        ResourceShortageError: naming the first demand that does not fit and what is missing.
+        ResourceShortageError: naming the first demand that does not fit, what is missing and, against
+            totals (a cluster that can never place it), how to make it fit.
     """
-    per_node = (
-        _available_per_node()
-        if use_available
-        else {n["NodeID"]: dict(n.get("Resources", {})) for n in _alive_nodes()}
-    )
+    totals = {n["NodeID"]: dict(n.get("Resources", {})) for n in _alive_nodes()}
+    per_node = _available_per_node() if use_available else totals
     free = {node_id: dict(res) for node_id, res in per_node.items()}
     order = sorted(demands, key=lambda d: -d[1] * sum(d[2].values()))
     for label, count, spec in order:
         need = {k: v * count for k, v in spec.items()}
         target = next((nid for nid, have in free.items() if _fits(need, have)), None)
         if target is None:
-            best = max(free.values(), key=lambda r: r.get("CPU", 0.0), default={})
+            best_id = max(free, key=lambda nid: free[nid].get("CPU", 0.0), default=None)
+            best = free.get(best_id, {}) if best_id is not None else {}
             short = {
                 k: round(v - best.get(k, 0.0), 3) for k, v in need.items() if best.get(k, 0.0) + _EPS < v
             }
             kind = "available" if use_available else "total"
-            raise ResourceShortageError(
+            text = (
                 f"cannot place {label}: {count} bundles of {_fmt(spec)} need {_fmt(need)} on one node; "
                 f"the best node has {_fmt(best)} {kind}, short by {short}; "
                 f"nodes: {[_fmt(r) for r in per_node.values()]}"
             )
+            if not use_available:  # it can never fit: say how to make it
+                node_total = totals.get(best_id, {}) if best_id is not None else {}
+                held = node_total.get("CPU", 0.0) - best.get("CPU", 0.0)  # by other demands of this check
+                fit = _bundles_fitting(spec, best)
+                text += "; " + never_fits_fix(held + need.get("CPU", 0.0), short, spec, fit, node_total)
+            raise ResourceShortageError(text)
         for k, v in need.items():
             free[target][k] = free[target].get(k, 0.0) - v
+
+
+def _bundles_fitting(spec: dict[str, float], have: dict[str, float]) -> int:
+    """How many bundles of ``spec`` fit in ``have``."""
+    counts = [have.get(k, 0.0) / v for k, v in spec.items() if v > 0]
+    return max(0, int(min(counts) + _EPS)) if counts else 0
+
+
+def never_fits_fix(
+    cpus: float, short: dict[str, float], spec: dict[str, float], fit: int, node_total: dict[str, float]
+) -> str:
+    """How to make a request fit a cluster too small for it: more logical CPUs, the accelerator it
+    lacks, or a smaller group.
+
+    Args:
+        cpus: the logical CPUs one node would need for the request.
+        short: what is missing, per resource.
+        spec: one bundle.
+        fit: how many such bundles the cluster could hold.
+        node_total: the largest node's resources.
+
+    Example:
+        >>> fix = never_fits_fix(4.0, {"CPU": 2.0}, {"CPU": 1.0}, 2, {"CPU": 2.0})
+        >>> "ray.init(num_cpus=4)" in fix and "--num-cpus 4" in fix and "RayResourcePool([2], ...)" in fix
+        True
+    """
+    fixes = []
+    if "CPU" in short:
+        n = math.ceil(cpus - _EPS)
+        fixes.append(
+            "give Ray more logical CPUs (they may exceed the machine's cores): "
+            f"ray.init(num_cpus={n}), or `ray start --head --num-cpus {n}`"
+        )
+    others = {k: v for k, v in short.items() if k != "CPU"}
+    if others:
+        fixes.append(f"run on a cluster with the missing {_fmt(others)}, or ask for none (use_gpu=False)")
+    if fit >= 1:
+        fixes.append(
+            f"ask for a smaller group: {fit} bundles of {_fmt(spec)} fit (RayResourcePool([{fit}], ...))"
+        )
+    return (
+        f"this cluster can never place it (Ray counts {node_total.get('CPU', 0.0):g} CPUs on its largest "
+        f"node). Fix: {'; or '.join(fixes)}"
+    )
+
+
+def check_feasible(store: Sequence[int], spec: dict[str, float], strategy: str, name_prefix: str) -> None:
+    """Fail at once when the cluster's totals can never hold the placement groups (Ray would wait
+    for ever): ``STRICT_PACK`` needs each group on one node; the other strategies need every bundle
+    somewhere (``STRICT_SPREAD``: each on its own node).
+
+    Raises:
+        ResourceShortageError: what was asked, what the cluster has, and the fix.
+    """
+    if strategy == "STRICT_PACK":
+        check_fits(
+            [(f"placement group {name_prefix}{i}", n, spec) for i, n in enumerate(store)], use_available=False
+        )
+        return
+    totals = [dict(n.get("Resources", {})) for n in _alive_nodes()]
+    per_node = [_bundles_fitting(spec, have) for have in totals]
+    room = sum(min(n, 1) for n in per_node) if strategy == "STRICT_SPREAD" else sum(per_node)
+    wanted = sum(store)
+    if wanted <= room:
+        return
+    largest = max(totals, key=lambda r: r.get("CPU", 0.0), default={})
+    need = {k: v * wanted for k, v in spec.items()}
+    short = {k: round(v - largest.get(k, 0.0), 3) for k, v in need.items() if largest.get(k, 0.0) + _EPS < v}
+    raise ResourceShortageError(
+        f"cannot place {wanted} bundles of {_fmt(spec)} ({strategy}, {_fmt(need)} in all): the cluster can "
+        f"hold {room} of them; nodes: {[_fmt(r) for r in totals]}; "
+        + never_fits_fix(need.get("CPU", 0.0), short or {"CPU": 0.0}, spec, room, largest)
+    )
+
+
+def holders(exclude: Sequence[Any] = ()) -> list[str]:
+    """What holds CPUs and GPUs now: placed placement groups (not those in ``exclude``) and actors
+    outside any placement group, each as ``kind 'name' (resources)``; best effort (empty if Ray does
+    not tell)."""
+    import ray.util
+
+    skip = {pg.id.hex() for pg in exclude}
+    out = []
+    try:
+        for pg_id, info in ray.util.placement_group_table().items():
+            if pg_id in skip or info.get("state") != "CREATED":
+                continue
+            held: dict[str, float] = {}
+            for bundle in (info.get("bundles") or {}).values():
+                for k, v in bundle.items():
+                    held[k] = held.get(k, 0.0) + v
+            name = info.get("name") or pg_id[:12]
+            out.append(f"placement group {name!r} ({len(info.get('bundles') or {})} bundles, {_fmt(held)})")
+    except Exception as exc:  # noqa: BLE001 - a diagnosis, never the reason a call fails
+        logger.debug("placement groups unknown: %s", exc)
+    try:  # actors that ask for CPUs or GPUs outside placement groups (Ray's GCS table, stable in 2.x)
+        from ray._private.state import state
+        from ray.core.generated import gcs_pb2
+
+        for raw in state._connect_and_get_accessor().get_actor_table(None, "ALIVE"):
+            actor = gcs_pb2.ActorTableData.FromString(raw)
+            if actor.HasField("placement_group_id") and actor.placement_group_id.strip(b"\x00"):
+                continue
+            held = {k: v for k, v in actor.required_resources.items() if k in ("CPU", "GPU") and v > 0}
+            if held:
+                out.append(f"actor {actor.name or actor.class_name!r} ({_fmt(held)})")
+    except Exception as exc:  # noqa: BLE001 - as above
+        logger.debug("actors unknown: %s", exc)
+    return out
 
 
 def ip_sort_key(ip: str) -> tuple:
@@ -133,9 +265,7 @@ def create_placement_groups(
     import ray
     import ray.util
 
-    if strategy == "STRICT_PACK":  # fail fast when no node could ever hold a group
-        for i, count in enumerate(store):
-            check_fits([(f"placement group {name_prefix}{i}", count, bundle_spec)], use_available=False)
+    check_feasible(store, bundle_spec, strategy, name_prefix)  # fail fast when it can never fit
     lifetime = "detached" if detached else None
     pgs = [
         ray.util.placement_group(
@@ -146,16 +276,33 @@ def create_placement_groups(
         )
         for i, count in enumerate(store)
     ]
-    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
+    refs = [pg.ready() for pg in pgs]
+    # Placed at once on a cluster with room; otherwise say now what holds the resources it waits for.
+    ready, _ = ray.wait(refs, num_returns=len(pgs), timeout=min(_QUIET_WAIT_S, timeout_s))
+    if len(ready) < len(pgs):
+        held = holders(exclude=pgs)
+        logger.warning(
+            "placement groups %s wait for %s (%.0fs at most); the cluster has %s available of %s; "
+            "held by: %s",
+            name_prefix,
+            _fmt({k: v * sum(store) for k, v in bundle_spec.items()}),
+            timeout_s,
+            _fmt(ray.available_resources()),
+            _fmt(ray.cluster_resources()),
+            "; ".join(held) or "nothing Ray lists",
+        )
+        ready, _ = ray.wait(refs, num_returns=len(pgs), timeout=max(0.0, timeout_s - _QUIET_WAIT_S))
     if len(ready) < len(pgs):
         pending = [i for i, pg in enumerate(pgs) if not pg.wait(0)]
+        held = holders(exclude=pgs)
         remove_placement_groups(pgs)
         needed = {k: v * sum(store[i] for i in pending) for k, v in bundle_spec.items()}
         raise ResourceShortageError(
             f"placement groups {[f'{name_prefix}{i}' for i in pending]} ({strategy}, "
             f"{[store[i] for i in pending]} bundles of {_fmt(bundle_spec)}; {_fmt(needed)} in all) were "
             f"not placed within {timeout_s}s; cluster has {_fmt(ray.available_resources())} available "
-            f"of {_fmt(ray.cluster_resources())}"
+            f"of {_fmt(ray.cluster_resources())}, held by: {'; '.join(held) or 'nothing Ray lists'}. "
+            "Free them (remove those pools, kill those groups or actors) or raise placement_timeout_s"
         )
     return sort_by_node_ip(pgs)
 

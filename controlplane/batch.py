@@ -236,7 +236,12 @@ def concat(parts: Sequence[Any]) -> Any:
         raise TypeError(f"cannot concatenate mixed types {sorted(k.__name__ for k in kinds)}")
     concat_fn = getattr(type(first), "concat", None)
     if not callable(concat_fn):
-        raise TypeError(f"{type(first).__name__} cannot be concatenated (it has no concat classmethod)")
+        raise TypeError(
+            f"{type(first).__name__} cannot be concatenated (it has no concat classmethod): the ranks "
+            "returned one each, which a concatenating mode (DP_COMPUTE_PROTO) cannot join; a method "
+            "returning one value per rank (a dict of metrics) belongs under Dispatch.DP_COMPUTE_METRIC "
+            "or ONE_TO_ALL, which give the caller every rank's result as a list"
+        )
     return concat_fn(list(parts))
 
 

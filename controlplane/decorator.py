@@ -191,9 +191,26 @@ def register(
     Raises:
         ValueError / TypeError: at decoration time, for an unknown mode or a malformed dict.
 
+    What a bridged method may return: a ``TensorDict`` of one row per key (written back, the caller
+    gets the meta with the new fields), or anything else, which is *not* written and comes back as
+    it is from each rank, for the dispatch mode to collect. A ``dict`` of metrics is the common
+    case: under ``DP_COMPUTE_METRIC`` (or ``ONE_TO_ALL``) the caller gets every rank's dict in a
+    list; ``DP_COMPUTE_PROTO`` concatenates the ranks' results, which dicts cannot be, and says so
+    (``TypeError``).
+
     Example:
         >>> @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         ... def init_model(self): ...
+        >>> from controlplane.dispatch import collect_dp_compute_metric, collect_dp_compute_proto
+        >>> class Group:                                   # a worker group of 2 ranks
+        ...     world_size = 2
+        >>> returned = [{"loss": 0.5}, {"loss": 0.7}]      # a bridged method's dict, from each rank
+        >>> collect_dp_compute_metric(Group(), returned)   # under DP_COMPUTE_METRIC: every rank's
+        [{'loss': 0.5}, {'loss': 0.7}]
+        >>> collect_dp_compute_proto(Group(), returned)    # under DP_COMPUTE_PROTO: refused
+        Traceback (most recent call last):
+        ...
+        TypeError: dict cannot be concatenated ... belongs under Dispatch.DP_COMPUTE_METRIC ...
     """
     _validate_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute) or execute_mode not in Execute:

@@ -147,7 +147,7 @@ def split_batches(
         items = items[1:]
     batch_keys = [key for key, value in items if _is_batch_arg(key, value)]
     if not batch_keys:
-        raise ValueError(f"Dispatch.{mode} needs at least one batch argument (TensorDict, list, ...)")
+        raise ValueError(_no_batch_message(mode, items))
     values = dict(items)
     maker = future_maker(values[batch_keys[0]])  # from the caller's batch, before any padding
     lengths = {key: batch.length(values[key]) for key in batch_keys}
@@ -175,6 +175,30 @@ def split_batches(
     args_out = [chunked[i] for i in range(len(args))]
     kwargs_out = {k: chunked[k] for k in kwargs}
     return Split(args_out, kwargs_out, pad, sizes, uneven, maker)
+
+
+def _no_batch_message(mode: str, items: list[tuple[int | str, Any]]) -> str:
+    """Why a split mode found nothing to split: what each argument was, and for a dict what to do.
+
+    Example:
+        >>> msg = _no_batch_message("DP_COMPUTE_PROTO", [(0, {"x": [1, 2]})])
+        >>> "argument 0 is a dict" in msg and "TensorDict(d, batch_size=[n])" in msg
+        True
+    """
+    got = (
+        ", ".join(f"{_arg_name(k)} is a {type(v).__name__}" for k, v in items) or "the call has no arguments"
+    )
+    text = (
+        f"Dispatch.{mode} needs at least one batch argument to split over the ranks (a TensorDict, a "
+        f"list, a KVBatchMeta, anything with chunk/concat), but {got}"
+    )
+    if any(isinstance(v, dict) for _, v in items):
+        text += (
+            ". A dict is not split (which of its entries are rows?): pass TensorDict(d, batch_size=[n]) to "
+            "split its columns by row, or @register(dispatch_mode=Dispatch.ONE_TO_ALL) to give every rank "
+            "the whole dict"
+        )
+    return text
 
 
 def _is_batch_arg(key: int | str, value: Any) -> bool:

@@ -20,7 +20,12 @@ from controlplane._enum import DynamicEnum
 class Dispatch(DynamicEnum):
     """How arguments are split over ranks and outputs gathered (see ``controlplane.dispatch``).
 
-    * ``ONE_TO_ALL``: every rank gets the arguments whole; a list of every rank's result.
+    * ``ONE_TO_ALL``: every rank gets the arguments whole; a list of every rank's result. With a
+      ``KVBatchMeta`` (any bridging argument) every rank gets the *whole* meta: each reads all of
+      its rows and runs the method on them, rank 0 alone writes per-row outputs back (not
+      ``world_size`` times), and the caller gets rank 0's meta with the new fields followed by an
+      empty meta of the same partition from each other rank. To give each rank its own share of
+      the rows, use ``DP_COMPUTE_PROTO``.
     * ``ALL_TO_ALL``: arguments as given (a list of ``world_size`` items gives rank i item i).
     * ``DP_COMPUTE_PROTO``: each batch argument (a list, TensorDict, ``KVBatchMeta``, ...) is *split*
       into ``world_size`` chunks along dim 0, one per rank, and the results are concatenated. A
@@ -34,6 +39,26 @@ class Dispatch(DynamicEnum):
 
     ``make_nd_compute_dispatch_fn(mesh)`` splits by data-parallel rank of a mesh instead;
     ``register_dispatch_mode`` adds members.
+
+    Example (``ONE_TO_ALL`` with a meta: what each rank receives, and which ranks write back):
+        >>> import dataplane as dp
+        >>> from controlplane.bridge import collect_rule
+        >>> from controlplane.dispatch import dispatch_one_to_all, dispatch_dp_compute_proto
+        >>> class Group:                           # a worker group of 2 ranks
+        ...     world_size = 2
+        >>> meta = dp.KVBatchMeta(["s0", "s1", "s2", "s3"], partition_id="step0")
+        >>> (per_rank,), _ = dispatch_one_to_all(Group(), meta)
+        >>> [m.keys for m in per_rank]             # ONE_TO_ALL: the whole meta for every rank
+        [['s0', 's1', 's2', 's3'], ['s0', 's1', 's2', 's3']]
+        >>> class Rank:
+        ...     def __init__(self, rank):
+        ...         self.rank = rank
+        >>> writes_back = collect_rule(Dispatch.ONE_TO_ALL)
+        >>> [writes_back(Rank(r)) for r in range(2)]
+        [True, False]
+        >>> (split,), _ = dispatch_dp_compute_proto(Group(), meta)
+        >>> [m.keys for m in split]                # DP_COMPUTE_PROTO: a share of the rows each
+        [['s0', 's1'], ['s2', 's3']]
     """
 
     # The members registered below, declared for type checkers (``register_dispatch_mode`` adds more).

@@ -12,7 +12,7 @@ TransferQueue's names, so code written against it moves over by changing one imp
     dp.close()
 """
 
-from typing import TYPE_CHECKING, Any
+import typing as _typing
 
 from dataplane import _bridge_hook  # noqa: F401 - installs __worker_bridge__ on metas
 from dataplane.api import (
@@ -105,6 +105,7 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StreamRequest",
+    "StreamingDataLoader",
     "StreamingDataset",
     "StreamResult",
     "ack",
@@ -167,16 +168,24 @@ __all__ = [
     "stats",
 ]
 
-# StreamingDataset subclasses torch's IterableDataset: imported on first use, so the store's own
-# processes (shards, index), which import this package, never load torch. A type checker sees the
-# plain import instead (and no module __getattr__, so a misspelt ``dp.name`` stays an error there).
-if TYPE_CHECKING:
+# StreamingDataset and StreamingDataLoader subclass torch's classes: imported on first use, so the
+# store's own processes (shards, index), which import this package, never load torch. A type checker
+# sees the plain imports instead (and no module __getattr__, so a misspelt ``dp.name`` stays an error).
+_LAZY = {"StreamingDataset": "dataplane.dataset", "StreamingDataLoader": "dataplane.dataloader"}
+
+if _typing.TYPE_CHECKING:
+    from dataplane.dataloader import StreamingDataLoader
     from dataplane.dataset import StreamingDataset
 else:
 
-    def __getattr__(name: str) -> Any:
-        if name == "StreamingDataset":
-            from dataplane.dataset import StreamingDataset
+    def __getattr__(name: str) -> _typing.Any:
+        if name in _LAZY:
+            import importlib
 
-            return StreamingDataset
+            return getattr(importlib.import_module(_LAZY[name]), name)
         raise AttributeError(f"module 'dataplane' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``), the lazy ones included; not the helpers this module imports."""
+    return sorted(__all__)

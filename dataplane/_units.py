@@ -62,4 +62,15 @@ def format_bytes(n: int | float | None, unlimited: str = "unlimited") -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-__all__ = ["format_bytes", "parse_size"]
+def exact_bytes(n: int) -> str:
+    """``n`` bytes for a message: a person's unit with the exact count after (``64.0 MiB (67108864
+    bytes)``), or just ``132 B`` below 1 KiB, where the two are one.
+
+    Example:
+        >>> exact_bytes(132), exact_bytes(64 << 20)
+        ('132 B', '64.0 MiB (67108864 bytes)')
+    """
+    return format_bytes(n) if abs(n) < 1024 else f"{format_bytes(n)} ({int(n)} bytes)"
+
+
+__all__ = ["exact_bytes", "format_bytes", "parse_size"]

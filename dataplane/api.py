@@ -247,7 +247,8 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
         if row:
             cols = encode_row(fields, allow_pickle=client.allow_pickle)
         else:
-            keys = list(keys) if not isinstance(keys, str) else keys
+            # Keys first: kv_batch_put("k0", ...) is a str where a list belongs, not a 2-row batch.
+            keys = _ops._check_keys(keys, partition_id)
             cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
     return client.engine.put(keys, partition_id, cols, tags)
 

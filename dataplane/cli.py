@@ -32,7 +32,7 @@ from typing import Any
 
 from dataplane._units import format_bytes
 from dataplane.config import NAMESPACE, StoreConfig
-from dataplane.errors import ClusterConnectError, DataplaneError, StoreNotInitializedError
+from dataplane.errors import ClusterConnectError, DataplaneError
 from dataplane.service import connect as _connect
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _start_head() -> str:
             f"`ray start --head` failed ({why}); if a Ray cluster already runs on this machine, start the "
             "store on it with --address auto",
         )
-    return "started a new Ray head on this machine for the store (`ray stop` stops it)"
+    return f"started a new Ray head on this machine for the store (`{_connect.command('ray')} stop` stops it)"
 
 
 def _join(address: str, action: str) -> None:
@@ -139,17 +139,46 @@ def describe(registry: dict[str, Any]) -> str:
     return f"store {cfg['name']!r}: {where}, capacity {format_bytes(capacity)}{per_shard}, {crypto}"
 
 
-def attach_lines(address: str) -> list[str]:
-    """How another process attaches to the store of the cluster at ``address``.
+def attach_lines(
+    address: str, token_auth: bool = False, rlplane: str = "rlplane", ray_command: str = "ray"
+) -> list[str]:
+    """How another process attaches to the store of the cluster at ``address``; each line works as
+    printed, in a fresh shell on this machine (``tests/workers/test_printed_steps.py`` runs them).
+
+    With Ray's token authentication on (``token_auth``), a process on this machine presents the
+    machine's token to this cluster by itself (``dataplane.service.connect``); one on another machine
+    needs the token, which ``ray get-auth-token`` prints here. ``rlplane`` and ``ray_command`` are
+    how to call the two commands (``command``).
 
     Example:
         >>> attach_lines("10.0.0.5:6379")[0]
         'attach from Python: dp.init(address="10.0.0.5:6379")   (import dataplane as dp)'
+        >>> print(attach_lines("10.0.0.5:6379", token_auth=True)[-1])
+        from another machine (Ray's token authentication is on): run `ray get-auth-token` here, and
+        there `export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<what it printed>` before the lines above
     """
-    return [
+    lines = [
         f'attach from Python: dp.init(address="{address}")   (import dataplane as dp)',
-        f"see it:             rlplane store status --address {address}",
+        f"see it:             {rlplane} store status --address {address}",
     ]
+    if token_auth:
+        lines.append(
+            f"from another machine (Ray's token authentication is on): run `{ray_command} get-auth-token` "
+            "here, and\nthere `export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<what it printed>` before the lines "
+            "above"
+        )
+    return lines
+
+
+def _attach_lines(address: str) -> list[str]:
+    """``attach_lines`` for the cluster this process joined."""
+    try:
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+
+        token_auth = get_authentication_mode() == AuthenticationMode.TOKEN
+    except ImportError:  # a Ray without token authentication
+        token_auth = False
+    return attach_lines(address, token_auth, _connect.command("rlplane"), _connect.command("ray"))
 
 
 def option_differences(registry: dict[str, Any], asked: dict[str, Any]) -> list[str]:
@@ -253,20 +282,21 @@ def _start(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
         registry = found[0]
         asked = {"shards": args.shards, "capacity": args.capacity, "encrypt": args.encrypt or None}
         differ = option_differences(registry, asked)
+        rlplane = _connect.command("rlplane")
         if differ:
             _say(
                 f"rlplane store start: store {cfg.name!r} is already running, with other options than "
-                f"asked: {'; '.join(differ)}. Stop it first (`rlplane store stop --address {address}`) to "
+                f"asked: {'; '.join(differ)}. Stop it first (`{rlplane} store stop --address {address}`) to "
                 "start it with these, or use it as it is:"
             )
-            _say("\n".join([describe(registry), *attach_lines(address)]))
+            _say("\n".join([describe(registry), *_attach_lines(address)]))
             return 1
         _say(f"already running, with the options asked for (not started again): {describe(registry)}")
-        _say("\n".join(attach_lines(address)))
+        _say("\n".join(_attach_lines(address)))
         return 0
     registry, _ = start_service(cfg)
     _say(f"started {describe(registry)}, in Ray namespace {NAMESPACE!r}")
-    _say("\n".join(attach_lines(address)))
+    _say("\n".join(_attach_lines(address)))
     return 0
 
 
@@ -292,18 +322,26 @@ def _clients(names: list[str]) -> list[int | None]:
 
 
 def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
+    # A client of its own rather than dp.init(): init loads torch and tensordict ahead of the first
+    # get, seconds of imports that a status line never needs.
     from dataplane import api
+    from dataplane.client.handle import StoreClient
+    from dataplane.service.launch import find_service
 
-    try:
-        api.init(attach_only=True, name=cfg.name)
-    except StoreNotInitializedError as exc:
-        _say(f"rlplane store status: {exc} (Ray cluster at {address}); start one with `rlplane store start`")
+    found = find_service(cfg)
+    if found is None:
+        _say(
+            f"rlplane store status: no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r} (Ray cluster "
+            f"at {address}); start one with `{_connect.command('rlplane')} store start --address {address}`"
+        )
         return 1
+    client = StoreClient(found[0])
     try:
-        stats = api.stats()
+        shards, index = client.run(client.engine.stats(False))
+        stats = api._stats_dict(client, shards, index)
         clients = _clients([s["name"] for s in stats["shards"]])
     finally:
-        api.close()
+        client.close()
     if args.json:
         out = {**stats, "address": address}
         for shard, n in zip(out["shards"], clients, strict=True):

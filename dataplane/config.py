@@ -156,7 +156,10 @@ class StoreConfig:
             different names can run side by side in one cluster.
         num_shards: storage shards; ``None`` means one per alive Ray node.
         capacity_bytes: byte capacity of the *whole* store (split evenly over shards); ``None`` = unbounded.
-        num_cpus: logical CPUs each store actor requests (small, so a store fits a 2-core machine).
+        num_cpus: logical CPUs each store actor requests. 0 by default: the store never takes a CPU
+            slot a worker group needs, so a store plus a group of as many workers as the machine has
+            cores schedules on a plain ``ray.init()`` (the actors still run; Ray only stops counting
+            them). Give a fraction to make Ray account for them on a shared cluster.
         transport: "auto" (shared memory when the shard is on this host, else zmq), "shm", "zmq" (frames
             over the same-host ipc socket, or tcp across hosts), or "tcp" (frames over tcp even on the
             same host: what a client on another node gets, for tests and benchmarks).
@@ -183,7 +186,7 @@ class StoreConfig:
     name: str = "dataplane"
     num_shards: int | None = None
     capacity_bytes: int | None = None
-    num_cpus: float = 0.1
+    num_cpus: float = 0.0
     transport: str = "auto"
     rpc_timeout_s: float = 60.0
     schedule_timeout_s: float = 30.0
@@ -246,7 +249,7 @@ class StoreConfig:
 _NUMBERS = (
     ("num_shards", 1, 2**31 - 1, True, False),
     ("capacity_bytes", 1, INT64_MAX, True, False),
-    ("num_cpus", 0, 64, False, True),
+    ("num_cpus", 0, 64, False, False),  # 0: the store takes no CPU a worker needs
     ("rpc_timeout_s", 0, MAX_TIMEOUT_S, False, True),
     ("schedule_timeout_s", 0, MAX_TIMEOUT_S, False, True),
     ("shm_min_bytes", 0, INT64_MAX, True, False),

@@ -8,7 +8,7 @@ It turns the streaming API (``next_batch`` + ``kv_batch_get_by_meta``) into a lo
 
     dp.init()
     ds = dp.StreamingDataset("step3", "train", 64, ["responses", "rewards"], micro_batch_size=16)
-    for td in DataLoader(ds, batch_size=None, collate_fn=dp.StreamingDataset.collate):
+    for td in DataLoader(ds, batch_size=None):   # or dp.StreamingDataLoader(ds)
         loss = step(td)                      # a TensorDict of up to 16 rows
         meta = td["meta"]                    # the KVBatchMeta of exactly those rows
 
@@ -25,7 +25,9 @@ How it behaves:
 * **What a yielded TensorDict carries.** The requested ``fields`` (dense when the rows agree in
   shape, jagged nested tensors otherwise, as ``kv_batch_get`` returns them) and one non-tensor entry,
   ``td["meta"]``: the ``KVBatchMeta`` (keys, tags, partition, fields) of exactly the rows of this
-  TensorDict, in row order. Drop it with ``td.exclude("meta")`` where only tensors are wanted.
+  TensorDict, in row order. Drop it with ``td.exclude("meta")`` where only tensors are wanted. It is
+  a ``StreamBatch``: a ``TensorDict`` in every respect but one, iterating it yields its keys, as the
+  mapping it is (a plain TensorDict yields its rows; ``td.unbind(0)`` gives them here).
 * **Prefetch.** With ``prefetch=n >= 1`` a background thread takes and reads up to ``n`` batches
   ahead of the one being processed (a bounded hand-over: it never runs further ahead). ``prefetch=0``
   fetches in the iterating thread, one batch at a time. The thread stops when the iterator is
@@ -42,10 +44,13 @@ How it behaves:
   object continues after the last batch it handed over: batches that were prefetched but never
   handed over (an early ``break``) are handed over then, as the index service still remembers the
   rows of each batch index (the most recent indexes per task, see ``dataplane.server.streams.RANK_CACHE``).
-* **DataLoader.** Use ``DataLoader(ds, batch_size=None, collate_fn=StreamingDataset.collate)``.
-  The ``collate_fn`` is needed: without one, ``batch_size=None`` makes torch apply its
-  ``default_convert`` to each item, which cannot handle a TensorDict (it iterates it as a mapping of
-  rows and fails with a ``TypeError``); ``collate`` hands the item over unchanged.
+* **DataLoader.** ``DataLoader(ds, batch_size=None)``, as every PyTorch user writes it, or
+  ``dp.StreamingDataLoader(ds)`` (TransferQueue's constructor; it sets ``batch_size=None`` and a
+  pass-through collate itself). With ``batch_size=None`` torch applies its ``default_convert`` to each
+  item; it walks a mapping key by key, which a plain TensorDict breaks (it iterates over rows, and
+  the walk fails with a ``TypeError`` deep in tensordict); a ``StreamBatch`` iterates over its keys,
+  so the walk hands back the same tensors and entries (a shallow copy). ``collate_fn=
+  StreamingDataset.collate`` (the item itself) still works.
 * **DataLoader workers.** With ``num_workers=0`` the dataset runs in the loop's process. With
   ``num_workers > 0`` each worker is a consumer of its own: it calls ``next_batch`` for the same
   task, which hands every row to exactly one of them, so together they yield every row once (in no
@@ -78,6 +83,7 @@ import weakref
 from collections import deque
 from typing import Any, ClassVar
 
+from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
 from dataplane import api as _api
@@ -192,6 +198,32 @@ def _run(ds: StreamingDataset, pipe: _Pipe, start: int, stride: int) -> None:
 # ---- the dataset ----------------------------------------------------------------------------------
 
 
+class StreamBatch(TensorDict):  # type: ignore[no-untyped-call]  # (tensordict's __init_subclass__)
+    """The TensorDict a ``StreamingDataset`` yields: a ``TensorDict`` whose iteration yields its keys,
+    as the mapping it is, so that torch's ``default_convert`` (what ``DataLoader(ds, batch_size=None)``
+    applies to each item) walks it key by key and hands back the same entries. Rows: ``td.unbind(0)``.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data._utils.collate import default_convert
+        >>> td = StreamBatch({"x": torch.zeros(2, 3)}, batch_size=[2])
+        >>> list(td), default_convert(td)["x"] is td["x"]
+        (['x'], True)
+    """
+
+    __slots__ = ()  # the same layout as TensorDict: a got TensorDict becomes one in place
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+
+def _as_stream_batch(td: Any) -> Any:
+    """``td`` (a TensorDict a get returned) as a ``StreamBatch``, in place (no copy)."""
+    if type(td) is TensorDict:
+        td.__class__ = StreamBatch
+    return td
+
+
 class StreamingDataset(IterableDataset):
     """Iterate over the rows of ``partition_id`` that consumer task ``task_name`` takes, as TensorDicts.
 
@@ -228,7 +260,7 @@ class StreamingDataset(IterableDataset):
 
     Example:
         >>> ds = dp.StreamingDataset("step0", "train", 8, ["responses", "rewards"], micro_batch_size=4)
-        >>> for td in DataLoader(ds, batch_size=None, collate_fn=dp.StreamingDataset.collate):
+        >>> for td in DataLoader(ds, batch_size=None):
         ...     print(td.batch_size, td["meta"].keys)
         torch.Size([4]) ['s0', 's1', 's2', 's3']
         torch.Size([4]) ['s4', 's5', 's6', 's7']
@@ -303,8 +335,23 @@ class StreamingDataset(IterableDataset):
 
     @staticmethod
     def collate(item: Any) -> Any:
-        """The DataLoader ``collate_fn`` to use with ``batch_size=None``: the item, unchanged."""
+        """A DataLoader ``collate_fn`` that hands each item over as it is (the default one, with
+        ``batch_size=None``, does too for the ``StreamBatch`` items of this dataset)."""
         return item
+
+    def reset(self) -> None:
+        """Start the next pass at batch index 0 again: it is handed the batches the index service
+        remembers for those indexes (as TransferQueue's ``reset`` replays its buffer), then new ones."""
+        self._next_index = 0
+
+    def step(self, partition_id: str) -> None:
+        """Read ``partition_id`` from now on, from its first batch (TransferQueue's ``step``)."""
+        if not isinstance(partition_id, str):
+            raise TypeError(
+                f"StreamingDataset.step: partition_id must be a str, not {type(partition_id).__name__}"
+            )
+        self.partition_id = partition_id
+        self._next_index = 0
 
     # -- the one store call per wait slice; a hook for subclasses -----------------------------------
 
@@ -380,7 +427,7 @@ class StreamingDataset(IterableDataset):
             return []
         if pipe is not None and pipe.stop:
             return None
-        td = _api.kv_batch_get_by_meta(meta)
+        td = _as_stream_batch(_api.kv_batch_get_by_meta(meta))
         step = self.micro_batch_size or meta.size
         parts = []
         for lo in range(0, meta.size, step):
@@ -517,4 +564,4 @@ def _rpc_timeout_s() -> float:
     return float(client.config.rpc_timeout_s) if client is not None else 60.0
 
 
-__all__ = ["WAIT_SLICE_S", "StreamingDataset"]
+__all__ = ["WAIT_SLICE_S", "StreamBatch", "StreamingDataset"]

@@ -13,7 +13,8 @@ message names the culprit and, where there is one, the next step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 
@@ -261,6 +262,19 @@ class ClusterAuthError(ClusterConnectError, PermissionError):
     """The Ray cluster at ``address`` exists but refused this process's authentication token (Ray's
     token authentication, ``RAY_AUTH_MODE=token``), or this process has no token to offer. The
     message says where Ray looks for the token. Recoverable: give this process the cluster's token."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the names in ``known`` close to ``name``; "" when none is.
+
+    Example:
+        >>> did_you_mean("setp1", ["step1", "step2", "eval"])
+        " (did you mean 'step1' or 'step2'?)"
+    """
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)"
 
 
 __all__ = [

@@ -269,10 +269,22 @@ async def async_consumption(
 class StreamRequest:
     """Ask a bridged worker method to pull its own ready batch (``next_batch``) instead of receiving a
     meta: the driver sends this, each data-parallel rank takes the rows ready for it, and the driver
-    never sees the keys. ``chunk(n)`` gives rank ``i`` of ``n`` its ``dp_rank`` / ``dp_size``.
+    never sees the keys. ``chunk(n)`` gives rank ``i`` of ``n`` its ``dp_rank`` / ``dp_size``::
+
+        wg.compute_reward(dp.StreamRequest("step3", "reward", 64, ["responses"], timeout_s=60))
+
+    ``batch_size`` is *per rank*: a split dispatch (``DP_COMPUTE_PROTO``) hands every rank the same
+    ``batch_size`` and each takes up to that many rows, so one call of a group of ``n`` ranks takes up
+    to ``n * batch_size`` rows (``len()`` of the request says so). For a global batch of ``G`` rows,
+    ask for ``G // n``. (A request every rank receives whole, under ``ONE_TO_ALL``, is one batch of
+    ``batch_size`` rows for the whole group.)
 
     Example:
-        >>> wg.compute_reward(dp.StreamRequest("step3", "reward", 64, ["responses"], timeout_s=60))
+        >>> req = StreamRequest("step3", "reward", 8, ["responses"])
+        >>> [(r.dp_rank, r.dp_size, r.batch_size) for r in req.chunk(2)]  # what 2 ranks receive
+        [(0, 2, 8), (1, 2, 8)]
+        >>> len(StreamRequest("step3", "reward", 8, ["responses"], dp_size=2))  # rows, at most
+        16
     """
 
     partition_id: str

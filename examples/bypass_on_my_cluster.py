@@ -2,12 +2,14 @@
 path) against the driver carrying the batch (the classic path), both over the compute floor.
 
 A thin script over ``bench.bypass.run`` (``rlplane bench bypass`` has every option, plots and JSON);
-this one prints one line per path. On a cluster, run it on the head node or anywhere RAY_ADDRESS
-points at the head::
+this one prints one line per path. On a cluster, run it on the head node (``auto``) or give the
+head's ``HOST:PORT``::
 
-    python examples/bypass_on_my_cluster.py --address auto --payload-mib 256 --workers 4
+    .venv/bin/ray start --head        # on a laptop: a cluster of as many CPUs as it has cores
+    .venv/bin/python examples/bypass_on_my_cluster.py --address auto --payload-mib 64 --workers 2
 
-``--address local`` (the default) starts a local Ray for a try on one machine.
+``--workers N`` needs N CPUs in the cluster (the producer shares the workers' bundles); more fails at
+once, naming the fix. ``--address local`` (the default) starts a local Ray of its own for the run.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ worker reads its share of the rows from the store, computes, and writes new colu
 
 Run it (a local Ray and an embedded store start by themselves; RAY_ADDRESS joins your cluster)::
 
-    python examples/metadata_only_trainer.py --steps 20
+    .venv/bin/python examples/metadata_only_trainer.py --steps 20
+
+The group asks one CPU per worker; the store asks none, so the two workers fit a 2-core laptop.
+The rows are of one shape, so each get returns dense ``[B]`` tensors (rows of different lengths
+would come back as a jagged nested tensor).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ process of the cluster then attaches with ``dp.init(address=...)`` (``"auto"``, 
 ``HOST:PORT``); here a *writer* process puts rows and exits, and a *reader* process, started after
 it, finds them. ``rlplane store stop`` removes the store at the end.
 
-Run it on a machine where a Ray cluster runs (``ray start --head`` first, or set RAY_ADDRESS)::
+Run it on a machine where a Ray cluster runs (``.venv/bin/ray start --head`` first, or set
+RAY_ADDRESS)::
 
-    python examples/store_two_processes.py                 # --address auto
-    python examples/store_two_processes.py --address 10.0.0.5:6379
+    .venv/bin/python examples/store_two_processes.py                 # --address auto
+    .venv/bin/python examples/store_two_processes.py --address 10.0.0.5:6379
 
 The two roles are this same file with ``--role writer`` / ``--role reader``; each is what a
 process of your own would do to use the store.
@@ -46,7 +47,7 @@ def reader(address: str) -> None:
     import dataplane as dp
 
     dp.init(address=address)
-    td = dp.kv_batch_get(KEYS, PARTITION)
+    td = dp.kv_batch_get(KEYS, PARTITION)  # rows of one shape: a dense [4, 3] tensor
     print(
         f"reader: got {td.batch_size[0]} rows written by another process; tokens[3] = "
         f"{td['tokens'][3].tolist()}"

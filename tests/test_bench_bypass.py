@@ -211,6 +211,22 @@ def test_run_returns_checked_records_for_every_path(ray_session) -> None:
     assert by["floor"]["overhead_s"] == 0.0 and "overhead_vs_store" in by["classic"]
 
 
+@pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib (the bench extra)")
+@pytest.mark.parametrize("payloads", [[64 * 2**20], [16 * 2**20, 64 * 2**20]])
+def test_the_chart_of_one_point_or_several_is_drawn_with_its_reading(tmp_path, payloads) -> None:
+    paths = (("floor", 0.5, 0.0, 0), ("classic", 1.0, 0.5, 2**21), ("store", 0.6, 0.1, 9000))
+    records = [
+        {"path": path, "payload_bytes": p, "workers": 2, "step_s": step, "overhead_s": over,
+         "driver_bytes": carried * p // 2**20 if path == "classic" else carried}
+        for p in payloads
+        for path, step, over, carried in paths
+    ]  # fmt: skip
+    assert _bypass_report.plot(records, str(tmp_path / "b.png")).stat().st_size > 10_000
+    reading = _bypass_report.headline(records)
+    assert "fewer bytes on the store path" in reading and "0.10 s (store)" in reading
+    assert ("the classic driver's bytes grow 4x" in reading) == (len(payloads) > 1), reading
+
+
 @pytest.mark.ray
 def test_quick_preset_against_a_running_cluster_writes_json_and_png(ray_cluster, tmp_path) -> None:
     out = tmp_path / "bypass.json"

@@ -68,6 +68,7 @@ LAYERS = {
         "dataplane.client",
     },
     "dataplane.server": {
+        "dataplane._units",
         "dataplane.errors",
         "dataplane.config",
         "dataplane.samplers",
@@ -83,6 +84,7 @@ LAYERS = {
         "dataplane.service",
     },
     # leaves: everything else stands on them
+    "dataplane._units": set(),
     "dataplane.errors": set(),
     "dataplane.config": {"dataplane.errors"},
     "dataplane.samplers": {"dataplane.errors"},

@@ -139,10 +139,20 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
     status = actions.add_parser(
         "status",
         help="show the running store: a row per shard (node, memory, capacity, partitions, clients)",
+        description="Show the store running on a Ray cluster: a summary line, then a row per shard (its "
+        "node, bytes used and held in memory, capacity, partitions, rows, open client connections) and "
+        "the partitions with their number of keys. Exit 1, saying so, when no store runs there.",
         epilog=STORE_EPILOG,
     )
     status.add_argument("--json", action="store_true", help="print dp.stats() as JSON (bytes as integers)")
-    stop = actions.add_parser("stop", help="stop the store service (its data is gone)", epilog=STORE_EPILOG)
+    stop = actions.add_parser(
+        "stop",
+        help="stop the store service (its data is gone)",
+        description="Stop the store running on a Ray cluster: its index and every shard, whoever started "
+        "them, a broken store (its index dead) included. Its data is gone; the Ray cluster keeps running "
+        "(`ray stop` stops that).",
+        epilog=STORE_EPILOG,
+    )
     for p in (status, stop):
         p.add_argument(
             "--address",
@@ -235,6 +245,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench",
         help="run a benchmark from bench/",
+        description="Run a benchmark of bench/ in a process of its own (a fresh Ray, unless its --address "
+        "names a running one) and write its "
+        "results (JSON, and charts where it draws some) to --out. `make bench-quick` runs `rlplane bench "
+        "bypass --quick`: the controller bypass in under a minute.",
         epilog="flags after the benchmark's name go to it: `rlplane bench bypass --help` lists bypass's "
         "(--quick, --payload, --workers, --address, --transport, ...)",
     )

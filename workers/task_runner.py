@@ -22,7 +22,8 @@ import ray
 __all__ = ["run_in_actor"]
 
 
-@ray.remote(num_cpus=0.1)
+# num_cpus=0: the driver's loop holds no CPU slot the worker groups' bundles need.
+@ray.remote(num_cpus=0)
 class TaskRunner:
     """Builds a ``GRPOTrainer`` in this actor, trains, and returns the summary and timeline."""
 

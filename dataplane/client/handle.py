@@ -10,6 +10,9 @@ client is simply dropped, by a ``weakref.finalize``.
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -26,6 +29,8 @@ from dataplane.wire.shm import boot_id
 from dataplane.wire.transport import AsyncTransport, Endpoint, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
+STOPPED_WAIT_S = 2.0  # how long a failed call waits to learn whether the whole store was stopped
+STOPPED_RECHECK_S = 10.0  # that verdict holds this long for the calls that found the same target gone
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +121,8 @@ class StoreClient:
         )
         self.engine = select_engine(registry)(self.route)
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)
+        self._stopped_lock = threading.Lock()
+        self._stopped_seen: dict[str, tuple[float, bool]] = {}  # failed target -> (when, stopped?)
 
     @property
     def transport(self) -> str:
@@ -126,6 +133,8 @@ class StoreClient:
             return drive(self.sync, op)
         except ShardUnavailableError as exc:
             self._forget(exc.shard)
+            if self._store_stopped(exc.shard):
+                raise self._stopped_error(exc) from None
             raise
 
     async def arun(self, op: _ops.Op) -> Any:
@@ -133,7 +142,65 @@ class StoreClient:
             return await adrive(self.asyn, op)
         except ShardUnavailableError as exc:
             self._forget(exc.shard)
+            import asyncio
+
+            if await asyncio.to_thread(self._store_stopped, exc.shard):
+                raise self._stopped_error(exc) from None
             raise
+
+    def _store_stopped(self, failed: str) -> bool:
+        """Whether the whole store was stopped (its index and shards are gone), not one actor lost.
+
+        One check per failed target at a time, its verdict kept ``STOPPED_RECHECK_S``: a burst of
+        calls that found the same shard gone (200 concurrent async gets) waits for one check, not
+        one each.
+        """
+        with self._stopped_lock:
+            seen = self._stopped_seen.get(failed)
+            if seen is not None and time.monotonic() - seen[0] < STOPPED_RECHECK_S:
+                return seen[1]
+            verdict = self._check_stopped(failed)
+            self._stopped_seen[failed] = (time.monotonic(), verdict)
+            return verdict
+
+    def _check_stopped(self, failed: str) -> bool:
+        """A store being stopped closes its shards' connections and kills its shards, then its index
+        (``ServiceHandle.stop``), so the index may still run for a moment after the shard this call
+        found gone: this waits up to ``STOPPED_WAIT_S`` for it to go (a shard lost alone costs its
+        error that much more, once). An index found gone while shard 0 lives died alone (a broken
+        store)."""
+        if failed == self.config.index_name():
+            return self.liveness.dead(0)
+        target = next((i for i in range(len(self.shm)) if self.config.shard_name(i) == failed), 0)
+        deadline = time.monotonic() + STOPPED_WAIT_S
+        while True:
+            if self.liveness.dead(INDEX) and self.liveness.dead(target):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)  # polling the actors' liveness, bounded by the deadline above
+
+    def _stopped_error(self, exc: ShardUnavailableError) -> ShardUnavailableError:
+        """What happened (the store was stopped), who did it as far as this process can know, the fix."""
+        by = self.registry.get("started_by") or {}
+        who = f"process {by['pid']} on {by['host']}" if by else "the process that started it"
+        if self.config.detached:
+            how = (
+                f"it ran as a service (`rlplane store start`, from {who}) and was stopped (`rlplane store "
+                "stop`) or its actors were killed; start it again with `rlplane store start`"
+            )
+        else:
+            how = (
+                f"it was an embedded store, started by dp.init() in {who}, and an embedded store stops "
+                "when that process calls dp.close() or exits. Call dp.close() there after the last call "
+                "that needs the store, or run the store as a service that outlives any one process "
+                "(`rlplane store start`)"
+            )
+        return ShardUnavailableError(
+            exc.shard,
+            f"the store {self.config.name!r} was stopped while process {os.getpid()} still used it "
+            f"({exc.shard} is gone): {how}",
+        )
 
     def _forget(self, shard_name: str) -> None:
         """Drop our mappings of a dead shard's memory, so none of it outlives the shard here."""

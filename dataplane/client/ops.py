@@ -40,6 +40,7 @@ from dataplane.codec.rows import assemble, assemble_any, contiguous_view, nbytes
 from dataplane.errors import (
     BatchSizeError,
     DataplaneError,
+    FieldNotFoundError,
     KeyNotFoundError,
     PartitionNotFoundError,
     ReservationExpiredError,
@@ -47,6 +48,7 @@ from dataplane.errors import (
     SerializationError,
     ShardUnavailableError,
     WireError,
+    did_you_mean,
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.wire import frames as _wire
@@ -517,14 +519,26 @@ def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict,
         raise res
     body = res[0]
     if not body["partition"]:
-        raise PartitionNotFoundError(pid)
+        raise PartitionNotFoundError(pid, body.get("error"))  # it says cleared, or what was meant
+    cleared = set(body.get("cleared", ()))
     for k in asked:
+        if k in cleared:
+            raise KeyNotFoundError(
+                k, pid, f"key {k!r} of partition {pid!r} was cleared (kv_clear); put it again"
+            )
         if k not in body["known"]:
-            raise KeyNotFoundError(k, pid)
+            kept = body.get("cleared_kept")
+            also = f", nor among the last {kept} keys cleared from it" if kept else ", or cleared"
+            raise KeyNotFoundError(k, pid, f"key {k!r} not found in partition {pid!r} (never written{also})")
     for k in asked:
         if not body["known"][k]:
             raise KeyNotFoundError(k, pid, f"key {k!r} in partition {pid!r} holds tags only, no fields")
     for r in results:
+        if isinstance(r, FieldNotFoundError) and r.key in body["known"]:  # name the fields it holds
+            held = body["known"][r.key]
+            raise FieldNotFoundError(
+                r.key, pid, r.field, f"{r}; it holds {held}{did_you_mean(r.field, held)}"
+            ) from None
         if isinstance(r, KeyNotFoundError):
             raise r
     raise KeyNotFoundError(asked[0], pid)

@@ -33,6 +33,7 @@ from dataplane.errors import (
     ReservationExpiredError,
     SchemaError,
     WireError,
+    did_you_mean,
 )
 from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
@@ -55,6 +56,8 @@ class _KeyMeta:
 @dataclass
 class _PartMeta:
     keys: dict[str, _KeyMeta] = field(default_factory=dict)
+    # The last CLEARED_KEYS_KEPT keys cleared from it, oldest first: a get of one says "cleared".
+    cleared: OrderedDict[str, None] = field(default_factory=OrderedDict)
     streams: PartitionStreams = field(init=False)
     # Which partition of this name it is: a consumer waiting on one never gets rows of a successor.
     incarnation: int = field(default_factory=itertools.count(1).__next__)
@@ -136,6 +139,18 @@ class IndexCore(IndexCheckpoints, Operations):
         # Takes given back by id (bounded, oldest dropped): a request carrying one that arrives after
         # its release (it travelled on another connection) takes nothing.
         self.released: OrderedDict[str, None] = OrderedDict()
+        # The last CLEARED_PARTITIONS_KEPT partitions cleared, oldest first (for the error naming one).
+        self.cleared: OrderedDict[str, None] = OrderedDict()
+
+    def missing(self, pid: str, message: str | None = None) -> PartitionNotFoundError:
+        """The error for a partition that is not there: cleared (if remembered), or never written, with
+        the names it might be a typo of."""
+        text = message or f"partition {pid!r} not found"
+        if pid in self.cleared:
+            text += " (it was cleared: clear_partition; a put creates it anew)"
+        elif message is None:
+            text += f" (never written, nor among the last {CLEARED_PARTITIONS_KEPT} partitions cleared)"
+        return PartitionNotFoundError(pid, text + did_you_mean(pid, self.partitions))
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any
@@ -341,11 +356,14 @@ class IndexCore(IndexCheckpoints, Operations):
                 if part.keys.pop(key, None) is not None:
                     removed += 1
                     part.streams.on_clear(key)
+                    _remember(part.cleared, key, CLEARED_KEYS_KEPT)
         return {"removed": removed}
 
     def op_clear_partition(self, body: _protocol.OnePartition) -> dict[str, Any]:
         pid = body.pid
         existed = self.partitions.pop(pid, None) is not None
+        if existed:
+            _remember(self.cleared, pid, CLEARED_PARTITIONS_KEPT)
         self.schemas.pop(pid, None)
         self.changed.add(pid)
         return {"existed": existed}
@@ -394,7 +412,7 @@ class IndexCore(IndexCheckpoints, Operations):
         self._check_take(body.take)
         part = self.partitions.get(body.pid)
         if part is None:
-            raise PartitionNotFoundError(body.pid)
+            raise self.missing(body.pid)
         got = part.streams.claim(
             body.task,
             _fieldset(body.fields),
@@ -462,7 +480,7 @@ class IndexCore(IndexCheckpoints, Operations):
         """Leased keys done with: taken for good. Answers the keys whose lease ran out first."""
         part = self.partitions.get(body.pid)
         if part is None:
-            raise PartitionNotFoundError(body.pid)
+            raise self.missing(body.pid)
         return {"late": part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))}
 
     def next_lease_due(self) -> float:
@@ -490,14 +508,16 @@ class IndexCore(IndexCheckpoints, Operations):
         """What a waiting call that timed out raises: which partition, how many rows were ready."""
         part = self.partitions.get(body.pid)
         if part is None:
-            return PartitionNotFoundError(
+            return self.missing(
                 body.pid, f"partition {body.pid!r} not found: no put created it within {waited:.1f}s"
             )
         fields = _fieldset(body.fields)
         counts = part.streams.counts(body.task, fields)
         want = body.batch_size if op == "next" else body.min_rows
         never = [f for f in sorted(fields) if not any(f in m.fields for m in part.keys.values())]
+        written = {f for m in part.keys.values() for f in m.fields}
         hint = f"; no row holds {never} (no put wrote them yet)" if never else ""
+        hint += "".join(did_you_mean(f, written) for f in never)
         return BatchTimeoutError(
             body.pid,
             f"after {waited:.1f}s only {counts['ready']} row(s) of partition {body.pid!r} were ready for "
@@ -509,7 +529,7 @@ class IndexCore(IndexCheckpoints, Operations):
         """Producers are done: consumers get what is left, then empty batches at once."""
         part = self.partitions.get(body.pid)
         if part is None:  # (a misspelt name must not create an empty, finished partition)
-            raise PartitionNotFoundError(
+            raise self.missing(
                 body.pid, f"partition {body.pid!r} not found: nothing to finish (no put created it)"
             )
         part.streams.finished = True
@@ -526,7 +546,7 @@ class IndexCore(IndexCheckpoints, Operations):
     def op_consumption(self, body: _protocol.Consumption) -> dict[str, Any]:
         part = self.partitions.get(body.pid)
         if part is None:
-            raise PartitionNotFoundError(body.pid)
+            raise self.missing(body.pid)
         fields = None if body.fields is None else _fieldset(body.fields)
         return part.streams.counts(body.task, fields)
 
@@ -551,10 +571,12 @@ class IndexCore(IndexCheckpoints, Operations):
         """Which of ``keys`` the index knows, and which fields they hold (classifies a failed get)."""
         part = self.partitions.get(body.pid)
         if part is None:
-            return {"partition": False, "known": {}}
+            return {"partition": False, "known": {}, "error": str(self.missing(body.pid))}
         return {
             "partition": True,
             "known": {k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
+            "cleared": [k for k in body.keys if k not in part.keys and k in part.cleared],
+            "cleared_kept": CLEARED_KEYS_KEPT,
         }
 
     def op_stats(self, body: _protocol.Stats) -> dict[str, Any]:
@@ -573,6 +595,18 @@ class IndexCore(IndexCheckpoints, Operations):
 # Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
 _TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
 RELEASED_MEMORY = 65536  # take ids given back, remembered to refuse a request that arrives after them
+CLEARED_KEYS_KEPT = 4096  # cleared keys remembered per partition, so a get of one says "cleared"
+CLEARED_PARTITIONS_KEPT = 1024  # cleared partitions remembered, for the same reason
+
+
+def _remember(record: OrderedDict[str, None], name: str, bound: int) -> None:
+    """Add ``name`` to a bounded record, newest last; the oldest go first."""
+    record[name] = None
+    record.move_to_end(name)
+    while len(record) > bound:
+        record.popitem(last=False)
+
+
 LEASE_HEAP_COMPACT = 65536  # lease deadlines queued before the acknowledged ones are swept out
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from dataplane._units import exact_bytes
 from dataplane.codec.column_types import Column, check_offsets, check_shapes
 from dataplane.codec.rows import assemble_any
 from dataplane.errors import (
@@ -175,8 +176,8 @@ class ShardCore(Operations):
             if isinstance(exc, DataplaneError):  # out of file descriptors: already typed
                 raise
             raise StoreFullError(
-                f"shard {self.shard_id} could not allocate {need} bytes of shared memory for partition "
-                f"{pid!r} ({exc}); nothing was written"
+                f"shard {self.shard_id} could not allocate {exact_bytes(need)} of shared memory for "
+                f"partition {pid!r} ({exc}); nothing was written"
             ) from exc
         rid = next(self._resv_ids)
         self._resv[rid] = _Reservation(
@@ -243,16 +244,19 @@ class ShardCore(Operations):
         if self.capacity is None:  # unbounded: still never more than the host could hold
             if self.used + self.pending + need > self.host_memory:
                 raise StoreFullError(
-                    f"shard {self.shard_id}: a put of {need} bytes to partition {pid!r} (with {self.used} "
-                    f"used and {self.pending} reserved) is larger than this host's memory "
-                    f"({self.host_memory} bytes); nothing was written"
+                    f"shard {self.shard_id}: a put of {exact_bytes(need)} to partition {pid!r} (with "
+                    f"{exact_bytes(self.used)} used and {exact_bytes(self.pending)} reserved) is larger than "
+                    f"this host's memory, {exact_bytes(self.host_memory)}; nothing was written. Clear data "
+                    "(dp.kv_clear / dp.clear_partition), or put in smaller batches"
                 )
             return
         if self.used + self.pending + need > self.capacity:
             raise StoreFullError(
-                f"shard {self.shard_id} is full: a put of {need} bytes to partition {pid!r} would exceed "
-                f"its capacity (used {self.used} + reserved {self.pending} of {self.capacity} bytes); "
-                "nothing was written. Clear data (dp.kv_clear / dp.clear_partition) or raise capacity_bytes."
+                f"shard {self.shard_id} is full: a put of {exact_bytes(need)} to partition {pid!r} would "
+                f"exceed its capacity of {exact_bytes(self.capacity)} (used {exact_bytes(self.used)}, "
+                f"reserved by puts in flight {exact_bytes(self.pending)}); nothing was written. Clear data "
+                "(dp.kv_clear / dp.clear_partition), or start the store with more capacity "
+                "(dp.init(capacity_bytes=...), `rlplane store start --capacity SIZE`)"
             )
 
     def op_put(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:

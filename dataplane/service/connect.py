@@ -18,6 +18,13 @@ a second: a TCP connect (nothing listens: ``ClusterConnectError``), then one que
 (a token refused: ``ClusterAuthError``). For ``auto`` Ray finds the address itself, so the join's
 log lines are kept off the terminal instead, and the failure is classified from their text.
 
+Token authentication (Ray 2.60, on by default): Ray presents this machine's token
+(``~/.ray/auth_token``) to the cluster it finds by itself, never to an address it is given. A
+``HOST:PORT`` (or ``RAY_ADDRESS``) naming the cluster ``ray start`` recorded on this machine, the one
+``auto`` finds, gets the token too, once that cluster refused this process for want of one
+(``token_for_this_machines_cluster``), so the ``dp.init(address="HOST:PORT")`` line ``rlplane store
+start`` prints works as printed. Any other address gets a token only from ``RAY_AUTH_MODE=token``.
+
 Runs in the driver (the ``rlplane`` command, or the user's process calling ``dp.init``).
 """
 
@@ -39,11 +46,34 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 5.0  # a TCP connect to the head: a live head answers in milliseconds
 
 # Ray's token authentication (Ray >= 2.52): where a process finds the token it presents.
-_TOKEN_HELP = (
-    "give this process the cluster's token: RAY_AUTH_TOKEN=<token>, or RAY_AUTH_TOKEN_PATH=<file> "
-    "(default file ~/.ray/auth_token), with RAY_AUTH_MODE=token; `ray get-auth-token` on the head "
-    "node prints the token"
-)
+
+
+def command(name: str) -> str:
+    """How a shell calls this installation's command ``name`` (``rlplane``, ``ray``): the bare name when
+    PATH finds this one, else its full path (a venv used without activating it), so that a line a
+    message or the CLI prints works as printed.
+
+    Example:
+        >>> command("ray").endswith("ray")
+        True
+    """
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    found = shutil.which(name)
+    if found and os.path.realpath(found) == os.path.realpath(here):
+        return name
+    return here
+
+
+def _token_help() -> str:
+    return (
+        "give this process the cluster's token: RAY_AUTH_TOKEN=<token>, or RAY_AUTH_TOKEN_PATH=<file> "
+        f"(default file ~/.ray/auth_token), with RAY_AUTH_MODE=token; `{command('ray')} get-auth-token` on "
+        "the head node prints the token"
+    )
+
+
 # Text Ray's GCS client writes (C++ log line, exception message) when the GCS refuses a token.
 _REFUSED_MARKS = ("InvalidAuthToken", "Unauthenticated", "token is invalid or incorrect")
 _NO_TOKEN_MARKS = ("no authentication token was found",)
@@ -114,15 +144,15 @@ def failure_error(address: str, kind: str, detail: str = "") -> ClusterConnectEr
         return ClusterAuthError(
             address,
             f"the Ray cluster {where} refused this process: it uses token authentication and {sent}"
-            f"{why}; {_TOKEN_HELP}",
+            f"{why}; {_token_help()}",
         )
     if kind == "no_token":
         return ClusterAuthError(
-            address, f"token authentication is on for this process but it has no token{why}; {_TOKEN_HELP}"
+            address, f"token authentication is on for this process but it has no token{why}; {_token_help()}"
         )
     hint = (
-        "start one with `ray start --head`, or pass --address HOST:PORT of its head (the port `ray start` "
-        "printed, 6379 by default)"
+        f"start one with `{command('ray')} start --head`, or pass --address HOST:PORT of its head (the port "
+        "`ray start` printed, 6379 by default)"
         if address == "auto"
         else "check the host and port (the head's GCS port, 6379 by default), or use the address 'local' "
         "for a new Ray on this machine"
@@ -190,6 +220,79 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                 raise failure_error(address, kind, f"Ray: {getattr(exc, 'message', exc)}") from None
 
 
+def recorded_here(address: str | None) -> bool:
+    """Whether ``address`` (``HOST:PORT``) names the cluster ``ray start`` recorded on this machine, the
+    one Ray's ``auto`` finds (``ray_current_cluster`` in Ray's temp dir).
+
+    Example:
+        >>> recorded_here("local")  # not an address
+        False
+    """
+    try:
+        wanted = parse_address(address)
+    except ValueError:  # e.g. a ray:// client address in RAY_ADDRESS: Ray's own business
+        return False
+    if wanted is None:
+        return False
+    try:
+        from ray._private.services import find_bootstrap_address
+    except ImportError:
+        return False
+    try:
+        recorded = parse_address(find_bootstrap_address(None) or "auto")
+    except ValueError:
+        return False
+    return recorded is not None and recorded[1] == wanted[1] and _same_host(wanted[0], recorded[0])
+
+
+def token_for_this_machines_cluster(address: str | None) -> bool:
+    """Switch token mode on in this process, presenting this machine's Ray token, when ``address``
+    names the cluster ``ray start`` recorded here (``recorded_here``) and nothing says otherwise
+    (``RAY_AUTH_MODE`` unset, a token in ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``); True if it did.
+
+    Ray 2.60 gives its default token to the cluster it finds by itself (address ``auto`` or none)
+    but never to an address it is given (an argument or ``RAY_ADDRESS``), so
+    ``dp.init(address="HOST:PORT")`` of that very cluster was refused ("RAY_AUTH_MODE is unset here")
+    while ``dp.init()`` worked. ``connect`` calls this only after the cluster refused this process for
+    want of a token: named by its address, the recorded cluster is the one ``auto`` would trust. Any
+    other address gets no token unless ``RAY_AUTH_MODE=token`` says so (a token sent to a host someone
+    typed could leak).
+
+    Example:
+        >>> token_for_this_machines_cluster("local")  # not an address: nothing to do
+        False
+    """
+    if os.environ.get("RAY_AUTH_MODE") is not None or not recorded_here(address):
+        return False
+    try:
+        from ray._private.authentication import authentication_token_setup as tokens
+    except ImportError:  # a Ray without token authentication
+        return False
+    ray_log = logging.getLogger(tokens.__name__)  # its notice that token mode is on: not for a user
+    level = ray_log.level
+    ray_log.setLevel(logging.ERROR)
+    try:
+        return bool(tokens.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    finally:
+        ray_log.setLevel(level)
+
+
+def _probe_presenting_token(address: str) -> None:
+    """``probe``; if the cluster refuses this process for want of a token and is the one ``ray start``
+    recorded here, present this machine's token and probe again."""
+    try:
+        probe(address)
+    except ClusterAuthError:
+        if not token_for_this_machines_cluster(address):
+            raise
+        probe(address)
+
+
+def _same_host(host: str, recorded: str) -> bool:
+    """Whether ``host`` names ``recorded``, an address of this machine (where ``ray start`` ran)."""
+    return host in (recorded, "localhost", "127.0.0.1", "::1") or _ip(host) == recorded
+
+
 def check_joined(address: str | None) -> None:
     """With Ray already initialised here, an explicit ``HOST:PORT`` must name the cluster joined.
 
@@ -236,6 +339,9 @@ def connect(address: str | None, **ray_options: Any) -> Any:
 
     parse_address(address)  # the forms are checked before anything starts
     ray_options.setdefault("logging_level", logging.WARNING)
+    given = os.environ.get("RAY_ADDRESS") if address in (None, "auto") else None
+    if given and recorded_here(given):  # Ray joins it as an address it was given: it may want our token
+        _probe_presenting_token(given)
     if address is None or address == "local":
         # Not captured: a new local Ray's processes would inherit the capture file as their stderr.
         try:
@@ -245,7 +351,7 @@ def connect(address: str | None, **ray_options: Any) -> Any:
             detail = f"Ray: {getattr(exc, 'message', exc)}"
             raise failure_error(address or "auto", classify_failure(text), detail) from None
     if address != "auto":
-        probe(address)
+        _probe_presenting_token(address)
     with captured_stderr() as lines:
         try:
             ctx = ray.init(address=address, **ray_options)
@@ -269,8 +375,11 @@ __all__ = [
     "captured_stderr",
     "check_joined",
     "classify_failure",
+    "command",
     "connect",
     "failure_error",
     "parse_address",
     "probe",
+    "recorded_here",
+    "token_for_this_machines_cluster",
 ]

@@ -249,7 +249,7 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     if biggest < cfg.num_cpus:  # infeasible: say so now instead of waiting for the deadline
         raise SchedulingError(
             f"Ray cannot place the store's actors: each asks for num_cpus={cfg.num_cpus} but the largest "
-            f"node has {biggest} CPUs. Lower num_cpus (default 0.1)."
+            f"node has {biggest} CPUs. Lower num_cpus (default 0)."
         )
     n = cfg.num_shards or len(nodes)
     lifetime = "detached" if cfg.detached else None
@@ -283,7 +283,7 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
         index_entry = {**infos[0], "name": cfg.index_name()}
         links = [s.link_index.remote(index_entry, infos[1:]) for s in handle.shards]
         ray.get(links, timeout=cfg.schedule_timeout_s)
-        registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:]}
+        registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:], "started_by": _starter()}
         ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)
         registry["credentials"] = Credentials.from_dict(creds).for_clients().to_dict()
     except BaseException:
@@ -293,6 +293,14 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
         "started store %r: %d shard(s) on %d node(s)", cfg.name, n, len({s["node_id"] for s in infos[1:]})
     )
     return registry, handle
+
+
+def _starter() -> dict[str, Any]:
+    """Who started the store (named in the error a client gets once it is stopped)."""
+    import os
+    import socket
+
+    return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 def stop_named(cfg: StoreConfig) -> bool:

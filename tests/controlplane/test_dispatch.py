@@ -218,3 +218,11 @@ def test_nd_dispatch_of_a_future_ships_chunks_not_data(ray_session) -> None:
     assert all(isinstance(s, BatchFuture) for s in shards)
     assert [s.get(timeout=30) for s in shards] == [[0, 1], [2, 3]]
     assert kwargs[d.CHUNK_INFO_KWARG] == d.ChunkInfo([2, 2, 2, 2], True)
+
+
+def test_a_dict_where_a_batch_belongs_is_named_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="argument 0 is a dict") as err:
+        d.split_batches(2, ({"x": [1, 2]},), {}, mode="DP_COMPUTE_PROTO")
+    assert "TensorDict(d, batch_size=[n])" in str(err.value) and "ONE_TO_ALL" in str(err.value)
+    with pytest.raises(ValueError, match="keyword argument 'lr' is a float"):
+        d.split_batches(2, (), {"lr": 0.1}, mode="DP_COMPUTE")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from controlplane import (
@@ -15,6 +20,8 @@ from controlplane import (
 )
 from controlplane._placement_groups import ip_sort_key
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
 
 # ---- pure -------------------------------------------------------------------------------------
 def test_heterogeneous_counts() -> None:
@@ -25,6 +32,23 @@ def test_heterogeneous_counts() -> None:
     assert pool.local_rank_list() == [0, 1, 0, 1, 2]
     pool.add_node(1)
     assert pool.store == [2, 3, 1]
+
+
+def test_a_group_without_ray_init_says_to_call_it() -> None:
+    """A script that forgot ray.init(): one line naming the fix, not Ray's "state API" error."""
+    code = textwrap.dedent(
+        """
+        from controlplane import ControlPlaneError, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from controlplane import Worker
+        try:
+            RayWorkerGroup(RayResourcePool([2], use_gpu=False), RayClassWithInitArgs(Worker))
+        except ControlPlaneError as exc:
+            print("RAISED", exc)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "RAISED" in proc.stdout and "call ray.init() first" in proc.stdout, proc.stdout + proc.stderr
+    assert "state API" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("bad", [[0], [2, -1], [1.5], [True]])
@@ -106,9 +130,23 @@ def test_merge_two_whole_pools(ray_session) -> None:
 
 def test_never_fits_a_node_fails_fast(ray_session) -> None:
     pool = RayResourcePool([20], use_gpu=False, max_colocate_count=1)
-    with pytest.raises(ResourceShortageError, match=r"20 bundles.*short by \{'CPU': 12"):
+    with pytest.raises(ResourceShortageError, match=r"20 bundles.*short by \{'CPU': 12") as err:
         pool.get_placement_groups()
     assert pool.pgs is None
+    # what was asked, what the cluster has, and the fix, in the one message
+    text = str(err.value)
+    assert "{'CPU': 20.0}" in text and "Ray counts 8 CPUs" in text, text
+    assert "ray.init(num_cpus=20)" in text and "ray start --head --num-cpus 20" in text, text
+    assert "RayResourcePool([8], ...)" in text, text
+
+
+def test_never_fits_the_cluster_fails_fast_for_every_strategy(ray_session) -> None:
+    for strategy in ("PACK", "SPREAD", "STRICT_SPREAD"):
+        pool = RayResourcePool([9], use_gpu=False, max_colocate_count=1, placement_timeout_s=600)
+        with pytest.raises(ResourceShortageError, match="can never place it") as err:
+            pool.get_placement_groups(strategy=strategy)  # at once: not after the 600 s deadline
+        assert strategy in str(err.value) and "ray.init(num_cpus=" in str(err.value)
+        assert pool.pgs is None
 
 
 def test_no_room_now_fails_after_deadline(ray_session) -> None:
@@ -118,9 +156,13 @@ def test_no_room_now_fails_after_deadline(ray_session) -> None:
     holder.get_placement_groups()
     late = RayResourcePool([6], use_gpu=False, max_colocate_count=1, placement_timeout_s=2.0)
     try:
-        with pytest.raises(ResourceShortageError, match=r"not placed within 2.0s.*CPU"):
+        with pytest.raises(ResourceShortageError, match=r"not placed within 2.0s.*CPU") as err:
             late.get_placement_groups()
         assert late.pgs is None
+        # says what holds the CPUs it waited for: the holder pool's placement group, by name
+        assert f"held by: placement group '{holder.name_prefix}rlplane_group_6:0'" in str(err.value), (
+            err.value
+        )
     finally:
         holder.remove()
     # the failed pool's groups were removed: its CPUs are free again

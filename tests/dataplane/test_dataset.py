@@ -17,6 +17,7 @@ import weakref
 import pytest
 import ray
 import torch
+from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
 import dataplane as dp
@@ -118,14 +119,35 @@ def test_every_row_once_in_micro_batches_while_the_producer_writes(producer, pid
     assert list(ds) == []  # drained: a second pass ends at once
 
 
-def test_in_a_dataloader(producer, pid):
+LOADERS = {  # the ways a PyTorch user writes it: torch's default collate first (issue 25)
+    "default collate": lambda ds: DataLoader(ds, batch_size=None),
+    "collate given": lambda ds: DataLoader(ds, batch_size=None, collate_fn=dp.StreamingDataset.collate),
+    "StreamingDataLoader": lambda ds: dp.StreamingDataLoader(ds),
+}
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_in_a_dataloader(producer, pid, loader):
     ref = producer.produce.remote(pid)
     ds = dp.StreamingDataset(pid, "train", 4, FIELDS, micro_batch_size=3, timeout_s=WAIT_S)
-    loader = DataLoader(ds, batch_size=None, collate_fn=dp.StreamingDataset.collate)
-    tds = list(loader)
+    tds = list(LOADERS[loader](ds))
     assert ray.get(ref, timeout=WAIT_S) == N_ROWS
     assert [td.batch_size[0] for td in tds] == [3, 1] * 5 + [3]
     check_rows(tds)
+    assert all(isinstance(td, TensorDict) and td.get("reward") is not None for td in tds)
+
+
+def test_streaming_dataloader_reset_replays_and_step_switches_partition(producer, pid):
+    produced(producer, pid)
+    loader = dp.StreamingDataLoader(dp.StreamingDataset(pid, "train", 8, FIELDS, timeout_s=WAIT_S))
+    first = keys_of(loader)
+    assert sorted(first) == KEYS
+    loader.reset()  # TransferQueue's reset: the same batches again, from the first
+    assert keys_of(loader) == first
+    other = pid + "-b"
+    produced(producer, other)
+    loader.step(other)
+    assert sorted(keys_of(loader)) == KEYS and loader.dataset.partition_id == other
 
 
 @pytest.mark.slow
@@ -133,14 +155,7 @@ def test_dataloader_workers_are_consumers_of_their_own(producer, pid):
     # spawned workers attach to the store through Ray; together they take every row exactly once
     ref = producer.produce.remote(pid)
     ds = dp.StreamingDataset(pid, "train", 3, FIELDS, micro_batch_size=2, timeout_s=WAIT_S)
-    loader = DataLoader(
-        ds,
-        batch_size=None,
-        collate_fn=dp.StreamingDataset.collate,
-        num_workers=2,
-        multiprocessing_context="spawn",
-        timeout=WAIT_S * 2,
-    )
+    loader = dp.StreamingDataLoader(ds, num_workers=2)  # spawned by default: a fork cannot use Ray
     tds = list(loader)
     assert ray.get(ref, timeout=WAIT_S) == N_ROWS
     assert all(td.batch_size[0] <= 2 for td in tds)

@@ -64,6 +64,40 @@ def test_unknown_partition(store):
     assert err.value.partition_id == "never-there"
 
 
+def test_a_cleared_key_says_it_was_cleared_and_a_never_written_one_does_not(store, pid):
+    dp.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)})
+    dp.kv_clear(["a"], pid)
+    with pytest.raises(dp.KeyNotFoundError, match="was cleared") as cleared:
+        dp.kv_batch_get(["a"], pid)
+    with pytest.raises(dp.KeyNotFoundError, match="never written") as never:
+        dp.kv_batch_get(["zz"], pid)
+    assert cleared.value.key == "a" and never.value.key == "zz"
+    assert "cleared" not in str(never.value).split("never written")[0], never.value
+
+
+def test_a_misspelt_partition_or_field_gets_did_you_mean(store, pid):
+    dp.kv_batch_put(["a"], pid, {"rewards": torch.zeros(1)})
+    typo = pid[:-2] + pid[-1] + pid[-2]  # two letters swapped
+    with pytest.raises(dp.PartitionNotFoundError, match=f"did you mean '{pid}'"):
+        dp.kv_batch_get(["a"], typo)
+    with pytest.raises(dp.PartitionNotFoundError, match=f"did you mean '{pid}'"):
+        dp.consumption(typo, "train")
+    with pytest.raises(dp.FieldNotFoundError, match="did you mean 'rewards'") as err:
+        dp.kv_batch_get(["a"], pid, select_fields=["reward"])
+    assert err.value.field == "reward" and "it holds ['rewards']" in str(err.value)
+    with pytest.raises(dp.BatchTimeoutError, match="did you mean 'rewards'"):
+        dp.next_batch(pid, "train", 1, ["reward"], timeout_s=0.2)  # waits for a field no put writes
+    dp.clear_partition(pid)
+    with pytest.raises(dp.PartitionNotFoundError, match="it was cleared"):
+        dp.kv_batch_get(["a"], pid)
+
+
+def test_keys_given_as_one_str_are_named_before_the_fields_are_counted(store, pid):
+    one_row = TensorDict({"x": torch.zeros(1)}, [1])
+    with pytest.raises(TypeError, match="keys must be a list of str, not the str 'd6'"):
+        dp.kv_batch_put("d6", pid, one_row)  # not "field 'x' has 1 rows but the batch has 2"
+
+
 def test_batch_size_mismatch(store, pid):
     with pytest.raises(dp.BatchSizeError, match="'x'"):
         dp.kv_batch_put(["a", "b", "c"], pid, {"x": torch.zeros(2)})

@@ -17,7 +17,7 @@ from dataplane.errors import (
     ShardUnavailableError,
     WireError,
 )
-from dataplane.server.index import IndexCore
+from dataplane.server.index import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT, IndexCore
 from dataplane.wire import frames as _wire
 
 F32 = ["dense", "float32", [4]]
@@ -126,15 +126,38 @@ def test_index_fields_tags_list_resolve_drop():
     assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}) == {
         "partition": True,
         "known": {"a": ["x", "y"]},
+        "cleared": [],
+        "cleared_kept": CLEARED_KEYS_KEPT,
     }
     call(core, "clear", {"pid": "p", "keys": ["a"]})
     assert call(core, "stats", {})["partitions"] == {"p": 1}
+    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]})["cleared"] == ["a"]  # c: never written
     call(core, "clear_partition", {"pid": "p"})
-    assert call(core, "resolve", {"pid": "p", "keys": ["b"]})["partition"] is False
+    gone = call(core, "resolve", {"pid": "p", "keys": ["b"]})
+    assert gone["partition"] is False and "it was cleared" in gone["error"], gone
     with pytest.raises(WireError, match="malformed 'commit'"):
         call(core, "commit", {"pid": "p", "keys": "a"})
     with pytest.raises(WireError, match="unknown operation 'evil'"):
         call(core, "evil", {})
+
+
+def test_index_remembers_cleared_keys_and_partitions_within_a_bound():
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(CLEARED_KEYS_KEPT + 1)]
+    call(core, "commit", {"pid": "p", "keys": keys, "fields": ["x"]})
+    call(core, "clear", {"pid": "p", "keys": keys})  # in order: k0 is the oldest
+    said = call(core, "resolve", {"pid": "p", "keys": ["k0", "k1", keys[-1]]})
+    assert said["cleared"] == ["k1", keys[-1]], "the oldest cleared key is forgotten past the bound"
+    for i in range(CLEARED_PARTITIONS_KEPT + 1):
+        call(core, "commit", {"pid": f"q{i}", "keys": ["a"], "fields": ["x"]})
+        call(core, "clear_partition", {"pid": f"q{i}"})
+    oldest = call(core, "resolve", {"pid": "q0", "keys": ["a"]})["error"]
+    newest = call(core, "resolve", {"pid": "q1", "keys": ["a"]})["error"]
+    assert "it was cleared" in newest and "it was cleared" not in oldest, (oldest, newest)
+    assert f"last {CLEARED_PARTITIONS_KEPT} partitions cleared" in oldest, oldest
+    call(core, "commit", {"pid": "step1", "keys": ["a"], "fields": ["x"]})
+    typo = call(core, "resolve", {"pid": "setp1", "keys": ["a"]})["error"]
+    assert "did you mean 'step1'?" in typo, typo
 
 
 def test_wire_frames_are_zero_copy_and_errors_round_trip():

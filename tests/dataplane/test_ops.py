@@ -321,6 +321,7 @@ def test_reserve_failure_aborts_the_reservations_that_succeeded(stores):
         store.drive(ops.put(route, keys, PID, encode_fields(batch(8), 8), None))
 
     assert "nothing was written" in str(exc.value)
+    assert "capacity of 64 B" in str(exc.value), exc.value  # sizes as a person reads them, exact
     assert store.rounds == [
         [(INDEX, "prepare"), (0, "reserve"), (1, "reserve")],
         [(0, "abort"), (INDEX, "abort")],  # only what succeeded is undone; nothing is committed

@@ -72,6 +72,25 @@ def shared(ray_cluster):
     handle.stop()
 
 
+@pytest.mark.parametrize("attempt", range(3))  # the stop and the call race: the same answer every time
+def test_a_worker_whose_store_was_stopped_is_told_so_and_by_whom(ray_cluster, pid, attempt):
+    name = f"t-stopped-{attempt}"
+    cfg, registry, handle = start_store(name=name, num_shards=1, rpc_timeout_s=20)
+    worker = Worker.remote(name)
+    try:
+        assert ray.get(worker.put.remote(["a"], pid, 1.0), timeout=120)
+        handle.stop()  # what dp.close() does in the process that started an embedded store
+        with pytest.raises(dp.ShardUnavailableError) as err:
+            ray.get(worker.get.remote(["a"], pid), timeout=120)
+    finally:
+        handle.stop()
+        ray.kill(worker)
+    text = str(err.value)
+    assert f"the store {name!r} was stopped" in text, text  # what happened, not "did not answer"
+    assert f"started by dp.init() in process {os.getpid()}" in text and "dp.close()" in text, text
+    assert "rlplane store start" in text, text  # the fix: a store that outlives its starter
+
+
 def test_round_trips_from_actors_and_concurrent_clients(shared, pid):
     a, b = Worker.remote("t-svc"), Worker.remote("t-svc")
     assert ray.get([a.owned.remote(), b.owned.remote()]) == [False, False]

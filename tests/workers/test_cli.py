@@ -66,6 +66,8 @@ def test_help_is_plain_text_with_defaults(capsys) -> None:
     }
     for argv, text in texts.items():
         assert "``" not in text, f"rlplane {' '.join(argv)} --help shows docstring markup:\n{text}"
+        said = text.split("\n\n")[1]  # between the usage and the options: what the command does
+        assert not said.lstrip().startswith(("options:", "positional")), f"rlplane {' '.join(argv)}: {text}"
     start, demo = texts[("store", "start")], texts[("demo",)]
     assert (
         "(default: auto)" in start and "(default: unlimited)" in start and "one per alive Ray node" in start

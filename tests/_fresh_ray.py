@@ -1,0 +1,128 @@
+"""Fresh Ray clusters and fresh shells for the first-hour tests, never the session's cluster.
+
+A newcomer's machine in a box: a short folder of its own under /tmp (Ray's Unix sockets live there,
+and their paths must stay under ~107 bytes) holding a home (``~/.ray/auth_token``, where Ray 2.60 keeps
+its token) and Ray's temp dir (``RAY_TMPDIR``: the cluster ``ray start`` records for ``auto``, so
+nothing here finds another engineer's cluster on a shared machine, nor theirs ours). Commands run
+as a person runs them in a new terminal: a clean environment (PATH without the venv, that home),
+from the repository's root.
+
+Everything a sandbox started is stopped at the end by process id: the processes whose command line
+names the sandbox's folder (``ray stop`` would stop every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent  # the venv running the tests
+
+
+@dataclass
+class Sandbox:
+    """One newcomer machine: ``root`` holds ``home`` and ``ray_tmp``."""
+
+    root: Path
+
+    @property
+    def home(self) -> Path:
+        return self.root / "h"
+
+    @property
+    def ray_tmp(self) -> Path:
+        return self.root / "t"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """A new terminal's environment: no venv on PATH, no RAY_ADDRESS, this sandbox's home."""
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.home),
+            "RAY_TMPDIR": str(self.ray_tmp),
+            "LANG": "C.UTF-8",
+        }
+        env.update(extra)
+        return env
+
+    def sh(self, command: str, timeout: float, **extra: str) -> subprocess.CompletedProcess:
+        """Run ``command`` in bash as typed, from the repository's root, in a new terminal's env."""
+        return subprocess.run(
+            ["bash", "-c", command],
+            cwd=ROOT,
+            env=self.env(**extra),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def make_token(self) -> str:
+        """Give this machine a Ray token, as a first ``ray.init()`` would (``~/.ray/auth_token``)."""
+        proc = self.sh(f"{VENV_BIN}/ray get-auth-token --generate", timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout + proc.stderr
+        return proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def sandbox() -> Iterator[Sandbox]:
+    """A fresh sandbox; at the end every process that names it is stopped and the folder removed."""
+    box = Sandbox(Path(tempfile.mkdtemp(prefix="rlp-", dir="/tmp")))
+    box.home.mkdir()
+    box.ray_tmp.mkdir()
+    try:
+        yield box
+    finally:
+        stop_processes_naming(box.root)
+        shutil.rmtree(box.root, ignore_errors=True)
+
+
+def stop_processes_naming(path: Path, timeout_s: float = 30.0) -> None:
+    """Kill, by pid, the processes whose command line names ``path`` (what a sandbox's Ray started)."""
+    mine = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(str(path) in part for part in proc.info["cmdline"] or []) and proc.pid != os.getpid():
+                mine.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for proc in mine:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(mine, timeout=timeout_s)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a head that must not take Ray's defaults on a shared box)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_head(box: Sandbox, timeout: float = 240.0) -> str:
+    """``ray start --head`` in the sandbox, on ports of its own (6379 and 52365 may be taken by
+    another Ray on a shared machine); returns the head's address. Token authentication is on when the
+    sandbox has a token, as Ray 2.60 does by default."""
+    port = free_port()
+    cmd = (
+        f"{VENV_BIN}/ray start --head --port {port} --dashboard-agent-listen-port {free_port()} "
+        "--include-dashboard=false --disable-usage-stats"
+    )
+    proc = box.sh(cmd, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    recorded = box.ray_tmp / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 30
+    while not recorded.exists():  # written by `ray start` before it returns; bounded all the same
+        assert time.monotonic() < deadline, f"`ray start` recorded no address in {recorded}"
+        time.sleep(0.1)
+    return recorded.read_text().strip()
