@@ -18,6 +18,10 @@ Environment variables (read here only, each by one function; a value that does n
     DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
                                connect to their Unix lane besides their own uid, which always may
                                (default: none; any other uid is closed at accept)
+    DATAPLANE_METRICS          a flag (default on): the default of ``StoreConfig.metrics`` for a store
+                               this process starts (``docs/metrics.md``)
+    DATAPLANE_METRICS_INTERVAL_S  seconds between two exports of this process's metrics to Ray
+                               (default: half of Ray's metrics report interval, within 0.5-5 s)
 
 Example:
     >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
@@ -99,6 +103,20 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
 
 
+def env_metrics() -> bool:
+    """Whether a store this process starts exports metrics (``DATAPLANE_METRICS``; unset = on)."""
+    return "DATAPLANE_METRICS" not in os.environ or env_flag("DATAPLANE_METRICS")
+
+
+def metrics_interval_s() -> float | None:
+    """Seconds between two exports of this process's metrics (``DATAPLANE_METRICS_INTERVAL_S``);
+    None when unset (the exporter derives it from Ray's report interval)."""
+    value = _env_float("DATAPLANE_METRICS_INTERVAL_S", 0.0)
+    if value < 0:
+        raise ValueError(f"environment variable DATAPLANE_METRICS_INTERVAL_S={value} must be >= 0")
+    return value or None
+
+
 def read_buffer_pool_bytes() -> int:
     """Most idle bytes of copy-out buffers a process keeps warm for its next reads
     (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
@@ -136,6 +154,12 @@ class StoreConfig:
         max_message_bytes: the largest frame a store socket accepts (a shard with a capacity accepts at
             most that much); a peer that sends more is disconnected.
         detached: actors outlive the creating process (``rlplane store start``).
+        metrics: the store's processes (its actors, and every client attached to it) export metrics
+            through Ray's metrics pipeline (``docs/metrics.md``); off, they record nothing.
+        metrics_partitions: the most partitions (and consumer tasks of partitions) that get series of
+            their own in a metric with a ``partition`` label: the largest, the rest summed under
+            ``"other"``; -1 gives every partition its own series (a run of 10,000 partitions then makes
+            10,000 series per such metric), 0 sums them all.
     """
 
     name: str = "dataplane"
@@ -153,6 +177,8 @@ class StoreConfig:
     encrypt: bool = False
     max_message_bytes: int = 1 << 32
     detached: bool = False
+    metrics: bool = True
+    metrics_partitions: int = 20
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -165,6 +191,10 @@ class StoreConfig:
             raise ValueError(f"num_cpus={self.num_cpus} must be > 0")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be > 0")
+        if self.metrics_partitions < -1:
+            raise ValueError(
+                f"metrics_partitions={self.metrics_partitions} must be >= 0, or -1 (every partition)"
+            )
         for name in ("rpc_timeout_s", "schedule_timeout_s", "reservation_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
@@ -180,6 +210,7 @@ class StoreConfig:
             "transport": client_transport_override() or "auto",
             "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
             "allow_pickle": env_allows_pickle(),
+            "metrics": env_metrics(),
         }
         base.update({k: v for k, v in options.items() if v is not None or k in ("num_shards",)})
         return cls(**base)
@@ -219,6 +250,8 @@ __all__ = [
     "client_transport_override",
     "env_allows_pickle",
     "env_flag",
+    "env_metrics",
+    "metrics_interval_s",
     "read_buffer_pool_bytes",
     "unix_peer_uids",
 ]

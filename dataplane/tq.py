@@ -39,6 +39,7 @@ from typing import Any
 
 from dataplane import api as _api
 from dataplane.meta import KVBatchMeta
+from dataplane.metrics import endpoint as get_metrics_endpoint  # noqa: F401 - TransferQueue's name
 
 logger = logging.getLogger(__name__)
 

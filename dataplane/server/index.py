@@ -35,6 +35,9 @@ from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
+from dataplane.telemetry import bounds as _bounds
+from dataplane.telemetry import export
+from dataplane.telemetry.recorder import Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
@@ -111,6 +114,7 @@ class IndexCore(Operations):
         # Takes given back by id (bounded, oldest dropped): a request carrying one that arrives after
         # its release (it travelled on another connection) takes nothing.
         self.released: OrderedDict[str, None] = OrderedDict()
+        self.leases_expired = 0  # leased rows given back because their lease ran out (metrics)
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any
@@ -379,7 +383,9 @@ class IndexCore(Operations):
         while self.lease_due and self.lease_due[0][0] <= now:
             _, _, pid, task, take = heapq.heappop(self.lease_due)
             part = self.partitions.get(pid)
-            if part is not None and part.streams.expire(task, take, now):
+            back = 0 if part is None else part.streams.expire(task, take, now)
+            if back:
+                self.leases_expired += back
                 self.changed.add(pid)
         if len(self.lease_due) > LEASE_HEAP_COMPACT:  # mostly acknowledged leases: keep the live ones
             live = {
@@ -440,6 +446,20 @@ class IndexCore(Operations):
         part = self.partitions.get(body.pid)
         task = None if part is None else part.streams.tasks.get(body.task)
         return {"keys": [] if task is None else [k for k in part.keys if k in task.consumed]}
+
+    def op_tasks(self, body: _protocol.Tasks) -> dict[str, Any]:
+        """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
+        ready and not taken, leased, the fields each waits for), and the partition's rows, fields
+        (in the order their schemas were decided) and whether it is finished. O(tasks)."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            raise PartitionNotFoundError(body.pid)
+        return {
+            "rows": len(part.keys),
+            "fields": list(self.schemas.get(body.pid, {})),
+            "finished": part.streams.finished,
+            "tasks": part.streams.overview(),
+        }
 
     def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
         pid = body.pid
@@ -508,6 +528,8 @@ class IndexServer(ZmqServer):
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._by_take: dict[str, _Waiter] = {}  # parked takes, to unpark one its consumer gives up on
         self._seq = itertools.count()
+        self.rows_taken = 0  # rows handed out to consumers (metrics)
+        self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
@@ -574,9 +596,13 @@ class IndexServer(ZmqServer):
         if result is None:
             return False
         self._done(w)
+        if self.metrics is not None:
+            self.metrics.waited(w.op, time.monotonic() - w.start)
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
             if w.op in ("next", "claim") and result["keys"]:  # its consumer went away: ready again
                 self.core.give_back(w.body.pid, w.body.task, w.body.take, result["keys"])
+        elif w.op != "ready":
+            self.rows_taken += len(result["keys"])
         return True
 
     def _recheck(self) -> None:
@@ -613,15 +639,54 @@ class IndexServer(ZmqServer):
                 waiting.remove(w)
         self._recheck()
 
+    def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:
+        counters, gauges = super().metrics_snapshot(labels)
+        core = self.core
+        counters[("dataplane_index_rows_taken", *labels)] = self.rows_taken
+        counters[("dataplane_index_leases_expired", *labels)] = core.leases_expired
+        finished = sum(1 for part in core.partitions.values() if part.streams.finished)
+        gauges[("dataplane_index_partitions", *labels, "open")] = len(core.partitions) - finished
+        gauges[("dataplane_index_partitions", *labels, "finished")] = finished
+        gauges[("dataplane_index_waiting", *labels)] = sum(
+            1 for waiting in self._waiters.values() for w in waiting if not w.done
+        )
+        rows = {pid: len(part.keys) for pid, part in core.partitions.items()}
+        keep = _bounds.chosen(rows, self.partition_series)
+        for pid, n in _bounds.fold(rows, keep, _bounds.OTHER).items():
+            gauges[("dataplane_index_partition_rows", *labels, pid)] = n
+        # Consumer tasks: the (partition, task) pairs furthest behind get series of their own.
+        progress = {
+            (pid, task): counts
+            for pid, part in core.partitions.items()
+            for task, counts in part.streams.overview().items()
+        }
+        lag = {pair: counts["ready"] for pair, counts in progress.items()}
+        keep_pairs = _bounds.chosen(lag, self.partition_series)
+        other = (_bounds.OTHER, _bounds.OTHER)
+        for count, name in (("ready", "ready_rows"), ("taken", "taken_rows"), ("leased", "leased_rows")):
+            values = {pair: counts[count] for pair, counts in progress.items()}
+            for (pid, task), n in _bounds.fold(values, keep_pairs, other).items():
+                gauges[(f"dataplane_consumer_{name}", *labels, pid, task)] = n
+        return counters, gauges
+
 
 class IndexActor:
     """The index as a Ray actor (wrapped with ``ray.remote`` by ``service.launch``): its Ray methods only
     start and describe it; every KV and streaming request reaches ``IndexServer`` over zmq, on
     sockets that admit only the store's own peers (``wire.auth``)."""
 
-    def __init__(self, name: str, creds: dict[str, str] | None = None, max_message_bytes: int = -1) -> None:
+    def __init__(
+        self,
+        name: str,
+        creds: dict[str, str] | None = None,
+        max_message_bytes: int = -1,
+        metrics: bool = False,
+        metrics_partitions: int = -1,
+    ) -> None:
         self.core = IndexCore()
         self._name = name
+        self._metrics = metrics
+        self._metrics_partitions = metrics_partitions
         self._creds = _auth.Credentials.from_dict(creds or {})
         self._max_message_bytes = max_message_bytes
         self.server: IndexServer | None = None
@@ -640,9 +705,14 @@ class IndexActor:
         gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
-        ).start()
+        )
+        if self._metrics and export.start():  # before the loop starts: it reads these
+            self.server.partition_series = self._metrics_partitions
+            self.server.metrics = ServerMetrics("dataplane_index", (self._name,), IndexCore.OPS)
+        self.server.start()
         pid = os.getpid()
         return {
+            "node_id": ray.get_runtime_context().get_node_id(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,

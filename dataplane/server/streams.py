@@ -301,6 +301,21 @@ class PartitionStreams:
             for stream in task.streams.values():
                 stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
 
+    def overview(self) -> dict[str, dict[str, Any]]:
+        """Each consumer task's progress, in O(1) per task: rows taken (leased ones included), rows
+        ready for the fields it asked for last and not taken (its lag), rows leased and not
+        acknowledged, and those fields."""
+        out = {}
+        for name, task in self.tasks.items():
+            stream = next(reversed(task.streams.values()), None)
+            out[name] = {
+                "taken": len(task.consumed),
+                "ready": 0 if stream is None else len(stream.ready),
+                "leased": len(task.leased),
+                "fields": [] if stream is None else sorted(stream.fields),
+            }
+        return out
+
     def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
         task = self.tasks.get(task_name)
         consumed = task.consumed if task is not None else set()

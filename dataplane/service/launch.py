@@ -173,7 +173,8 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     opts = {"namespace": NAMESPACE, "num_cpus": cfg.num_cpus, "lifetime": lifetime, "max_restarts": 0}
     creds = Credentials.new(encrypt=cfg.encrypt).to_dict()
     index_limit = min(cfg.max_message_bytes, INDEX_MAX_MESSAGE_BYTES)
-    index = _remote(IndexActor).options(name=cfg.index_name(), **opts).remote(cfg.name, creds, index_limit)
+    index = _remote(IndexActor).options(name=cfg.index_name(), **opts)
+    index = index.remote(cfg.name, creds, index_limit, cfg.metrics, cfg.metrics_partitions)
     handle = ServiceHandle(index)
     try:
         for i in range(n):
