@@ -61,6 +61,7 @@ RUNNABLE = [
     "dataplane.telemetry.catalog",
     "dataplane.telemetry.recorder",
     "dataplane.telemetry.export.midpoints",
+    "dataplane.watch",
     "workers",
     "workers.cli",
     "workers.demo",
