@@ -116,7 +116,8 @@ _ALL = [
         "dataplane_peers_dead",
         "counter",
         ("store", "peer"),
-        "store actors (shards, the index) a process found dead (a late reply, then /proc or Ray said so)",
+        "store actors found dead by a client, or by a shard (its index): a late reply, then /proc or "
+        "Ray said so",
         _C,
     ),
     # ---- shards ----

@@ -20,6 +20,7 @@ report.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Any
@@ -74,6 +75,7 @@ class Exporter:
         self._mids = midpoints()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._session: Any = None  # the Ray job the metric objects were made in
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="dataplane-metrics", daemon=True)
 
@@ -86,7 +88,9 @@ class Exporter:
             self.flush()
 
     def stop(self) -> None:
-        self._stop.set()
+        """No more exports (waits for one in flight): before Ray shuts down at exit."""
+        with self._lock:
+            self._stop.set()
 
     def _metric(self, name: str) -> Any:
         metric = self._metrics.get(name)
@@ -110,9 +114,19 @@ class Exporter:
         return tags
 
     def flush(self) -> None:
-        """Export what was recorded since the last flush (never raises: a failure is logged once)."""
+        """Export what was recorded since the last flush (never raises: a failure is logged once).
+        Nothing is exported while this process is not connected to Ray; after it reconnects (a new
+        ``ray.init``), the metric objects are made anew and only what is new since is exported."""
+        import ray
+
         with self._lock:
+            if self._stop.is_set() or not ray.is_initialized():
+                return
             try:
+                session = ray.get_runtime_context().get_job_id()
+                if session != self._session:
+                    self._metrics.clear()
+                    self._session = session
                 self._flush(self.recorder.collect())
             except Exception:  # noqa: BLE001 - metrics must never take the process down
                 if not self._failed:
@@ -157,6 +171,7 @@ def start(recorder: Recorder = RECORDER) -> bool:
             return False
         interval = default_interval_s()
         _exporter = Exporter(recorder, interval).start()
+        atexit.register(_exporter.stop)  # runs before Ray's own shutdown (registered earlier)
         recorder.interval_s = interval
         recorder.on = True
         return True

@@ -315,3 +315,9 @@ def test_every_dashboard_query_names_an_exported_metric() -> None:
     ):
         assert any(n.startswith("ray_" + metric) for n in named), f"no panel shows {metric}"
     assert set(METRICS) == {m.name for m in METRICS.values()}
+
+
+def test_the_metrics_page_names_every_metric() -> None:
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    missing = [m.name for m in METRICS.values() if f"ray_{m.name}" not in page]
+    assert not missing, f"docs/metrics.md does not describe {missing}"
