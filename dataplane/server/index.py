@@ -708,7 +708,10 @@ class IndexActor:
         )
         if self._metrics and export.start():  # before the loop starts: it reads these
             self.server.partition_series = self._metrics_partitions
-            self.server.metrics = ServerMetrics("dataplane_index", (self._name,), IndexCore.OPS)
+            # ("commits" relays puts the shards time as put_ready: timing it too would double the cost)
+            self.server.metrics = ServerMetrics(
+                "dataplane_index", (self._name,), IndexCore.OPS, untimed={"commits"}
+            )
         self.server.start()
         pid = os.getpid()
         return {

@@ -122,17 +122,28 @@ class ClientMetrics:
     ``call`` and ``moved`` do nothing while the process's recorder is off.
     """
 
-    __slots__ = ("rec", "store")
+    __slots__ = ("rec", "store", "_keys")
 
     def __init__(self, store: str, rec: Recorder = RECORDER) -> None:
         self.store = store
         self.rec = rec
+        self._keys: dict[str, tuple[Key, Key, Key]] = {}  # op -> its keys, made once (ops are few)
+
+    def _keys_of(self, op: str) -> tuple[Key, Key, Key]:
+        keys = self._keys.get(op)
+        if keys is None:
+            keys = self._keys[op] = (
+                ("dataplane_client_op_seconds", self.store, op),
+                ("dataplane_client_rows", self.store, op),
+                ("dataplane_client_bytes", self.store, op),
+            )
+        return keys
 
     def call(self, op: str, seconds: float, error: BaseException | None = None) -> None:
         rec = self.rec
         if not rec.on:
             return
-        rec.observe(("dataplane_client_op_seconds", self.store, op), seconds)
+        rec.observe(self._keys_of(op)[0], seconds)
         if error is not None:
             rec.add(("dataplane_client_errors", self.store, op, error_name(error)))
 
@@ -140,13 +151,12 @@ class ClientMetrics:
         rec = self.rec
         if not rec.on:
             return
+        _, rows_key, bytes_key = self._keys_of(op)
         with rec._lock:  # (one acquisition for both counters: this runs once per call)
             counts = rec._counts
-            key = ("dataplane_client_rows", self.store, op)
-            counts[key] = counts.get(key, 0) + rows
+            counts[rows_key] = counts.get(rows_key, 0) + rows
             if nbytes is not None:
-                key = ("dataplane_client_bytes", self.store, op)
-                counts[key] = counts.get(key, 0) + nbytes
+                counts[bytes_key] = counts.get(bytes_key, 0) + nbytes
 
     def peer_dead(self, peer: str) -> None:
         if self.rec.on:
@@ -168,25 +178,41 @@ def error_name(exc: BaseException) -> str:
 
 
 class ServerMetrics:
-    """What a shard or the index records on its request loop: the time to serve each request (by op,
-    an op the service does not know counted as ``"other"``), and the wait of calls answered later."""
+    """What a shard or the index records on its request loop: the time to serve each request of the
+    ops it times (an op the service does not know counted as ``"other"``; ``untimed`` ops not at
+    all), and the wait of calls answered later."""
 
-    __slots__ = ("rec", "prefix", "labels", "ops")
+    __slots__ = ("rec", "prefix", "labels", "_served", "_other", "_waited")
 
-    def __init__(self, prefix: str, labels: tuple[str, ...], ops: Collection[str], rec: Recorder = RECORDER):
+    def __init__(
+        self,
+        prefix: str,
+        labels: tuple[str, ...],
+        ops: Collection[str],
+        rec: Recorder = RECORDER,
+        untimed: Collection[str] = (),
+    ) -> None:
         self.rec = rec
         self.prefix = prefix  # "dataplane_shard" or "dataplane_index"
         self.labels = labels  # the values of the metric's labels before ``op``
-        self.ops = frozenset(ops)
+        name = prefix + "_op_seconds"
+        self._served: dict[str | None, Key | None] = {op: (name, *labels, op) for op in ops}
+        self._served.update(dict.fromkeys(untimed))
+        self._other: Key = (name, *labels, OTHER)
+        self._waited: dict[str, Key] = {}
 
     def served(self, op: str | None, seconds: float) -> None:
         if self.rec.on:
-            name = op if op in self.ops else OTHER
-            self.rec.observe((self.prefix + "_op_seconds", *self.labels, name), seconds)
+            key = self._served.get(op, self._other)
+            if key is not None:
+                self.rec.observe(key, seconds)
 
     def waited(self, op: str, seconds: float) -> None:
         if self.rec.on:
-            self.rec.observe((self.prefix + "_wait_seconds", *self.labels, op), seconds)
+            key = self._waited.get(op)
+            if key is None:
+                key = self._waited[op] = (self.prefix + "_wait_seconds", *self.labels, op)
+            self.rec.observe(key, seconds)
 
 
 __all__ = ["RECORDER", "ClientMetrics", "Key", "Recorder", "Sample", "ServerMetrics", "error_name"]
