@@ -252,13 +252,8 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
             keys = list(keys) if not isinstance(keys, str) else keys
             cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
     meta: KVBatchMeta = yield from client.engine.put(keys, partition_id, cols, tags)
-    client.moved("put", meta.size, _payload(cols))
+    client.moved("put", meta.size, cols or {})
     return meta
-
-
-def _payload(cols: Mapping[str, Any] | None) -> int:
-    """Bytes of the rows' data buffers (what the metrics count as moved)."""
-    return 0 if not cols else sum(len(col.data) for col in cols.values())
 
 
 def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
@@ -268,7 +263,7 @@ def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy:
     keys = [keys] if isinstance(keys, str) else list(keys)
     cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
     td: TensorDict = decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
-    client.moved("get", len(keys), _payload(cols))
+    client.moved("get", len(keys), cols)
     return td
 
 

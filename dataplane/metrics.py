@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataplane.config import NAMESPACE, StoreConfig
+from dataplane.config import StoreConfig
 from dataplane.errors import StoreNotInitializedError
 from dataplane.telemetry.catalog import METRICS, Metric, exported_names
 
@@ -88,4 +88,4 @@ def endpoint(name: str | None = None) -> str | None:
     return next((a for a in agents.values() if a.rsplit(":", 1)[0] == host), None)
 
 
-__all__ = ["METRICS", "NAMESPACE", "Metric", "endpoint", "endpoints", "exported_names"]
+__all__ = ["METRICS", "Metric", "endpoint", "endpoints", "exported_names"]

@@ -41,6 +41,7 @@ import json
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -294,7 +295,8 @@ def run(
     JSON lines with ``as_lines``. Returns the exit status."""
     store = client.config.name
     tty = out.isatty() and not as_lines
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the screen as it was
+    if threading.current_thread() is threading.main_thread():  # (only it may set a handler)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the screen as it was
     if tty:
         out.write(_ENTER)
     try:

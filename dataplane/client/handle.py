@@ -153,10 +153,13 @@ class StoreClient:
         if isinstance(exc, ShardUnavailableError):
             self._forget(exc.shard)
 
-    def moved(self, op: str, rows: int, nbytes: int | None = None) -> None:
-        """Count the rows (and payload bytes) a call that succeeded moved (no-op without metrics)."""
-        if self.metrics is not None:
-            self.metrics.moved(op, rows, nbytes)
+    def moved(self, op: str, rows: int, columns: dict[str, Any] | None = None) -> None:
+        """Count the rows a call that succeeded moved, and the payload bytes of its ``columns`` (the
+        rows' data buffers); nothing at all without metrics."""
+        metrics = self.metrics
+        if metrics is not None and metrics.rec.on:
+            nbytes = None if columns is None else sum(len(col.data) for col in columns.values())
+            metrics.moved(op, rows, nbytes)
 
     def _forget(self, shard_name: str) -> None:
         """Drop our mappings of a dead shard's memory, so none of it outlives the shard here."""

@@ -644,29 +644,33 @@ class IndexServer(ZmqServer):
         core = self.core
         counters[("dataplane_index_rows_taken", *labels)] = self.rows_taken
         counters[("dataplane_index_leases_expired", *labels)] = core.leases_expired
-        finished = sum(1 for part in core.partitions.values() if part.streams.finished)
-        gauges[("dataplane_index_partitions", *labels, "open")] = len(core.partitions) - finished
+        # One pass over the partitions and their tasks (this runs on the loop: it must stay cheap).
+        rows: dict[str, int] = {}
+        lag: dict[tuple[str, str], int] = {}
+        counts: dict[tuple[str, str], tuple[int, int]] = {}  # (taken, leased)
+        finished = 0
+        for pid, part in core.partitions.items():
+            rows[pid] = len(part.keys)
+            finished += part.streams.finished
+            for task, taken, ready, leased, _ in part.streams.progress():
+                lag[(pid, task)] = ready
+                counts[(pid, task)] = (taken, leased)
+        gauges[("dataplane_index_partitions", *labels, "open")] = len(rows) - finished
         gauges[("dataplane_index_partitions", *labels, "finished")] = finished
         gauges[("dataplane_index_waiting", *labels)] = sum(
             1 for waiting in self._waiters.values() for w in waiting if not w.done
         )
-        rows = {pid: len(part.keys) for pid, part in core.partitions.items()}
-        keep = _bounds.chosen(rows, self.partition_series)
-        for pid, n in _bounds.fold(rows, keep, _bounds.OTHER).items():
+        for pid, n in _bounds.fold(rows, _bounds.chosen(rows, self.partition_series), _bounds.OTHER).items():
             gauges[("dataplane_index_partition_rows", *labels, pid)] = n
         # Consumer tasks: the (partition, task) pairs furthest behind get series of their own.
-        progress = {
-            (pid, task): counts
-            for pid, part in core.partitions.items()
-            for task, counts in part.streams.overview().items()
-        }
-        lag = {pair: counts["ready"] for pair, counts in progress.items()}
-        keep_pairs = _bounds.chosen(lag, self.partition_series)
+        keep = _bounds.chosen(lag, self.partition_series)
         other = (_bounds.OTHER, _bounds.OTHER)
-        for count, name in (("ready", "ready_rows"), ("taken", "taken_rows"), ("leased", "leased_rows")):
-            values = {pair: counts[count] for pair, counts in progress.items()}
-            for (pid, task), n in _bounds.fold(values, keep_pairs, other).items():
-                gauges[(f"dataplane_consumer_{name}", *labels, pid, task)] = n
+        for (pid, task), n in _bounds.fold(lag, keep, other).items():
+            gauges[("dataplane_consumer_ready_rows", *labels, pid, task)] = n
+        for i, name in ((0, "dataplane_consumer_taken_rows"), (1, "dataplane_consumer_leased_rows")):
+            values = {pair: c[i] for pair, c in counts.items()}
+            for (pid, task), n in _bounds.fold(values, keep, other).items():
+                gauges[(name, *labels, pid, task)] = n
         return counters, gauges
 
 
