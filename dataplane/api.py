@@ -29,6 +29,7 @@ from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.service import connect as _connect
 from dataplane.service.launch import ServiceHandle, find_service, start_service, stop_named
+from dataplane.telemetry import export
 
 if TYPE_CHECKING:  # annotations only: the store's own processes import this package without torch
     import torch
@@ -211,6 +212,7 @@ def close() -> None:
         client, handle = _state.client, _state.handle
         _state.client = _state.handle = _state.info = None
         if client is not None:
+            export.flush()  # what this process recorded, before it may leave Ray
             client.close()
         if handle is not None:
             handle.stop()
@@ -250,7 +252,9 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
             # Keys first: kv_batch_put("k0", ...) is a str where a list belongs, not a 2-row batch.
             keys = _ops._check_keys(keys, partition_id)
             cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
-    return client.engine.put(keys, partition_id, cols, tags)
+    meta: KVBatchMeta = yield from client.engine.put(keys, partition_id, cols, tags)
+    client.moved("put", meta.size, cols or {})
+    return meta
 
 
 def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
@@ -260,6 +264,7 @@ def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy:
     keys = [keys] if isinstance(keys, str) else list(keys)
     cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
     td: TensorDict = decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
+    client.moved("get", len(keys), cols)
     return td
 
 
@@ -285,7 +290,7 @@ def kv_put(
         ['x']
     """
     tags = [tag] if tag is not None else None
-    meta: KVBatchMeta = _client().run(_put_op([key], partition_id, fields, tags, row=True))
+    meta: KVBatchMeta = _client().run(_put_op([key], partition_id, fields, tags, row=True), "put")
     return meta
 
 
@@ -318,7 +323,7 @@ def kv_batch_put(
         >>> meta.size
         2
     """
-    meta: KVBatchMeta = _client().run(_put_op(keys, partition_id, fields, tags, row=False))
+    meta: KVBatchMeta = _client().run(_put_op(keys, partition_id, fields, tags, row=False), "put")
     return meta
 
 
@@ -359,7 +364,7 @@ def kv_batch_get(
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
         torch.Size([2, 3])
     """
-    td: TensorDict = _client().run(_get_op(keys, partition_id, select_fields, device, copy))
+    td: TensorDict = _client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
     return td
 
 
@@ -386,7 +391,7 @@ def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, An
         >>> dp.kv_list("train")
         {'train': {'a': {}, 'b': {}}}
     """
-    listing: dict[str, dict[str, dict[Any, Any]]] = _client().run(_client().engine.list(partition_id))
+    listing: dict[str, dict[str, dict[Any, Any]]] = _client().run(_client().engine.list(partition_id), "list")
     return listing
 
 
@@ -396,7 +401,10 @@ def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     Example:
         >>> dp.kv_clear(["a"], "train")
     """
-    _client().run(_client().engine.clear(_key_list(keys), partition_id))
+    keys = _key_list(keys)
+    client = _client()
+    client.run(client.engine.clear(keys, partition_id), "clear")
+    client.moved("clear", len(keys))
 
 
 def clear_partition(partition_id: str) -> None:
@@ -405,7 +413,7 @@ def clear_partition(partition_id: str) -> None:
     Example:
         >>> dp.clear_partition("train")
     """
-    _client().run(_client().engine.clear_partition(partition_id))
+    _client().run(_client().engine.clear_partition(partition_id), "clear_partition")
 
 
 def stats(trim: bool = False) -> dict[str, Any]:
@@ -455,7 +463,7 @@ async def async_kv_put(
 ) -> KVBatchMeta:
     """Async ``kv_put``."""
     tags = [tag] if tag is not None else None
-    meta: KVBatchMeta = await _client().arun(_put_op([key], partition_id, fields, tags, row=True))
+    meta: KVBatchMeta = await _client().arun(_put_op([key], partition_id, fields, tags, row=True), "put")
     return meta
 
 
@@ -466,7 +474,7 @@ async def async_kv_batch_put(
     tags: Sequence[dict[Any, Any] | None] | None = None,
 ) -> KVBatchMeta:
     """Async ``kv_batch_put``."""
-    meta: KVBatchMeta = await _client().arun(_put_op(keys, partition_id, fields, tags, row=False))
+    meta: KVBatchMeta = await _client().arun(_put_op(keys, partition_id, fields, tags, row=False), "put")
     return meta
 
 
@@ -479,7 +487,7 @@ async def async_kv_batch_get(
     copy: bool = True,
 ) -> TensorDict:
     """Async ``kv_batch_get``."""
-    td: TensorDict = await _client().arun(_get_op(keys, partition_id, select_fields, device, copy))
+    td: TensorDict = await _client().arun(_get_op(keys, partition_id, select_fields, device, copy), "get")
     return td
 
 
@@ -497,18 +505,23 @@ async def async_kv_batch_get_by_meta(
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
     """Async ``kv_list``."""
-    listing: dict[str, dict[str, dict[Any, Any]]] = await _client().arun(_client().engine.list(partition_id))
+    listing: dict[str, dict[str, dict[Any, Any]]] = await _client().arun(
+        _client().engine.list(partition_id), "list"
+    )
     return listing
 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     """Async ``kv_clear``."""
-    await _client().arun(_client().engine.clear(_key_list(keys), partition_id))
+    keys = _key_list(keys)
+    client = _client()
+    await client.arun(client.engine.clear(keys, partition_id), "clear")
+    client.moved("clear", len(keys))
 
 
 async def async_clear_partition(partition_id: str) -> None:
     """Async ``clear_partition``."""
-    await _client().arun(_client().engine.clear_partition(partition_id))
+    await _client().arun(_client().engine.clear_partition(partition_id), "clear_partition")
 
 
 async def async_stats(trim: bool = False) -> dict[str, Any]:

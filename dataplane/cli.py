@@ -13,7 +13,9 @@ What the commands print:
   error; one running with other options is (exit 1), and the message names each option that differs.
 - ``status``: a table, one row per shard (node, bytes used and held, capacity, partitions, rows,
   clients), below a one-line summary; ``--json`` prints ``dp.stats()`` plus ``address`` and each
-  shard's ``clients`` instead, with bytes as integers.
+  shard's ``clients`` instead, with bytes as integers. ``--watch [--interval S] [--count N]`` keeps
+  a live view of shards, partitions and consumer tasks on the screen (``dataplane.watch``; with
+  ``--json``, one JSON line per refresh).
 - ``stop``: whether a store was stopped.
 
 Exit status: 0 done, 1 the store or the cluster refused (the printed line says why), 2 a bad argument.
@@ -328,6 +330,10 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
     from dataplane.client.handle import StoreClient
     from dataplane.service.launch import find_service
 
+    interval = getattr(args, "interval", 1.0)
+    if not 0.1 <= interval <= 3600:
+        _say(f"rlplane store status: --interval {interval:g} is not a number of seconds in [0.1, 3600]")
+        return 2
     found = find_service(cfg)
     if found is None:
         _say(
@@ -336,6 +342,14 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
         )
         return 1
     client = StoreClient(found[0])
+    if getattr(args, "watch", False):
+        from dataplane import watch
+
+        try:
+            nodes = [node_label(_host(s["tcp"]), s["node_id"]) for s in client.registry["shards"]]
+            return watch.run(client, nodes, address, interval, as_lines=args.json, count=args.count)
+        finally:
+            client.close()
     try:
         shards, index = client.run(client.engine.stats(False))
         stats = api._stats_dict(client, shards, index)

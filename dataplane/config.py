@@ -19,6 +19,10 @@ Environment variables (read here only, each by one function; a value that does n
                                connect to their Unix lane besides their own uid, which always may
                                (default: none; any other uid is closed at accept)
     DATAPLANE_TQ_CONTROLLER_TIMEOUT_S  seconds ``dataplane.tq`` waits for its controller actor (60)
+    DATAPLANE_METRICS          a flag (default on): the default of ``StoreConfig.metrics`` for a store
+                               this process starts (``docs/metrics.md``)
+    DATAPLANE_METRICS_INTERVAL_S  seconds between two exports of this process's metrics to Ray
+                               (default: half of Ray's metrics report interval, within 0.5-5 s)
 
 Example:
     >>> cfg = StoreConfig.from_options(num_shards=2, transport="zmq")
@@ -141,6 +145,20 @@ def tq_controller_timeout_s() -> float:
     return _env_float("DATAPLANE_TQ_CONTROLLER_TIMEOUT_S", 60.0)
 
 
+def env_metrics() -> bool:
+    """Whether a store this process starts exports metrics (``DATAPLANE_METRICS``; unset = on)."""
+    return "DATAPLANE_METRICS" not in os.environ or env_flag("DATAPLANE_METRICS")
+
+
+def metrics_interval_s() -> float | None:
+    """Seconds between two exports of this process's metrics (``DATAPLANE_METRICS_INTERVAL_S``);
+    None when unset (the exporter derives it from Ray's report interval)."""
+    value = _env_float("DATAPLANE_METRICS_INTERVAL_S", 0.0)
+    if value < 0:
+        raise ValueError(f"environment variable DATAPLANE_METRICS_INTERVAL_S={value} must be >= 0")
+    return value or None
+
+
 def read_buffer_pool_bytes() -> int:
     """Most idle bytes of copy-out buffers a process keeps warm for its next reads
     (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
@@ -181,6 +199,12 @@ class StoreConfig:
         max_message_bytes: the largest frame a store socket accepts (a shard with a capacity accepts at
             most that much); a peer that sends more is disconnected.
         detached: actors outlive the creating process (``rlplane store start``).
+        metrics: the store's processes (its actors, and every client attached to it) export metrics
+            through Ray's metrics pipeline (``docs/metrics.md``); off, they record nothing.
+        metrics_partitions: the most partitions (and consumer tasks of partitions) that get series of
+            their own in a metric with a ``partition`` label: the largest, the rest summed under
+            ``"other"``; -1 gives every partition its own series (a run of 10,000 partitions then makes
+            10,000 series per such metric), 0 sums them all.
     """
 
     name: str = "dataplane"
@@ -198,6 +222,8 @@ class StoreConfig:
     encrypt: bool = False
     max_message_bytes: int = 1 << 32
     detached: bool = False
+    metrics: bool = True
+    metrics_partitions: int = 20
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -220,6 +246,7 @@ class StoreConfig:
             "transport": client_transport_override() or "auto",
             "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
             "allow_pickle": env_allows_pickle(),
+            "metrics": env_metrics(),
         }
         base.update({k: v for k, v in options.items() if v is not None or k in ("num_shards",)})
         return cls(**base)
@@ -257,6 +284,7 @@ _NUMBERS = (
     ("warm_retain_bytes", 0, INT64_MAX, True, False),
     ("reservation_timeout_s", 0, MAX_TIMEOUT_S, False, True),
     ("max_message_bytes", 1, INT64_MAX, True, False),
+    ("metrics_partitions", -1, 2**31 - 1, True, False),  # -1: every partition
 )
 _OPTIONAL = frozenset({"num_shards", "capacity_bytes"})  # None: one shard per node / unbounded
 
@@ -278,6 +306,8 @@ __all__ = [
     "client_transport_override",
     "env_allows_pickle",
     "env_flag",
+    "env_metrics",
+    "metrics_interval_s",
     "read_buffer_pool_bytes",
     "unix_peer_uids",
 ]

@@ -123,10 +123,11 @@ def next_batch(
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
     client, take, op = _taking(*args, lease_s)
     try:
-        meta: KVBatchMeta = client.run(op)
+        meta: KVBatchMeta = client.run(op, "next_batch")
     except BaseException:
         _give_back(client, partition_id, task_name, take)
         raise
+    client.moved("next_batch", meta.size)
     return meta
 
 
@@ -148,10 +149,11 @@ async def async_next_batch(
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
     client, take, op = _taking(*args, lease_s)
     try:
-        meta: KVBatchMeta = await client.arun(op)
+        meta: KVBatchMeta = await client.arun(op, "next_batch")
     except BaseException:
         _give_back(client, partition_id, task_name, take)
         raise
+    client.moved("next_batch", meta.size)
     return meta
 
 

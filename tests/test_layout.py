@@ -65,6 +65,7 @@ LAYERS = {
         "dataplane.samplers",
         "dataplane.codec",
         "dataplane.wire",
+        "dataplane.telemetry",
         "dataplane.client",
     },
     "dataplane.server": {
@@ -74,6 +75,7 @@ LAYERS = {
         "dataplane.samplers",
         "dataplane.codec",
         "dataplane.wire",
+        "dataplane.telemetry",
         "dataplane.server",
     },
     "dataplane.service": {
@@ -89,6 +91,8 @@ LAYERS = {
     "dataplane.config": {"dataplane.errors"},
     "dataplane.samplers": {"dataplane.errors"},
     "dataplane.meta": {"dataplane.errors", "dataplane.codec"},
+    # the metrics' hot path: every process records into it (ray only inside its exporter thread)
+    "dataplane.telemetry": {"dataplane.errors", "dataplane.config", "dataplane.telemetry"},
 }
 
 

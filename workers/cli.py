@@ -145,6 +145,11 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
         epilog=STORE_EPILOG,
     )
     status.add_argument("--json", action="store_true", help="print dp.stats() as JSON (bytes as integers)")
+    status.add_argument(
+        "--watch", action="store_true", help="refresh in place like top: shards, partitions, tasks"
+    )
+    status.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
+    status.add_argument("--count", type=positive_int, metavar="N", help="stop after N refreshes (--watch)")
     stop = actions.add_parser(
         "stop",
         help="stop the store service (its data is gone)",

@@ -5,6 +5,11 @@ actor hands out at attach time; after that, no Ray call is made per KV operation
 shard, the shared-memory path (same host and the inode probe passes) or the zmq path, and the ipc
 endpoint on the same host or tcp otherwise. Its sockets are closed by ``close()`` or, if the
 client is simply dropped, by a ``weakref.finalize``.
+
+Metrics: when the store's ``metrics`` option is on and this process is connected to Ray, the client
+starts the process's exporter (``telemetry.export``) and records, per named call (``run(op, name)``),
+its latency and outcome, and (``moved``) the rows and bytes it moved; store actors it finds dead
+are counted too. Otherwise it records nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataplane.client.mappings import MappingCache, ShardMemory, probe
 from dataplane.client.sharding import HashPlacement
 from dataplane.config import StoreConfig, env_unix_lane
 from dataplane.errors import ShardUnavailableError
+from dataplane.telemetry import export
+from dataplane.telemetry.recorder import ClientMetrics
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
 from dataplane.wire.requests import INDEX
@@ -103,7 +110,9 @@ class StoreClient:
             )
             targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
         timeout = self.config.rpc_timeout_s
-        self.liveness = Liveness(targets)
+        # Recording only where the store asks for it and the process can export (it is on Ray).
+        self.metrics = ClientMetrics(self.config.name) if self.config.metrics and export.start() else None
+        self.liveness = Liveness(targets, on_dead=None if self.metrics is None else self.metrics.peer_dead)
         args = (endpoints, creds, timeout, self.liveness, self.config.max_message_bytes)
         self.sync = SyncTransport(*args)
         self.asyn = AsyncTransport(*args)
@@ -128,25 +137,48 @@ class StoreClient:
     def transport(self) -> str:
         return "shm" if self.shm and all(self.shm) else ("zmq" if not any(self.shm) else "mixed")
 
-    def run(self, op: _ops.Op) -> Any:
+    def run(self, op: _ops.Op, name: str | None = None) -> Any:
+        """Drive ``op`` with blocking sockets; ``name`` (e.g. "put") times it for the metrics."""
+        started = time.perf_counter()
         try:
-            return drive(self.sync, op)
-        except ShardUnavailableError as exc:
-            self._forget(exc.shard)
-            if self._store_stopped(exc.shard):
+            out = drive(self.sync, op)
+        except BaseException as exc:
+            self._ended(name, started, exc)
+            if isinstance(exc, ShardUnavailableError) and self._store_stopped(exc.shard):
                 raise self._stopped_error(exc) from None
             raise
+        self._ended(name, started)
+        return out
 
-    async def arun(self, op: _ops.Op) -> Any:
+    async def arun(self, op: _ops.Op, name: str | None = None) -> Any:
+        """``run`` on the running event loop."""
+        started = time.perf_counter()
         try:
-            return await adrive(self.asyn, op)
-        except ShardUnavailableError as exc:
-            self._forget(exc.shard)
-            import asyncio
+            out = await adrive(self.asyn, op)
+        except BaseException as exc:
+            self._ended(name, started, exc)
+            if isinstance(exc, ShardUnavailableError):
+                import asyncio
 
-            if await asyncio.to_thread(self._store_stopped, exc.shard):
-                raise self._stopped_error(exc) from None
+                if await asyncio.to_thread(self._store_stopped, exc.shard):
+                    raise self._stopped_error(exc) from None
             raise
+        self._ended(name, started)
+        return out
+
+    def _ended(self, name: str | None, started: float, exc: BaseException | None = None) -> None:
+        if name is not None and self.metrics is not None:
+            self.metrics.call(name, time.perf_counter() - started, exc)
+        if isinstance(exc, ShardUnavailableError):
+            self._forget(exc.shard)
+
+    def moved(self, op: str, rows: int, columns: dict[str, Any] | None = None) -> None:
+        """Count the rows a call that succeeded moved, and the payload bytes of its ``columns`` (the
+        rows' data buffers); nothing at all without metrics."""
+        metrics = self.metrics
+        if metrics is not None and metrics.rec.on:
+            nbytes = None if columns is None else sum(len(col.data) for col in columns.values())
+            metrics.moved(op, rows, nbytes)
 
     def _store_stopped(self, failed: str) -> bool:
         """Whether the whole store was stopped (its index and shards are gone), not one actor lost.

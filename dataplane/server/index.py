@@ -40,6 +40,9 @@ from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.index_checkpoint import IndexCheckpoints
 from dataplane.server.router import POLL_MS, ZmqServer
 from dataplane.server.streams import PartitionStreams
+from dataplane.telemetry import bounds as _bounds
+from dataplane.telemetry import export
+from dataplane.telemetry.recorder import Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
@@ -141,6 +144,7 @@ class IndexCore(IndexCheckpoints, Operations):
         self.released: OrderedDict[str, None] = OrderedDict()
         # The last CLEARED_PARTITIONS_KEPT partitions cleared, oldest first (for the error naming one).
         self.cleared: OrderedDict[str, None] = OrderedDict()
+        self.leases_expired = 0  # leased rows given back because their lease ran out (metrics)
 
     def missing(self, pid: str, message: str | None = None) -> PartitionNotFoundError:
         """The error for a partition that is not there: cleared (if remembered), or never written, with
@@ -492,7 +496,9 @@ class IndexCore(IndexCheckpoints, Operations):
         while self.lease_due and self.lease_due[0][0] <= now:
             _, _, pid, task, take = heapq.heappop(self.lease_due)
             part = self.partitions.get(pid)
-            if part is not None and part.streams.expire(task, take, now):
+            back = 0 if part is None else part.streams.expire(task, take, now)
+            if back:
+                self.leases_expired += back
                 self.changed.add(pid)
         if len(self.lease_due) > LEASE_HEAP_COMPACT:  # mostly acknowledged leases: keep the live ones
             live = {
@@ -555,6 +561,20 @@ class IndexCore(IndexCheckpoints, Operations):
         part = self.partitions.get(body.pid)
         task = None if part is None else part.streams.tasks.get(body.task)
         return {"keys": [] if task is None else [k for k in part.keys if k in task.consumed]}
+
+    def op_tasks(self, body: _protocol.Tasks) -> dict[str, Any]:
+        """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
+        ready and not taken, leased, the fields each waits for), and the partition's rows, fields
+        (in the order their schemas were decided) and whether it is finished. O(tasks)."""
+        part = self.partitions.get(body.pid)
+        if part is None:
+            raise PartitionNotFoundError(body.pid)
+        return {
+            "rows": len(part.keys),
+            "fields": list(self.schemas.get(body.pid, {})),
+            "finished": part.streams.finished,
+            "tasks": part.streams.overview(),
+        }
 
     def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
         pid = body.pid
@@ -643,6 +663,8 @@ class IndexServer(ZmqServer):
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._by_take: dict[str, _Waiter] = {}  # parked takes, to unpark one its consumer gives up on
         self._seq = itertools.count()
+        self.rows_taken = 0  # rows handed out to consumers (metrics)
+        self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
@@ -709,9 +731,13 @@ class IndexServer(ZmqServer):
         if result is None:
             return False
         self._done(w)
+        if self.metrics is not None:
+            self.metrics.waited(w.op, time.monotonic() - w.start)
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
             if w.op in ("next", "claim") and result["keys"]:  # its consumer went away: ready again
                 self.core.give_back(w.body.pid, w.body.task, w.body.take, result["keys"])
+        elif w.op != "ready":
+            self.rows_taken += len(result["keys"])
         return True
 
     def _recheck(self) -> None:
@@ -772,6 +798,40 @@ class IndexServer(ZmqServer):
         self._done(w)
         self.deliver(w.sock, w.ident, _wire.encode_error(w.rid, exc))
 
+    def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:
+        counters, gauges = super().metrics_snapshot(labels)
+        core = self.core
+        counters[("dataplane_index_rows_taken", *labels)] = self.rows_taken
+        counters[("dataplane_index_leases_expired", *labels)] = core.leases_expired
+        # One pass over the partitions and their tasks (this runs on the loop: it must stay cheap).
+        rows: dict[str, int] = {}
+        lag: dict[tuple[str, str], int] = {}
+        counts: dict[tuple[str, str], tuple[int, int]] = {}  # (taken, leased)
+        finished = 0
+        for pid, part in core.partitions.items():
+            rows[pid] = len(part.keys)
+            finished += part.streams.finished
+            for task, taken, ready, leased, _ in part.streams.progress():
+                lag[(pid, task)] = ready
+                counts[(pid, task)] = (taken, leased)
+        gauges[("dataplane_index_partitions", *labels, "open")] = len(rows) - finished
+        gauges[("dataplane_index_partitions", *labels, "finished")] = finished
+        gauges[("dataplane_index_waiting", *labels)] = sum(
+            1 for waiting in self._waiters.values() for w in waiting if not w.done
+        )
+        for pid, n in _bounds.fold(rows, _bounds.chosen(rows, self.partition_series), _bounds.OTHER).items():
+            gauges[("dataplane_index_partition_rows", *labels, pid)] = n
+        # Consumer tasks: the (partition, task) pairs furthest behind get series of their own.
+        keep = _bounds.chosen(lag, self.partition_series)
+        other = (_bounds.OTHER, _bounds.OTHER)
+        for (pid, task), n in _bounds.fold(lag, keep, other).items():
+            gauges[("dataplane_consumer_ready_rows", *labels, pid, task)] = n
+        for i, name in ((0, "dataplane_consumer_taken_rows"), (1, "dataplane_consumer_leased_rows")):
+            values = {pair: c[i] for pair, c in counts.items()}
+            for (pid, task), n in _bounds.fold(values, keep, other).items():
+                gauges[(name, *labels, pid, task)] = n
+        return counters, gauges
+
 
 class IndexActor:
     """The index as a Ray actor (wrapped with ``ray.remote`` by ``service.launch``): its Ray methods only
@@ -784,9 +844,13 @@ class IndexActor:
         creds: dict[str, str] | None = None,
         max_message_bytes: int = -1,
         reservation_timeout_s: float = 120.0,
+        metrics: bool = False,
+        metrics_partitions: int = -1,
     ) -> None:
         self.core = IndexCore(prepare_ttl_s=reservation_timeout_s)
         self._name = name
+        self._metrics = metrics
+        self._metrics_partitions = metrics_partitions
         self._creds = _auth.Credentials.from_dict(creds or {})
         self._max_message_bytes = max_message_bytes
         self.server: IndexServer | None = None
@@ -806,9 +870,17 @@ class IndexActor:
         gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
-        ).start()
+        )
+        if self._metrics and export.start():  # before the loop starts: it reads these
+            self.server.partition_series = self._metrics_partitions
+            # ("commits" relays puts the shards time as put_ready: timing it too would double the cost)
+            self.server.metrics = ServerMetrics(
+                "dataplane_index", (self._name,), IndexCore.OPS, untimed={"commits"}
+            )
+        self.server.start()
         pid = os.getpid()
         return {
+            "node_id": ray.get_runtime_context().get_node_id(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,

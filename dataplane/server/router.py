@@ -20,6 +20,13 @@ logged and the loop goes on serving. A request whose handler raised is answered 
 (``frames.answer``: a ``dataplane.errors`` class, or ``DataplaneError`` naming the exception's
 type); a subclass answers the requests its own timers fail on (``IndexServer``, ``ShardServer``).
 
+Metrics (``dataplane.telemetry``): the loop counts what it refuses, by cause (``refusals``: a
+connection that failed authentication, a Unix-lane peer of another uid, one silent past the
+handshake deadline or evicted for a newer one, a request of another protocol version or malformed).
+When its process exports metrics (``metrics`` is set), it also times every request it serves, and
+every ``RECORDER.interval_s`` publishes a snapshot of its counters and gauges (``metrics_snapshot``,
+taken on this thread, under the server's lock), so the exporter never touches the core.
+
 Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
 loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
 a second ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes
@@ -44,7 +51,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataplane.config import unix_peer_uids
+from dataplane.errors import ProtocolVersionError, WireError
 from dataplane.server.dispatch import Operations, OpReply
+from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
@@ -74,6 +83,10 @@ def _poll_seconds(timeout_ms: Any) -> float:
     if type(timeout_ms) not in (int, float) or not timeout_ms <= POLL_MS:
         return POLL_MS / 1000
     return timeout_ms / 1000
+
+
+# Why a connection or a request was refused (``ZmqServer.refusals``; the ``reason`` label).
+REFUSALS = ("auth", "uid", "handshake_timeout", "evicted", "protocol_version", "malformed")
 
 
 class ZmqServer:
@@ -114,8 +127,11 @@ class ZmqServer:
         self._unauth: dict[int, _unix.Conn] = {}
         self._unauth_cap = _unix.max_unauthenticated()
         self._peer_uids = unix_peer_uids()  # other uids are closed at accept
-        self.refused = 0  # Unix-lane connections closed at accept for their uid
-        self.evicted = 0  # Unix-lane connections dropped, silent, for newer ones
+        self.refusals = dict.fromkeys(REFUSALS, 0)  # what was refused, by cause (module docstring)
+        # Set by the actor when this process exports metrics: then requests are timed and snapshots
+        # published (both skipped while it is None or the recorder is off).
+        self.metrics: ServerMetrics | None = None
+        self._publish_due = 0.0
         self._stop = threading.Event()
         self._logged: dict[str, float] = {}  # loop step -> when its last failure was logged in full
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
@@ -223,10 +239,23 @@ class ZmqServer:
             self._touched.discard(sock)
             self._remove(sock.getsockopt(zmq.FD))
 
+    @property
+    def refused(self) -> int:
+        """Unix-lane connections closed at accept for their uid."""
+        return self.refusals["uid"]
+
+    @property
+    def evicted(self) -> int:
+        """Unix-lane connections dropped, silent, for newer ones."""
+        return self.refusals["evicted"]
+
     def _drain_zap(self) -> None:
         zap = self._zap
         while zap.getsockopt(_EVENTS) & _POLLIN:
-            zap.send_multipart(_auth.zap_reply(zap.recv_multipart(), self._creds))
+            reply = _auth.zap_reply(zap.recv_multipart(), self._creds)
+            if reply[2] != b"200":
+                self.refusals["auth"] += 1
+            zap.send_multipart(reply)
 
     def _drain_router(self, sock: zmq.Socket) -> None:
         for count in self._monitors:  # a connection is counted before its first request is answered
@@ -294,12 +323,17 @@ class ZmqServer:
                     self._guarded("draining a socket", drain)
             self._guarded("the after-poll timers", self.after_poll)
             now = time.monotonic()
+            if self.metrics is not None and now >= self._publish_due:
+                self._publish_due = now + RECORDER.interval_s
+                self._publish()
             if now - last_tick >= TICK_S:
                 last_tick = now
                 self._guarded("checking connections", self._check_conns, now)
                 if self._tick is not None:
                     with self._lock:
                         self._guarded("the server tick", self._tick)
+        if self.metrics is not None:
+            self.metrics.rec.withdraw(self.name)
         for conn in self._conns.values():
             conn.close()
         self._listener.close()
@@ -322,7 +356,7 @@ class ZmqServer:
             except _unix.PeerRefused as exc:
                 if not self.refused:  # once: a flood would fill the log
                     logger.warning("%s: %s (DATAPLANE_UNIX_PEER_UIDS allows others)", self.name, exc)
-                self.refused += 1
+                self.refusals["uid"] += 1
                 continue
             except OSError as exc:  # out of file descriptors: stop accepting until the next tick
                 logger.warning("%s: cannot accept a connection (%s); retrying shortly", self.name, exc)
@@ -344,7 +378,7 @@ class ZmqServer:
         conn = next(iter(self._unauth.values()))
         self._on_conn(conn, select.EPOLLIN)
         if self._unauth.get(conn.fd) is conn:  # still silent
-            self.evicted += 1
+            self.refusals["evicted"] += 1
             self._close_conn(conn)
 
     def _on_conn(self, conn: _unix.Conn, ev: int) -> None:
@@ -367,6 +401,7 @@ class ZmqServer:
                     self._unauth.pop(conn.fd, None)
                     messages.extend(conn.reader.buffered())  # what the peer sent right after its hello
                 else:
+                    self.refusals["auth"] += 1
                     raise _unix.ConnectionClosed("not a peer of this store")
                 if conn.closed:  # a reply found the peer gone, or it left too much unread
                     break
@@ -390,6 +425,7 @@ class ZmqServer:
         for conn in list(self._unauth.values()):  # oldest first: the first one in time ends the sweep
             if now - conn.since <= _unix.HANDSHAKE_S:
                 break
+            self.refusals["handshake_timeout"] += 1
             self._close_conn(conn)
         for conn in [c for c in self._conns.values() if c.closed]:  # closed while answering
             self._close_conn(conn)
@@ -407,13 +443,56 @@ class ZmqServer:
         if len(msg) < 2:
             return
         ident = msg[0]
+        metrics = self.metrics
+        started = time.perf_counter() if metrics is not None else 0.0
+        op = None  # once the header is read
 
         def handler(req: Any, bufs: list[memoryview]) -> OpReply | None:
-            return self.serve(sock, ident, req.rid, req.op, self.core.decode(req.op, req.body), bufs)
+            nonlocal op
+            op = req.op
+            try:
+                body = self.core.decode(req.op, req.body)
+            except WireError:  # an unknown op, or a body its op cannot read
+                self.refusals["malformed"] += 1
+                raise
+            return self.serve(sock, ident, req.rid, req.op, body, bufs)
 
-        _, reply = _wire.answer(msg[1:], handler, max_frames=self._max_frames, who=self.name)
+        _, reply = _wire.answer(
+            msg[1:], handler, max_frames=self._max_frames, who=self.name, refused=self._refused
+        )
         if reply is not None:
             self.deliver(sock, ident, reply)
+        if metrics is not None:
+            metrics.served(op, time.perf_counter() - started)
+
+    def _refused(self, exc: BaseException) -> None:
+        """A request refused before its op ran: of another protocol version, or malformed (a header
+        that does not decode, too many frames)."""
+        self.refusals["protocol_version" if isinstance(exc, ProtocolVersionError) else "malformed"] += 1
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        metrics = self.metrics
+        if metrics is None or not metrics.rec.on:
+            return
+        try:
+            with self._lock:
+                counters, gauges = self.metrics_snapshot(metrics.labels)
+        except Exception:  # noqa: BLE001 - a metric must never stop the loop
+            logger.exception("%s: taking a metrics snapshot failed", self.name)
+            return
+        metrics.rec.publish(self.name, counters, gauges)
+
+    def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:
+        """This server's cumulative counters and gauges, keyed for the catalog (``labels``: the values
+        of the metrics' first labels, e.g. store and shard). Runs on the loop thread, under the lock;
+        subclasses add their core's."""
+        prefix = self.metrics.prefix if self.metrics is not None else "dataplane_server"
+        counters: dict[Key, float] = {
+            (prefix + "_refused", *labels, reason): n for reason, n in self.refusals.items() if n
+        }
+        gauges: dict[Key, float] = {(prefix + "_clients", *labels): self.connections}
+        return counters, gauges
 
     def serve(
         self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]

@@ -75,6 +75,7 @@ class Segment:
     file: ShmFile | None
     shapes: np.ndarray | None = None  # ragged rows' shapes
     live: int = 0
+    owner: Any = None  # the _Partition whose bytes it counts in (``_Partition.nbytes``)
 
     @property
     def accounted(self) -> int:
@@ -97,6 +98,7 @@ class Segment:
 class _Partition:
     rows: dict[str, dict[str, tuple[Segment, int]]] = field(default_factory=dict)
     specs: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0  # bytes of its live segments (``Segment.accounted``)
 
 
 @dataclass
@@ -157,6 +159,10 @@ class ShardCore(Operations):
         self.ready_puts = 0  # put_ready requests stored and passed on to the index (by ShardServer)
         self.ready_batches = 0  # the index requests that carried them
         self.tick_hooks: list[Callable[[float], None]] = []  # more housekeeping (checkpoint expiry)
+        # Cumulative, for metrics (``ShardServer.metrics_snapshot``): rows stored, served and freed,
+        # and bytes stored and freed (``Segment.accounted``: what ``used`` counts).
+        self.rows_put = self.rows_got = self.rows_cleared = 0
+        self.bytes_put = self.bytes_cleared = 0
 
     # ---- put --------------------------------------------------------------------------------
     def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -371,6 +377,8 @@ class ShardCore(Operations):
         if part is None:
             part = self.partitions[pid] = _Partition()
         made: dict[str, Segment] = {}
+        if fields:
+            self.rows_put += n
         for name, entry in fields.items():
             spec = entry["spec"]
             part.specs.setdefault(name, spec)
@@ -381,7 +389,11 @@ class ShardCore(Operations):
                 seg = Segment(
                     spec, n, entry["nbytes"], None, offsets.get(name), entry["file"], shapes.get(name)
                 )
-            self.used += seg.accounted
+            seg.owner = part
+            accounted = seg.accounted
+            self.used += accounted
+            self.bytes_put += accounted
+            part.nbytes += accounted
             self.heap_bytes += seg.heap_bytes
             made[name] = seg
             for i, key in enumerate(keys):
@@ -415,6 +427,7 @@ class ShardCore(Operations):
         seg.live -= 1
         if seg.live == 0:
             self.used -= seg.accounted
+            seg.owner.nbytes -= seg.accounted
             self.heap_bytes -= seg.heap_bytes
             if seg.file is not None:
                 self.pool.release(seg.file)
@@ -446,6 +459,7 @@ class ShardCore(Operations):
         if not keys:
             raise WireError("a get names at least one key")
         rows, fields = self._resolve(pid, keys, body.fields)
+        self.rows_got += len(keys)
         out: dict[str, Any] = {}
         frames: list[Any] = []
         for name in fields:
@@ -501,6 +515,7 @@ class ShardCore(Operations):
     def op_clear(self, body: _protocol.Clear, bufs: list[memoryview]) -> tuple[dict, list]:
         part = self.partitions.get(body.pid)
         removed = 0
+        used = self.used
         if part is not None:
             for key in body.keys:
                 row = part.rows.pop(key, None)
@@ -508,11 +523,17 @@ class ShardCore(Operations):
                     removed += 1
                     for seg, _ in row.values():
                         self._unref(seg)
+        self._cleared(removed, used)
         return {"removed": removed}, []
 
     def op_clear_partition(self, body: _protocol.OnePartition, bufs: list[memoryview]) -> tuple[dict, list]:
         part = self.partitions.pop(body.pid, None)
-        return {"removed": 0 if part is None else self.drop_rows(part)}, []
+        removed = 0
+        used = self.used
+        if part is not None:
+            removed = self.drop_rows(part)
+        self._cleared(removed, used)
+        return {"removed": removed}, []
 
     def drop_rows(self, part: _Partition) -> int:
         """Let go of every row of ``part`` (no longer in ``partitions``); returns how many there were."""
@@ -520,6 +541,11 @@ class ShardCore(Operations):
             for seg, _ in row.values():
                 self._unref(seg)
         return len(part.rows)
+
+    def _cleared(self, rows: int, used_before: int) -> None:
+        """Count a clear's rows and the bytes it freed (a segment is freed with its last row)."""
+        self.rows_cleared += rows
+        self.bytes_cleared += used_before - self.used
 
     # ---- housekeeping -----------------------------------------------------------------------
     def op_stats(self, body: _protocol.Stats, bufs: list[memoryview]) -> tuple[dict, list]:
@@ -544,6 +570,7 @@ class ShardCore(Operations):
             "capacity_bytes": self.capacity,
             "shm_files": len(self.pool.live) + len(self.pool.warm),
             "partitions": {pid: len(p.rows) for pid, p in self.partitions.items()},
+            "partition_bytes": {pid: p.nbytes for pid, p in self.partitions.items()},
         }
 
     def tick(self, now: float | None = None) -> None:

@@ -41,6 +41,9 @@ from dataplane.server.host_memory import HostMemory
 from dataplane.server.router import ZmqServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.server.shard_checkpoint import ShardCheckpoints
+from dataplane.telemetry import bounds as _bounds
+from dataplane.telemetry import export
+from dataplane.telemetry.recorder import ClientMetrics, Key, ServerMetrics
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
@@ -105,6 +108,8 @@ class ShardServer(ZmqServer):
         self._outbox: list[_Forward] = []
         self._sent: dict[int, _Sent] = {}
         self._next_check = 0.0  # no request in flight is due for a probe or its deadline before this
+        self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
+        self._peer_metrics: ClientMetrics | None = None  # the index found dead, when metrics are on
 
     def link(self, index: dict[str, Any]) -> None:
         """Where the index listens (its registry entry), so this shard can commit puts there."""
@@ -115,7 +120,9 @@ class ShardServer(ZmqServer):
         limit = index.get("max_message_bytes", -1)
         endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix, max_frame=limit)
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
-        self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, Liveness({INDEX: target}))
+        on_dead = None if self._peer_metrics is None else self._peer_metrics.peer_dead
+        liveness = Liveness({INDEX: target}, on_dead=on_dead)
+        self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness)
         self._link.uses_lane = True  # (the link connects over the lane whenever the index has one)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -123,7 +130,10 @@ class ShardServer(ZmqServer):
         self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         if op != "put_ready":
-            return super().serve(sock, ident, rid, op, body, bufs)
+            reply = super().serve(sock, ident, rid, op, body, bufs)
+            if op == "stats" and reply is not None:  # what only the loop knows: its open connections
+                reply[0]["clients"] = self.connections
+            return reply
         if self._link is None:
             raise WireError(f"{self.name} is not linked to the store's index yet; nothing was written")
         with self._lock:
@@ -306,6 +316,35 @@ class ShardServer(ZmqServer):
                     return
         self._next_check = min((min(s.deadline, s.next_probe) for s in self._sent.values()), default=math.inf)
 
+    # ---- metrics ---------------------------------------------------------------------------------
+    def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:
+        counters, gauges = super().metrics_snapshot(labels)
+        core = self.core
+        for op, rows in (("put", core.rows_put), ("get", core.rows_got), ("clear", core.rows_cleared)):
+            counters[("dataplane_shard_rows", *labels, op)] = rows
+        counters[("dataplane_shard_bytes", *labels, "put")] = core.bytes_put
+        counters[("dataplane_shard_bytes", *labels, "clear")] = core.bytes_cleared
+        counters[("dataplane_shard_reservations_expired", *labels)] = core.expired
+        capacity = core.capacity if core.capacity is not None else core.host_memory
+        for state, value in (
+            ("used", core.used),
+            ("reserved", core.pending),
+            ("free", max(0, capacity - core.used - core.pending)),
+        ):
+            gauges[("dataplane_shard_capacity_bytes", *labels, state)] = value
+        gauges[("dataplane_shard_resident_bytes", *labels)] = core.pool.bytes_resident + core.heap_bytes
+        sizes = {pid: part.nbytes for pid, part in core.partitions.items()}
+        rows = {pid: len(part.rows) for pid, part in core.partitions.items()}
+        gauges[("dataplane_shard_rows_held", *labels)] = sum(rows.values())
+        keep = _bounds.chosen(sizes, self.partition_series)
+        for name, values in (
+            ("dataplane_shard_partition_rows", rows),
+            ("dataplane_shard_partition_bytes", sizes),
+        ):
+            for pid, value in _bounds.fold(values, keep, _bounds.OTHER).items():
+                gauges[(name, *labels, pid)] = value
+        return counters, gauges
+
 
 def _rebuild(error: Any) -> BaseException:
     try:
@@ -349,7 +388,14 @@ class ShardActor:
             rpc_timeout_s=cfg["rpc_timeout_s"],
             lock=self._lock,
             max_message_bytes=limit,
-        ).start()
+        )
+        if cfg.get("metrics", True) and export.start():  # before the loop starts: it reads these
+            self.server.partition_series = cfg.get("metrics_partitions", -1)
+            self.server._peer_metrics = ClientMetrics(cfg["name"])
+            self.server.metrics = ServerMetrics(
+                "dataplane_shard", (cfg["name"], str(shard_id)), ShardCore.OPS
+            )
+        self.server.start()
         node = f"{ip} (Ray node {self._node_id[:12]})"
         self.checkpoints = ShardCheckpoints(self.core, self._lock, node, cfg["shm_min_bytes"])
 

@@ -256,10 +256,9 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     opts = {"namespace": NAMESPACE, "num_cpus": cfg.num_cpus, "lifetime": lifetime, "max_restarts": 0}
     creds = Credentials.new(encrypt=cfg.encrypt).to_dict()
     index_limit = min(cfg.max_message_bytes, INDEX_MAX_MESSAGE_BYTES)
-    index = (
-        _remote(IndexActor)
-        .options(name=cfg.index_name(), **opts)
-        .remote(cfg.name, creds, index_limit, cfg.reservation_timeout_s)
+    index = _remote(IndexActor).options(name=cfg.index_name(), **opts)
+    index = index.remote(
+        cfg.name, creds, index_limit, cfg.reservation_timeout_s, cfg.metrics, cfg.metrics_partitions
     )
     handle = ServiceHandle(index)
     try:

@@ -150,8 +150,12 @@ def get_client() -> TransferQueueClient:
 
 
 def get_metrics_endpoint() -> str | None:
-    """TransferQueue's Prometheus endpoint: None here (the store serves no ``/metrics`` of its own)."""
-    return None
+    """TransferQueue's Prometheus endpoint: ``"host:port"`` of the Ray metrics agent on the node of the
+    store's index (``http://host:port/metrics``; ``dataplane.metrics.endpoint``), None when there is
+    none (metrics off, no store, Ray without its metrics agent)."""
+    from dataplane.metrics import endpoint
+
+    return endpoint()
 
 
 # ---- KV calls ------------------------------------------------------------------------------

@@ -187,7 +187,12 @@ Handler = Callable[[_RawRequest, list[memoryview]], "tuple[dict[str, Any], list[
 
 
 def answer(
-    frames: list[Any], handler: Handler, *, max_frames: int = MAX_FRAMES, who: str = "this service"
+    frames: list[Any],
+    handler: Handler,
+    *,
+    max_frames: int = MAX_FRAMES,
+    who: str = "this service",
+    refused: Callable[[BaseException], None] | None = None,
 ) -> tuple[int, list[Any] | None]:
     """Serve one request: ``(request id, reply frames)``; every request gets an answer, even a bad one.
 
@@ -195,18 +200,23 @@ def answer(
     ``max_frames`` buffer frames; ``who`` names the service in refusals). Then
     ``handler(request, buffers)`` decodes the body for its op and returns the reply body and
     buffers, or None when it answers that request id itself later. Any exception becomes an error
-    reply echoing the request id (-1 when the header did not decode).
+    reply echoing the request id (-1 when the header did not decode). ``refused(exc)`` is told of a
+    request refused before its handler ran (the server counts them by cause).
     """
     rid = -1
+    checked = False
     try:
         req, bufs = decode_request(frames)
         rid = req.rid
         _check_request(req, bufs, max_frames, who)
+        checked = True
         out = handler(req, bufs)
         return rid, None if out is None else encode_reply(rid, *out)
     except Exception as exc:  # noqa: BLE001 - every request gets an answer
         if not isinstance(exc, errors.DataplaneError):
             logger.debug("%s: request %d failed", who, rid, exc_info=True)
+        if not checked and refused is not None:
+            refused(exc)
         return rid, encode_error(rid, exc)
 
 

@@ -11,13 +11,15 @@ Two ways to know, the cheap one first:
   marked it dead; a lookup that finds no such actor means dead too; a ping that is merely slow
   means alive (busy, not dead).
 
-Store actors never restart (``max_restarts=0``), so a target found dead stays dead.
+Store actors never restart (``max_restarts=0``), so a target found dead stays dead. ``on_dead``
+hears of each once, with its name (the store's metrics count them).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dataplane.config import NAMESPACE
@@ -52,8 +54,9 @@ class Target:
 class Liveness:
     """Answers ``dead(target)`` for the store's actors. Thread-safe."""
 
-    def __init__(self, targets: dict[int, Target]) -> None:
+    def __init__(self, targets: dict[int, Target], on_dead: Callable[[str], None] | None = None) -> None:
         self.targets = targets
+        self._on_dead = on_dead
         for t in targets.values():  # a pid we cannot recognise now (other pid namespace) is not ours
             t.local = t.local and bool(t.pid_start) and process_start(t.pid) == t.pid_start
         self._dead: set[int] = set()
@@ -80,7 +83,11 @@ class Liveness:
                 self._checked[target] = now
             gone = _ray_says_dead(t.name)
         if gone:
-            self._dead.add(target)
+            with self._lock:
+                first = target not in self._dead
+                self._dead.add(target)
+            if first and self._on_dead is not None:
+                self._on_dead(t.name)
         return gone
 
 

@@ -218,6 +218,13 @@ class Consumed(_Body):
     task: str
 
 
+class Tasks(_Body):
+    """The consumer tasks of partition ``pid`` with their counts, and the partition's rows, fields and
+    whether it is finished (``rlplane store status --watch``)."""
+
+    pid: str
+
+
 class ListKeys(_Body):
     pid: str | None = None
 
@@ -300,6 +307,7 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "checkpoint_stage": CheckpointStage,
     "checkpoint_install": CheckpointInstall,
     "checkpoint_drop": CheckpointDrop,
+    "tasks": Tasks,
 }
 WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or at their timeout)
 

@@ -1,0 +1,329 @@
+"""``rlplane store status --watch``: the running store on one screen, refreshed in place like ``top``.
+
+Each refresh asks every shard and the index for their state in one batch of requests (``snapshot``:
+one round trip, then one ``tasks`` request per partition shown, in parallel), so watching costs the
+store a few requests a second, never a scan of its rows. The screen (``render``, fitted to the
+terminal, readable at 80 columns):
+
+* **shards**: node, bytes used, memory held (freed segments kept warm included), capacity, open
+  connections (this command's not counted), and whether it answered;
+* **partitions** (the largest by rows first): rows, bytes on all shards, finished or not, fields;
+* **consumer tasks** of those partitions: rows taken, ready and not taken (the lag), leased and not
+  acknowledged, and the rate at which it took rows since the last refresh.
+
+``--json`` prints one JSON object per refresh instead (``as_json``: every shard, the
+``JSON_PARTITIONS`` largest partitions with their tasks, and how many partitions there are), for
+scripts. Ctrl-C ends it (exit 0), as does ``--count N`` after N refreshes.
+
+    >>> shard = {"shard": 0, "node": "10.0.0.5 (ab12cd34)", "alive": True, "bytes_used": 3 << 20,
+    ...          "bytes_resident": 4 << 20, "capacity_bytes": None, "clients": 2, "rows": 8}
+    >>> part = {"partition": "step0", "rows": 8, "bytes": 3 << 20, "finished": False, "fields": ["x"],
+    ...         "tasks": [{"task": "reward", "taken": 6, "ready": 2, "leased": 0, "rate": 3.0}]}
+    >>> snap = Snapshot(0.0, [shard], [part], 1)
+    >>> lines = render(snap, "dataplane", "10.0.0.5:6379", 1.0, 80, 24)
+    >>> for line in lines[1:]:
+    ...     print(line)
+    1/1 shards up, 3.0 MiB used of unlimited, 8 rows in 1 partitions
+    <BLANKLINE>
+    SHARD  NODE                    USED       RESIDENT   CAPACITY   CLIENTS  ALIVE
+    0      10.0.0.5 (ab12cd34)     3.0 MiB    4.0 MiB    unlimited        2  yes
+    <BLANKLINE>
+    PARTITION                     ROWS      BYTES  FIN  FIELDS
+    step0                            8    3.0 MiB  no   x
+    <BLANKLINE>
+    PARTITION / TASK                     TAKEN       READY     LEASED     RATE/S
+    step0 / reward                           6           2          0        3.0
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from dataplane._units import format_bytes
+from dataplane.client.ops import Op
+from dataplane.errors import DataplaneError
+from dataplane.wire.requests import INDEX, Call
+
+JSON_PARTITIONS = 100  # the largest partitions a --json refresh describes (with their tasks)
+MIN_WIDTH = 40
+
+# Escape sequences of a refresh in place: the alternate screen (what was on the terminal comes back
+# afterwards), the cursor hidden, each frame drawn from the top left, each line and the rest of the
+# screen cleared after what is written.
+_ENTER, _LEAVE = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l"
+_HOME, _EOL, _EOS = "\x1b[H", "\x1b[K", "\x1b[J"
+
+
+@dataclass
+class Snapshot:
+    """The store at one moment: a dict per shard, per partition shown (largest by rows first, each
+    with its ``tasks``), and how many partitions there are in all."""
+
+    time: float
+    shards: list[dict[str, Any]]
+    partitions: list[dict[str, Any]]
+    partitions_total: int
+
+
+def snapshot(nodes: list[str], limit: int, timeout_s: float) -> Op:
+    """Ask every shard for its stats and the index for its partitions, then the index for the tasks of
+    the ``limit`` largest partitions; returns a ``Snapshot`` (rates not filled in). A shard that does
+    not answer within ``timeout_s`` is shown as not alive; the index must answer."""
+    calls = [Call(s, "stats", {}, timeout=timeout_s) for s in range(len(nodes))]
+    results = yield [*calls, Call(INDEX, "stats", {}, timeout=timeout_s)]
+    if isinstance(results[-1], BaseException):
+        raise results[-1]
+    shards = [_shard(i, node, res) for i, (node, res) in enumerate(zip(nodes, results[:-1], strict=True))]
+    rows: dict[str, int] = results[-1][0]["partitions"]
+    shown = sorted(rows, key=lambda pid: (-rows[pid], pid))[:limit]
+    answers = (
+        (yield [Call(INDEX, "tasks", {"pid": pid}, timeout=timeout_s) for pid in shown]) if shown else []
+    )
+    partitions = []
+    for pid, res in zip(shown, answers, strict=True):
+        if isinstance(res, BaseException):  # cleared since the index listed it
+            continue
+        body = res[0]
+        tasks = [{"task": name, **counts} for name, counts in sorted(body["tasks"].items())]
+        partitions.append(
+            {
+                "partition": pid,
+                "rows": body["rows"],
+                "bytes": sum(s.get("partition_bytes", {}).get(pid, 0) for s in shards if s["alive"]),
+                "finished": body["finished"],
+                "fields": body["fields"],
+                "tasks": tasks,
+            }
+        )
+    return Snapshot(time.time(), shards, partitions, len(rows))
+
+
+def _shard(i: int, node: str, res: Any) -> dict[str, Any]:
+    if isinstance(res, BaseException):
+        error = str(res).split(";")[0] if isinstance(res, DataplaneError) else repr(res)
+        return {"shard": i, "node": node, "alive": False, "error": error}
+    body = res[0]
+    return {
+        "shard": i,
+        "node": node,
+        "alive": True,
+        "error": None,
+        "bytes_used": body["bytes_used"],
+        "bytes_reserved": body.get("bytes_reserved", 0),
+        "bytes_resident": body.get("bytes_resident", body["bytes_used"]),
+        "capacity_bytes": body.get("capacity_bytes"),
+        "clients": max(0, body["clients"] - 1) if "clients" in body else None,  # less this command's own
+        "rows": sum(body.get("partitions", {}).values()),
+        "partition_bytes": body.get("partition_bytes", {}),
+    }
+
+
+def add_rates(snap: Snapshot, before: Snapshot | None) -> None:
+    """Each task's ``rate``: rows taken per second since ``before`` (None on the first refresh, or for a
+    task that was not shown then)."""
+    taken: dict[tuple[str, str], int] = {}
+    if before is not None:
+        taken = {(p["partition"], t["task"]): t["taken"] for p in before.partitions for t in p["tasks"]}
+    dt = None if before is None else snap.time - before.time
+    for part in snap.partitions:
+        for task in part["tasks"]:
+            was = taken.get((part["partition"], task["task"]))
+            task["rate"] = None if was is None or not dt else max(0.0, (task["taken"] - was) / dt)
+
+
+# ---- the screen ----------------------------------------------------------------------------------
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+def _pair(pid: str, task: str, width: int) -> str:
+    """``partition / task`` in ``width`` columns, each cut short as needed (both stay visible)."""
+    text = f"{pid} / {task}"
+    if len(text) <= width:
+        return text
+    head = _fit(pid, max((width - 3) // 2, width - 3 - len(task)))
+    return f"{head} / {_fit(task, width - 3 - len(head))}"
+
+
+def _row(values: list[str], widths: list[int], right: set[int]) -> str:
+    cells = []
+    for i, (value, width) in enumerate(zip(values, widths, strict=True)):
+        value = _fit(value, width)
+        cells.append(value.rjust(width) if i in right else value.ljust(width))
+    return "  ".join(cells).rstrip()
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+_SHARD_COLS = (["SHARD", "NODE", "USED", "RESIDENT", "CAPACITY", "CLIENTS", "ALIVE"], [5, 22, 9, 9, 9, 7, 5])
+_PART_COLS = (["PARTITION", "ROWS", "BYTES", "FIN", "FIELDS"], [22, 10, 9, 3, 26])
+_TASK_COLS = (["PARTITION / TASK", "TAKEN", "READY", "LEASED", "RATE/S"], [30, 10, 10, 9, 9])
+
+
+def _section(items: list[Any], room: int, what: str) -> tuple[list[Any], str | None]:
+    """The items that fit in ``room`` lines, and the line saying how many did not (None if all fit)."""
+    if len(items) <= room:
+        return items, None
+    shown = items[: max(0, room - 1)]
+    return shown, f"... and {len(items) - len(shown)} more {what}"
+
+
+def render(snap: Snapshot, store: str, address: str, interval: float, width: int, height: int) -> list[str]:
+    """The screen for ``snap``: at most ``height`` lines of at most ``width`` columns (a section cut
+    short says how much it left out)."""
+    width = max(width, MIN_WIDTH)
+    shards, parts = snap.shards, snap.partitions
+    alive = [s for s in shards if s["alive"]]
+    caps = [s.get("capacity_bytes") for s in alive]
+    capacity = None if not alive or any(c is None for c in caps) else sum(caps)
+    tasks = [(p["partition"], t) for p in parts for t in p["tasks"]]
+    clock = time.strftime("%H:%M:%S", time.localtime(snap.time))
+    lines = [
+        f"store {store!r} at {address}  {clock}  every {interval:g}s (Ctrl-C quits)",
+        f"{len(alive)}/{len(shards)} shards up, {format_bytes(sum(s['bytes_used'] for s in alive))} used of "
+        f"{format_bytes(capacity)}, {sum(s['rows'] for s in alive):,} rows in {snap.partitions_total:,} "
+        "partitions",
+    ]
+    room = max(3, height - len(lines) - 6)  # less three blank lines and three headers
+    shard_rows, more_shards = _section(shards, max(1, min(len(shards), room // 3)), "shards")
+    room -= len(shard_rows) + (more_shards is not None)
+    part_room = max(1, room // 2) if tasks else room
+    part_rows, more_parts = parts, None
+    if snap.partitions_total > min(len(parts), part_room):  # (a snapshot holds the largest few only)
+        part_rows = parts[: min(len(parts), part_room - 1)]
+        more_parts = f"... and {snap.partitions_total - len(part_rows)} more partitions"
+    room -= len(part_rows) + (more_parts is not None)
+    task_rows, more_tasks = _section(tasks, max(1, room), "consumer tasks")
+
+    lines += ["", _row(*_SHARD_COLS, set())]
+    for s in shard_rows:
+        if not s["alive"]:
+            lines.append(_row([str(s["shard"]), s["node"], "-", "-", "-", "-", "NO"], _SHARD_COLS[1], set()))
+            continue
+        values = [
+            str(s["shard"]),
+            s["node"],
+            format_bytes(s["bytes_used"]),
+            format_bytes(s["bytes_resident"]),
+            format_bytes(s["capacity_bytes"]),
+            _count(s["clients"]),
+            "yes",
+        ]
+        lines.append(_row(values, _SHARD_COLS[1], {5}))
+    lines += [more_shards] if more_shards else []
+    lines += ["", _row(*_PART_COLS, {1, 2})]
+    for p in part_rows:
+        values = [
+            p["partition"],
+            f"{p['rows']:,}",
+            format_bytes(p["bytes"]),
+            "yes" if p["finished"] else "no",
+        ]
+        lines.append(_row([*values, ", ".join(p["fields"])], _PART_COLS[1], {1, 2}))
+    lines += [more_parts] if more_parts else []
+    lines += ["", _row(*_TASK_COLS, {1, 2, 3, 4})]
+    for pid, t in task_rows:
+        rate = "-" if t.get("rate") is None else f"{t['rate']:.1f}"
+        values = [
+            _pair(pid, t["task"], _TASK_COLS[1][0]),
+            f"{t['taken']:,}",
+            f"{t['ready']:,}",
+            f"{t['leased']:,}",
+            rate,
+        ]
+        lines.append(_row(values, _TASK_COLS[1], {1, 2, 3, 4}))
+    lines += [more_tasks] if more_tasks else []
+    if not tasks:
+        lines.append("(no consumer task has taken rows of these partitions yet)")
+    return [_fit(line, width) for line in lines[:height]]
+
+
+def as_json(snap: Snapshot, store: str, address: str) -> str:
+    """One refresh for scripts: one line of JSON (bytes as integers; ``rate`` null on the first)."""
+    shards = [{k: v for k, v in s.items() if k != "partition_bytes"} for s in snap.shards]
+    out = {
+        "time": snap.time,
+        "store": store,
+        "address": address,
+        "shards": shards,
+        "partitions": snap.partitions,
+        "partitions_total": snap.partitions_total,
+    }
+    return json.dumps(out)
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+
+
+def frames(client: Any, nodes: list[str], interval: float, limit: int) -> Iterator[Snapshot]:
+    """Snapshots ``interval`` seconds apart, each with its rates since the one before."""
+    before = None
+    timeout = max(1.0, interval)
+    while True:
+        started = time.monotonic()
+        snap: Snapshot = client.run(snapshot(nodes, limit, timeout))
+        add_rates(snap, before)
+        yield snap
+        before = snap
+        time.sleep(max(0.0, interval - (time.monotonic() - started)))  # the refresh rate, not a wait on state
+
+
+def run(
+    client: Any,
+    nodes: list[str],
+    address: str,
+    interval: float,
+    *,
+    as_lines: bool = False,
+    count: int | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Watch the store ``client`` is attached to (``nodes``: each shard's node as a person reads it)
+    until Ctrl-C or ``count`` refreshes; the screen on a terminal, frames one after another otherwise,
+    JSON lines with ``as_lines``. Returns the exit status."""
+    store = client.config.name
+    tty = out.isatty() and not as_lines
+    if threading.current_thread() is threading.main_thread():  # (only it may set a handler)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the screen as it was
+    if tty:
+        out.write(_ENTER)
+    try:
+        limit = JSON_PARTITIONS if as_lines else shutil.get_terminal_size((80, 24)).lines
+        for n, snap in enumerate(frames(client, nodes, interval, limit), 1):
+            if as_lines:
+                out.write(as_json(snap, store, address) + "\n")
+            else:
+                size = shutil.get_terminal_size((80, 24))
+                lines = render(snap, store, address, interval, size.columns, size.lines)
+                if tty:
+                    # (no newline after the last line: a full screen would scroll)
+                    out.write(
+                        _HOME + "".join(line + _EOL + "\n" for line in lines[:-1]) + lines[-1] + _EOL + _EOS
+                    )
+                else:
+                    out.write("\n".join(lines) + "\n\n")
+            out.flush()
+            if count is not None and n >= count:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if tty:
+            out.write(_LEAVE)
+            out.flush()
+    return 0
+
+
+__all__ = ["JSON_PARTITIONS", "Snapshot", "add_rates", "as_json", "render", "run", "snapshot"]

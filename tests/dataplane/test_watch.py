@@ -1,0 +1,225 @@
+"""``rlplane store status --watch``: read from a pseudo-terminal while the store has traffic, and the
+screen's layout on its own (80 columns, cut-short sections, a shard that does not answer)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+
+import pytest
+import torch
+
+import dataplane as dp
+from dataplane.watch import Snapshot, add_rates, render
+from tests.dataplane.conftest import start_store, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+COLUMNS, LINES = 80, 24
+
+
+class Terminal:
+    """A child process on a pseudo-terminal of 80 x 24, and what its screen shows now."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", LINES, COLUMNS, 0, 0))
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT)
+        os.close(slave)
+        self.output = b""
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if not ready:
+                if self.proc.poll() is not None:
+                    return
+                continue
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # the child closed its side
+                return
+            if not data:
+                return
+            with self._lock:
+                self.output += data
+
+    def text(self) -> str:
+        with self._lock:
+            return self.output.decode(errors="replace")
+
+    def screen(self) -> list[str]:
+        """The last whole frame: drawn from the top left (ESC [H) up to clearing the rest (ESC [J)."""
+        text = self.text()
+        end = text.rfind("\x1b[J")
+        start = text.rfind("\x1b[H", 0, end)
+        if start < 0 or end < 0:
+            return []
+        return [_ESCAPE.sub("", line).rstrip("\r") for line in text[start:end].split("\n")]
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self._reader.join(5)
+            os.close(self.master)
+
+
+def _line(screen: list[str], prefix: str) -> list[str] | None:
+    return next((line.split() for line in screen if line.startswith(prefix)), None)
+
+
+@pytest.fixture(scope="module")
+def store(ray_cluster):
+    """The store ``rlplane store status`` looks for (default name), with traffic from this process."""
+    dp.close()
+    _, _, handle = start_store(name="dataplane", num_shards=2, capacity_bytes=64 << 20)
+    dp.init(name="dataplane")
+    try:
+        x = torch.zeros(8, 4)
+        dp.kv_batch_put([f"a{i}" for i in range(8)], "wp1", {"x": x, "y": x})
+        dp.kv_batch_put([f"b{i}" for i in range(3)], "wp2", {"x": x[:3]})
+        assert dp.next_batch("wp1", "reward", 4, ["x"], timeout_s=30).size == 4
+        yield ray_cluster.address
+    finally:
+        dp.close()
+        handle.stop()
+
+
+def _cli(address: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(PYTHONPATH=ROOT, TERM="xterm")
+    return [sys.executable, "-m", "workers.cli", "store", "status", "--address", address, *args], env
+
+
+@pytest.mark.slow
+def test_watch_shows_shards_partitions_and_tasks_live_on_a_terminal(store) -> None:
+    term = Terminal(*_cli(store, "--watch", "--interval", "0.3"))
+    try:
+        first = wait_for(
+            lambda: (s := term.screen()) and _line(s, "wp1 / reward") and s, 90, "the first screen"
+        )
+        assert first[0].startswith("store 'dataplane' at ") and "every 0.3s" in first[0]
+        assert (
+            "2/2 shards up" in first[1]
+            and "of 64.0 MiB" in first[1]
+            and "11 rows in 2 partitions" in first[1]
+        )
+        shards = [line.split() for line in first if re.match(r"^[01]\s", line)]
+        assert [s[0] for s in shards] == ["0", "1"] and all(s[-1] == "yes" for s in shards), first
+        assert _line(first, "wp1")[:3] == ["wp1", "8", "256"] and _line(first, "wp1")[-2:] == ["x,", "y"]
+        assert _line(first, "wp2")[:2] == ["wp2", "3"]
+        assert _line(first, "wp1 / reward")[3:6] == ["4", "4", "0"]  # taken, ready, leased
+        # traffic while it watches: a take, a leased take by another task, a finish
+        assert dp.next_batch("wp1", "reward", 2, ["x"], timeout_s=30).size == 2
+        assert dp.next_batch("wp2", "train", 3, ["x"], timeout_s=30, lease_s=600).size == 3
+        dp.finish_partition("wp2")
+        moved = wait_for(
+            lambda: (
+                (s := term.screen()) and (r := _line(s, "wp1 / reward")) and r[3] == "6" and r[6] != "-" and s
+            ),
+            60,
+            "the take to show, with its rate",
+        )
+        assert float(_line(moved, "wp1 / reward")[6]) > 0, moved  # rows per second over that refresh
+        now = wait_for(lambda: (s := term.screen()) and _line(s, "wp2 / train") and s, 60, "the second task")
+        assert _line(now, "wp2 / train")[3:6] == ["3", "0", "3"] and _line(now, "wp2")[4] == "yes"
+        assert all(len(line) <= COLUMNS for line in now), [line for line in now if len(line) > COLUMNS]
+        assert len(now) <= LINES
+    finally:
+        status = term.close()
+    assert status == 0, term.text()[-2000:]
+    assert term.text().endswith("\x1b[?25h\x1b[?1049l"), "the terminal was not given back as it was"
+
+
+@pytest.mark.slow
+def test_watch_json_prints_one_object_per_refresh(store) -> None:
+    argv, env = _cli(store, "--watch", "--json", "--interval", "0.2", "--count", "2")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, second = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    assert first["store"] == "dataplane" and first["partitions_total"] == 2
+    assert [s["alive"] for s in first["shards"]] == [True, True]
+    assert sum(s["bytes_used"] for s in first["shards"]) == sum(p["bytes"] for p in first["partitions"])
+    wp1 = next(p for p in second["partitions"] if p["partition"] == "wp1")
+    assert wp1["rows"] == 8 and wp1["fields"] == ["x", "y"] and wp1["bytes"] == 8 * 4 * 4 * 2
+    reward = next(t for t in wp1["tasks"] if t["task"] == "reward")
+    assert reward["taken"] + reward["ready"] == 8 and reward["rate"] == 0.0  # no take between the two
+    assert all(t["rate"] is None for p in first["partitions"] for t in p["tasks"])  # nothing to compare yet
+
+
+def test_watch_refuses_an_interval_out_of_range(capsys) -> None:
+    import argparse
+
+    from dataplane.cli import _status
+    from dataplane.config import StoreConfig
+
+    args = argparse.Namespace(watch=True, interval=0.01, json=False, count=None)
+    assert _status(args, StoreConfig(), "10.0.0.5:6379") == 2
+    assert "--interval 0.01 is not a number of seconds" in capsys.readouterr().out
+
+
+# ---- the screen alone ------------------------------------------------------------------------------
+
+
+def _shard(i: int, alive: bool = True) -> dict:
+    if not alive:
+        return {"shard": i, "node": "10.0.0.7 (deadbeef)", "alive": False, "error": "dead"}
+    return {
+        "shard": i,
+        "node": f"10.0.0.{i} (ab12cd34)",
+        "alive": True,
+        "bytes_used": 3 << 20,
+        "bytes_resident": 5 << 20,
+        "capacity_bytes": 1 << 30,
+        "clients": 12,
+        "rows": 1_000_000,
+    }
+
+
+def _partition(name: str, tasks: int) -> dict:
+    return {
+        "partition": name,
+        "rows": 1_234_567,
+        "bytes": 3 << 30,
+        "finished": False,
+        "fields": ["prompts", "responses", "old_log_probs", "ref_log_probs", "advantages"],
+        "tasks": [
+            {"task": f"task-{j}-" + "x" * 30, "taken": 10**6, "ready": 10**5, "leased": 7}
+            for j in range(tasks)
+        ],
+    }
+
+
+def test_a_big_store_fits_80_by_24_and_says_what_it_left_out() -> None:
+    parts = [_partition(f"step-{i:05d}-" + "p" * 30, 3) for i in range(24)]
+    before = Snapshot(0.0, [_shard(i) for i in range(6)] + [_shard(6, alive=False)], parts, 10_000)
+    now = Snapshot(2.0, before.shards, json.loads(json.dumps(parts)), 10_000)
+    now.partitions[0]["tasks"][0]["taken"] += 500
+    add_rates(now, before)
+    lines = render(now, "dataplane", "10.0.0.5:6379", 1.0, COLUMNS, LINES)
+    assert len(lines) <= LINES and all(len(line) <= COLUMNS for line in lines), lines
+    assert "6/7 shards up" in lines[1] and "6,000,000 rows in 10,000 partitions" in lines[1]
+    assert any(line.endswith("more partitions") for line in lines), lines
+    assert any(line.endswith("more consumer tasks") for line in lines), lines
+    assert any(line.endswith("…") for line in lines)  # long names are cut, visibly
+    rate = next(line for line in lines if line.startswith("step-00000-") and "/" in line).split()[-1]
+    assert rate == "250.0"  # 500 rows in 2 s
+    assert render(now, "s", "a", 1.0, 200, 200)[0].startswith("store 's' at a")  # a big terminal
+    dead = next(line for line in render(before, "s", "a", 1.0, 80, 60) if line.startswith("6 "))
+    assert dead.split()[-1] == "NO" and "deadbeef" in dead
