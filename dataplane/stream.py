@@ -122,13 +122,15 @@ def next_batch(
     """
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
     client, take, op = _taking(*args, lease_s)
+    # The return is inside the try: a signal handler that raises runs at the next call, and the last
+    # call before the batch reaches the caller's frame is ``moved``; a raise there gives it back too.
     try:
         meta: KVBatchMeta = client.run(op, "next_batch")
+        client.moved("next_batch", meta.size)
+        return meta
     except BaseException:
         _give_back(client, partition_id, task_name, take)
         raise
-    client.moved("next_batch", meta.size)
-    return meta
 
 
 async def async_next_batch(
@@ -148,13 +150,15 @@ async def async_next_batch(
     back what the index handed it."""
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
     client, take, op = _taking(*args, lease_s)
+    # The return is inside the try: a signal handler that raises runs at the next call, and the last
+    # call before the batch reaches the caller's frame is ``moved``; a raise there gives it back too.
     try:
         meta: KVBatchMeta = await client.arun(op, "next_batch")
+        client.moved("next_batch", meta.size)
+        return meta
     except BaseException:
         _give_back(client, partition_id, task_name, take)
         raise
-    client.moved("next_batch", meta.size)
-    return meta
 
 
 def _lease_of(meta: KVBatchMeta) -> tuple[str, str]:

@@ -17,6 +17,10 @@ import pytest
 # Keep Ray quiet and small on a 2-core machine; set before ray is imported anywhere.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Test traffic stays on loopback: with this switch off Ray takes 127.0.0.1 as every node's IP (as it
+# does on a laptop), so the GCS, raylets, workers and the store's tcp endpoints bind there. Processes
+# the tests start inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 RAY_NUM_CPUS = 8
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2

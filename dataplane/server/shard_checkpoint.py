@@ -303,6 +303,8 @@ class ShardCheckpoints:
                         )
                     row[chunk.field] = (seg, r)
                 seg.live = len(keys)
+                seg.owner = part  # counted in its partition's bytes, as a put's segment is
+                part.nbytes += seg.accounted
         finally:
             os.close(fd)
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import ray
@@ -26,6 +25,19 @@ from .conftest import own_store, wait_for
 from .test_checkpoint import capture
 
 pytestmark = pytest.mark.ray
+
+# A node joining the session's cluster, as `ray start --address=... --block` does, on loopback: the
+# session keeps Ray there with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (conftest), under which `ray start`
+# refuses to join a cluster, while Ray's own node class (what `Cluster.add_node` runs) does not.
+_JOIN = """
+import signal, sys
+import ray._private.node
+from ray._private.parameter import RayParams
+params = RayParams(gcs_address=sys.argv[1], num_cpus=2, object_store_memory=100_000_000,
+                   include_log_monitor=False, node_manager_port=0, min_worker_port=0, max_worker_port=0)
+ray._private.node.Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+signal.sigwait([signal.SIGTERM, signal.SIGINT])
+"""
 
 
 def _alive() -> set[str]:
@@ -81,13 +93,9 @@ def test_a_node_that_cannot_see_the_directory_fails_the_save_by_name(ray_cluster
         first = capture(["p"])
         dp.save_checkpoint(target, metadata={"step": 1})
     before = _alive()
-    ray_bin = Path(sys.executable).with_name("ray")
-    join = (
-        f'mount -t tmpfs tmpfs "{shared}" && exec "{ray_bin}" start --address={ray_cluster.address} '
-        "--num-cpus=2 --object-store-memory=100000000 --disable-usage-stats --block"
-    )
+    join = f'mount -t tmpfs tmpfs "{shared}" && exec "{sys.executable}" -c "$0" "$1"'
     node = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", join],
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", join, _JOIN, ray_cluster.address],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -209,7 +209,7 @@ def test_every_number_a_peer_sends_is_checked_where_the_wire_decodes_it(socks, f
 NUMERIC_OPTIONS = {
     "num_shards": [0, -1, 2**70, 1.5, True, "2"],
     "capacity_bytes": [0, -1, 2**70, math.inf, 1e6, True],
-    "num_cpus": [0, -1, math.inf, math.nan, 65, "1"],
+    "num_cpus": [-1, -0.5, math.inf, math.nan, 65, "1"],  # 0 is valid: the default
     "rpc_timeout_s": [0, -1, math.inf, math.nan, 1e306, "60", None],
     "schedule_timeout_s": [0, math.inf, math.nan, 1e306],
     "shm_min_bytes": [-1, 2**70, math.inf, 1.5],
