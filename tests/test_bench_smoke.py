@@ -211,3 +211,16 @@ def test_checkpoint_benchmark_tiny_run_writes_json(ray_cluster, tmp_path) -> Non
     checks = {c["name"]: c for c in results["checks"]}
     assert checks["driver_bytes_ratio"]["verdict"] == "PASS"  # 1.2 KB whatever the rows hold
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.json"]  # its checkpoints are gone
+
+
+@pytest.mark.ray
+def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(ray_cluster, tmp_path) -> None:
+    """`scripts/gpu_check.sh`'s benchmark, with CPU tensors: the machinery runs where no GPU is."""
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--bytes", "64K", "--rows", "4",
+           "--repeats", "1", "--address", ray_cluster.address, "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    res = json.loads(out.read_text())["results"]
+    assert res["bytes"] == 64 * 1024 and res["store"]["n"] == 1 and res["store_vs_reference"] > 0
+    assert "ratio store / reference" in proc.stdout
