@@ -292,6 +292,9 @@ class ShardCheckpoints:
             for pid, chunk, keys, rows in selected:
                 seg = self._read_chunk(fd, bin_path, size, pid, chunk, rows, staged)
                 part = staged.parts.setdefault(pid, _Partition())
+                # it counts in its partition as a put's segment does (a clear takes it out again)
+                seg.owner = part
+                part.nbytes += seg.accounted
                 part.specs.setdefault(chunk.field, seg.spec)
                 if rows is not None:
                     keys = [keys[i] for i in rows]

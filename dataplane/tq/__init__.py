@@ -56,14 +56,19 @@ Raising ``NotImplementedError`` (no equivalent here), each naming what to use in
 * ``data_parser=`` of ``kv_put``, ``kv_batch_put``, ``put`` and their ``async_`` forms;
 * ``TransferQueueController`` (the class: ``tq.init()`` starts the controller),
   ``ZMQServerInfo``, ``ZMQMessage``, ``ZMQRequestType``, ``process_zmq_server_info``,
-  ``SimpleStorageUnit``, ``AsyncSimpleStorageManager``, ``storage.simple_storage.StorageUnitData``:
-  TransferQueue's zmq protocol and storage machinery;
+  ``SimpleStorageUnit``, ``AsyncSimpleStorageManager``: TransferQueue's zmq protocol and storage
+  machinery (``storage.StorageUnitData``, its in-memory container, is here as TransferQueue has
+  it, but for its ``save_checkpoint`` / ``load_checkpoint``: TransferQueue pickles the table);
 * the client's ``save_controller_checkpoint`` / ``load_controller_checkpoint`` (and ``async_``
   forms): the store saves everything as one checkpoint, use ``tq.save_checkpoint`` /
   ``tq.load_checkpoint`` (the client's ``save_storage_checkpoint`` / ``load_storage_checkpoint``);
-* ``tq.save_checkpoint`` / ``tq.load_checkpoint`` while the store has no checkpoint
-  (``dataplane.save_checkpoint``, issue 23);
 * ``StreamingDataLoader(num_workers>0)``: use ``dataplane.StreamingDataset(prefetch=...)``.
+
+**Checkpoints.** ``tq.save_checkpoint`` writes the store's checkpoint (``dataplane.save_checkpoint``:
+no pickle in it) with TransferQueue's ``metadata.json`` and ``simple_storage/storage_unit_info.json``
+beside it; TransferQueue's pickles (``controller_state.pkl``, ``simple_storage/su_<n>_<id>.pkl``)
+are not written, their content is in the store's files. A checkpoint loads into a store of any
+number of shards.
 
 The config: ``backend.SimpleStorage.num_data_storage_units`` sets the number of shards;
 ``controller.polling_mode`` and ``controller.sampler`` apply to ``get_meta`` in every process.

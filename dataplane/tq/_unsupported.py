@@ -15,7 +15,6 @@ ALTERNATIVES = {
     "SimpleStorageUnit": "dp.init(num_shards=...), or the config key backend.SimpleStorage."
     "num_data_storage_units",
     "AsyncSimpleStorageManager": "tq.get_client() (put / get_data go to the store's shards directly)",
-    "StorageUnitData": "the store's shards (dataplane.server.shard); tq.get_client().put / get_data",
 }
 
 

@@ -9,14 +9,17 @@ their reads come in TransferQueue's layout (``layout="dense"`` keeps the store's
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dataplane import api as _api
-from dataplane.errors import FieldNotFoundError, StoreNotInitializedError
+from dataplane.errors import CheckpointError, FieldNotFoundError, StoreNotInitializedError
 from dataplane.meta import KVBatchMeta as _StoreMeta
+from dataplane.server.checkpoint_files import MANIFEST, shard_files
 from dataplane.tq import _layout, _session
 from dataplane.tq.client import TransferQueueClient, no_data_parser, sampler_spec
 from dataplane.tq.metadata import KVBatchMeta, kept_schema, mapping_schema
@@ -370,14 +373,20 @@ def save_checkpoint(
     """TransferQueue's ``save_checkpoint``: the store's rows, tags, schemas and streaming state, with
     ``metadata`` (JSON values) kept alongside, written atomically (``dataplane.save_checkpoint``).
     The store always saves its rows (as TransferQueue does for its in-memory backend):
-    ``include_storage=False`` only logs a warning. Then, for tools that read TransferQueue's layout,
-    ``metadata.json`` (``{"storage_saved": true, "user_metadata": metadata}``) is written into the
-    checkpoint, itself atomically; the store's own manifest holds the same metadata and is what a
-    load reads, so a checkpoint without it (a crash between the two) still loads.
+    ``include_storage=False`` only logs a warning.
+
+    Then, for tools that read TransferQueue's layout, its two JSON files are written into the
+    checkpoint, each atomically: ``simple_storage/storage_unit_info.json`` (one entry per shard of
+    the store: ``position``, ``storage_unit_id``, and the ``files`` holding its rows, relative to
+    ``checkpoint_dir``) and, last, ``metadata.json`` (``{"storage_saved": true, "user_metadata":
+    metadata}``). The store's own manifest holds the same metadata and is what a load reads, so a
+    checkpoint without them (a crash between the writes) still loads. TransferQueue's
+    ``controller_state.pkl`` and ``su_<n>_<id>.pkl`` files are not written: they are pickles, and
+    this store's checkpoint has none (the rows and the controller's state are in the store's own
+    files).
 
     Raises:
         StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
-        NotImplementedError: this build has no store checkpoint (issue 23).
     """
     _initialized()
     if not include_storage:
@@ -385,16 +394,70 @@ def save_checkpoint(
             "tq.save_checkpoint: include_storage=False has no effect: the store's rows live in memory"
         )
     get_client().save_storage_checkpoint(str(checkpoint_dir), metadata=metadata)
-    _write_json(
-        Path(checkpoint_dir) / "metadata.json", {"storage_saved": True, "user_metadata": metadata or {}}
-    )
+    path = Path(checkpoint_dir)
+    shards = _checkpoint_shards(path)
+    if shards is not None:
+        (path / _SU_DIR).mkdir(exist_ok=True)
+        _write_json(path / _SU_DIR / _SU_INFO, _storage_units(shards))
+    _write_json(path / "metadata.json", {"storage_saved": True, "user_metadata": metadata or {}})
+
+
+# TransferQueue's storage-unit directory and its manifest, inside a checkpoint.
+_SU_DIR = "simple_storage"
+_SU_INFO = "storage_unit_info.json"
+
+
+def _storage_units(shards: int) -> list[dict[str, Any]]:
+    """TransferQueue's ``storage_unit_info.json`` for a checkpoint of ``shards`` shards."""
+    return [
+        {"position": s, "storage_unit_id": f"shard-{s}", "files": list(shard_files(s))} for s in range(shards)
+    ]
+
+
+def _checkpoint_shards(path: Path) -> int | None:
+    """How many shards saved the checkpoint at ``path`` (its manifest says), or None when the
+    manifest cannot be read: the store's load then names what is wrong."""
+    try:
+        with open(path / MANIFEST, "rb") as f:
+            shards = json.load(f).get("num_shards")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return shards if type(shards) is int else None
+
+
+def _check_storage_units(path: Path) -> None:
+    """A checkpoint's ``storage_unit_info.json``, when it has one, must describe its shards: one that
+    does not (edited, or copied from another checkpoint) means the directory is not what was saved.
+
+    Raises:
+        CheckpointError: it lists another number of storage units, or other ones (a ``ValueError``).
+    """
+    info = path / _SU_DIR / _SU_INFO
+    shards = _checkpoint_shards(path)
+    if shards is None or not info.is_file():
+        return
+    try:
+        with open(info) as f:
+            units = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(str(info), f"{info} is not valid JSON ({exc}); nothing was loaded") from None
+    if not isinstance(units, list) or len(units) != shards:
+        listed = len(units) if isinstance(units, list) else "no list of"
+        raise CheckpointError(
+            str(info),
+            f"storage unit count mismatch: {info} lists {listed} storage units, while the checkpoint "
+            f"holds {shards} shards (its {MANIFEST}); it was changed after the save. Nothing was loaded",
+        )
+    if units != _storage_units(shards):
+        raise CheckpointError(
+            str(info),
+            f"{info} does not describe the checkpoint's {shards} shards (its {MANIFEST}); it was "
+            "changed after the save. Nothing was loaded",
+        )
 
 
 def _write_json(path: Path, value: Any) -> None:
     """``value`` as JSON at ``path``, atomically (a temp file renamed over it)."""
-    import json
-    import os
-
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         json.dump(value, f, indent=2)
@@ -410,12 +473,15 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     Raises:
         StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
         FileNotFoundError: no checkpoint at ``checkpoint_dir``.
-        NotImplementedError: this build has no store checkpoint (issue 23).
+        CheckpointError: its ``storage_unit_info.json`` does not describe its shards ("count
+            mismatch" when it lists another number); the store's checkpoint errors. A
+            ``ValueError``. The checkpoint may come from a store of another number of shards.
     """
     _initialized()
     path = Path(checkpoint_dir)
     if not path.exists() and not Path(f"{checkpoint_dir}.old").exists():
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint_dir)!r}")
+    _check_storage_units(path)
     try:
         get_client().load_storage_checkpoint(str(checkpoint_dir))
     except FileNotFoundError as exc:

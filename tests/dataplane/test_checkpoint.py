@@ -296,6 +296,24 @@ def test_partitions_of_the_same_names_are_refused_unless_overwrite(kv, pid, tmp_
         dp.kv_batch_get([c], pid)
 
 
+def test_loaded_rows_count_in_their_partition_and_clear(kv, pid, tmp_path):
+    """A load's rows count in their partition's bytes, as a put's do, and a clear frees them (after a
+    load, kv_clear failed on the shard: the loaded rows had no partition to count in)."""
+
+    def partition_bytes() -> list[int]:
+        return [s["partition_bytes"].get(pid, 0) for s in dp.stats()["shards"]]
+
+    keys = [f"k{i}" for i in range(8)]
+    dp.kv_batch_put(keys, pid, {"f32": torch.ones(8, 5), "s": [str(i) for i in range(8)]})
+    put = partition_bytes()
+    dp.save_checkpoint(tmp_path / "c")
+    dp.load_checkpoint(tmp_path / "c", overwrite=True)  # replaces the partition: its old rows are freed
+    assert partition_bytes() == put and sum(put) > 0
+    dp.kv_clear(keys[:3], pid)
+    dp.kv_clear(keys[3:], pid)
+    assert partition_bytes() == [0, 0] and sum(s["bytes_used"] for s in dp.stats()["shards"]) == 0
+
+
 def test_save_replaces_the_previous_checkpoint_atomically(kv, pid, tmp_path):
     target = tmp_path / "c"
     dp.kv_batch_put(["a"], pid, {"f32": torch.zeros(1, 3)})

@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 import dataplane.tq as tq
+from dataplane.errors import CheckpointError
 
 pytestmark = pytest.mark.ray
 
@@ -353,6 +354,51 @@ def test_checkpoints_go_to_the_stores_or_say_they_are_missing(attached, tmp_path
     monkeypatch.setattr(tq.interface, "_TQ_CONTROLLER", None)
     with pytest.raises(RuntimeError, match="not initialized"):
         tq.save_checkpoint(ckpt)
+
+
+def test_checkpoints_have_transferqueues_json_files_and_refuse_one_edited(attached, pid, tmp_path):
+    """TransferQueue's metadata.json and simple_storage/storage_unit_info.json are in the checkpoint
+    (its pickles are not); a storage_unit_info.json that does not describe the checkpoint's shards is
+    refused, whatever the store's own number of shards."""
+    ckpt = tmp_path / "ckpt"
+    tq.kv_batch_put(["a", "b"], pid, TensorDict({"ids": torch.arange(4).view(2, 2)}, [2]), [{"s": 1}, {}])
+    tq.save_checkpoint(ckpt, metadata={"step": 4})
+    assert json.loads((ckpt / "metadata.json").read_text()) == {
+        "storage_saved": True,
+        "user_metadata": {"step": 4},
+    }
+    info = ckpt / "simple_storage" / "storage_unit_info.json"
+    units = json.loads(info.read_text())
+    assert [(u["position"], u["storage_unit_id"]) for u in units] == [(0, "shard-0"), (1, "shard-1")]
+    assert all((ckpt / name).is_file() for u in units for name in u["files"])
+    assert not list(ckpt.rglob("*.pkl"))
+    tq.save_checkpoint(ckpt)  # a second save replaces the first, its files too
+    assert json.loads((ckpt / "metadata.json").read_text())["user_metadata"] == {}
+    assert json.loads(info.read_text()) == units
+
+    info.write_text(json.dumps([*units, {"position": 99, "storage_unit_id": "fake"}]))
+    with pytest.raises(CheckpointError, match="count mismatch") as err:
+        tq.load_checkpoint(ckpt)
+    assert isinstance(err.value, ValueError) and err.value.path == str(info)
+    info.write_text(json.dumps(units[::-1]))
+    with pytest.raises(CheckpointError, match="does not describe"):
+        tq.load_checkpoint(ckpt)
+    info.write_text(json.dumps(units))
+
+    # the file describes the checkpoint's shards, not the store's: one of three shards is checked
+    # against its own manifest (the load itself places rows by the store's hashing:
+    # test_checkpoint.py::test_restore_onto_other_numbers_of_shards)
+    three = tmp_path / "three"
+    (three / "simple_storage").mkdir(parents=True)
+    (three / "manifest.json").write_text(json.dumps({"num_shards": 3}))
+    (three / "simple_storage" / "storage_unit_info.json").write_text(
+        json.dumps(tq.interface._storage_units(3))
+    )
+    tq.interface._check_storage_units(three)
+    assert [u["storage_unit_id"] for u in tq.interface._storage_units(3)] == ["shard-0", "shard-1", "shard-2"]
+    tq.load_checkpoint(ckpt)
+    assert rows(tq.kv_batch_get(["a", "b"], pid)["ids"]) == [[0, 1], [2, 3]]
+    assert tq.kv_list(pid)[pid] == {"a": {"s": 1}, "b": {}}
 
 
 def test_selected_fields_no_key_holds_are_left_out_like_transferqueue(attached, pid):

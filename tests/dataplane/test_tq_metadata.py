@@ -192,3 +192,44 @@ def test_the_shared_config_carries_sampler_names_never_code():
         sampler_spec(Mine())
     with pytest.raises(ValueError, match="Could not find sampler"):
         sampler_spec("NoSuchSampler")
+
+
+def test_storage_unit_data_is_transferqueues_in_memory_table():
+    from dataplane.tq.storage import StorageKeyNotFoundError, StorageUnitData
+    from dataplane.tq.storage.simple_storage import StorageUnitData as same
+
+    assert same is StorageUnitData
+    table = StorageUnitData(storage_size=3)
+    row = torch.tensor([1.0, 2.0])
+    table.put_data({"x": [row, torch.ones(1)], "y": ["a", "b"]}, global_indexes=[7, 9])
+    got = table.get_data(["y", "x"], [9, 7])
+    assert got["y"] == ["b", "a"] and got["x"][1] is row  # kept as given, in the order asked
+    assert table.active_key_count == 2 and not table.ssd_offload_enabled and table.ssd_active_bytes == 0
+    table.put_data({"x": [row]}, global_indexes=[9])  # replacing a held index takes no room
+    with pytest.raises(ValueError, match="Storage capacity exceeded"):
+        table.put_data({"x": [row, row]}, global_indexes=[1, 2])
+    # a length mismatch stores nothing (TransferQueue may have stored the fields before it)
+    with pytest.raises(ValueError, match="'b'.*length mismatch"):
+        table.put_data({"a": [1], "b": [1, 2]}, global_indexes=[1])
+    assert "a" not in table.field_data and table.active_key_count == 2
+    table.clear([7, 123])  # an index not held is ignored
+    assert 7 not in table.field_data["x"] and 9 in table.field_data["x"] and table.active_key_count == 1
+    table.put_data({"x": [row]}, global_indexes=[1])
+    with pytest.raises(StorageKeyNotFoundError, match="global index 7 not found in field 'x'"):
+        table.get_data(["x"], [7])
+    with pytest.raises(ValueError, match="field 'z' not found"):
+        table.get_data(["z"], [1])
+    assert isinstance(StorageKeyNotFoundError("k", ""), KeyError)
+
+
+def test_storage_unit_data_never_pickles(tmp_path):
+    from dataplane.tq.storage import StorageUnitData
+
+    table = StorageUnitData()
+    table.put_data({"x": [1]}, [0])
+    with pytest.raises(NotImplementedError, match="tq.save_checkpoint"):
+        table.save_checkpoint(tmp_path / "su.pkl", "su-0")
+    (tmp_path / "su.pkl").write_bytes(pickle.dumps({"field_data": {}}))
+    with pytest.raises(NotImplementedError, match="never unpickles"):
+        table.load_checkpoint(tmp_path / "su.pkl")
+    table.close()

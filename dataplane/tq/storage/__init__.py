@@ -1,7 +1,11 @@
-"""``transfer_queue.storage``: the one public name, ``StorageKeyNotFoundError`` (here the store's
-``KeyNotFoundError``, a ``KeyError`` as in TransferQueue). TransferQueue's storage backends have no
-equivalent: the store is the backend."""
+"""``transfer_queue.storage``: ``StorageKeyNotFoundError`` (here the store's ``KeyNotFoundError``, a
+``KeyError`` as in TransferQueue) and ``StorageUnitData``, TransferQueue's in-memory container
+(``simple_storage``). TransferQueue's storage backends have no equivalent: the store is the
+backend."""
 
 from dataplane.errors import KeyNotFoundError as StorageKeyNotFoundError
 
-__all__ = ["StorageKeyNotFoundError"]
+# after the name above: simple_storage imports it from here
+from dataplane.tq.storage.simple_storage import StorageUnitData
+
+__all__ = ["StorageKeyNotFoundError", "StorageUnitData"]
