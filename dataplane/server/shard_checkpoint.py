@@ -306,8 +306,6 @@ class ShardCheckpoints:
                         )
                     row[chunk.field] = (seg, r)
                 seg.live = len(keys)
-                seg.owner = part  # counted in its partition's bytes, as a put's segment is
-                part.nbytes += seg.accounted
         finally:
             os.close(fd)
 
