@@ -708,13 +708,4 @@ def _scatter(parts: list[tuple[list[int], Any]], size: int, fields: list[str]) -
     return TensorDict(out, batch_size=[size])
 
 
-__all__ = [
-    "AsyncTransferQueueClient",
-    "GetMetaTimeoutError",
-    "TransferQueueClient",
-    "UnknownIndexError",
-    "no_data_parser",
-    "sampler_from_spec",
-    "sampler_spec",
-    "store_sampler",
-]
+__all__ = ["AsyncTransferQueueClient", "GetMetaTimeoutError", "TransferQueueClient", "UnknownIndexError"]
