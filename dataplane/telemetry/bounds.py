@@ -6,6 +6,7 @@ largest (by whatever the caller measures: bytes, rows, lag), ``fold`` sums every
 ``OTHER``. So such a metric has at most ``k + 1`` series per process and label set, whatever the
 number of partitions (``k = -1``, asked for explicitly, gives each its own).
 
+    >>> from dataplane.telemetry.catalog import OTHER
     >>> rows = {"step1": 5, "step2": 9, "step3": 1}
     >>> keep = chosen(rows, 2)
     >>> sorted(fold(rows, keep, OTHER).items())
@@ -17,8 +18,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
-
-from dataplane.telemetry.catalog import OTHER
 
 K = TypeVar("K", bound=Hashable)
 
@@ -52,4 +51,4 @@ def fold(values: Mapping[K, float], keep: set[K] | None, other: K) -> dict[K, fl
     return out
 
 
-__all__ = ["OTHER", "chosen", "fold"]
+__all__ = ["chosen", "fold"]
