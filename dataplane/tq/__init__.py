@@ -61,8 +61,6 @@ Raising ``NotImplementedError`` (no equivalent here), each naming what to use in
 * the client's ``save_controller_checkpoint`` / ``load_controller_checkpoint`` (and ``async_``
   forms): the store saves everything as one checkpoint, use ``tq.save_checkpoint`` /
   ``tq.load_checkpoint`` (the client's ``save_storage_checkpoint`` / ``load_storage_checkpoint``);
-* ``tq.save_checkpoint`` / ``tq.load_checkpoint`` while the store has no checkpoint
-  (``dataplane.save_checkpoint``, issue 23);
 * ``StreamingDataLoader(num_workers>0)``: use ``dataplane.StreamingDataset(prefetch=...)``.
 
 The config: ``backend.SimpleStorage.num_data_storage_units`` sets the number of shards;

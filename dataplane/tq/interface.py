@@ -377,7 +377,6 @@ def save_checkpoint(
 
     Raises:
         StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
-        NotImplementedError: this build has no store checkpoint (issue 23).
     """
     _initialized()
     if not include_storage:
@@ -410,7 +409,6 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     Raises:
         StoreNotInitializedError: this process did not call ``init`` (a ``RuntimeError``).
         FileNotFoundError: no checkpoint at ``checkpoint_dir``.
-        NotImplementedError: this build has no store checkpoint (issue 23).
     """
     _initialized()
     path = Path(checkpoint_dir)
