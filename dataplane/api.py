@@ -212,8 +212,9 @@ def close() -> None:
     _close(None)
 
 
-# How long async_close waits for its own event loop to close the client's asyncio sockets; that loop
-# is idle, awaiting the close, so this is only a bound on a wait that never lasts.
+# How long async_close waits for its own event loop to close the client's asyncio sockets. The loop is
+# free (the close is awaited in a thread), so it does so at once unless a task hogs it; past this,
+# the sockets are closed from the thread, as a blocking close() does.
 _LOOP_CLOSE_TIMEOUT_S = 30.0
 
 
@@ -227,7 +228,14 @@ def _close(loop: asyncio.AbstractEventLoop | None) -> None:
             export.flush()  # what this process recorded, before it may leave Ray
             if loop is not None:
                 closing = asyncio.run_coroutine_threadsafe(_on_loop(client.asyn.close), loop)
-                closing.result(timeout=_LOOP_CLOSE_TIMEOUT_S)
+                try:
+                    closing.result(timeout=_LOOP_CLOSE_TIMEOUT_S)
+                except TimeoutError:
+                    logger.warning(
+                        "dp.async_close: the event loop did not run for %.0f s; closing its sockets "
+                        "from another thread",
+                        _LOOP_CLOSE_TIMEOUT_S,
+                    )
             client.close()
         if handle is not None:
             handle.stop()
