@@ -6,7 +6,6 @@ largest (by whatever the caller measures: bytes, rows, lag), ``fold`` sums every
 ``OTHER``. So such a metric has at most ``k + 1`` series per process and label set, whatever the
 number of partitions (``k = -1``, asked for explicitly, gives each its own).
 
-    >>> from dataplane.telemetry.catalog import OTHER
     >>> rows = {"step1": 5, "step2": 9, "step3": 1}
     >>> keep = chosen(rows, 2)
     >>> sorted(fold(rows, keep, OTHER).items())
@@ -18,6 +17,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
+
+# The name everything else folds into, for the callers of fold (its home is the catalog).
+from dataplane.telemetry.catalog import OTHER as OTHER
 
 K = TypeVar("K", bound=Hashable)
 
