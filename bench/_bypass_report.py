@@ -3,8 +3,8 @@
 Runs in the driver, for ``bench.bypass``. The table shows, per point, every path's median and best
 step, its overhead over the floor, the driver's bytes and peak RSS growth and the store's bytes,
 then the ratios that matter (classic overhead / store overhead, TQ overhead / store overhead, the
-store against raw pyzmq). The checks compare those with the targets of issue 12 wherever the run
-has the figures; they are reported, never asserted (figures on a busy machine say little).
+store against raw pyzmq). The checks compare those with the targets (bench/README.md) wherever the
+run has the figures; they are reported, never asserted (figures on a busy machine say little).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from bench import _common
 
 MiB = 2**20
-# Targets of issue 12 (on a quiet 2-core machine at 256 MiB and 4 workers); see bench/README.md.
+# The bypass targets (on a quiet 2-core machine at 256 MiB and 4 workers); see bench/README.md.
 TARGET_CLASSIC_X = 8.0  # classic overhead / store overhead >=
 TARGET_TQ_X = 3.0  # tq overhead / store overhead >=
 TARGET_PYZMQ_X = 0.8  # raw pyzmq seconds / store overhead >=
@@ -135,7 +135,7 @@ def _points(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[st
 
 
 def evaluate(records: list[dict[str, Any]]) -> list[_common.Check]:
-    """The targets of issue 12, wherever the records have the figures (every point, every group size)."""
+    """The bypass targets, wherever the records have the figures (every point, every group size)."""
     checks: list[_common.Check] = []
     for (workers, payload), group in _points(records).items():
         by = {r["path"]: r for r in group}

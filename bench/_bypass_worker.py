@@ -74,7 +74,7 @@ class _BypassWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def store_traffic(self, reset: bool = False) -> dict[str, int]:
         """Bytes this process moved through the store: its own puts and the bridge's reads and writes."""
-        from workers.tqbridge import reset_traffic, traffic
+        from workers.bridge import reset_traffic, traffic
 
         out = {**traffic(), "stored_bytes": self.stored_bytes}
         if reset:

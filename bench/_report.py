@@ -1,13 +1,13 @@
-"""Turns store-throughput results into the issue's ratios (with PASS/MISS), a text table and a plot.
+"""Turns store-throughput results into the target ratios (with PASS/MISS), a text table and a plot.
 
-The targets come from issue 3 ("Performance"); each is a :class:`bench._common.Check`:
+The targets (bench/README.md, "Store throughput"); each is a :class:`bench._common.Check`:
 
 - put >= 3x TransferQueue, actor get >= 8x TransferQueue;
 - put and actor get >= 1.5x the Ray object-store path;
 - actor get >= 0.3x memcpy;
 - single-key put and get p50 <= 2x a bare Ray actor call measured in the same phase: ``noop()``
   with no argument, the stricter of the two baselines recorded (``noop(x)`` ships the row's two
-  tensors and is about 2x slower; the issue's "TransferQueue: about 6x" matches ``noop()``);
+  tensors and is about 2x slower; TransferQueue's own "about 6x" matches ``noop()``);
 - shard memory while holding the payload <= 1.3x the payload, and <= 10% of it left after clear,
   each judged twice: by the store's accounting (``bytes_resident``) and by what the OS shows for the
   shard processes (RSS plus the memfd files they hold, ``bench._memory``); memory figures are
@@ -50,7 +50,7 @@ def _memory_fractions(results: dict[str, Any]) -> dict[str, float | None]:
 
 
 def evaluate(results: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return ``(checks, info)``: the issue's targets with verdicts, and untargeted ratios."""
+    """Return ``(checks, info)``: the targets with verdicts, and untargeted ratios."""
     g = lambda path, op: _gbps(results, path, op)  # noqa: E731
     p = lambda path, op: _p50(results, path, op)  # noqa: E731
     mem = _memory_fractions(results)

@@ -18,7 +18,7 @@ One run, one fresh local Ray, the same payload for every system: ``--bytes`` (1 
    files and never fsync), then the time to fsync those files (what durability costs it), and
    ``tq.load_checkpoint(dir)`` after dropping their pages.
 
-Targets (issue 23): save >= 0.5x the disk write, load >= 0.5x the disk read, driver bytes of the
+Targets: save >= 0.5x the disk write, load >= 0.5x the disk read, driver bytes of the
 large save <= 1.1x those of the small one.
 
 Usage::

@@ -15,59 +15,41 @@ Example:
     [0, 1]
 """
 
-from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithInitArgs
-from controlplane.colocate import create_colocated_worker_cls
-from controlplane.decorator import register, register_dispatch_mode, update_dispatch_mode
-from controlplane.dispatch import make_nd_compute_dispatch_fn
-from controlplane.errors import (
-    ControlPlaneError,
-    MeshConflictError,
-    ResourceShortageError,
-    WorkerCallError,
-    WorkerDiedError,
-)
-from controlplane.fused import create_colocated_worker_cls_fused, create_colocated_worker_raw_cls
-from controlplane.modes import Dispatch, Execute
-from controlplane.per_rank import Broadcast, PerRank
-from controlplane.resource_pool import (
-    RayResourcePool,
-    ResourcePool,
-    ResourcePoolManager,
-    SubRayResourcePool,
-    merge_resource_pool,
-    split_resource_pool,
-)
-from controlplane.worker import Worker
-from controlplane.worker_group import RayWorkerGroup, WorkerGroup
+from controlplane import class_with_init_args as _class_with_init_args
+from controlplane import colocate as _colocate
+from controlplane import decorator as _decorator
+from controlplane import dispatch as _dispatch
+from controlplane import errors as _errors
+from controlplane import fused as _fused
+from controlplane import modes as _modes
+from controlplane import per_rank as _per_rank
+from controlplane import resource_pool as _resource_pool
+from controlplane import worker as _worker
+from controlplane import worker_group as _worker_group
 
-__version__ = "0.1.0"
+# Each public name is written once, in the ``__all__`` of the module that defines it (a module's
+# helpers for the rest of the package are imported by name, and left out of it).
+from controlplane.class_with_init_args import *  # noqa: F403
+from controlplane.colocate import *  # noqa: F403
+from controlplane.decorator import *  # noqa: F403
+from controlplane.dispatch import *  # noqa: F403
+from controlplane.errors import *  # noqa: F403
+from controlplane.fused import *  # noqa: F403
+from controlplane.modes import *  # noqa: F403
+from controlplane.per_rank import *  # noqa: F403
+from controlplane.resource_pool import *  # noqa: F403
+from controlplane.worker import *  # noqa: F403
+from controlplane.worker_group import *  # noqa: F403
 
-__all__ = [
-    "Worker",
-    "WorkerGroup",
-    "ResourcePool",
-    "ClassWithInitArgs",
-    "RayResourcePool",
-    "SubRayResourcePool",
-    "ResourcePoolManager",
-    "RayClassWithInitArgs",
-    "RayWorkerGroup",
-    "register",
-    "Dispatch",
-    "Execute",
-    "make_nd_compute_dispatch_fn",
-    "register_dispatch_mode",
-    "update_dispatch_mode",
-    "split_resource_pool",
-    "merge_resource_pool",
-    "create_colocated_worker_cls",
-    "create_colocated_worker_raw_cls",
-    "create_colocated_worker_cls_fused",
-    "ControlPlaneError",
-    "MeshConflictError",
-    "ResourceShortageError",
-    "WorkerCallError",
-    "WorkerDiedError",
-    "PerRank",
-    "Broadcast",
-]
+__all__: list[str] = []
+__all__ += _class_with_init_args.__all__
+__all__ += _colocate.__all__
+__all__ += _decorator.__all__
+__all__ += _dispatch.__all__
+__all__ += _errors.__all__
+__all__ += _fused.__all__
+__all__ += _modes.__all__
+__all__ += _per_rank.__all__
+__all__ += _resource_pool.__all__
+__all__ += _worker.__all__
+__all__ += _worker_group.__all__

@@ -241,3 +241,6 @@ def _call(actor: Any, method: str) -> Any:
     if not hasattr(actor, method):
         raise TypeError(f"sharing_with needs an actor with a {method}() method (a controlplane Worker)")
     return ray.get(getattr(actor, method).remote(), timeout=60)
+
+
+__all__ = ["ClassWithInitArgs", "RayClassWithInitArgs"]

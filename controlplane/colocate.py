@@ -236,3 +236,6 @@ def create_colocated_worker_cls(
     cls_name = name or "Colocated_" + "_".join(specs)
     colocated = type(cls_name, (ColocatedWorker,), host_namespace(specs, ColocatedWorker))
     return RayClassWithInitArgs(ray.remote(colocated))
+
+
+__all__ = ["create_colocated_worker_cls"]

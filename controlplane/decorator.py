@@ -260,3 +260,6 @@ def register(
         return wrapper
 
     return decorator
+
+
+__all__ = ["register", "register_dispatch_mode", "update_dispatch_mode"]

@@ -391,3 +391,6 @@ def make_nd_compute_dispatch_fn(mesh_name: str) -> dict[str, Callable[..., Any]]
     if not isinstance(mesh_name, str) or not mesh_name:
         raise ValueError(f"mesh_name must be a non-empty string, got {mesh_name!r}")
     return {"dispatch_fn": NdComputeDispatch(mesh_name), "collect_fn": NdComputeCollect(mesh_name)}
+
+
+__all__ = ["make_nd_compute_dispatch_fn"]

@@ -166,3 +166,12 @@ def make_call_error(
         (True, "W.f failed on rank 1 of 2: KeyError: 'k'")
     """
     return _dual_class(type(cause))(method, failed_ranks, cause, message, **kwargs)
+
+
+__all__ = [
+    "ControlPlaneError",
+    "MeshConflictError",
+    "ResourceShortageError",
+    "WorkerCallError",
+    "WorkerDiedError",
+]

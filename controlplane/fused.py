@@ -126,3 +126,6 @@ def create_colocated_worker_cls_fused(
     result = RayClassWithInitArgs(ray.remote(raw))
     result.fused_worker_used = True  # verl's marker; read by verl code, not by this package
     return result
+
+
+__all__ = ["create_colocated_worker_cls_fused", "create_colocated_worker_raw_cls"]

@@ -91,3 +91,6 @@ for _name in (
 for _name in ("ALL", "RANK_ZERO"):
     Execute.register(_name)
 del _name
+
+
+__all__ = ["Dispatch", "Execute"]

@@ -180,3 +180,6 @@ def mark_dispatched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         return PerRank(value) if isinstance(value, list) and not isinstance(value, PerRank) else value
 
     return tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
+
+
+__all__ = ["Broadcast", "PerRank"]

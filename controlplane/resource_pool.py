@@ -444,3 +444,13 @@ class ResourcePoolManager:
         # Against node totals: deterministic, and what "can this cluster hold the job" means;
         # placement itself reports a shortage of *available* resources with its deadline.
         check_fits(demands, use_available=False)
+
+
+__all__ = [
+    "RayResourcePool",
+    "ResourcePool",
+    "ResourcePoolManager",
+    "SubRayResourcePool",
+    "merge_resource_pool",
+    "split_resource_pool",
+]

@@ -287,3 +287,6 @@ class Worker:
     def execute_func_rank_zero(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``func(*args, **kwargs)`` on rank 0 only and return its value."""
         return func(*args, **kwargs)
+
+
+__all__ = ["Worker"]

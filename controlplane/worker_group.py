@@ -586,4 +586,4 @@ class _RoutedMethod:
         return self._entry.remote(self._role, self._method, *args, **kwargs)
 
 
-__all__ = ["WorkerGroup", "RayWorkerGroup", "ClassWithInitArgs", "RayClassWithInitArgs"]
+__all__ = ["RayWorkerGroup", "WorkerGroup"]

@@ -15,168 +15,44 @@ TransferQueue's names, so code written against it moves over by changing one imp
 import typing as _typing
 
 from dataplane import _bridge_hook  # noqa: F401 - installs __worker_bridge__ on metas
-from dataplane.api import (
-    async_clear_partition,
-    async_close,
-    async_init,
-    async_kv_batch_get,
-    async_kv_batch_get_by_meta,
-    async_kv_batch_put,
-    async_kv_clear,
-    async_kv_list,
-    async_kv_put,
-    async_stats,
-    clear_partition,
-    close,
-    init,
-    is_initialized,
-    kv_batch_get,
-    kv_batch_get_by_meta,
-    kv_batch_put,
-    kv_clear,
-    kv_list,
-    kv_put,
-    stats,
-)
-from dataplane.checkpoint import (
-    CheckpointInfo,
-    async_load_checkpoint,
-    async_save_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from dataplane.config import StoreConfig
-from dataplane.errors import (
-    BatchSizeError,
-    BatchTimeoutError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    ClusterAuthError,
-    ClusterConnectError,
-    DataplaneError,
-    FieldNotFoundError,
-    KeyNotFoundError,
-    LeaseExpiredError,
-    PartitionNotFoundError,
-    ProtocolVersionError,
-    RequestTooLargeError,
-    ReservationExpiredError,
-    ResourceLimitError,
-    SchedulingError,
-    SchemaError,
-    SerializationError,
-    ShardUnavailableError,
-    StaleMetaError,
-    StoreFullError,
-    StoreNotInitializedError,
-    WireError,
-)
-from dataplane.meta import KVBatchMeta, StoreInfo
-from dataplane.samplers import GroupSampler, Sampler, SeqlenBalancedSampler, SequentialSampler
-from dataplane.stream import (
-    StreamRequest,
-    StreamResult,
-    ack,
-    async_ack,
-    async_consumption,
-    async_finish_partition,
-    async_next_batch,
-    async_release,
-    async_reset_consumption,
-    consumption,
-    finish_partition,
-    next_batch,
-    release,
-    reset_consumption,
-)
+from dataplane import api as _api
+from dataplane import checkpoint as _checkpoint
+from dataplane import config as _config
+from dataplane import errors as _errors
+from dataplane import meta as _meta
+from dataplane import samplers as _samplers
+from dataplane import stream as _stream
 
-__version__ = "0.1.0"
+# Each public name is written once, in the ``__all__`` of the module that defines it; this front
+# door hands out those modules' ``__all__`` (a module's helpers for the rest of the package are
+# imported by name, and left out of its ``__all__``).
+from dataplane.api import *  # noqa: F403
+from dataplane.checkpoint import *  # noqa: F403
+from dataplane.config import *  # noqa: F403
+from dataplane.errors import *  # noqa: F403
+from dataplane.meta import *  # noqa: F403
+from dataplane.samplers import *  # noqa: F403
+from dataplane.stream import *  # noqa: F403
 
-__all__ = [
-    "BatchSizeError",
-    "BatchTimeoutError",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointNotFoundError",
-    "ClusterAuthError",
-    "ClusterConnectError",
-    "GroupSampler",
-    "Sampler",
-    "SeqlenBalancedSampler",
-    "SequentialSampler",
-    "StreamRequest",
-    "StreamingDataLoader",
-    "StreamingDataset",
-    "StreamResult",
-    "ack",
-    "async_ack",
-    "async_consumption",
-    "async_finish_partition",
-    "async_next_batch",
-    "async_release",
-    "async_reset_consumption",
-    "consumption",
-    "finish_partition",
-    "next_batch",
-    "release",
-    "reset_consumption",
-    "DataplaneError",
-    "FieldNotFoundError",
-    "KVBatchMeta",
-    "KeyNotFoundError",
-    "LeaseExpiredError",
-    "PartitionNotFoundError",
-    "ProtocolVersionError",
-    "RequestTooLargeError",
-    "ReservationExpiredError",
-    "ResourceLimitError",
-    "SchedulingError",
-    "SchemaError",
-    "SerializationError",
-    "ShardUnavailableError",
-    "StaleMetaError",
-    "StoreConfig",
-    "StoreFullError",
-    "StoreInfo",
-    "StoreNotInitializedError",
-    "WireError",
-    "__version__",
-    "async_clear_partition",
-    "async_close",
-    "async_init",
-    "async_kv_batch_get",
-    "async_kv_batch_get_by_meta",
-    "async_kv_batch_put",
-    "async_kv_clear",
-    "async_kv_list",
-    "async_kv_put",
-    "async_load_checkpoint",
-    "async_save_checkpoint",
-    "async_stats",
-    "clear_partition",
-    "close",
-    "init",
-    "is_initialized",
-    "kv_batch_get",
-    "kv_batch_get_by_meta",
-    "kv_batch_put",
-    "kv_clear",
-    "kv_list",
-    "kv_put",
-    "load_checkpoint",
-    "save_checkpoint",
-    "stats",
-]
+__all__: list[str] = []
+__all__ += _api.__all__
+__all__ += _checkpoint.__all__
+__all__ += _config.__all__
+__all__ += _errors.__all__
+__all__ += _meta.__all__
+__all__ += _samplers.__all__
+__all__ += _stream.__all__
 
 # StreamingDataset and StreamingDataLoader subclass torch's classes: imported on first use, so the
 # store's own processes (shards, index), which import this package, never load torch. A type checker
-# sees the plain imports instead (and no module __getattr__, so a misspelt ``dp.name`` stays an error).
+# sees plain imports instead (and no module __getattr__, so a misspelt ``dp.name`` stays an error).
 _LAZY = {"StreamingDataset": "dataplane.dataset", "StreamingDataLoader": "dataplane.dataloader"}
 
 if _typing.TYPE_CHECKING:
-    from dataplane.dataloader import StreamingDataLoader
-    from dataplane.dataset import StreamingDataset
+    from dataplane.dataloader import StreamingDataLoader as StreamingDataLoader
+    from dataplane.dataset import StreamingDataset as StreamingDataset
 else:
+    __all__ += list(_LAZY)
 
     def __getattr__(name: str) -> _typing.Any:
         if name in _LAZY:

@@ -15,10 +15,11 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from dataplane._units import format_bytes
@@ -208,11 +209,33 @@ def close() -> None:
 
     A worker's ``close()`` never stops a shared service. Safe to call twice.
     """
+    _close(None)
+
+
+# How long async_close waits for its own event loop to close the client's asyncio sockets. The loop is
+# free (the close is awaited in a thread), so it does so at once unless a task hogs it; past this,
+# the sockets are closed from the thread, as a blocking close() does.
+_LOOP_CLOSE_TIMEOUT_S = 30.0
+
+
+def _close(loop: asyncio.AbstractEventLoop | None) -> None:
+    """``close``; with ``loop`` (run in a thread by ``async_close``), the client's asyncio sockets,
+    which belong to that loop, are closed on it."""
     with _state.lock:
         client, handle = _state.client, _state.handle
         _state.client = _state.handle = _state.info = None
         if client is not None:
             export.flush()  # what this process recorded, before it may leave Ray
+            if loop is not None:
+                closing = asyncio.run_coroutine_threadsafe(_on_loop(client.asyn.close), loop)
+                try:
+                    closing.result(timeout=_LOOP_CLOSE_TIMEOUT_S)
+                except TimeoutError:
+                    logger.warning(
+                        "dp.async_close: the event loop did not run for %.0f s; closing its sockets "
+                        "from another thread",
+                        _LOOP_CLOSE_TIMEOUT_S,
+                    )
             client.close()
         if handle is not None:
             handle.stop()
@@ -225,14 +248,17 @@ def is_initialized() -> bool:
 
 async def async_init(**options: Any) -> StoreInfo:
     """``init`` for asyncio code: the one-time attach runs in a thread, off the event loop."""
-    import asyncio
-
     return await asyncio.to_thread(init, **options)
 
 
 async def async_close() -> None:
-    """``close`` for asyncio code."""
-    close()
+    """``close`` for asyncio code: it runs in a thread (flushing metrics and stopping an embedded
+    store wait on Ray, for seconds), so the event loop goes on serving its other tasks meanwhile."""
+    await asyncio.to_thread(_close, asyncio.get_running_loop())
+
+
+async def _on_loop(step: Callable[[], None]) -> None:
+    step()
 
 
 # ---- operations (built once, driven sync or async) -------------------------------------------------

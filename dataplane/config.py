@@ -297,17 +297,4 @@ def client_transport_override() -> str | None:
     return raw or None
 
 
-__all__ = [
-    "INT64_MAX",
-    "MAX_TIMEOUT_S",
-    "NAMESPACE",
-    "check_number",
-    "StoreConfig",
-    "client_transport_override",
-    "env_allows_pickle",
-    "env_flag",
-    "env_metrics",
-    "metrics_interval_s",
-    "read_buffer_pool_bytes",
-    "unix_peer_uids",
-]
+__all__ = ["StoreConfig"]

@@ -50,7 +50,7 @@ class KeyNotFoundError(DataplaneError, KeyError, ValueError):
     (which raises ``ValueError``) catches it unchanged.
     """
 
-    wire_attrs = ("key", "partition_id")
+    wire_attrs: ClassVar[tuple[str, ...]] = ("key", "partition_id")
 
     def __init__(self, key: str, partition_id: str, message: str | None = None) -> None:
         self.key = key
@@ -61,7 +61,7 @@ class KeyNotFoundError(DataplaneError, KeyError, ValueError):
 class FieldNotFoundError(KeyNotFoundError):
     """A requested field is not stored for a key. Attributes: ``key``, ``partition_id``, ``field``."""
 
-    wire_attrs = ("key", "partition_id", "field")
+    wire_attrs: ClassVar[tuple[str, ...]] = ("key", "partition_id", "field")
 
     def __init__(self, key: str, partition_id: str, field: str, message: str | None = None) -> None:
         self.field = field
@@ -77,7 +77,7 @@ class FieldNotFoundError(KeyNotFoundError):
 class PartitionNotFoundError(DataplaneError, KeyError, ValueError):
     """The partition does not exist (never written, or cleared). Attribute: ``partition_id``."""
 
-    wire_attrs = ("partition_id",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("partition_id",)
 
     def __init__(self, partition_id: str, message: str | None = None) -> None:
         self.partition_id = partition_id
@@ -98,7 +98,7 @@ class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
     # traceback (the controller honours this class attribute; see controlplane.errors).
     __concise_error__ = True
 
-    wire_attrs = ("key", "partition_id", "method")
+    wire_attrs: ClassVar[tuple[str, ...]] = ("key", "partition_id", "method")
 
     def __init__(self, key: str, partition_id: str, method: str, message: str | None = None) -> None:
         self.key = key
@@ -116,7 +116,7 @@ class StaleMetaError(KeyNotFoundError, PartitionNotFoundError):
 class SchemaError(DataplaneError, ValueError):
     """A field's dtype, shape or kind does not match the column already stored. Attribute: ``field``."""
 
-    wire_attrs = ("field",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("field",)
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
@@ -134,7 +134,7 @@ class SerializationError(DataplaneError, TypeError):
 class ShardUnavailableError(DataplaneError, ConnectionError):
     """A shard did not answer within its deadline (dead or unreachable). Attribute: ``shard``."""
 
-    wire_attrs = ("shard",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("shard",)
 
     def __init__(self, shard: str, message: str) -> None:
         self.shard = shard
@@ -153,7 +153,7 @@ class BatchTimeoutError(DataplaneError, TimeoutError):
     """``next_batch`` waited ``timeout_s`` and not enough rows became ready; says how many were.
     Attribute: ``partition_id``. Nothing was marked consumed."""
 
-    wire_attrs = ("partition_id",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("partition_id",)
 
     def __init__(self, partition_id: str, message: str) -> None:
         self.partition_id = partition_id
@@ -173,7 +173,7 @@ class LeaseExpiredError(DataplaneError, TimeoutError):
     and may have been delivered to another consumer. Attributes: ``partition_id``, ``keys`` (the
     late ones; the others were acknowledged)."""
 
-    wire_attrs = ("partition_id",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("partition_id",)
 
     def __init__(self, partition_id: str, message: str | None = None, *, keys: Sequence[str] = ()) -> None:
         self.partition_id = partition_id
@@ -209,7 +209,7 @@ class ProtocolVersionError(WireError):
     dataplane release in every process that uses the store (restart the store, or the client).
     """
 
-    wire_attrs = ("client_version", "service_version")
+    wire_attrs: ClassVar[tuple[str, ...]] = ("client_version", "service_version")
 
     def __init__(self, client_version: int, service_version: int, message: str | None = None) -> None:
         self.client_version = client_version
@@ -232,7 +232,7 @@ class CheckpointError(DataplaneError, ValueError):
     path is intact. The message names the file, the node where it matters, and the next step.
     """
 
-    wire_attrs = ("path",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("path",)
 
     def __init__(self, path: str, message: str) -> None:
         self.path = path
@@ -251,7 +251,7 @@ class ClusterConnectError(DataplaneError, ConnectionError):
     join. Attribute: ``address``. Recoverable: start the cluster, or fix the address; the message
     says which."""
 
-    wire_attrs = ("address",)
+    wire_attrs: ClassVar[tuple[str, ...]] = ("address",)
 
     def __init__(self, address: str, message: str) -> None:
         self.address = address

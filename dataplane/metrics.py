@@ -26,7 +26,11 @@ from typing import Any
 
 from dataplane.config import StoreConfig
 from dataplane.errors import StoreNotInitializedError
-from dataplane.telemetry.catalog import METRICS, Metric, exported_names
+
+# The catalog's names, for a reader of this module (their home is dataplane.telemetry.catalog).
+from dataplane.telemetry.catalog import METRICS as METRICS
+from dataplane.telemetry.catalog import Metric as Metric
+from dataplane.telemetry.catalog import exported_names as exported_names
 
 
 def endpoints() -> dict[str, str]:
@@ -88,4 +92,4 @@ def endpoint(name: str | None = None) -> str | None:
     return next((a for a in agents.values() if a.rsplit(":", 1)[0] == host), None)
 
 
-__all__ = ["METRICS", "Metric", "endpoint", "endpoints", "exported_names"]
+__all__ = ["endpoint", "endpoints"]

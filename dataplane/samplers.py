@@ -318,14 +318,4 @@ def from_spec(spec: dict[str, Any] | None) -> Sampler:
         raise ValueError(f"sampler {spec.get('name')!r}: {exc}") from exc
 
 
-__all__ = [
-    "GroupSampler",
-    "ReadyRows",
-    "Sampler",
-    "SeqlenBalancedSampler",
-    "SequentialSampler",
-    "balanced_partition",
-    "complete_groups",
-    "from_spec",
-    "group_id",
-]
+__all__ = ["GroupSampler", "Sampler", "SeqlenBalancedSampler", "SequentialSampler"]

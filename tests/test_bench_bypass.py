@@ -149,7 +149,7 @@ def test_bypass_results_go_to_build_bench_by_default() -> None:
 
 
 def test_cli_hands_flags_after_the_name_to_the_benchmark() -> None:
-    from workers.cli import build_parser
+    from rlplane.cli import build_parser
 
     args = build_parser().parse_args(["bench", "bypass", "--quick", "--out", "build/bench"])
     assert (args.which, args.bench_args) == ("bypass", ["--quick", "--out", "build/bench"])

@@ -58,7 +58,7 @@ RUNNABLE = [
     "dataplane._units",
     "dataplane.errors.did_you_mean",
     "dataplane._worker_bridge",
-    "dataplane.cli",
+    "dataplane.admin",
     "dataplane.config",
     "dataplane.dataset.StreamBatch",
     "dataplane.meta",
@@ -78,7 +78,6 @@ RUNNABLE = [
     "dataplane.watch",
     "workers",
     "workers.checkpoints",
-    "workers.cli",
     "workers.demo",
     "workers.driver_guard.check_metadata",
     "workers.engine",
@@ -90,6 +89,8 @@ RUNNABLE = [
     "workers.engine.rollout",
     "workers.engine.task",
     "workers.timeline",
+    "rlplane",
+    "rlplane.cli",
 ]
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -4,7 +4,7 @@ A newcomer's laptop here is a sandbox (``tests/_fresh_ray.py``): a fresh Ray of 
 plain way (the script's ``dp.init()`` calls ``ray.init()`` with no arguments, or ``ray start --head``
 with none about CPUs), so it has as many CPUs as the machine has cores (2 on the machine this was
 built on), in a new terminal's environment. Never the session's cluster: its 8 logical CPUs hid that
-a store plus a group of 2 workers did not fit 2 cores (issue 25). Each run must exit 0, print what
+a store plus a group of 2 workers did not fit 2 cores. Each run must exit 0, print what
 shows it worked, and leave no noise on stderr (``tests/test_readme.py``).
 """
 

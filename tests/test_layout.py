@@ -1,22 +1,32 @@
-"""The package layout: the dependency direction between the packages (README.md, "Layout"), no
-import cycles, and the data plane's layers (each ``dataplane`` subpackage's docstring states its rule).
+"""The package layout: the dependency direction between the packages (ARCHITECTURE.md, "Packages and
+layers"), no import cycles between packages or modules, each public name written once, no module
+hidden by a name of its package, and the data plane's layers (each ``dataplane`` subpackage's
+docstring states its rule).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import types
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# package -> packages it must never import. workers sits on top (its CLI also
-# dispatches to bench), so it may import anything.
-FORBIDDEN = {
-    "dataplane": {"controlplane", "workers", "bench"},
-    "controlplane": {"dataplane", "workers", "bench"},
+# The top-level packages, bottom to top, and what each may import (lazy imports included). The
+# store and the controller stand alone and never import each other; workers is where they meet;
+# bench measures all three; rlplane, the command line, runs everything. Every other edge is
+# forbidden, so no two packages can import each other, directly or around a loop.
+ALLOWED = {
+    "dataplane": set(),
+    "controlplane": set(),
+    "workers": {"dataplane", "controlplane"},
+    "bench": {"dataplane", "controlplane", "workers"},
+    "rlplane": {"dataplane", "controlplane", "workers", "bench"},
 }
+PACKAGES = tuple(ALLOWED)
 
 
 def _imported_top_levels(path: pathlib.Path) -> set[str]:
@@ -30,28 +40,88 @@ def _imported_top_levels(path: pathlib.Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+@pytest.mark.parametrize("package", PACKAGES)
 def test_dependency_direction(package: str) -> None:
+    forbidden = set(PACKAGES) - ALLOWED[package] - {package}
     offenders = []
     for path in sorted((ROOT / package).rglob("*.py")):
-        bad = _imported_top_levels(path) & FORBIDDEN[package]
+        bad = _imported_top_levels(path) & forbidden
         if bad:
             offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
-    assert not offenders, "dependency direction broken:\n" + "\n".join(offenders)
+    assert not offenders, f"{package} may import only {sorted(ALLOWED[package])}:\n" + "\n".join(offenders)
+
+
+def test_allowed_directions_form_no_cycle() -> None:
+    """The rule itself: a package may import only packages listed before it, so none is reachable
+    from itself."""
+    for i, package in enumerate(PACKAGES):
+        assert ALLOWED[package] <= set(PACKAGES[:i]), f"{package} may import a package above it"
+    assert _cycles({p: set(deps) for p, deps in ALLOWED.items()}) == []
 
 
 def test_packages_import() -> None:
-    import controlplane
-    import dataplane
-    import workers
-
-    for mod in (dataplane, controlplane, workers):
+    for name in ("dataplane", "controlplane", "workers", "rlplane"):  # bench has no public names
+        mod = importlib.import_module(name)
         assert mod.__all__, f"{mod.__name__} has an empty __all__"
+        assert len(set(mod.__all__)) == len(mod.__all__), f"{name}.__all__ lists a name twice"
+        missing = [n for n in mod.__all__ if not hasattr(mod, n)]
+        assert not missing, f"{name}.__all__ names what it lacks: {missing}"
+
+
+def _literal_all(tree: ast.Module) -> set[str]:
+    """The names a module's ``__all__`` spells out as strings (``= [...]`` or ``+= [...]``)."""
+    names: set[str] = set()
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
+            for elt in ast.walk(node.value):
+                if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+                    names.add(elt.value)
+    return names
+
+
+# TransferQueue's module layout, mirrored: transfer_queue.storage.simple_storage shows the error too.
+REPEATS_OF_TRANSFERQUEUE = {"dataplane.tq.storage.simple_storage.__all__ repeats StorageKeyNotFoundError"}
+
+
+def test_each_public_name_is_written_once() -> None:
+    """No ``__all__`` spells out a name it imports from a module whose ``__all__`` spells it too: a
+    package front door adds its modules' ``__all__`` instead of typing their names again."""
+    modules = _all_modules()
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in modules.items()}
+    listed = {name: _literal_all(tree) for name, tree in trees.items()}
+    offenders = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in listed:
+                for alias in node.names:
+                    shown = alias.asname or alias.name
+                    if shown == alias.name and shown in listed[name] and shown in listed[node.module]:
+                        offenders.append(f"{name}.__all__ repeats {shown}")
+    offenders = [o for o in offenders if o not in REPEATS_OF_TRANSFERQUEUE]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_module_is_hidden_by_a_name_of_its_package() -> None:
+    """``package.name`` is the module ``package/name.py`` (or the subpackage) whenever the package
+    has such an attribute: never a function or class of the same name, which would be one thing
+    before the module is imported and another after."""
+    offenders = []
+    for name, path in _all_modules().items():
+        if path.name != "__init__.py":
+            continue
+        package = importlib.import_module(name)
+        submodules = {p.stem for p in path.parent.glob("*.py")} | {
+            p.parent.name for p in path.parent.glob("*/__init__.py")
+        }
+        for sub in sorted(submodules - {"__init__", "__main__"}):
+            value = getattr(package, sub, None)
+            if value is not None and not isinstance(value, types.ModuleType):
+                offenders.append(f"{name}.{sub} is a {type(value).__name__}, and {name}/{sub} a module")
+    assert not offenders, "\n".join(offenders)
 
 
 # ---- the module graph: no cycles, and the data plane's layers -----------------------------------
-
-PACKAGES = ("dataplane", "controlplane", "workers")
 
 # dataplane layer -> what its modules may import (besides the standard library and third parties).
 # The public modules at the top (api, stream, dataset, tq, ...) may import any layer.

@@ -5,8 +5,8 @@ repository as working directory, each block a fresh ``__main__`` namespace, Ray 
 blocks) on a newcomer's laptop (``tests/_fresh_ray.py``: a new terminal's environment, Ray's temp
 dir of its own): each block's ``ray.init()`` / ``dp.init()`` starts a fresh Ray the plain way, with
 as many CPUs as the machine has cores (2 on the machine this was built on), never the session's
-cluster, whose 8 logical CPUs hid that the bridge block's store and 2 workers did not fit 2 cores
-(issue 25). Every block must run,
+cluster, whose 8 logical CPUs hid that the bridge block's store and 2 workers did not fit 2 cores.
+Every block must run,
 print what its ``print(...)  # <literal>`` comments promise, and leave no noise on stderr (a
 traceback, Ray's "Unhandled error", asyncio's "Task was destroyed", torch's fx warning).
 
@@ -32,7 +32,8 @@ RUN_TIMEOUT_S = 600  # every block: a Ray of its own, stores and worker groups s
 
 _BLOCK = re.compile(r"(?:<!--\s*not-run:(?P<reason>.*?)-->\s*\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
 _PROMISE = re.compile(r"^\s*print\(.*\)\s*#\s*(?P<comment>.+)$", re.M)
-# What a clean run never prints; each names a defect fixed once (issue 11).
+# What a clean run never prints; each names a defect fixed once (a traceback at exit, an
+# unhandled Ray error, a pending asyncio task destroyed, torch's fx-tracing warning).
 NOISE = ("Traceback (most recent call last)", "Unhandled error", "Task was destroyed", "is_fx_tracing")
 
 

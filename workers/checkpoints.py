@@ -31,7 +31,7 @@ import os
 import pathlib
 from typing import Any
 
-from workers.tqbridge import StreamReport
+from workers.bridge import StreamReport
 
 STATE_VERSION = 1
 LATEST = "latest"

@@ -25,7 +25,7 @@ from typing import Any
 
 import dataplane as dp
 
-__all__ = ["DriverDataError", "MetadataOnlyGroup", "PendingCall", "check_metadata"]
+__all__ = ["DriverDataError", "MetadataOnlyGroup"]
 
 _PLAIN = (str, int, float, bool, type(None))
 

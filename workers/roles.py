@@ -16,7 +16,7 @@ Field names are those of :mod:`workers.engine`. Settings that change per step tr
 ``make_prompts``).
 
 Stream mode (``GRPOTrainer`` with ``mode="stream"``): every bridged method also takes a
-``dp.StreamRequest`` and pulls its own ready rows (see :mod:`workers.tqbridge`);
+``dp.StreamRequest`` and pulls its own ready rows (see :mod:`workers.bridge`);
 ``make_stream_prompts`` names the keys itself and tags each row with its group (``uid``) for
 ``dp.GroupSampler``, and ``generate_sequences`` takes the step as a keyword.
 """
@@ -35,6 +35,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
+from workers.bridge import StreamReport, count, nbytes_of, tqbridge, traffic
 from workers.engine import (
     Actor,
     ActorConfig,
@@ -46,7 +47,6 @@ from workers.engine import (
     TinyCausalLM,
     compute_advantage,
 )
-from workers.tqbridge import StreamReport, count, nbytes_of, tqbridge, traffic
 
 logger = logging.getLogger(__name__)
 

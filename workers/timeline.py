@@ -4,7 +4,7 @@ A *span* is one batch of one task on one rank, a dict with ``task``, ``step``, `
 and wall-clock times (``time.time()``, comparable across the processes of one machine):
 ``called`` (the call began: a stream call then waits for ready rows), ``start`` (it had its batch)
 and ``end`` (its outputs were written). Stream mode gets the spans from the workers' reports
-(:class:`workers.tqbridge.StreamReport`); sync mode times each blocking call on the driver
+(:class:`workers.bridge.StreamReport`); sync mode times each blocking call on the driver
 (``rank`` is ``"all"``: every rank of the group ran it).
 
 :func:`overlap` measures how much the tasks overlapped: ``overlap_s`` is the wall time during

@@ -78,8 +78,8 @@ from typing import Any
 import dataplane as dp
 from controlplane import RayClassWithInitArgs
 from workers import checkpoints, timeline
+from workers.bridge import StreamReport
 from workers.driver_guard import MetadataOnlyGroup, PendingCall
-from workers.tqbridge import StreamReport
 from workers.wiring import ROLE_WORKERS, Groups, Role, build_groups, pool_manager
 
 logger = logging.getLogger(__name__)

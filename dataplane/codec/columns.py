@@ -28,6 +28,7 @@ Example:
     >>> cols = encode_fields({"x": torch.arange(6.0).view(3, 2)}, num_rows=3)
     >>> cols["x"].spec
     ColumnSpec(kind='dense', dtype='float32', shape=(2,))
+    >>> from dataplane.codec.gather import gather
     >>> sub = gather([(cols["x"], np.array([2, 0]))])
     >>> decode_fields({"x": sub}, 2)["x"].tolist()
     [[4.0, 5.0], [0.0, 1.0]]
@@ -42,8 +43,7 @@ import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
 from dataplane.codec.column_kinds import ValueEncoder, check_storable, decode_value, plain_rows, u8_tensor
-from dataplane.codec.column_types import KINDS, Column, ColumnSpec, torch_dtype
-from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
+from dataplane.codec.column_types import Column
 from dataplane.errors import BatchSizeError
 
 # -- encode -------------------------------------------------------------------------------------
@@ -170,17 +170,4 @@ def decode_fields(
     return td
 
 
-__all__ = [
-    "KINDS",
-    "Column",
-    "ColumnSpec",
-    "decode_fields",
-    "encode_fields",
-    "encode_row",
-    "gather",
-    "gather_view",
-    "gathered_nbytes",
-    "slice_rows",
-    "torch_dtype",
-    "u8_tensor",
-]
+__all__ = ["decode_fields", "encode_fields", "encode_row", "u8_tensor"]

@@ -1,5 +1,5 @@
-"""Start, find and stop the store service (index + shards as named Ray actors); its CLI is
-``dataplane.cli``.
+"""Start, find and stop the store service (index + shards as named Ray actors); what the
+``rlplane store`` command runs is ``dataplane.admin``.
 
 The service's actors are named ``<name>-index`` and ``<name>-shard-<i>`` in the Ray namespace
 ``rlplane`` (``config.NAMESPACE``), so any process of the cluster finds them. ``rlplane store

@@ -81,43 +81,22 @@ introspection calls (``list_partitions``, ``clear_partition``, ``get_partition_s
 from __future__ import annotations
 
 from dataplane.tq import _unsupported
-from dataplane.tq.client import (
-    AsyncTransferQueueClient,
-    GetMetaTimeoutError,
-    TransferQueueClient,
-    UnknownIndexError,
-)
-from dataplane.tq.controller import TransferQueueController
-from dataplane.tq.dataloader import StreamingDataLoader, StreamingDataset
-from dataplane.tq.interface import (
-    async_kv_batch_get,
-    async_kv_batch_get_by_meta,
-    async_kv_batch_put,
-    async_kv_clear,
-    async_kv_list,
-    async_kv_put,
-    close,
-    get_client,
-    get_metrics_endpoint,
-    init,
-    kv_batch_get,
-    kv_batch_get_by_meta,
-    kv_batch_put,
-    kv_clear,
-    kv_list,
-    kv_put,
-    load_checkpoint,
-    save_checkpoint,
-)
-from dataplane.tq.metadata import BatchMeta, KVBatchMeta
-from dataplane.tq.sampler import (
-    BaseSampler,
-    GRPOGroupNSampler,
-    RankAwareSampler,
-    SeqlenBalancedSampler,
-    SequentialSampler,
-)
-from dataplane.tq.storage import StorageKeyNotFoundError
+from dataplane.tq import client as _client
+from dataplane.tq import controller as _controller
+from dataplane.tq import dataloader as _dataloader
+from dataplane.tq import interface as _interface
+from dataplane.tq import metadata as _metadata
+from dataplane.tq import sampler as _sampler
+from dataplane.tq import storage as _storage
+
+# Each public name is written once, in the ``__all__`` of the module that defines it.
+from dataplane.tq.client import *  # noqa: F403
+from dataplane.tq.controller import *  # noqa: F403
+from dataplane.tq.dataloader import *  # noqa: F403
+from dataplane.tq.interface import *  # noqa: F403
+from dataplane.tq.metadata import *  # noqa: F403
+from dataplane.tq.sampler import *  # noqa: F403
+from dataplane.tq.storage import *  # noqa: F403
 
 __version__ = "0.1.11"  # the TransferQueue release whose interface this follows
 
@@ -129,51 +108,19 @@ SimpleStorageUnit = _unsupported.unsupported("SimpleStorageUnit")
 AsyncSimpleStorageManager = _unsupported.unsupported("AsyncSimpleStorageManager")
 process_zmq_server_info = _unsupported.unsupported_function("process_zmq_server_info")
 
+# TransferQueue's machinery: importable, NotImplementedError when used.
 __all__ = [
-    # KV interface
-    "init",
-    "close",
-    "get_metrics_endpoint",
-    "kv_put",
-    "kv_batch_put",
-    "kv_batch_get",
-    "kv_batch_get_by_meta",
-    "kv_list",
-    "kv_clear",
-    "async_kv_put",
-    "async_kv_batch_put",
-    "async_kv_batch_get",
-    "async_kv_batch_get_by_meta",
-    "async_kv_list",
-    "async_kv_clear",
-    "KVBatchMeta",
-    # checkpoints
-    "save_checkpoint",
-    "load_checkpoint",
-    # streaming data loader
-    "StreamingDataset",
-    "StreamingDataLoader",
-    # low-level interface
-    "get_client",
-    "BatchMeta",
-    "TransferQueueClient",
-    "AsyncTransferQueueClient",
-    "StorageKeyNotFoundError",
-    # samplers
-    "BaseSampler",
-    "GRPOGroupNSampler",
-    "SequentialSampler",
-    "RankAwareSampler",
-    "SeqlenBalancedSampler",
-    # TransferQueue's machinery: importable, NotImplementedError when used
-    "TransferQueueController",
     "ZMQServerInfo",
     "ZMQMessage",
     "ZMQRequestType",
     "SimpleStorageUnit",
     "AsyncSimpleStorageManager",
     "process_zmq_server_info",
-    # this store's additions
-    "GetMetaTimeoutError",
-    "UnknownIndexError",
 ]
+__all__ += _client.__all__
+__all__ += _controller.__all__
+__all__ += _dataloader.__all__
+__all__ += _interface.__all__
+__all__ += _metadata.__all__
+__all__ += _sampler.__all__
+__all__ += _storage.__all__

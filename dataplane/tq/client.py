@@ -521,20 +521,18 @@ class TransferQueueClient:
     def save_storage_checkpoint(self, checkpoint_dir: str, *, metadata: dict[str, Any] | None = None) -> None:
         """The store's checkpoint (``dataplane.save_checkpoint``): rows, tags, schemas, streaming
         state, and ``metadata``; what ``tq.save_checkpoint`` calls."""
+        import dataplane  # looked up at the call, so a test can stand in for the store's checkpoint
+
         _session.attach()
-        _store_checkpoint("save_checkpoint")(checkpoint_dir, metadata=metadata)
+        dataplane.save_checkpoint(checkpoint_dir, metadata=metadata)
 
     def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
         """Load the store's checkpoint (``dataplane.load_checkpoint``), replacing partitions of the
         same names; what ``tq.load_checkpoint`` calls."""
-        import inspect
+        import dataplane
 
         _session.attach()
-        load = _store_checkpoint("load_checkpoint")
-        if "overwrite" in inspect.signature(load).parameters:
-            load(checkpoint_dir, overwrite=True)
-        else:
-            load(checkpoint_dir)
+        dataplane.load_checkpoint(checkpoint_dir, overwrite=True)
 
     def close(self) -> None:
         """Nothing to release: the client is this process's store client (``tq.close()`` detaches)."""
@@ -639,18 +637,6 @@ _CONTROLLER_CHECKPOINT = (
 )
 
 
-def _store_checkpoint(name: str) -> Any:
-    import dataplane
-
-    fn = getattr(dataplane, name, None)
-    if fn is None:
-        raise NotImplementedError(
-            f"tq.{name}: the store's checkpoint (dataplane.{name}, issue 23: checkpoint and restore) "
-            "is not in this build"
-        )
-    return fn
-
-
 def _key_list(keys: Any) -> list[str]:
     if isinstance(keys, str):
         return [keys]
@@ -708,13 +694,4 @@ def _scatter(parts: list[tuple[list[int], Any]], size: int, fields: list[str]) -
     return TensorDict(out, batch_size=[size])
 
 
-__all__ = [
-    "AsyncTransferQueueClient",
-    "GetMetaTimeoutError",
-    "TransferQueueClient",
-    "UnknownIndexError",
-    "no_data_parser",
-    "sampler_from_spec",
-    "sampler_spec",
-    "store_sampler",
-]
+__all__ = ["AsyncTransferQueueClient", "GetMetaTimeoutError", "TransferQueueClient", "UnknownIndexError"]

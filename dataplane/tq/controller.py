@@ -254,14 +254,4 @@ class Controller:
 # TransferQueue's controller class: this store's controller is started by ``tq.init()``.
 TransferQueueController = unsupported("TransferQueueController")
 
-__all__ = [
-    "CONTROLLER_NAME",
-    "CONTROLLER_NAMESPACE",
-    "Controller",
-    "FieldSchemas",
-    "GlobalIndexes",
-    "ProductionTable",
-    "Snapshot",
-    "TransferQueueController",
-    "snapshot",
-]
+__all__ = ["TransferQueueController"]

@@ -778,11 +778,4 @@ def _merged_field(name: str, meta: dict[str, Any], parts: Sequence[BatchMeta]) -
     return out
 
 
-__all__ = [
-    "BatchMeta",
-    "KVBatchMeta",
-    "KeysNotInBatchError",
-    "extract_field_schema",
-    "kept_schema",
-    "mapping_schema",
-]
+__all__ = ["BatchMeta", "KVBatchMeta"]

@@ -1,6 +1,6 @@
 """nd mesh dispatch end to end through a real 8-worker group.
 
-Layouts (from the issue): infer = dp 2 x tp 4; train = pp 2 x dp 2 x tp 2 with collect only on
+Layouts (verl's usual pair): infer = dp 2 x tp 4; train = pp 2 x dp 2 x tp 2 with collect only on
 tp == 0 of the last pp stage.
 """
 

@@ -244,3 +244,23 @@ def test_writer_forgets_mappings_of_closed_segments(kv, pid):
     live = sum(s["shm_files"] for s in dp.stats()["shards"])
     assert len(maps) <= live, f"the writer still maps {len(maps)} segments, {live} are alive"
     dp.clear_partition(pid)
+
+
+def test_async_close_closes_the_sockets_its_loop_opened(store) -> None:
+    """A real client: async calls open sockets on the loop, async_close (in a thread, with the
+    sockets closed on their loop) drops them, and the next init attaches anew."""
+
+    async def main() -> bool:
+        await dp.async_init(name=NAME)
+        await dp.async_kv_put("closing", "async-close", {"x": torch.ones(2)})
+        await dp.async_close()
+        return dp.is_initialized()
+
+    dp.close()
+    assert asyncio.run(main()) is False
+    dp.init(name=NAME)
+    try:
+        assert "closing" in dp.kv_list("async-close")["async-close"]
+        dp.kv_clear(["closing"], "async-close")
+    finally:
+        dp.close()

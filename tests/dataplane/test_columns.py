@@ -11,17 +11,9 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from dataplane.codec import rows as _rows
-from dataplane.codec.columns import (
-    Column,
-    ColumnSpec,
-    decode_fields,
-    encode_fields,
-    encode_row,
-    gather,
-    gather_view,
-    gathered_nbytes,
-    slice_rows,
-)
+from dataplane.codec.column_types import Column, ColumnSpec
+from dataplane.codec.columns import decode_fields, encode_fields, encode_row
+from dataplane.codec.gather import gather, gather_view, gathered_nbytes, slice_rows
 from dataplane.codec.rows import assemble
 from dataplane.errors import BatchSizeError, SchemaError, SerializationError
 

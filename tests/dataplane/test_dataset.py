@@ -119,7 +119,7 @@ def test_every_row_once_in_micro_batches_while_the_producer_writes(producer, pid
     assert list(ds) == []  # drained: a second pass ends at once
 
 
-LOADERS = {  # the ways a PyTorch user writes it: torch's default collate first (issue 25)
+LOADERS = {  # the ways a PyTorch user writes it: torch's default collate first
     "default collate": lambda ds: DataLoader(ds, batch_size=None),
     "collate given": lambda ds: DataLoader(ds, batch_size=None, collate_fn=dp.StreamingDataset.collate),
     "StreamingDataLoader": lambda ds: dp.StreamingDataLoader(ds),

@@ -302,7 +302,7 @@ def test_every_dashboard_query_names_an_exported_metric() -> None:
         assert names or "label_values" in query, f"a query that names no store metric: {query}"
         assert names <= exported, f"{query} names {sorted(names - exported)}, which the store does not export"
         named |= names
-    # the dashboard shows what the issue asks to see: lag, capacity, refusals, dead peers, latency
+    # the dashboard shows what an operator looks for: lag, capacity, refusals, dead peers, latency
     for metric in (
         "dataplane_consumer_ready_rows",
         "dataplane_shard_capacity_bytes",

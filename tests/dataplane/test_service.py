@@ -287,7 +287,7 @@ def test_bare_ray_init_embedded_store():
 @pytest.mark.slow
 def test_cli_start_status_stop_and_two_drivers(ray_cluster):
     dp.close()
-    cli = [sys.executable, "-m", "workers.cli", "store"]
+    cli = [sys.executable, "-m", "rlplane", "store"]
     env = {**os.environ, "PYTHONPATH": ROOT}
     addr = ray_cluster.address
 

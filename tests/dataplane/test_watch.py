@@ -104,7 +104,7 @@ def store(ray_cluster):
 def _cli(address: str, *args: str) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env.update(PYTHONPATH=ROOT, TERM="xterm")
-    return [sys.executable, "-m", "workers.cli", "store", "status", "--address", address, *args], env
+    return [sys.executable, "-m", "rlplane", "store", "status", "--address", address, *args], env
 
 
 @pytest.mark.slow
@@ -166,7 +166,7 @@ def test_watch_json_prints_one_object_per_refresh(store) -> None:
 def test_watch_refuses_an_interval_out_of_range(capsys) -> None:
     import argparse
 
-    from dataplane.cli import _status
+    from dataplane.admin import _status
     from dataplane.config import StoreConfig
 
     args = argparse.Namespace(watch=True, interval=0.01, json=False, count=None)

@@ -26,7 +26,7 @@ STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
 
 def _demo(ckpt, summary, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "workers.cli", "demo", "--mode", "stream", "--steps", str(STEPS),
+        sys.executable, "-m", "rlplane", "demo", "--mode", "stream", "--steps", str(STEPS),
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--summary", str(summary), *extra,
     ]  # fmt: skip
 

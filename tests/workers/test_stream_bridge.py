@@ -14,8 +14,8 @@ from tensordict import TensorDict
 import dataplane as dp
 from tests.workers._bridge_workers import BridgeWorker
 from workers import MetadataOnlyGroup
+from workers.bridge import StreamReport
 from workers.driver_guard import DriverDataError, check_metadata
-from workers.tqbridge import StreamReport
 
 pytestmark = pytest.mark.ray
 

@@ -12,9 +12,9 @@ import torch
 from tensordict import TensorDict
 
 import dataplane as dp
+from rlplane.cli import build_parser
 from workers import DriverDataError, MetadataOnlyGroup
 from workers import demo as demo_module
-from workers.cli import build_parser
 from workers.trainer import STREAM_TASKS, GRPOTrainer, TrainerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,7 +108,7 @@ def test_demo_cli_runs_one_step_and_says_the_rise_was_not_judged(tmp_path) -> No
     # Its own process: the demo starts and stops a local Ray, which a test session must not do.
     # One step: the smallest run must work, exit 0, and say that a rise cannot be judged.
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "workers.cli", "demo", "--steps", "1", "--summary", str(out)]
+    cmd = [sys.executable, "-m", "rlplane", "demo", "--steps", "1", "--summary", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0 and out.exists(), proc.stdout + proc.stderr

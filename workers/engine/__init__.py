@@ -33,28 +33,28 @@ Example:
      'rollout_log_probs', 'uid']
 """
 
-from workers.engine.actor import Actor, ActorConfig, clipped_pg_loss
-from workers.engine.advantage import compute_advantage, grpo_advantages
-from workers.engine.model import ModelConfig, TinyCausalLM, response_log_probs
-from workers.engine.reference import Reference, kl_penalty
-from workers.engine.reward import PatternReward
-from workers.engine.rollout import Rollout
-from workers.engine.task import EOS, PAD, CountingTask
+from workers.engine import actor as _actor
+from workers.engine import advantage as _advantage
+from workers.engine import model as _model
+from workers.engine import reference as _reference
+from workers.engine import reward as _reward
+from workers.engine import rollout as _rollout
+from workers.engine import task as _task
 
-__all__ = [
-    "EOS",
-    "PAD",
-    "Actor",
-    "ActorConfig",
-    "CountingTask",
-    "ModelConfig",
-    "PatternReward",
-    "Reference",
-    "Rollout",
-    "TinyCausalLM",
-    "clipped_pg_loss",
-    "compute_advantage",
-    "grpo_advantages",
-    "kl_penalty",
-    "response_log_probs",
-]
+# Each public name is written once, in the ``__all__`` of the module that defines it.
+from workers.engine.actor import *  # noqa: F403
+from workers.engine.advantage import *  # noqa: F403
+from workers.engine.model import *  # noqa: F403
+from workers.engine.reference import *  # noqa: F403
+from workers.engine.reward import *  # noqa: F403
+from workers.engine.rollout import *  # noqa: F403
+from workers.engine.task import *  # noqa: F403
+
+__all__: list[str] = []
+__all__ += _actor.__all__
+__all__ += _advantage.__all__
+__all__ += _model.__all__
+__all__ += _reference.__all__
+__all__ += _reward.__all__
+__all__ += _rollout.__all__
+__all__ += _task.__all__

@@ -193,4 +193,4 @@ def chunk_batch_fn(
     return out
 
 
-__all__ = ["StreamingDataset", "chunk_batch_fn", "default_fetch_batch_fn"]
+__all__ = ["StreamingDataset"]

@@ -71,4 +71,4 @@ def consecutive_runs(indexes: list[int], n: int, want: int) -> list[list[int]]:
     return runs
 
 
-__all__ = ["GRPOGroupNSampler", "consecutive_runs"]
+__all__ = ["GRPOGroupNSampler"]

@@ -128,4 +128,4 @@ def karmarkar_karp(seqlen_list: list[int], k_partitions: int, equal_size: bool) 
     return balanced_partition([float(x) for x in seqlen_list], k_partitions, equal_size=equal_size)
 
 
-__all__ = ["SeqlenBalancedSampler", "get_seqlen_balanced_partitions", "karmarkar_karp"]
+__all__ = ["SeqlenBalancedSampler"]

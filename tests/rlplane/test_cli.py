@@ -14,19 +14,22 @@ printed the one ``ClusterAuthError`` line and exited 1 within two seconds.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pickle
 import socket
+import subprocess
+import sys
 from importlib import metadata
 
 import pytest
 
 from dataplane._units import format_bytes, parse_size
-from dataplane.cli import describe, format_status, option_differences
+from dataplane.admin import describe, format_status, option_differences
 from dataplane.errors import ClusterAuthError, ClusterConnectError
 from dataplane.service import connect as _connect
-from workers.cli import build_parser
+from rlplane.cli import build_parser
 from workers.demo import format_summary, judge, reward_window
 
 # What Ray 2.60 wrote when a head refused this process's token (see the module docstring).
@@ -88,6 +91,41 @@ def test_version_comes_from_the_package_metadata(capsys) -> None:
         build_parser().parse_args(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"rlplane {metadata.version('rlplane')}"
+
+
+# What `rlplane --version` and every `--help` may not load: torch and tensordict take seconds to
+# import, Ray one; only the command that runs imports what it needs.
+HEAVY = ("torch", "tensordict", "ray", "dataplane.api", "workers.demo", "bench.runner")
+HELP_ARGVS = [
+    ["--version"],
+    ["--help"],
+    ["store", "--help"],
+    ["store", "start", "--help"],
+    ["store", "status", "--help"],
+    ["store", "stop", "--help"],
+    ["demo", "--help"],
+    ["bench", "--help"],
+]
+
+
+def test_version_and_help_load_neither_torch_nor_ray() -> None:
+    """Every answer, in one fresh interpreter, through ``rlplane.cli.main`` as the console script
+    calls it; then none of the heavy modules is loaded."""
+    code = (
+        "import sys, json\n"
+        "from rlplane.cli import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code == 0, (argv, done.code)\n"
+        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(HELP_ARGVS)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [], proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -324,10 +362,10 @@ def test_init_says_what_it_did(ray_session, caplog) -> None:
 
 
 def test_store_cli_refuses_local_for_status(capsys) -> None:
-    from dataplane import cli as _store_cli
+    from dataplane import admin
 
     args = argparse.Namespace(store_action="status", address="local", json=False)
-    assert _store_cli.cli(args) == 2
+    assert admin.cli(args) == 2
     assert "holds no store" in capsys.readouterr().out
 
 

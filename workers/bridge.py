@@ -1,4 +1,4 @@
-"""``tqbridge``: worker methods that take ``KVBatchMeta`` (or ``dp.StreamRequest``) for their data.
+"""The bridge: worker methods that take ``KVBatchMeta`` (or ``dp.StreamRequest``) for their data.
 
 Since ``@register`` itself bridges (as verl's ``register`` wraps every method with the
 TransferQueue bridge), a worker needs nothing more than::
@@ -31,18 +31,17 @@ from typing import Any
 
 from controlplane import Dispatch, register
 from controlplane.bridge import bridged
-from dataplane._worker_bridge import BridgeError, StreamReport, count, nbytes_of, reset_traffic, traffic
+from dataplane._worker_bridge import BridgeError
 
-__all__ = [
-    "BridgeError",
-    "StreamReport",
-    "bridged_register",
-    "count",
-    "nbytes_of",
-    "reset_traffic",
-    "tqbridge",
-    "traffic",
-]
+# The bridge's counters and a streamed call's report, for the roles and the benchmarks in this
+# repository (the public decorators are the three names in __all__).
+from dataplane._worker_bridge import StreamReport as StreamReport
+from dataplane._worker_bridge import count as count
+from dataplane._worker_bridge import nbytes_of as nbytes_of
+from dataplane._worker_bridge import reset_traffic as reset_traffic
+from dataplane._worker_bridge import traffic as traffic
+
+__all__ = ["BridgeError", "bridged_register", "tqbridge"]
 
 
 def tqbridge(
@@ -59,8 +58,7 @@ def tqbridge(
 
     ``@register`` already bridges every method with its own dispatch mode, so under ``@register``
     this decorator only adds ``call_on_empty``; alone, it bridges a method of a plain local object.
-    (``workers.tqbridge`` the module is ``sys.modules["workers.tqbridge"]``; its docstring has the
-    full contract.)
+    (The docstring of this module, ``workers.bridge``, has the full contract.)
 
     Args:
         dispatch_mode: decides the collect ranks when not under ``@register`` (None: every rank

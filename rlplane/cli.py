@@ -1,6 +1,8 @@
 """The rlplane command line: store start|status|stop, demo and bench (``rlplane --help``).
 
-Each subcommand imports its package lazily, so ``rlplane --help`` is instant. ``--address`` has one
+This module parses; each subcommand's work lives in the package it is about (``dataplane.admin``,
+``workers.demo``, ``bench.runner``) and is imported only when that subcommand runs, so
+``rlplane --version`` and every ``--help`` answer without loading torch or Ray. ``--address`` has one
 meaning in every subcommand (``dataplane.service.connect``): ``local`` a new Ray of the command's own,
 ``auto`` the running cluster, ``HOST:PORT`` the cluster whose head listens there.
 """
@@ -9,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import pathlib
-import sys
+
+import rlplane
 
 DESCRIPTION = (
     "rlplane: a data plane for RL post-training. Run the batch store as a service on a Ray cluster "
@@ -49,24 +51,6 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
-
-
-def version() -> str:
-    """The installed rlplane's version (package metadata), else the one in the source tree's pyproject.
-
-    Example:
-        >>> version().count(".") >= 1  # e.g. "0.1.0"
-        True
-    """
-    from importlib import metadata
-
-    try:
-        return metadata.version("rlplane")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        import tomllib
-
-        pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def positive_int(text: str) -> int:
@@ -271,7 +255,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``rlplane`` parser: every subcommand, with plain-text help that shows the defaults."""
     parser = _Parser(prog="rlplane", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {rlplane.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{store,demo,bench}", parser_class=_Parser
@@ -283,12 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command == "store":
-        from dataplane import cli as _store_cli
+        from dataplane import admin
 
-        return _store_cli.cli(args)
+        return admin.cli(args)
     if args.command == "demo":
         from workers import demo
 
@@ -298,7 +283,3 @@ def main(argv: list[str] | None = None) -> int:
 
         return runner.cli(args)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

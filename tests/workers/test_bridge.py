@@ -13,7 +13,7 @@ from tensordict import TensorDict
 import dataplane as dp
 from tests.workers._bridge_workers import BridgeWorker
 from workers import BridgeError
-from workers.tqbridge import traffic
+from workers.bridge import traffic
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,7 @@
-"""``rlplane store start|status|stop``: the store as a service on a Ray cluster (runs in the driver).
+"""The store's administration: start it as a service on a Ray cluster, show it, stop it.
+
+This is what ``rlplane store start|status|stop`` runs (the command line itself is ``rlplane.cli``;
+this module runs in that command's process, a driver of the cluster).
 
 ``--address`` means what it means everywhere (``dataplane.service.connect``): ``auto`` (the default) the
 running cluster, ``HOST:PORT`` the cluster whose head listens there, and ``local`` a new Ray of this
@@ -367,7 +370,7 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
 
 
 def cli(args: argparse.Namespace) -> int:
-    """Entry point of ``rlplane store start|status|stop`` (see ``workers.cli``); returns the exit status."""
+    """Run ``rlplane store start|status|stop`` (parsed by ``rlplane.cli``); returns the exit status."""
     import ray
 
     action = args.store_action
