@@ -167,7 +167,8 @@ class Loopback:
         # if the index refuses.
         body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
         commit, undo = shard.put_ready(body, bufs)
-        (res,) = self.index.handle("commits", msgspec.msgpack.encode(_protocol.Commits([commit])), [])[0]["results"]
+        raw = msgspec.msgpack.encode(_protocol.Commits([commit]))
+        (res,) = self.index.handle("commits", raw, [])[0]["results"]
         if "err" in res:
             shard.undo_put(undo)
             raise _wire.rebuild_error(res["err"])
@@ -369,7 +370,8 @@ def test_a_prepare_the_index_did_not_answer_is_aborted_all_the_same(index_answer
     txn = calls[0].body.txn
     silent = ShardUnavailableError("index", "index at unix:@x did not answer within 60.0s")
     no_answer = dead(INDEX) if index_answer == "dead" else silent  # (the transport's own errors)
-    aborts = op.send([no_answer, ok({"resv": 11, "files": {}, "version": 0}), ok({"resv": 12, "files": {}, "version": 0})])
+    reserved = [ok({"resv": r, "files": {}, "version": 0}) for r in (11, 12)]
+    aborts = op.send([no_answer, *reserved])
     assert [(c.target, wire(c.body)) for c in aborts] == [(0, {"resv": 11}), (1, {"resv": 12})]
     (index_abort,) = op.send([ok(), ok()])
     assert (index_abort.target, index_abort.op, wire(index_abort.body)) == (INDEX, "abort", {"txn": txn})
@@ -377,10 +379,7 @@ def test_a_prepare_the_index_did_not_answer_is_aborted_all_the_same(index_answer
     with pytest.raises(ShardUnavailableError) as exc:
         op.send([no_answer])  # the abort's own fate changes nothing: the put's error is the prepare's
     assert exc.value.shard == "index"
-    assert (
-        calls[0].body.txn
-        != next(ops.put(route, keys, PID, encode_fields(batch(2), 2), None))[0].body.txn
-    )
+    assert calls[0].body.txn != next(ops.put(route, keys, PID, encode_fields(batch(2), 2), None))[0].body.txn
 
 
 def test_schema_refusal_from_the_index(stores):

@@ -177,7 +177,6 @@ def test_shard_side_modules_do_not_import_torch():
 
 def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
     """A ``put_ready`` as ``ShardServer`` serves it: the rows stored, the index commit to send on."""
-    from dataplane.wire import protocol as _protocol
 
     cols = encode_fields(fields, len(keys))
     bufs: list = []
