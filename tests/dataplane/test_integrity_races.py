@@ -206,7 +206,7 @@ def test_reader_never_gets_bytes_of_a_recycled_segment(ray_cluster):
 def paused_put(keys: list[str], pid: str, fields: dict):
     """Start a put and pause it after its reservation, before the client writes its rows.
 
-    Uses today's internal sans-IO operation (``api.current_client().engine.put`` driven by hand through
+    Uses the internal sans-IO operation (``ops.put`` on the client's route, driven by hand through
     ``client.sync.call_many``): the first step (schema check + reservation on the shard) runs now.
     Returns ``(reply bodies of that step, resume)``; ``resume()`` runs the rest of the put (copy the
     rows into the reserved memory, commit) and returns the exception it ended with, or None.
