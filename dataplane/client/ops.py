@@ -180,14 +180,14 @@ def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Col
     if groups is None:
         groups = placement.group(partition_id, keys)
     shards = sorted(groups)
+    specs = {name: _wire.spec_to_wire(col.spec) for name, col in columns.items()}  # (once per put)
     plans: dict[int, dict[str, int]] = {}
     reserves = []
     for s in shards:
-        call, plans[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns)
+        call, plans[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns, specs)
         reserves.append(call)
     txn = secrets.randbits(63) or 1  # this put's id at the index, ours to choose (see _abort_put)
     started = time.monotonic()
-    specs = {name: _wire.spec_to_wire(col.spec) for name, col in columns.items()}
     prepare = Call(INDEX, "prepare", _protocol.Prepare(partition_id, specs, txn))
     results = yield [prepare, *reserves]
     prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
@@ -374,10 +374,16 @@ def _meta(keys: list[str], partition_id: str, got: _protocol.CommitReply) -> KVB
 
 
 def _reserve_call(
-    route: Route, s: int, pid: str, keys: list[str], pos: np.ndarray, columns: dict[str, Column]
+    route: Route,
+    s: int,
+    pid: str,
+    keys: list[str],
+    pos: np.ndarray,
+    columns: dict[str, Column],
+    specs: dict[str, _protocol.WireSpec],
 ) -> tuple[Call, dict[str, int]]:
     """Shard ``s``'s ``reserve`` of its rows (``pos``), and the bytes of each field it writes through
-    shared memory (the rest travel inline, as frames of this request)."""
+    shared memory (the rest travel inline, as frames of this request); ``specs`` are the columns'."""
     n = len(pos)
     whole = n == len(keys)
     fields: dict[str, _protocol.ReserveField] = {}
@@ -387,11 +393,10 @@ def _reserve_call(
         nbytes = len(col.data) if whole else nbytes_of(col, pos)
         if not (route.shm[s] and nbytes >= route.shm_min_bytes):
             piece = col if whole else assemble(col.spec, n, [(col, pos, np.arange(n))])
-            wire = _wire.column_to_wire(piece, bufs)
-            fields[name] = _protocol.ReserveField(wire.spec, nbytes, wire)
+            fields[name] = _protocol.ReserveField(specs[name], nbytes, _wire.column_to_wire(piece, bufs))
         else:
             plan[name] = nbytes
-            fields[name] = _protocol.ReserveField(_wire.spec_to_wire(col.spec), nbytes)
+            fields[name] = _protocol.ReserveField(specs[name], nbytes)
     mine = keys if whole else [keys[i] for i in pos]
     return Call(s, "reserve", _protocol.Reserve(pid, mine, fields, route.memory.version(s)), bufs), plan
 

@@ -3,7 +3,7 @@
 One definition for both ends: the client's operations (``client.ops``, ``client.stream_ops``)
 build the request structs and read the reply structs; the servers decode the request structs
 (``decode_body``) and answer with bodies of the reply structs' shape (``SHARD_REPLIES`` and
-``INDEX_REPLIES`` name each op's; ``reply_body`` decodes one on the client).
+``INDEX_REPLIES`` name each op's; ``wire.requests.reply`` reads one on the client).
 
 Decoding a body is its first validation: a field of the wrong type, a negative size or a missing
 key is refused with a ``WireError`` naming the operation and the field before any handler code
