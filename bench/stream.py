@@ -267,7 +267,7 @@ def _server_pids() -> dict[str, int]:
     """The embedded store's index and shard processes (same host), for CPU accounting."""
     from dataplane import api
 
-    registry = api._client().registry
+    registry = api.current_client().registry
     pids = {"index": registry["index"]["pid"]}
     pids.update({f"shard{i}": s["pid"] for i, s in enumerate(registry["shards"])})
     return pids

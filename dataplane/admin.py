@@ -330,6 +330,7 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
     # A client of its own rather than dp.init(): init loads torch and tensordict ahead of the first
     # get, seconds of imports that a status line never needs.
     from dataplane import api
+    from dataplane.client import ops as _ops
     from dataplane.client.handle import StoreClient
     from dataplane.service.launch import find_service
 
@@ -354,8 +355,8 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
         finally:
             client.close()
     try:
-        shards, index = client.run(client.engine.stats(False))
-        stats = api._stats_dict(client, shards, index)
+        shards, index = client.run(_ops.stats(client.route))
+        stats = api.stats_dict(client, shards, index)
         clients = _clients([s["name"] for s in stats["shards"]])
     finally:
         client.close()

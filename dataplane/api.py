@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import msgspec
+
 from dataplane._units import format_bytes
 from dataplane.client import ops as _ops
 from dataplane.client.handle import StoreClient
@@ -31,6 +33,7 @@ from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.service import connect as _connect
 from dataplane.service.launch import ServiceHandle, find_service, start_service, stop_named
 from dataplane.telemetry import export
+from dataplane.wire.protocol import IndexStatsReply, ShardStatsReply
 
 if TYPE_CHECKING:  # annotations only: the store's own processes import this package without torch
     import torch
@@ -54,7 +57,11 @@ class _State:
 _state = _State()
 
 
-def _client() -> StoreClient:
+def current_client() -> StoreClient:
+    """This process's client of the store (what ``init`` made); ``StoreNotInitializedError`` before
+    ``init`` or after ``close``. For the other public modules (``stream``, ``dataset``, ``tq``,
+    ``checkpoint``) and tools that drive operations of their own (``client.ops``, ``client.stream_ops``)
+    with it: ``current_client().run(op)``."""
     client = _state.client
     if client is None:
         raise StoreNotInitializedError("the store is not initialised in this process: call dp.init() first")
@@ -264,21 +271,20 @@ async def _on_loop(step: Callable[[], None]) -> None:
 # ---- operations (built once, driven sync or async) -------------------------------------------------
 
 
-# The private op builders take the caller's values as given: the operations validate them (a str
-# where a list of keys belongs is refused there, with TypeError).
+# The op builders check the caller's keys once (``ops.check_keys``: a str where a list of keys belongs
+# is refused with TypeError, before anything is encoded), then run the operation on the client's route.
 def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
     from dataplane.codec.columns import encode_fields, encode_row
 
-    client = _client()
+    client = current_client()
+    keys = _ops.check_keys(keys, partition_id)
     cols = None
     if fields is not None:
         if row:
             cols = encode_row(fields, allow_pickle=client.allow_pickle)
         else:
-            # Keys first: kv_batch_put("k0", ...) is a str where a list belongs, not a 2-row batch.
-            keys = _ops._check_keys(keys, partition_id)
             cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
-    meta: KVBatchMeta = yield from client.engine.put(keys, partition_id, cols, tags)
+    meta: KVBatchMeta = yield from _ops.put(client.route, keys, partition_id, cols, tags)
     client.moved("put", meta.size, cols or {})
     return meta
 
@@ -286,9 +292,9 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
 def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
     from dataplane.codec.columns import decode_fields
 
-    client = _client()
-    keys = [keys] if isinstance(keys, str) else list(keys)
-    cols = yield from client.engine.get(keys, partition_id, select_fields, copy)
+    client = current_client()
+    keys = _ops.check_keys([keys] if isinstance(keys, str) else keys, partition_id)
+    cols = yield from _ops.get(client.route, keys, partition_id, select_fields, copy)
     td: TensorDict = decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
     client.moved("get", len(keys), cols)
     return td
@@ -302,8 +308,11 @@ def _meta_args(meta: KVBatchMeta, select_fields: Any) -> tuple[list[str], str, A
     return meta.keys, meta.partition_id, select_fields if select_fields is not None else meta.fields
 
 
-def _key_list(keys: Any) -> list[str]:
-    return [keys] if isinstance(keys, str) else list(keys)
+def _clear_op(keys: Any, partition_id: str) -> _ops.Op:
+    client = current_client()
+    keys = _ops.check_keys([keys] if isinstance(keys, str) else keys, partition_id)
+    yield from _ops.clear(client.route, keys, partition_id)
+    client.moved("clear", len(keys))
 
 
 def kv_put(
@@ -316,7 +325,7 @@ def kv_put(
         ['x']
     """
     tags = [tag] if tag is not None else None
-    meta: KVBatchMeta = _client().run(_put_op([key], partition_id, fields, tags, row=True), "put")
+    meta: KVBatchMeta = current_client().run(_put_op([key], partition_id, fields, tags, row=True), "put")
     return meta
 
 
@@ -349,7 +358,7 @@ def kv_batch_put(
         >>> meta.size
         2
     """
-    meta: KVBatchMeta = _client().run(_put_op(keys, partition_id, fields, tags, row=False), "put")
+    meta: KVBatchMeta = current_client().run(_put_op(keys, partition_id, fields, tags, row=False), "put")
     return meta
 
 
@@ -390,7 +399,7 @@ def kv_batch_get(
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
         torch.Size([2, 3])
     """
-    td: TensorDict = _client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
+    td: TensorDict = current_client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
     return td
 
 
@@ -417,7 +426,10 @@ def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, An
         >>> dp.kv_list("train")
         {'train': {'a': {}, 'b': {}}}
     """
-    listing: dict[str, dict[str, dict[Any, Any]]] = _client().run(_client().engine.list(partition_id), "list")
+    client = current_client()
+    listing: dict[str, dict[str, dict[Any, Any]]] = client.run(
+        _ops.list_keys(client.route, partition_id), "list"
+    )
     return listing
 
 
@@ -427,10 +439,7 @@ def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     Example:
         >>> dp.kv_clear(["a"], "train")
     """
-    keys = _key_list(keys)
-    client = _client()
-    client.run(client.engine.clear(keys, partition_id), "clear")
-    client.moved("clear", len(keys))
+    current_client().run(_clear_op(keys, partition_id), "clear")
 
 
 def clear_partition(partition_id: str) -> None:
@@ -439,7 +448,8 @@ def clear_partition(partition_id: str) -> None:
     Example:
         >>> dp.clear_partition("train")
     """
-    _client().run(_client().engine.clear_partition(partition_id), "clear_partition")
+    client = current_client()
+    client.run(_ops.clear_partition(client.route, partition_id), "clear_partition")
 
 
 def stats(trim: bool = False) -> dict[str, Any]:
@@ -454,14 +464,18 @@ def stats(trim: bool = False) -> dict[str, Any]:
         >>> dp.stats()["shards"][0]["bytes_used"]
         0
     """
-    client = _client()
-    shards, index = client.run(client.engine.stats(trim))
-    return _stats_dict(client, shards, index)
+    client = current_client()
+    shards, index = client.run(_ops.stats(client.route, trim))
+    return stats_dict(client, shards, index)
 
 
-def _stats_dict(client: StoreClient, shards: list[dict[str, Any]], index: dict[str, Any]) -> dict[str, Any]:
+def stats_dict(client: StoreClient, replies: list[ShardStatsReply], index: IndexStatsReply) -> dict[str, Any]:
+    """What ``stats()`` returns, from the shards' and the index's stats replies (``ops.stats``)."""
+    shards = [msgspec.structs.asdict(st) for st in replies]
     out = []
     for i, (st, info) in enumerate(zip(shards, client.registry["shards"], strict=True)):
+        if st["clients"] is None:  # (only a shard's server loop counts its connections)
+            del st["clients"]
         out.append(
             {
                 **st,
@@ -475,7 +489,7 @@ def _stats_dict(client: StoreClient, shards: list[dict[str, Any]], index: dict[s
     return {
         "name": client.config.name,
         "shards": out,
-        "partitions": index["partitions"],
+        "partitions": index.partitions,
         "bytes_used": sum(s["bytes_used"] for s in shards),
         "bytes_resident": sum(s["bytes_resident"] for s in shards),
     }
@@ -489,7 +503,9 @@ async def async_kv_put(
 ) -> KVBatchMeta:
     """Async ``kv_put``."""
     tags = [tag] if tag is not None else None
-    meta: KVBatchMeta = await _client().arun(_put_op([key], partition_id, fields, tags, row=True), "put")
+    meta: KVBatchMeta = await current_client().arun(
+        _put_op([key], partition_id, fields, tags, row=True), "put"
+    )
     return meta
 
 
@@ -500,7 +516,9 @@ async def async_kv_batch_put(
     tags: Sequence[dict[Any, Any] | None] | None = None,
 ) -> KVBatchMeta:
     """Async ``kv_batch_put``."""
-    meta: KVBatchMeta = await _client().arun(_put_op(keys, partition_id, fields, tags, row=False), "put")
+    meta: KVBatchMeta = await current_client().arun(
+        _put_op(keys, partition_id, fields, tags, row=False), "put"
+    )
     return meta
 
 
@@ -513,7 +531,9 @@ async def async_kv_batch_get(
     copy: bool = True,
 ) -> TensorDict:
     """Async ``kv_batch_get``."""
-    td: TensorDict = await _client().arun(_get_op(keys, partition_id, select_fields, device, copy), "get")
+    td: TensorDict = await current_client().arun(
+        _get_op(keys, partition_id, select_fields, device, copy), "get"
+    )
     return td
 
 
@@ -531,30 +551,29 @@ async def async_kv_batch_get_by_meta(
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
     """Async ``kv_list``."""
-    listing: dict[str, dict[str, dict[Any, Any]]] = await _client().arun(
-        _client().engine.list(partition_id), "list"
+    client = current_client()
+    listing: dict[str, dict[str, dict[Any, Any]]] = await client.arun(
+        _ops.list_keys(client.route, partition_id), "list"
     )
     return listing
 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
     """Async ``kv_clear``."""
-    keys = _key_list(keys)
-    client = _client()
-    await client.arun(client.engine.clear(keys, partition_id), "clear")
-    client.moved("clear", len(keys))
+    await current_client().arun(_clear_op(keys, partition_id), "clear")
 
 
 async def async_clear_partition(partition_id: str) -> None:
     """Async ``clear_partition``."""
-    await _client().arun(_client().engine.clear_partition(partition_id), "clear_partition")
+    client = current_client()
+    await client.arun(_ops.clear_partition(client.route, partition_id), "clear_partition")
 
 
 async def async_stats(trim: bool = False) -> dict[str, Any]:
     """Async ``stats``."""
-    client = _client()
-    shards, index = await client.arun(client.engine.stats(trim))
-    return _stats_dict(client, shards, index)
+    client = current_client()
+    shards, index = await client.arun(_ops.stats(client.route, trim))
+    return stats_dict(client, shards, index)
 
 
 __all__ = [
@@ -570,6 +589,7 @@ __all__ = [
     "async_stats",
     "clear_partition",
     "close",
+    "current_client",
     "init",
     "is_initialized",
     "kv_batch_get",

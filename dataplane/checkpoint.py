@@ -50,8 +50,8 @@ from typing import Any
 
 import msgspec
 
-from dataplane.api import _client
-from dataplane.client.stream_ops import stream_call
+from dataplane.api import current_client
+from dataplane.client.stream_ops import index_call
 from dataplane.config import NAMESPACE
 from dataplane.errors import CheckpointError, CheckpointNotFoundError, DataplaneError, ShardUnavailableError
 from dataplane.server.checkpoint_files import (
@@ -64,6 +64,7 @@ from dataplane.server.checkpoint_files import (
     shard_files,
     write_small,
 )
+from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +198,10 @@ async def async_load_checkpoint(
 
 @dataclass
 class _Index:
-    """One call to the index."""
+    """One call to the index: its op and request struct (``wire.protocol``)."""
 
     op: str
-    body: dict[str, Any]
+    body: msgspec.Struct
 
 
 @dataclass
@@ -229,7 +230,7 @@ class _Counter:
 def _actors(num: int) -> list[Any]:
     import ray
 
-    config = _client().config
+    config = current_client().config
     return [ray.get_actor(config.shard_name(i), namespace=NAMESPACE) for i in range(num)]
 
 
@@ -237,7 +238,7 @@ class _Driver:
     """Runs a flow's steps: ``_run`` blocking, ``_arun`` on the event loop; the flow is the same."""
 
     def __init__(self, make: Any, timeout_s: float) -> None:
-        self.client = _client()
+        self.client = current_client()
         num = len(self.client.registry["shards"])
         self.count = _Counter()
         self.flow: Flow = make(num, self.count)
@@ -295,7 +296,7 @@ def _do(d: _Driver) -> Any:
 
     step = d.step
     if isinstance(step, _Index):
-        return d.client.run(stream_call(step.op, d.count.add(step.body)))
+        return d.client.run(index_call(step.op, d.count.add(step.body)))
     refs = d.submit()
     ray.wait(refs, num_returns=len(refs), timeout=d.timeout_s)
     return _collect(step, refs, d.timeout_s)
@@ -306,7 +307,7 @@ async def _ado(d: _Driver) -> Any:
 
     step = d.step
     if isinstance(step, _Index):
-        return await d.client.arun(stream_call(step.op, d.count.add(step.body)))
+        return await d.client.arun(index_call(step.op, d.count.add(step.body)))
     refs = d.submit()
     await asyncio.wait([asyncio.wrap_future(r.future()) for r in refs], timeout=d.timeout_s)
     return _collect(step, refs, d.timeout_s)
@@ -370,20 +371,20 @@ def _save_flow(
     with open(os.path.join(tmp, token), "x"):
         pass
     try:
-        saved = yield _Index("checkpoint_save", {"path": tmp, "token": token})
+        saved = yield _Index("checkpoint_save", _protocol.CheckpointSave(tmp, token))
         try:
-            args = [(tmp, token, num, saved["file"])] * num
+            args = [(tmp, token, num, saved.file)] * num
             results = yield _Shards("checkpoint_save", args, final)
             missing: dict[str, list[str]] = {}
             for r in results:
                 for pid, keys in r["missing"].items():
                     missing.setdefault(pid, []).extend(keys)
-            done = yield _Index("checkpoint_finish", {"save": saved["save"], "missing": missing})
+            done = yield _Index("checkpoint_finish", _protocol.CheckpointFinish(saved.save, missing))
         except BaseException:
-            yield from _quietly(_Index("checkpoint_drop", {"id": saved["save"]}))
+            yield from _quietly(_Index("checkpoint_drop", _protocol.CheckpointDrop(saved.save)))
             raise
         os.unlink(os.path.join(tmp, token))
-        files = {INDEX_FILE: done["file"]}
+        files = {INDEX_FILE: done.file}
         for r in results:
             files.update(r["files"])
         data_bytes = sum(r["bytes"] for r in results)
@@ -393,7 +394,7 @@ def _save_flow(
             "saved_at": time.time(),
             "metadata": metadata,
             "num_shards": num,
-            "partitions": done["partitions"],
+            "partitions": done.partitions,
             "data_bytes": data_bytes,
             "files": files,
         }
@@ -406,7 +407,7 @@ def _save_flow(
         raise
     elapsed = time.monotonic() - started
     left_out = sum(len(keys) for keys in missing.values())
-    return CheckpointInfo(final, done["partitions"], data_bytes, count.bytes, metadata, elapsed, left_out)
+    return CheckpointInfo(final, done.partitions, data_bytes, count.bytes, metadata, elapsed, left_out)
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -515,20 +516,23 @@ def _load_flow(checkpoint_dir: Any, overwrite: bool, num: int, timeout_s: float,
     manifest = _read_manifest(final, count)
     files = manifest["files"]
     _check_files(final, files, manifest["num_shards"])
-    staged = yield _Index("checkpoint_stage", {"path": final, **files[INDEX_FILE]})
-    load = staged["load"]
+    entry = files[INDEX_FILE]
+    staged = yield _Index(
+        "checkpoint_stage", _protocol.CheckpointStage(final, entry["bytes"], entry["crc32"])
+    )
+    load = staged.load
     try:
-        if staged["existing"] and not overwrite:
+        if staged.existing and not overwrite:
             raise CheckpointError(
                 final,
-                f"the store already holds partitions {staged['existing']} that checkpoint {final} holds too; "
+                f"the store already holds partitions {staged.existing} that checkpoint {final} holds too; "
                 "nothing was loaded. Clear them first (dp.clear_partition), or pass overwrite=True",
             )
         args = [(final, load, num, files, manifest["num_shards"], timeout_s)] * num
         results = yield _Shards("checkpoint_stage", args, final)
         yield _Shards("checkpoint_commit", [(load,)] * num, final)
         try:
-            yield _Index("checkpoint_install", {"load": load, "overwrite": overwrite})
+            yield _Index("checkpoint_install", _protocol.CheckpointInstall(load, overwrite))
         except BaseException:
             yield from _quietly(_Shards("checkpoint_finish", [(load, False)] * num, final))
             raise
@@ -537,11 +541,11 @@ def _load_flow(checkpoint_dir: Any, overwrite: bool, num: int, timeout_s: float,
         yield from _quietly(_Shards("checkpoint_finish", [(load, True)] * num, final))
     except BaseException:
         yield from _quietly(_Shards("checkpoint_finish", [(load, False)] * num, final))
-        yield from _quietly(_Index("checkpoint_drop", {"id": load}))
+        yield from _quietly(_Index("checkpoint_drop", _protocol.CheckpointDrop(load)))
         raise
     data_bytes = sum(r["bytes"] for r in results)
     elapsed = time.monotonic() - started
-    return CheckpointInfo(final, staged["partitions"], data_bytes, count.bytes, manifest["metadata"], elapsed)
+    return CheckpointInfo(final, staged.partitions, data_bytes, count.bytes, manifest["metadata"], elapsed)
 
 
 def _read_manifest(final: str, count: _Counter) -> dict[str, Any]:

@@ -410,7 +410,7 @@ class StreamingDataset(IterableDataset):
         if _api.is_initialized() and not _inherited_by_fork:
             import ray
 
-            client = _api._client()
+            client = _api.current_client()
             state["_attach"] = {
                 "address": ray.get_runtime_context().gcs_address,
                 "name": client.config.name,

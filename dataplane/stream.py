@@ -28,7 +28,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dataplane.api import _client
+import msgspec
+
+from dataplane.api import current_client
 from dataplane.client import stream_ops as _stream_ops
 from dataplane.errors import LeaseExpiredError
 from dataplane.meta import KVBatchMeta
@@ -71,7 +73,7 @@ def _taking(
     batch_index: int | None,
     lease_s: float | None,
 ) -> tuple[StoreClient, _stream_ops.Take, Op]:
-    client = _client()
+    client = current_client()
     take = _stream_ops.Take.new()
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
     return client, take, _stream_ops.next_batch(client.route, *args, take, lease_s)
@@ -184,13 +186,13 @@ def ack(meta: KVBatchMeta) -> None:
         >>> dp.ack(meta)
     """
     task, take = _lease_of(meta)
-    late = _client().run(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
+    late = current_client().run(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
     _raise_late(meta, task, late)
 
 
 async def async_ack(meta: KVBatchMeta) -> None:
     task, take = _lease_of(meta)
-    late = await _client().arun(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
+    late = await current_client().arun(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
     _raise_late(meta, task, late)
 
 
@@ -215,38 +217,32 @@ def release(meta: KVBatchMeta) -> int:
         64
     """
     task, take = _lease_of(meta)
-    back: int = _client().run(_stream_ops.release(meta._pid, task, take))
+    back: int = current_client().run(_stream_ops.release(meta._pid, task, take))
     return back
 
 
 async def async_release(meta: KVBatchMeta) -> int:
     task, take = _lease_of(meta)
-    back: int = await _client().arun(_stream_ops.release(meta._pid, task, take))
+    back: int = await current_client().arun(_stream_ops.release(meta._pid, task, take))
     return back
-
-
-def _pid(partition_id: Any) -> str:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
-    return partition_id
 
 
 def finish_partition(partition_id: str) -> None:
     """Producers are done with ``partition_id``: consumers drain it, then get empty metas at once."""
-    _client().run(_stream_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+    current_client().run(_stream_ops.finish(partition_id))
 
 
 async def async_finish_partition(partition_id: str) -> None:
-    await _client().arun(_stream_ops.stream_call("finish", {"pid": _pid(partition_id)}))
+    await current_client().arun(_stream_ops.finish(partition_id))
 
 
 def reset_consumption(partition_id: str, task_name: str | None = None) -> None:
     """Make every row of ``partition_id`` readable again for ``task_name`` (every task when None)."""
-    _client().run(_stream_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+    current_client().run(_stream_ops.reset(partition_id, task_name))
 
 
 async def async_reset_consumption(partition_id: str, task_name: str | None = None) -> None:
-    await _client().arun(_stream_ops.stream_call("reset", {"pid": _pid(partition_id), "task": task_name}))
+    await current_client().arun(_stream_ops.reset(partition_id, task_name))
 
 
 def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict[str, Any]:
@@ -258,17 +254,15 @@ def consumption(partition_id: str, task_name: str, fields: list[str] | None = No
         >>> dp.consumption("step0", "reward")["ready"]
         12
     """
-    body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    progress: dict[str, Any] = _client().run(_stream_ops.stream_call("consumption", body))
-    return progress
+    progress = current_client().run(_stream_ops.consumption(partition_id, task_name, fields))
+    return msgspec.structs.asdict(progress)
 
 
 async def async_consumption(
     partition_id: str, task_name: str, fields: list[str] | None = None
 ) -> dict[str, Any]:
-    body = {"pid": _pid(partition_id), "task": task_name, "fields": fields}
-    progress: dict[str, Any] = await _client().arun(_stream_ops.stream_call("consumption", body))
-    return progress
+    progress = await current_client().arun(_stream_ops.consumption(partition_id, task_name, fields))
+    return msgspec.structs.asdict(progress)
 
 
 @dataclass

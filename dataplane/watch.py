@@ -47,9 +47,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import msgspec
+
 from dataplane._units import format_bytes
-from dataplane.client.ops import Op
+from dataplane.client.ops import Op, _reply
 from dataplane.errors import DataplaneError
+from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call
 
 JSON_PARTITIONS = 100  # the largest partitions a --json refresh describes (with their tasks)
@@ -77,29 +80,29 @@ def snapshot(nodes: list[str], limit: int, timeout_s: float) -> Op:
     """Ask every shard for its stats and the index for its partitions, then the index for the tasks of
     the ``limit`` largest partitions; returns a ``Snapshot`` (rates not filled in). A shard that does
     not answer within ``timeout_s`` is shown as not alive; the index must answer."""
-    calls = [Call(s, "stats", {}, timeout=timeout_s) for s in range(len(nodes))]
-    results = yield [*calls, Call(INDEX, "stats", {}, timeout=timeout_s)]
-    if isinstance(results[-1], BaseException):
-        raise results[-1]
+    ask = _protocol.Stats()
+    calls = [Call(s, "stats", ask, timeout=timeout_s) for s in range(len(nodes))]
+    results = yield [*calls, Call(INDEX, "stats", ask, timeout=timeout_s)]
+    rows = _reply(results[-1], _protocol.IndexStatsReply).partitions
     shards = [_shard(i, node, res) for i, (node, res) in enumerate(zip(nodes, results[:-1], strict=True))]
-    rows: dict[str, int] = results[-1][0]["partitions"]
     shown = sorted(rows, key=lambda pid: (-rows[pid], pid))[:limit]
-    answers = (
-        (yield [Call(INDEX, "tasks", {"pid": pid}, timeout=timeout_s) for pid in shown]) if shown else []
-    )
+    asks = [Call(INDEX, "tasks", _protocol.Tasks(pid), timeout=timeout_s) for pid in shown]
+    answers = (yield asks) if shown else []
     partitions = []
     for pid, res in zip(shown, answers, strict=True):
         if isinstance(res, BaseException):  # cleared since the index listed it
             continue
-        body = res[0]
-        tasks = [{"task": name, **counts} for name, counts in sorted(body["tasks"].items())]
+        body = _reply(res, _protocol.TasksReply)
+        tasks = [
+            {"task": name, **msgspec.structs.asdict(counts)} for name, counts in sorted(body.tasks.items())
+        ]
         partitions.append(
             {
                 "partition": pid,
-                "rows": body["rows"],
+                "rows": body.rows,
                 "bytes": sum(s.get("partition_bytes", {}).get(pid, 0) for s in shards if s["alive"]),
-                "finished": body["finished"],
-                "fields": body["fields"],
+                "finished": body.finished,
+                "fields": body.fields,
                 "tasks": tasks,
             }
         )
@@ -110,19 +113,19 @@ def _shard(i: int, node: str, res: Any) -> dict[str, Any]:
     if isinstance(res, BaseException):
         error = str(res).split(";")[0] if isinstance(res, DataplaneError) else repr(res)
         return {"shard": i, "node": node, "alive": False, "error": error}
-    body = res[0]
+    body = _reply(res, _protocol.ShardStatsReply)
     return {
         "shard": i,
         "node": node,
         "alive": True,
         "error": None,
-        "bytes_used": body["bytes_used"],
-        "bytes_reserved": body.get("bytes_reserved", 0),
-        "bytes_resident": body.get("bytes_resident", body["bytes_used"]),
-        "capacity_bytes": body.get("capacity_bytes"),
-        "clients": max(0, body["clients"] - 1) if "clients" in body else None,  # less this command's own
-        "rows": sum(body.get("partitions", {}).values()),
-        "partition_bytes": body.get("partition_bytes", {}),
+        "bytes_used": body.bytes_used,
+        "bytes_reserved": body.bytes_reserved,
+        "bytes_resident": body.bytes_resident,
+        "capacity_bytes": body.capacity_bytes,
+        "clients": None if body.clients is None else max(0, body.clients - 1),  # less this command's own
+        "rows": sum(body.partitions.values()),
+        "partition_bytes": body.partition_bytes,
     }
 
 

@@ -22,7 +22,6 @@ import weakref
 from typing import Any
 
 from dataplane.client import ops as _ops
-from dataplane.client.engine import StorageEngine, select_engine
 from dataplane.client.mappings import MappingCache, ShardMemory, probe
 from dataplane.client.sharding import HashPlacement
 from dataplane.config import StoreConfig, env_unix_lane
@@ -119,7 +118,6 @@ class StoreClient:
         self.maps = MappingCache()
         # The operations map nothing themselves: they read and write shard files through this.
         self.memory = ShardMemory([s["pid"] for s in shards], [s["generations"] for s in shards], self.maps)
-        self.engine: StorageEngine
         self.route = _ops.Route(
             placement=HashPlacement(len(shards)),
             shm=self.shm,
@@ -128,7 +126,6 @@ class StoreClient:
             commit_within_s=COMMIT_WITHIN * self.config.reservation_timeout_s,
             rpc_timeout_s=self.config.rpc_timeout_s,
         )
-        self.engine = select_engine(registry)(self.route)
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)
         self._stopped_lock = threading.Lock()
         self._stopped_seen: dict[str, tuple[float, bool]] = {}  # failed target -> (when, stopped?)

@@ -13,12 +13,15 @@ Round trips (R = one parallel batch of requests, at most one per shard plus the 
           the rows, then commits them in the index, then answers)
     get   1R: shard.get per shard (index.resolve only to explain a missing key)
     clear 1R, list 1R (index only), stats 1R.
+``dataplane.api`` calls these directly with its client's ``Route``.
 Streaming operations are in ``stream_ops``.
 
-Sans-IO for real: nothing here opens a socket or maps a file. Requests and replies are the wire's
-plain types (``dataplane.wire.requests``); shared memory is read and written through the
-``SharedMemory`` the route carries (``dataplane.client.memory``), so a test can step every
-operation with scripted replies and bytearrays (``tests/dataplane/test_ops.py``).
+Sans-IO for real: nothing here opens a socket or maps a file. Each request is its op's struct from
+``dataplane.wire.protocol`` (the one definition the servers decode), each reply is read as the op's
+reply struct there (``wire.requests.reply``); calls and results are ``dataplane.wire.requests``'s.
+The operations take keys checked once by their caller (``check_keys``). Shared memory is read
+and written through the ``SharedMemory`` the route carries (``dataplane.client.memory``), so a
+test can step every operation with scripted replies and bytearrays (``tests/dataplane/test_ops.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from dataplane.client.memory import SegmentUnavailable, SharedMemory
@@ -52,7 +54,8 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.wire import frames as _wire
-from dataplane.wire.requests import INDEX, Call, Result
+from dataplane.wire import protocol as _protocol
+from dataplane.wire.requests import INDEX, Call, R, Result, reply
 
 Op = Generator[list[Call], list[Result], Any]
 
@@ -67,23 +70,22 @@ class Route:
     shm_min_bytes: int
     commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
     rpc_timeout_s: float = 60.0
-    schemas: dict[str, dict[str, tuple]] = field(default_factory=dict)  # pid -> confirmed families
+    schemas: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)  # pid -> confirmed families
 
 
-def _check_keys(keys: Any, partition_id: Any) -> list[str]:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+def check_keys(keys: Any, partition_id: Any) -> list[str]:
+    """``keys`` as a list of distinct str (the operations take keys checked by this, once), else
+    ``TypeError`` / ``ValueError`` naming the culprit."""
+    check_partition(partition_id)
     if isinstance(keys, str):
         raise TypeError(f"keys must be a list of str, not the str {keys!r} (use [key])")
-    keys = list(keys)
-    for k in keys:
+    out: list[str] = list(keys)
+    for k in out:
         if type(k) is not str:
             raise TypeError(f"keys must be str, got {k!r} ({type(k).__name__})")
-    if len(set(keys)) != len(keys):
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {dup!r} in one call")
-    return keys
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate key {_protocol.first_repeat(out)!r} in one call")
+    return out
 
 
 def _raise_first(results: list[Result]) -> None:
@@ -92,11 +94,19 @@ def _raise_first(results: list[Result]) -> None:
         raise errs[0]
 
 
+def _reply(result: Result, cls: type[R]) -> R:
+    """The reply struct of a call that succeeded; its error if it failed."""
+    if isinstance(result, BaseException):
+        raise result
+    return reply(result[0], cls)
+
+
 # ---- put ------------------------------------------------------------------------------------------
 
 
-def _check_tags(tags: Any, n: int) -> list[dict | None] | None:
-    """``tags`` as a list of ``n`` plain dicts (or None), refused with TypeError before anything is sent.
+def _check_tags(tags: Any, n: int) -> _protocol.Tags:
+    """``tags`` as a list of ``n`` plain dicts (or None), refused with TypeError before anything is sent,
+    and encoded for the wire (once: ``_protocol.encoded``).
 
     Tags travel as msgpack to the index, so a value msgpack cannot carry (a numpy scalar, a tensor,
     an int beyond 64 bits) is named here, not discovered after the shards committed.
@@ -108,7 +118,7 @@ def _check_tags(tags: Any, n: int) -> list[dict | None] | None:
     tags = list(tags)
     if len(tags) != n:
         raise BatchSizeError(f"{len(tags)} tags for {n} keys; pass one tag dict per key")
-    out: list[dict | None] = []
+    out: list[dict[str, Any] | None] = []
     for i, t in enumerate(tags):
         if t is not None and type(t) is not dict:
             raise TypeError(f"tags[{i}] must be a dict or None, got {type(t).__name__}")
@@ -123,14 +133,14 @@ def _check_tags(tags: Any, n: int) -> list[dict | None] | None:
                 "and dicts of them); convert it first (e.g. x.item() for a numpy or torch scalar)"
             ) from None
     try:
-        msgspec.msgpack.encode(out)
-    except (TypeError, OverflowError) as exc:
+        return _protocol.encoded(out)
+    except (TypeError, OverflowError, UnicodeEncodeError) as exc:
         raise TypeError(f"tags cannot be stored: {exc}") from exc
-    return out
 
 
-def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str, Any] | None, tags) -> Op:
-    """Write ``columns`` (already encoded, one row per key) and/or ``tags``; returns a KVBatchMeta.
+def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Column] | None, tags: Any) -> Op:
+    """Write ``columns`` (already encoded, one row per key) and/or ``tags`` of ``keys`` (checked:
+    ``check_keys``); returns a KVBatchMeta.
 
     All or nothing: everything is checked before the first request; the index decides new fields'
     schemas in the first round (``prepare``), together with the shards' reservations, and any
@@ -144,54 +154,57 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
     it can serve it, and a put whose shard commit failed is never made ready.
 
     A small put to one shard of fields whose schema this client has seen confirmed takes one round
-    trip (``_put_inline``): the shard stores the inline rows at once, then commits them in the index
+    trip (``_put_ready``): the shard stores the inline rows at once, then commits them in the index
     itself (which checks the schema again) before it answers.
     """
-    one = type(keys) is list and len(keys) == 1 and type(keys[0]) is str and type(partition_id) is str
-    if one and columns:  # kv_put: one row, usually of a known schema (``_check_keys`` has nothing to say)
-        tags = _check_tags(tags, 1)
-        call = _one_row_call(route, keys, partition_id, columns, tags)
-        if call is not None:  # ``_put_inline``'s request, built directly
-            (res,) = yield [call]
-            return _ready_result(route, res, {call.target: _ONE}, keys, partition_id)
-    keys = _check_keys(keys, partition_id)
-    tags = _check_tags(tags, len(keys))
+    wire_tags = _check_tags(tags, len(keys))
     columns = columns or {}
     for name, col in columns.items():
         if col.num_rows != len(keys):
             raise BatchSizeError(f"field {name!r} has {col.num_rows} rows for {len(keys)} keys")
-    specs = {name: _wire.spec_to_wire(col.spec) for name, col in columns.items()}
-    body: dict[str, Any] = {"pid": partition_id, "keys": keys, "fields": list(columns), "tags": tags}
     if not columns or not keys:
+        body = _protocol.IndexCommit(partition_id, keys, list(columns), wire_tags)
         (res,) = yield [Call(INDEX, "commit", body)]
-        _raise_first([res])
-        return _meta(keys, partition_id, res[0])
-    groups = route.placement.group(partition_id, keys)
+        return _meta(keys, partition_id, _reply(res, _protocol.CommitReply))
+    placement = route.placement
+    groups = None
+    if partition_id in route.schemas:  # perhaps a one-step put (``_put_ready``)
+        if placement.num_shards == 1 or len(keys) == 1:
+            s = 0 if placement.num_shards == 1 else placement.shard_of(partition_id, keys[0])
+        else:
+            groups = placement.group(partition_id, keys)
+            s = next(iter(groups)) if len(groups) == 1 else -1
+        ready = _put_ready_call(route, s, keys, partition_id, columns, wire_tags) if s >= 0 else None
+        if ready is not None:
+            return (yield from _put_ready(route, ready, keys, partition_id))
+    if groups is None:
+        groups = placement.group(partition_id, keys)
     shards = sorted(groups)
-    parts: dict[int, dict[str, Any]] = {}
+    specs = {name: _wire.spec_to_wire(col.spec) for name, col in columns.items()}  # (once per put)
+    plans: dict[int, dict[str, int]] = {}
     reserves = []
     for s in shards:
-        call, parts[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns)
+        call, plans[s] = _reserve_call(route, s, partition_id, keys, groups[s], columns, specs)
         reserves.append(call)
-    if len(shards) == 1 and not parts[shards[0]] and _schema_known(route, partition_id, columns):
-        return (yield from _put_inline(route, reserves[0], body, columns, groups, keys))
     txn = secrets.randbits(63) or 1  # this put's id at the index, ours to choose (see _abort_put)
     started = time.monotonic()
-    results = yield [Call(INDEX, "prepare", {"pid": partition_id, "specs": specs, "txn": txn}), *reserves]
+    prepare = Call(INDEX, "prepare", _protocol.Prepare(partition_id, specs, txn))
+    results = yield [prepare, *reserves]
     prepared, reserved = results[0], dict(zip(shards, results[1:], strict=True))
-    aborts = [Call(s, "abort", {"resv": r[0]["resv"]}) for s, r in reserved.items() if _ok(r)]
-    errs = [r for r in results if not _ok(r)]
+    replies = {s: _reply(r, _protocol.ReserveReply) for s, r in reserved.items() if _ok(r)}
+    aborts = [Call(s, "abort", _protocol.Abort(r.resv)) for s, r in replies.items()]
+    errs = [r for r in results if isinstance(r, BaseException)]
     if errs:
         yield from _abort_put(route, aborts, txn, prepared)
         raise errs[0]
-    aborts.append(Call(INDEX, "abort", {"txn": txn}))
+    aborts.append(Call(INDEX, "abort", _protocol.IndexAbort(txn)))
     commits = []
     try:
         for s in shards:
-            body_s = reserved[s][0]
-            if "live" in body_s:  # forget mappings of files the shard has closed since we last looked
-                route.memory.prune(s, body_s["version"], body_s["live"])
-            commits.append(_fill_segments(route, s, body_s, groups[s], columns, parts[s]))
+            got = replies[s]
+            if got.live is not None:  # forget mappings of files the shard has closed since we last looked
+                route.memory.prune(s, got.version, got.live)
+            commits.append(_fill_segments(route, s, got, groups[s], columns, plans[s]))
     except BaseException as exc:  # e.g. a segment could not be mapped: undo every reservation, then raise
         yield aborts
         took = time.monotonic() - started
@@ -206,13 +219,13 @@ def put(route: Route, keys: Sequence[str], partition_id: str, columns: dict[str,
         raise _expired(keys, partition_id, took, route)
     results = yield commits
     if not all(_ok(r) for r in results):
-        yield [Call(INDEX, "abort", {"txn": txn})]
+        yield [Call(INDEX, "abort", _protocol.IndexAbort(txn))]
         _raise_partial_put([*results, None], shards, groups, keys, partition_id)
-    body["txn"] = txn
+    body = _protocol.IndexCommit(partition_id, keys, list(columns), wire_tags, txn)
     (res,) = yield [Call(INDEX, "commit", body)]
     _raise_partial_put([*results, res], shards, groups, keys, partition_id)
-    _remember_schema(route, partition_id, specs)
-    return _meta(keys, partition_id, res[0])
+    _remember_schema(route, partition_id, columns)
+    return _meta(keys, partition_id, _reply(res, _protocol.CommitReply))
 
 
 ABORT_WAIT_S = 1.0  # most a failed put waits for an index that did not answer its prepare to take the abort
@@ -230,7 +243,7 @@ def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> 
     Unix lane it is in the kernel's buffer already). If it never does, the prepare expires with
     the reservations, after ``reservation_timeout_s``.
     """
-    index_abort = Call(INDEX, "abort", {"txn": txn})
+    index_abort = Call(INDEX, "abort", _protocol.IndexAbort(txn))
     answered = _ok(prepared) or not isinstance(prepared, ShardUnavailableError)
     if answered:  # (even refused: the index is answering, so its abort goes with the shards')
         aborts = [*aborts, index_abort]
@@ -250,76 +263,54 @@ def _expired(keys: list[str], pid: str, took: float, route: Route) -> Reservatio
     )
 
 
-_ONE = np.zeros(1, dtype=np.int64)  # the positions of a one-key put's keys on its shard
-
-
-def _one_row_call(route: Route, keys: list[str], partition_id: str, columns: dict, tags) -> Call | None:
-    """The ``put_ready`` request ``put`` would send (``_put_inline``) for one key whose every field is
-    one inline row of a schema this client has seen confirmed, built without the batch machinery; None
-    when the general path has to run (it also raises every error the request could have)."""
-    key = keys[0]
-    known = route.schemas.get(partition_id)
-    if known is None:
-        return None
-    s = route.placement.shard_of(partition_id, key) if route.placement.num_shards > 1 else 0
+def _put_ready_call(
+    route: Route, s: int, keys: list[str], pid: str, columns: dict[str, Column], tags: _protocol.Tags
+) -> Call | None:
+    """The one-step ``put_ready`` request of a put whose keys all live on shard ``s``, when it can take
+    one: every field of a schema this client has seen confirmed and small enough to travel inline
+    (below ``shm_min_bytes`` where the shard's memory is mapped here); None when the general path has
+    to run. (The one place that builds a ``put_ready``.)"""
+    known = route.schemas.get(pid, {})
+    for name, col in columns.items():
+        if known.get(name) != col.spec.family():
+            return None
     inline_below = route.shm_min_bytes if route.shm[s] else None
-    fields: dict[str, Any] = {}
+    fields: dict[str, _protocol.ReserveField] = {}
     bufs: list[Any] = []
     for name, col in columns.items():
         nbytes = len(col.data)
-        if col.num_rows != 1 or known.get(name) != col.spec.family():
-            return None
         if inline_below is not None and nbytes >= inline_below:
             return None
-        fields[name] = {
-            "spec": _wire.spec_to_wire(col.spec),
-            "nbytes": nbytes,
-            "col": _wire.column_to_wire(col, bufs),
-        }
-    body = {
-        "pid": partition_id,
-        "keys": keys,
-        "fields": fields,
-        "version": route.memory.version(s),
-        "tags": tags,
-    }
+        wire = _wire.column_to_wire(col, bufs)
+        fields[name] = _protocol.ReserveField(wire.spec, nbytes, wire)
+    body = _protocol.PutReady(pid, keys, fields, route.memory.version(s), tags)
     return Call(s, "put_ready", body, bufs)
 
 
-def _put_inline(route: Route, reserve: Call, body: dict, columns: dict, groups, keys) -> Op:
+def _put_ready(route: Route, call: Call, keys: list[str], pid: str) -> Op:
     """One round trip: the shard stores the inline rows at once, then commits them in the index itself
     (``put_ready``, see ``server.shard_actor``), and answers with the index's reply. Only for fields whose
     schema is confirmed, so the index has nothing to decide; if it refuses all the same (the partition
     was dropped and re-created meanwhile with another dtype), the shard takes the rows back and passes
     the refusal on. When the index did not answer, the rows are stored but not ready: said exactly."""
-    pid = body["pid"]
-    (res,) = yield [Call(reserve.target, "put_ready", {**reserve.body, "tags": body["tags"]}, reserve.bufs)]
-    return _ready_result(route, res, groups, keys, pid)
-
-
-def _ready_result(route: Route, res: Result, groups: dict, keys: list[str], pid: str) -> KVBatchMeta:
-    """The meta of a ``put_ready`` from the shard's answer, or the error it stands for."""
-    if not _ok(res):
+    (res,) = yield [call]
+    if isinstance(res, BaseException):
         if isinstance(res, SchemaError):
             _forget_schema(route, pid)
         raise res
-    reply = res[0]
-    if "index_error" in reply:
+    got = _reply(res, _protocol.PutReadyReply)
+    if got.index_error is not None:
         _forget_schema(route, pid)
-        index_error = _wire.rebuild_error(reply["index_error"])
-        _raise_partial_put([(None, {}), index_error], list(groups), groups, keys, pid)
-    return _meta(keys, pid, reply)
+        index_error = _wire.rebuild_error(got.index_error)
+        groups = {call.target: np.arange(len(keys))}
+        _raise_partial_put([(None, []), index_error], [call.target], groups, keys, pid)
+    return KVBatchMeta._trusted(keys, got.tags, pid, got.fields)
 
 
-def _schema_known(route: Route, pid: str, columns: dict) -> bool:
-    known = route.schemas.get(pid)
-    return known is not None and all(known.get(n) == col.spec.family() for n, col in columns.items())
-
-
-def _remember_schema(route: Route, pid: str, specs: dict) -> None:
+def _remember_schema(route: Route, pid: str, columns: dict[str, Column]) -> None:
     known = route.schemas.setdefault(pid, {})
-    for name, spec in specs.items():
-        known[name] = _wire.spec_from_wire(spec).family()
+    for name, col in columns.items():
+        known[name] = col.spec.family()
     if len(route.schemas) > SCHEMA_CACHE:  # a client writing many partitions keeps the newest
         route.schemas.pop(next(iter(route.schemas)))
 
@@ -335,7 +326,9 @@ def _ok(result: Result) -> bool:
     return not isinstance(result, BaseException)
 
 
-def _raise_partial_put(results: list, shards: list[int], groups: dict, keys: list[str], pid: str) -> None:
+def _raise_partial_put(
+    results: list[Any], shards: list[int], groups: dict[int, np.ndarray], keys: list[str], pid: str
+) -> None:
     """Raise, naming exactly what was written, when a put's commit failed anywhere (the shards'
     results, then the index's: None when the index was not asked because a shard failed)."""
     shard_res, index_res = results[:-1], results[-1]
@@ -376,41 +369,52 @@ def _preview(items: list[str], limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} in all)"
 
 
-def _meta(keys: list[str], partition_id: str, body: dict[str, Any]) -> KVBatchMeta:
-    return KVBatchMeta._trusted(keys, body["tags"], partition_id, body["fields"])
+def _meta(keys: list[str], partition_id: str, got: _protocol.CommitReply) -> KVBatchMeta:
+    return KVBatchMeta._trusted(keys, got.tags, partition_id, got.fields)
 
 
-def _reserve_call(route: Route, s: int, pid: str, keys: list[str], pos: np.ndarray, columns: dict) -> tuple:
+def _reserve_call(
+    route: Route,
+    s: int,
+    pid: str,
+    keys: list[str],
+    pos: np.ndarray,
+    columns: dict[str, Column],
+    specs: dict[str, _protocol.WireSpec],
+) -> tuple[Call, dict[str, int]]:
+    """Shard ``s``'s ``reserve`` of its rows (``pos``), and the bytes of each field it writes through
+    shared memory (the rest travel inline, as frames of this request); ``specs`` are the columns'."""
     n = len(pos)
     whole = n == len(keys)
-    fields: dict[str, Any] = {}
+    fields: dict[str, _protocol.ReserveField] = {}
     bufs: list[Any] = []
-    plan: dict[str, Any] = {}
+    plan: dict[str, int] = {}
     for name, col in columns.items():
         nbytes = len(col.data) if whole else nbytes_of(col, pos)
-        entry: dict[str, Any] = {"spec": _wire.spec_to_wire(col.spec), "nbytes": nbytes, "col": None}
         if not (route.shm[s] and nbytes >= route.shm_min_bytes):
             piece = col if whole else assemble(col.spec, n, [(col, pos, np.arange(n))])
-            entry["col"] = _wire.column_to_wire(piece, bufs)
+            fields[name] = _protocol.ReserveField(specs[name], nbytes, _wire.column_to_wire(piece, bufs))
         else:
             plan[name] = nbytes
-        fields[name] = entry
-    body = {
-        "pid": pid,
-        "keys": [keys[i] for i in pos] if not whole else keys,
-        "fields": fields,
-        "version": route.memory.version(s),
-    }
-    return Call(s, "reserve", body, bufs), plan
+            fields[name] = _protocol.ReserveField(specs[name], nbytes)
+    mine = keys if whole else [keys[i] for i in pos]
+    return Call(s, "reserve", _protocol.Reserve(pid, mine, fields, route.memory.version(s)), bufs), plan
 
 
-def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: dict, plan: dict) -> Call:
+def _fill_segments(
+    route: Route,
+    s: int,
+    got: _protocol.ReserveReply,
+    pos: np.ndarray,
+    columns: dict[str, Column],
+    plan: dict[str, int],
+) -> Call:
     """Copy this shard's rows straight into the segments it reserved (one copy per field)."""
     bufs: list[Any] = []
     offsets: dict[str, int] = {}
     shapes: dict[str, int] = {}
     n = len(pos)
-    for name, ref in reply["files"].items():
+    for name, ref in got.files.items():
         col = columns[name]
         view = route.memory.view(s, ref)[: plan[name]]
         piece = assemble(col.spec, n, [(col, pos, np.arange(n))], out=view)
@@ -418,7 +422,7 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
             offsets[name] = _wire.array_to_wire(piece.offsets, bufs)
         if piece.shapes is not None:
             shapes[name] = _wire.array_to_wire(piece.shapes, bufs)
-    return Call(s, "commit", {"resv": reply["resv"], "offsets": offsets, "shapes": shapes}, bufs)
+    return Call(s, "commit", _protocol.Commit(got.resv, offsets, shapes), bufs)
 
 
 # ---- get ------------------------------------------------------------------------------------------
@@ -426,14 +430,13 @@ def _fill_segments(route: Route, s: int, reply: dict, pos: np.ndarray, columns: 
 GET_ATTEMPTS = 8  # a read that keeps racing with clears of the same rows gives up after this many
 
 
-def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] | None, copy: bool) -> Op:
-    """Read rows of ``keys`` (in that order); returns ``{field: Column}``.
+def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: bool) -> Op:
+    """Read rows of ``keys`` (checked: ``check_keys``) in that order; returns ``{field: Column}``.
 
     What is returned is exactly what completed puts wrote: rows copied out of shared memory are
     checked against the generation of their segment after the copy, and the whole read is retried
     when a concurrent clear freed (and maybe reused) a segment meanwhile (``server.segments``).
     """
-    keys = _check_keys(keys, partition_id)
     if fields is not None:
         if isinstance(fields, str):
             fields = [fields]
@@ -443,29 +446,25 @@ def get(route: Route, keys: Sequence[str], partition_id: str, fields: list[str] 
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
     for _ in range(GET_ATTEMPTS):
+        export = not copy and len(groups) == 1  # only then can the client return a view
         calls = []
         for s in shards:
-            body = {
-                "pid": partition_id,
-                "keys": [keys[i] for i in groups[s]] if len(groups) > 1 else keys,
-                "fields": fields,
-                "shm": route.shm[s],
-                "export": not copy and len(groups) == 1,  # only then can the client return a view
-                "version": route.memory.version(s),
-            }
+            mine = [keys[i] for i in groups[s]] if len(groups) > 1 else keys
+            body = _protocol.Get(partition_id, mine, fields, route.shm[s], export, route.memory.version(s))
             calls.append(Call(s, "get", body))
         results = yield calls
         if any(isinstance(r, (KeyNotFoundError, PartitionNotFoundError)) for r in results):
             yield from _explain_missing(partition_id, keys, shards, groups, results)
+        got = [(_reply(r, _protocol.GetReply), r[1]) for r in results if not isinstance(r, BaseException)]
         _raise_first(results)
-        names = _field_names(results)
+        names = _field_names([g for g, _ in got])
         try:
-            out = _gather(route, names, shards, groups, results, len(keys), copy)
+            out = _gather(route, names, shards, groups, got, len(keys), copy)
         except _Stale:
             out = None
-        for s, (body, _) in zip(shards, results, strict=True):
-            if "live" in body:
-                route.memory.prune(s, body["version"], body["live"])
+        for s, (answer, _) in zip(shards, got, strict=True):
+            if answer.live is not None:
+                route.memory.prune(s, answer.version, answer.live)
         if out is not None:
             return out
     raise DataplaneError(
@@ -479,14 +478,20 @@ class _Stale(Exception):
 
 
 def _gather(
-    route: Route, names: list[str], shards: list[int], groups: dict, results: list, n: int, copy: bool
-):
+    route: Route,
+    names: list[str],
+    shards: list[int],
+    groups: dict[int, np.ndarray],
+    got: list[tuple[_protocol.GetReply, list[memoryview]]],
+    n: int,
+    copy: bool,
+) -> dict[str, Column]:
     out = {}
     for name in names:
-        pieces: list = []
+        pieces: list[Any] = []
         sources: list[_Source] = []
-        for s, (body, bufs) in zip(shards, results, strict=True):
-            _pieces(route, s, name, body["fields"][name], bufs, groups[s], pieces, sources)
+        for s, (body, bufs) in zip(shards, got, strict=True):
+            _pieces(route, s, name, body.fields[name], bufs, groups[s], pieces, sources)
         col, viewed = _build(pieces, sources, n, copy)
         if not viewed:  # bytes were copied out of shared memory: were they still those rows' bytes?
             for src in sources:
@@ -506,7 +511,9 @@ class _Source:
     gen: int = 0
 
 
-def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict, results: list) -> Op:
+def _explain_missing(
+    pid: str, keys: list[str], shards: list[int], groups: dict[int, np.ndarray], results: list[Result]
+) -> Op:
     """A shard missed a key or the partition: ask the index what exists and raise the precise error."""
     asked = [
         k
@@ -514,28 +521,27 @@ def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict,
         if isinstance(r, DataplaneError)
         for k in (keys[i] for i in groups[s])
     ]
-    (res,) = yield [Call(INDEX, "resolve", {"pid": pid, "keys": asked})]
-    if isinstance(res, BaseException):
-        raise res
-    body = res[0]
-    if not body["partition"]:
-        raise PartitionNotFoundError(pid, body.get("error"))  # it says cleared, or what was meant
-    cleared = set(body.get("cleared", ()))
+    (res,) = yield [Call(INDEX, "resolve", _protocol.Resolve(pid, asked))]
+    body = _reply(res, _protocol.ResolveReply)
+    if not body.partition:
+        raise PartitionNotFoundError(pid, body.error)  # it says cleared, or what was meant
+    cleared = set(body.cleared)
+    known = body.known
     for k in asked:
         if k in cleared:
             raise KeyNotFoundError(
                 k, pid, f"key {k!r} of partition {pid!r} was cleared (kv_clear); put it again"
             )
-        if k not in body["known"]:
-            kept = body.get("cleared_kept")
+        if k not in known:
+            kept = body.cleared_kept
             also = f", nor among the last {kept} keys cleared from it" if kept else ", or cleared"
             raise KeyNotFoundError(k, pid, f"key {k!r} not found in partition {pid!r} (never written{also})")
     for k in asked:
-        if not body["known"][k]:
+        if not known[k]:
             raise KeyNotFoundError(k, pid, f"key {k!r} in partition {pid!r} holds tags only, no fields")
     for r in results:
-        if isinstance(r, FieldNotFoundError) and r.key in body["known"]:  # name the fields it holds
-            held = body["known"][r.key]
+        if isinstance(r, FieldNotFoundError) and r.key in known:  # name the fields it holds
+            held = known[r.key]
             raise FieldNotFoundError(
                 r.key, pid, r.field, f"{r}; it holds {held}{did_you_mean(r.field, held)}"
             ) from None
@@ -544,28 +550,35 @@ def _explain_missing(pid: str, keys: list[str], shards: list[int], groups: dict,
     raise KeyNotFoundError(asked[0], pid)
 
 
-def _field_names(results: list) -> list[str]:
+def _field_names(got: list[_protocol.GetReply]) -> list[str]:
     """The fields every shard answered: all requested ones, or (no ``select_fields``) those every
     requested key holds (each shard answers its keys' common fields)."""
-    names = list(results[0][0]["fields"])
-    for body, _ in results[1:]:
-        names = [n for n in names if n in body["fields"]]
+    names = list(got[0].fields)
+    for body in got[1:]:
+        names = [n for n in names if n in body.fields]
     return names
 
 
 def _pieces(
-    route: Route, s: int, name: str, entry: dict, bufs: list, pos: np.ndarray, pieces: list, sources: list
+    route: Route,
+    s: int,
+    name: str,
+    entry: _protocol.InlineRows | _protocol.SegmentRows,
+    bufs: list[memoryview],
+    pos: np.ndarray,
+    pieces: list[Any],
+    sources: list[_Source],
 ) -> None:
     """Append the pieces of one shard's answer for field ``name`` (and where each one's bytes live)."""
-    if entry["t"] == "z":
-        col = _wire.column_from_wire(entry["col"], bufs, name)
+    if isinstance(entry, _protocol.InlineRows):
+        col = _wire.column_from_wire(entry.col, bufs, name)
         pieces.append((col, np.arange(col.num_rows), pos))
         sources.append(_Source(viewable=True))
         return
-    seg_of = _wire.array_from_wire(entry["seg"], bufs, len(pos))
-    row_of = _wire.array_from_wire(entry["row"], bufs, len(pos))
+    seg_of = _wire.array_from_wire(entry.seg, bufs, len(pos))
+    row_of = _wire.array_from_wire(entry.row, bufs, len(pos))
     table = route.memory.generations(s)
-    for j, (ref, nbytes, num_rows, off, view, wire_spec, shp) in enumerate(entry["segs"]):
+    for j, (ref, nbytes, num_rows, off, view, wire_spec, shp) in enumerate(entry.segs):
         spec = _wire.spec_from_wire(wire_spec)
         try:
             mapping = route.memory.view(s, ref)
@@ -581,7 +594,7 @@ def _pieces(
             shapes = _wire.array_from_wire(shp, bufs, num_rows * spec.shape[0]).reshape(num_rows, -1)
         col = Column(spec=spec, num_rows=num_rows, data=mapping[:nbytes], offsets=offsets, shapes=shapes)
         col.check(name)
-        mask = seg_of == j if len(entry["segs"]) > 1 else slice(None)
+        mask = seg_of == j if len(entry.segs) > 1 else slice(None)
         src, dst = row_of[mask], pos[mask]
         if len(src) and (int(src.min()) < 0 or int(src.max()) >= num_rows):
             raise WireError(f"shard {s} answered field {name!r} with rows outside a segment of {num_rows}")
@@ -589,7 +602,7 @@ def _pieces(
         sources.append(_Source(viewable=bool(view), table=table, slot=int(ref[4]), gen=int(ref[5])))
 
 
-def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> tuple[Any, bool]:
+def _build(pieces: list[Any], sources: list[_Source], num_rows: int, copy: bool) -> tuple[Any, bool]:
     """The field's column, and whether it is a view (of a private frame or an exported segment)."""
     col, src, dst = pieces[0]
     if len(pieces) == 1 and len(dst) == num_rows and bool(np.all(dst == np.arange(num_rows))):
@@ -605,37 +618,36 @@ def _build(pieces: list, sources: list[_Source], num_rows: int, copy: bool) -> t
 # ---- clear / list / stats -------------------------------------------------------------------------
 
 
-def clear(route: Route, keys: Sequence[str], partition_id: str) -> Op:
-    """Free ``keys`` of ``partition_id``; unknown keys or partitions are ignored."""
-    keys = _check_keys(keys, partition_id)
+def clear(route: Route, keys: list[str], partition_id: str) -> Op:
+    """Free ``keys`` (checked: ``check_keys``) of ``partition_id``; unknown keys or partitions are ignored."""
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
-    calls = [Call(s, "clear", {"pid": partition_id, "keys": [keys[i] for i in groups[s]]}) for s in shards]
-    results = yield [*calls, Call(INDEX, "clear", {"pid": partition_id, "keys": keys})]
+    calls = [Call(s, "clear", _protocol.Clear(partition_id, [keys[i] for i in groups[s]])) for s in shards]
+    results = yield [*calls, Call(INDEX, "clear", _protocol.Clear(partition_id, keys))]
     _raise_partial_clear(results, shards, f"kv_clear of {len(keys)} keys of partition {partition_id!r}")
     return None
 
 
 def clear_partition(route: Route, partition_id: str) -> Op:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+    check_partition(partition_id)
     _forget_schema(route, partition_id)
     shards = list(range(route.placement.num_shards))
-    calls = [Call(s, "clear_partition", {"pid": partition_id}) for s in shards]
-    results = yield [*calls, Call(INDEX, "clear_partition", {"pid": partition_id})]
+    body = _protocol.OnePartition(partition_id)
+    calls = [Call(s, "clear_partition", body) for s in shards]
+    results = yield [*calls, Call(INDEX, "clear_partition", body)]
     _raise_partial_clear(results, shards, f"clear_partition({partition_id!r})")
     return None
 
 
-def _raise_partial_clear(results: list, shards: list[int], what: str) -> None:
+def _raise_partial_clear(results: list[Result], shards: list[int], what: str) -> None:
     """Raise, naming exactly where the data was and was not freed, when a clear failed anywhere.
 
     A shard that died took its memory with it (nothing of it is left); one that did not answer may
     still hold its rows, and calling the same clear again finishes the job.
     """
-    failed = [(s, r) for s, r in zip(shards, results[:-1], strict=True) if not _ok(r)]
+    failed = [(s, r) for s, r in zip(shards, results[:-1], strict=True) if isinstance(r, BaseException)]
     index_res = results[-1]
-    if not failed and _ok(index_res):
+    if not failed and not isinstance(index_res, BaseException):
         return
     done = [s for s, r in zip(shards, results[:-1], strict=True) if _ok(r)]
     parts = [f"shards {done} freed their rows" if done else "no shard freed its rows"]
@@ -643,6 +655,7 @@ def _raise_partial_clear(results: list, shards: list[int], what: str) -> None:
     for s, exc in failed:
         parts.append(f"shard {s}: {exc}")
     first = failed[0][1] if failed else index_res
+    assert isinstance(first, BaseException)  # (a shard's error, else the index's: one failed)
     raise _with_message(
         first,
         f"{what} completed only in part: " + "; ".join(parts) + ". Call it again once the store is healthy.",
@@ -650,16 +663,37 @@ def _raise_partial_clear(results: list, shards: list[int], what: str) -> None:
 
 
 def list_keys(route: Route, partition_id: str | None) -> Op:
-    (res,) = yield [Call(INDEX, "list", {"pid": partition_id})]
-    _raise_first([res])
-    return res[0]["list"]
+    """``{partition: {key: tag}}`` of one partition, or of all (``partition_id`` None)."""
+    (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(partition_id))]
+    return _reply(res, _protocol.ListReply).list
 
 
 def stats(route: Route, trim: bool = False) -> Op:
+    """Every shard's stats (``ShardStatsReply``) and the index's (``IndexStatsReply``)."""
     n = route.placement.num_shards
-    results = yield [*(Call(s, "stats", {"trim": trim}) for s in range(n)), Call(INDEX, "stats", {})]
+    ask = _protocol.Stats(trim)
+    results = yield [*(Call(s, "stats", ask) for s in range(n)), Call(INDEX, "stats", _protocol.Stats())]
     _raise_first(results)
-    return [r[0] for r in results[:n]], results[n][0]
+    shards = [_reply(r, _protocol.ShardStatsReply) for r in results[:n]]
+    return shards, _reply(results[n], _protocol.IndexStatsReply)
 
 
-__all__ = ["Op", "Route", "clear", "clear_partition", "get", "list_keys", "put", "stats"]
+def check_partition(partition_id: Any) -> str:
+    """``partition_id`` if it is a str, else ``TypeError`` naming its type."""
+    if not isinstance(partition_id, str):
+        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+    return partition_id
+
+
+__all__ = [
+    "Op",
+    "Route",
+    "check_keys",
+    "check_partition",
+    "clear",
+    "clear_partition",
+    "get",
+    "list_keys",
+    "put",
+    "stats",
+]

@@ -14,10 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dataplane.client.ops import Op, Route, _raise_first
+import msgspec
+
+from dataplane.client.ops import Op, Route, _reply, check_partition
 from dataplane.config import INT64_MAX, MAX_TIMEOUT_S, check_number
 from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
 from dataplane.meta import KVBatchMeta
+from dataplane.wire import protocol as _protocol
 from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
 from dataplane.wire.requests import INDEX, Call
 
@@ -48,18 +51,17 @@ class Take:
 
 
 def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
+    check_partition(partition_id)
     if not isinstance(task_name, str) or not task_name:
         raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_COUNT:
         raise BatchSizeError(f"batch_size must be an int in [1, 2**31 - 1], got {batch_size!r}")
     if isinstance(fields, str):
         fields = [fields]
-    fields = list(fields) if fields is not None else []
-    if not fields or any(type(f) is not str for f in fields):
-        raise TypeError(f"fields must name at least one field (a list of str), got {fields!r}")
-    return fields
+    names: list[str] = list(fields) if fields is not None else []
+    if not names or any(type(f) is not str for f in names):
+        raise TypeError(f"fields must name at least one field (a list of str), got {names!r}")
+    return names
 
 
 def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
@@ -115,38 +117,46 @@ def next_batch(
     if sampler is not None:
         sampler.check(batch_size, dp_rank, dp_size, batch_index)
     spec = None if sampler is None else sampler.spec()
-    common = {"pid": partition_id, "task": task_name, "fields": fields, "dp_rank": dp_rank}
     if sampler is not None and spec is None:  # a sampler of the caller's own: it runs here
-        return (
-            yield from _next_client_side(
-                route, common, sampler, batch_size, dp_size, batch_index, timeout_s, take, lease_s
-            )
-        )
-    body = {
-        **common,
-        "batch_size": batch_size,
-        "sampler": spec,
-        "dp_size": dp_size,
-        "batch_index": batch_index,
-        "timeout_s": timeout_s,
-        "take": take.id,
-        "lease_s": lease_s,
-    }
+        ask = _Asked(partition_id, task_name, fields, dp_rank, dp_size, batch_index)
+        return (yield from _next_client_side(route, ask, sampler, batch_size, timeout_s, take, lease_s))
+    body = _protocol.Next(
+        partition_id,
+        task_name,
+        batch_size,
+        fields,
+        spec,
+        dp_rank,
+        dp_size,
+        batch_index,
+        timeout_s,
+        take.id,
+        lease_s,
+    )
     take.sent = True
     (res,) = yield [Call(INDEX, "next", body, timeout=_wait_timeout(route, timeout_s), exclusive=True)]
     take.answered(res)
-    _raise_first([res])
-    return _stream_meta(partition_id, res[0], task_name)
+    return _stream_meta(partition_id, _reply(res, _protocol.BatchReply), task_name)
+
+
+@dataclass
+class _Asked:
+    """What a ``next_batch`` with a sampler of the caller's own asks for (checked)."""
+
+    pid: str
+    task: str
+    fields: list[str]
+    dp_rank: int | None
+    dp_size: int | None
+    batch_index: int | None
 
 
 def _next_client_side(
     route: Route,
-    common: dict,
+    ask: _Asked,
     sampler: Any,
     batch_size: int,
-    dp_size,
-    batch_index,
-    timeout_s,
+    timeout_s: float | None,
     take: Take,
     lease_s: float | None,
 ) -> Op:
@@ -158,22 +168,27 @@ def _next_client_side(
     lost = 0  # claims that lost a race with another consumer of the task (waits do not count)
     while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
-        body = {**common, "min_rows": min_rows, "batch_index": batch_index, "timeout_s": left}
-        (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left), exclusive=True)]
-        _raise_first([res])
-        got = res[0]
-        if got.get("cached"):
-            return _stream_meta(common["pid"], got, common["task"])
-        tags = dict((k, t) for k, t in got["rows"])
-        ready = ReadyRows([k for k, _ in got["rows"]], tags.__getitem__)
-        choice = sampler.sample(
-            ready, batch_size, dp_rank=common["dp_rank"], dp_size=dp_size, finished=got["finished"]
+        body = _protocol.Ready(
+            ask.pid,
+            ask.task,
+            ask.fields,
+            min_rows,
+            dp_rank=ask.dp_rank,
+            batch_index=ask.batch_index,
+            timeout_s=left,
         )
-        if choice is None or (not choice and not got["finished"]):
-            if got["finished"]:  # no more rows will come: what it waits for never will
-                return _stream_meta(
-                    common["pid"], {"keys": [], "tags": [], "fields": common["fields"]}, common["task"]
-                )
+        (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left), exclusive=True)]
+        got = _reply(res, _protocol.ReadyReply)
+        if got.cached:
+            return _stream_meta(ask.pid, got, ask.task)
+        tags = dict(got.rows)
+        ready = ReadyRows([k for k, _ in got.rows], tags.__getitem__)
+        choice = sampler.sample(
+            ready, batch_size, dp_rank=ask.dp_rank, dp_size=ask.dp_size, finished=got.finished
+        )
+        if choice is None or (not choice and not got.finished):
+            if got.finished:  # no more rows will come: what it waits for never will
+                return KVBatchMeta._trusted([], [], ask.pid, ask.fields)
             min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
             continue
         if isinstance(choice, dict):
@@ -187,11 +202,13 @@ def _next_client_side(
         bad = [k for k in keys if k not in tags]
         if bad:  # not a race: keys it was never shown as ready (nothing was claimed)
             raise WireError(
-                f"{name} chose {len(bad)} key(s) that are not ready for task {common['task']!r} (not among "
-                f"the ready rows it was given: not all of {sorted(common['fields'])} written, already "
+                f"{name} chose {len(bad)} key(s) that are not ready for task {ask.task!r} (not among "
+                f"the ready rows it was given: not all of {sorted(ask.fields)} written, already "
                 f"consumed, or unknown): {bad[:5]}"
             )
-        claim = {**common, "keys": keys, "batch_index": batch_index, "take": take.id, "lease_s": lease_s}
+        claim = _protocol.Claim(
+            ask.pid, ask.task, ask.fields, keys, ask.dp_rank, ask.batch_index, take.id, lease_s
+        )
         take.sent = True
         (res,) = yield [Call(INDEX, "claim", claim)]
         take.answered(res)
@@ -201,40 +218,79 @@ def _next_client_side(
                 continue
             raise DataplaneError(
                 f"{name}: {CLAIM_ATTEMPTS} choices in a row were taken by other consumers of task "
-                f"{common['task']!r} first; retry"
+                f"{ask.task!r} first; retry"
             )
-        _raise_first([res])
-        return _stream_meta(common["pid"], res[0], common["task"])
+        return _stream_meta(ask.pid, _reply(res, _protocol.BatchReply), ask.task)
 
 
-def _stream_meta(partition_id: str, body: dict[str, Any], task: str) -> KVBatchMeta:
-    meta = KVBatchMeta._trusted(body["keys"], body["tags"], partition_id, body["fields"])
-    if body.get("lease") is not None:  # what ``ack`` / ``release`` need to name the lease
-        meta.extra_info["lease"] = {"task": task, "take": body["lease"]}
+def _stream_meta(
+    partition_id: str, body: _protocol.BatchReply | _protocol.ReadyReply, task: str
+) -> KVBatchMeta:
+    meta = KVBatchMeta._trusted(body.keys, body.tags, partition_id, body.fields)
+    if body.lease is not None:  # what ``ack`` / ``release`` need to name the lease
+        meta._extra["lease"] = {"task": task, "take": body.lease}
     return meta
 
 
 def release(partition_id: str, task_name: str, take: str) -> Op:
-    """Give back what take ``take`` got (a call its consumer gave up on, or a lease let go)."""
-    body = {"pid": partition_id, "task": task_name, "take": take}
-    (res,) = yield [Call(INDEX, "release", body)]
-    _raise_first([res])
-    return res[0]["released"]
+    """Give back what take ``take`` got (a call its consumer gave up on, or a lease let go); returns
+    how many rows went back."""
+    (res,) = yield [Call(INDEX, "release", _protocol.Release(partition_id, task_name, take))]
+    return _reply(res, _protocol.ReleaseReply).released
 
 
 def ack(partition_id: str, task_name: str, take: str, keys: list[str]) -> Op:
     """Acknowledge leased ``keys``; returns those whose lease had run out first."""
-    body = {"pid": partition_id, "task": task_name, "take": take, "keys": keys}
-    (res,) = yield [Call(INDEX, "ack", body)]
-    _raise_first([res])
-    return res[0]["late"]
+    (res,) = yield [Call(INDEX, "ack", _protocol.Ack(partition_id, task_name, take, keys))]
+    return _reply(res, _protocol.AckReply).late
 
 
-def stream_call(op: str, body: dict[str, Any]) -> Op:
-    """One streaming bookkeeping call to the index (finish, reset, consumption)."""
+def finish(partition_id: str) -> Op:
+    """Producers of ``partition_id`` are done (``dp.finish_partition``)."""
+    yield from index_call("finish", _protocol.OnePartition(check_partition(partition_id)))
+
+
+def reset(partition_id: str, task_name: str | None) -> Op:
+    """``task_name`` (None: every task) reads ``partition_id`` again (``dp.reset_consumption``)."""
+    yield from index_call("reset", _protocol.Reset(check_partition(partition_id), task_name))
+
+
+def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> Op:
+    """``task_name``'s progress on ``partition_id``: a ``ConsumptionReply``."""
+    body = _protocol.Consumption(check_partition(partition_id), task_name, fields)
+    got: _protocol.ConsumptionReply = yield from index_call("consumption", body)
+    return got
+
+
+def consumed(partition_id: str, task_name: str) -> Op:
+    """The keys ``task_name`` has taken from ``partition_id``."""
+    got: _protocol.ConsumedReply = yield from index_call(
+        "consumed", _protocol.Consumed(partition_id, task_name)
+    )
+    return got.keys
+
+
+def resolve(partition_id: str, keys: list[str]) -> Op:
+    """Which of ``keys`` the index knows, and the fields each holds: ``{key: [field, ...]}``."""
+    got: _protocol.ResolveReply = yield from index_call("resolve", _protocol.Resolve(partition_id, keys))
+    return got.known
+
+
+def index_call(op: str, body: msgspec.Struct) -> Op:
+    """One call to the index; returns its reply as ``op``'s reply struct (``INDEX_REPLIES``)."""
     (res,) = yield [Call(INDEX, op, body)]
-    _raise_first([res])
-    return res[0]
+    return _reply(res, _protocol.INDEX_REPLIES[op])
 
 
-__all__ = ["Take", "ack", "next_batch", "release", "stream_call"]
+__all__ = [
+    "Take",
+    "ack",
+    "consumed",
+    "consumption",
+    "finish",
+    "index_call",
+    "next_batch",
+    "release",
+    "reset",
+    "resolve",
+]

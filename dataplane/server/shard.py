@@ -265,12 +265,7 @@ class ShardCore(Operations):
                 "(dp.init(capacity_bytes=...), `rlplane store start --capacity SIZE`)"
             )
 
-    def op_put(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
-        """Reserve and commit at once: a put whose columns all travel inline in this request."""
-        self._put_inline(body, bufs)
-        return {}, []
-
-    def _put_inline(self, body: _protocol.Reserve, bufs: list[memoryview]) -> dict[str, Segment]:
+    def _store_inline(self, body: _protocol.PutReady, bufs: list[memoryview]) -> dict[str, Segment]:
         """Check and store a put whose columns all travel inline: ``op_reserve``'s checks, then
         ``_commit``'s attach, with no reservation between them (the server runs one call at a time, so
         nothing can come between the two; and there is no shared memory to hand out)."""
@@ -280,21 +275,18 @@ class ShardCore(Operations):
         fields, _ = self._checked_fields(body.pid, keys, body.fields, bufs)
         return self._attach(body.pid, keys, fields, {}, {})
 
-    def put_ready(self, body: _protocol.PutReady, bufs: list[memoryview]) -> tuple[dict[str, Any], PutUndo]:
-        """Store a one-step put now (``op_put``); returns the index commit that makes its rows ready
-        (sent on by ``ShardServer``) and what takes the rows back if the index refuses it.
+    def put_ready(
+        self, body: _protocol.PutReady, bufs: list[memoryview]
+    ) -> tuple[_protocol.IndexCommit, PutUndo]:
+        """Store a one-step put now (``_store_inline``); returns the index commit that makes its rows
+        ready (sent on by ``ShardServer``) and what takes the rows back if the index refuses it.
 
         The commit is built here from what this shard stored (partition, keys, fields, specs), so it
         can only name rows that are readable here; the client adds nothing but the tags.
         """
-        segs = self._put_inline(body, bufs)
-        commit = {
-            "pid": body.pid,
-            "keys": body.keys,
-            "fields": list(body.fields),
-            "tags": body.tags,
-            "specs": {name: f.spec for name, f in body.fields.items()},
-        }
+        segs = self._store_inline(body, bufs)
+        specs = {name: f.spec for name, f in body.fields.items()}
+        commit = _protocol.IndexCommit(body.pid, body.keys, list(body.fields), body.tags, specs=specs)
         return commit, PutUndo(body.pid, body.keys, segs)
 
     def undo_put(self, undo: PutUndo) -> None:

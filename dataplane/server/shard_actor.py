@@ -45,10 +45,11 @@ from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics, Key, ServerMetrics
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
-from dataplane.wire.requests import INDEX, next_rid
+from dataplane.wire.requests import INDEX, next_rid, reply
 from dataplane.wire.shm import boot_id
 from dataplane.wire.transport import PROBE_S, Endpoint, _Endpoints, close_socket, recv_frames, send_frames
 
@@ -68,7 +69,7 @@ class _Forward:
     sock: Any
     ident: Any
     rid: int
-    commit: dict[str, Any]
+    commit: _protocol.IndexCommit
     undo: PutUndo
     answered: bool = False
 
@@ -173,7 +174,7 @@ class ShardServer(ZmqServer):
                 return
             sock = self._index_socket(link)
             rid = next_rid()
-            frames = _wire.encode_request(rid, "commits", {"items": [f.commit for f in items]})
+            frames = _wire.encode_request(rid, "commits", _protocol.Commits([f.commit for f in items]))
             refused = link.too_large(INDEX, "commits", frames)
             if refused is not None:  # (256 small puts' commits: never in practice)
                 self._refuse(items, refused)
@@ -261,16 +262,18 @@ class ShardServer(ZmqServer):
         if rep.error is not None:  # the whole request was refused: the index recorded none of it
             self._refuse(sent.items, _rebuild(rep.error))
             return
-        results = rep.body.get("results")
-        if not isinstance(results, list) or len(results) != len(sent.items):
+        try:
+            results = reply(rep.body, _protocol.CommitsReply).results
+        except WireError:
+            results = []
+        if len(results) != len(sent.items):
             self._not_ready(sent.items, WireError(f"the index answered {len(sent.items)} commits malformed"))
             return
         for fwd, res in zip(sent.items, results, strict=True):
-            ok = res.get("ok") if isinstance(res, dict) else None
-            if isinstance(ok, dict):
-                self._answer(fwd, _wire.encode_reply(fwd.rid, ok))
-            elif isinstance(res, dict) and "err" in res:
-                self._refuse([fwd], _rebuild(res["err"]))
+            if res.ok is not None:
+                self._answer(fwd, _wire.encode_reply(fwd.rid, res.ok))
+            elif res.err is not None:
+                self._refuse([fwd], _rebuild(res.err))
             else:
                 self._not_ready([fwd], WireError("the index answered a commit malformed"))
 
@@ -290,7 +293,9 @@ class ShardServer(ZmqServer):
         """Whether the index recorded these puts is unknown: their rows stay, and the writers are told
         (taking the rows back could leave the index listing rows no shard holds)."""
         for fwd in items:
-            self._answer(fwd, _wire.encode_reply(fwd.rid, {"index_error": _wire.error_fields(exc)}))
+            self._answer(
+                fwd, _wire.encode_reply(fwd.rid, _protocol.PutReadyReply(index_error=_wire.error_fields(exc)))
+            )
 
     def _lose_index(self, exc: BaseException) -> None:
         """The index is gone: what it did with the commits in flight is unknown (``_not_ready``), and

@@ -209,7 +209,7 @@ class ShardCheckpoints:
                         desc = column_to_wire(col, bufs)
                         written = []
                         for i, buf in enumerate(bufs):
-                            if i == desc["data"] and source is not None:  # straight from the segment's file
+                            if i == desc.data and source is not None:  # straight from the segment's file
                                 written.append(writer.append_from(*source, buf))
                             else:
                                 written.append(writer.append(buf))
@@ -292,9 +292,7 @@ class ShardCheckpoints:
             for pid, chunk, keys, rows in selected:
                 seg = self._read_chunk(fd, bin_path, size, pid, chunk, rows, staged)
                 part = staged.parts.setdefault(pid, _Partition())
-                # it counts in its partition as a put's segment does (a clear takes it out again)
-                seg.owner = part
-                part.nbytes += seg.accounted
+                seg.owner = part  # (its bytes count in the partition's once the load commits)
                 part.specs.setdefault(chunk.field, seg.spec)
                 if rows is not None:
                     keys = [keys[i] for i in rows]
@@ -386,6 +384,7 @@ class ShardCheckpoints:
             staged.need = 0
             for seg in staged.segs:  # (each holds rows: every chunk read has at least one)
                 core.used += seg.accounted
+                seg.owner.nbytes += seg.accounted
                 core.heap_bytes += seg.heap_bytes
             staged.files.clear()  # owned by their segments now
             for pid in staged.pids:  # the checkpoint's partition replaces this shard's whole, rows or none

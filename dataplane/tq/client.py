@@ -260,8 +260,7 @@ class TransferQueueClient:
         want = list(listed) if keys is None else keys
         if not want:
             return listed, {}
-        body = {"pid": partition_id, "keys": want}
-        known = api._client().run(_stream_ops.stream_call("resolve", body))["known"]
+        known = api.current_client().run(_stream_ops.resolve(partition_id, want))
         return listed, known
 
     # -- metadata ------------------------------------------------------------------------------
@@ -478,8 +477,7 @@ class TransferQueueClient:
 
         _session.attach()
         keys, gis, _ = self._partition_rows(partition_id)
-        body = {"pid": partition_id, "task": task_name}
-        done = set(api._client().run(_stream_ops.stream_call("consumed", body))["keys"]) if keys else set()
+        done = set(api.current_client().run(_stream_ops.consumed(partition_id, task_name))) if keys else set()
         status = torch.tensor([int(k in done) for k in keys], dtype=torch.int8)
         return torch.tensor(gis, dtype=torch.int64), status
 

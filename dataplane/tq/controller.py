@@ -159,9 +159,7 @@ def snapshot(partition_id: str, indexes_of: Any) -> Snapshot:
     if not listed:
         return snap
     keys = list(listed)
-    known = api._client().run(_stream_ops.stream_call("resolve", {"pid": partition_id, "keys": keys}))[
-        "known"
-    ]
+    known = api.current_client().run(_stream_ops.resolve(partition_id, keys))
     gis = indexes_of(partition_id, keys)
     for key, gi in zip(keys, gis, strict=True):
         snap.keys_mapping[key] = gi

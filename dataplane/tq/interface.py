@@ -230,8 +230,7 @@ def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldN
 
     keys = [keys] if isinstance(keys, str) else list(keys)
     fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
-    body = {"pid": partition_id, "keys": keys}
-    known = _api._client().run(_stream_ops.stream_call("resolve", body))["known"]
+    known = _api.current_client().run(_stream_ops.resolve(partition_id, keys))
     held = {f: sum(f in known.get(k, ()) for k in keys) for f in fields}
     if any(0 < n < len(keys) for n in held.values()):
         raise error

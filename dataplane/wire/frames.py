@@ -34,19 +34,22 @@ import numpy as np
 from dataplane import errors
 from dataplane.codec.column_types import Column, ColumnSpec
 from dataplane.errors import ProtocolVersionError, WireError
+from dataplane.wire.protocol import MAX_FRAMES, WireColumn, WireSpec
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: client-chosen put ids (prepare.txn), take ids and leases on next/claim
+# 2: client-chosen put ids (prepare.txn), take ids and leases on next/claim. 3: typed bodies (fields
+# at their default left out), no one-step "put" op.
+PROTOCOL_VERSION = 3
 """Bump when a change makes peers of the old and new code misread each other's messages."""
 
 
-class Request(msgspec.Struct, array_like=True):
-    """Header frame of a request (the encoder's form: the body is a plain dict)."""
+class Request(msgspec.Struct, array_like=True, gc=False):
+    """Header frame of a request (the encoder's form: the body is the op's ``wire.protocol`` struct)."""
 
     rid: int
     op: str
-    body: dict[str, Any]
+    body: Any
     version: int = PROTOCOL_VERSION
 
 
@@ -60,13 +63,34 @@ class _RawRequest(msgspec.Struct, array_like=True):
     version: int = 1  # absent: a peer from before the version was sent
 
 
-class Reply(msgspec.Struct, array_like=True):
-    """Header frame of a reply; ``error`` is ``[class name, message, attrs]`` or None."""
+class Reply(msgspec.Struct, array_like=True, gc=False):
+    """Header frame of a reply as ``decode_reply`` reads it (the body a plain dict); ``error`` is
+    ``[class name, message, attrs]`` or None."""
 
     rid: int
     body: dict[str, Any]
     error: list[Any] | None = None
     version: int = 1  # absent: a peer from before the version was sent (encoders pass PROTOCOL_VERSION)
+
+
+class _OutReply(msgspec.Struct, array_like=True, gc=False):
+    """Header frame of a reply as a server encodes it: the body is the op's reply struct (or a dict of
+    the same fields)."""
+
+    rid: int
+    body: Any
+    error: list[Any] | None
+    version: int
+
+
+class RawReply(msgspec.Struct, array_like=True, gc=False):
+    """A reply header as a client decodes it (``decode_raw_reply``): the body stays raw until the
+    operation that asked reads it as its op's reply struct (``wire.protocol.reply_body``)."""
+
+    rid: int
+    body: msgspec.Raw
+    error: list[Any] | None = None
+    version: int = 1
 
 
 class _ReplyEnvelope(msgspec.Struct, array_like=True):
@@ -81,10 +105,8 @@ class _ReplyEnvelope(msgspec.Struct, array_like=True):
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(_RawRequest)
 _rep_dec = msgspec.msgpack.Decoder(Reply)
+_raw_rep_dec = msgspec.msgpack.Decoder(RawReply)
 _envelope_dec = msgspec.msgpack.Decoder(_ReplyEnvelope)
-
-MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
-
 
 SMALL_MESSAGE = 1 << 16  # below this many bytes, copying a frame is cheaper than sending it zero-copy
 
@@ -102,7 +124,7 @@ def _as_buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
-def encode_request(rid: int, op: str, body: dict[str, Any], buffers: list[Any] | None = None) -> list[Any]:
+def encode_request(rid: int, op: str, body: Any, buffers: list[Any] | None = None) -> list[Any]:
     """Frames of a request: the msgpack header, then the buffers as they are (no copy)."""
     return [_req_enc.encode(Request(rid, op, body)), *(buffers or [])]
 
@@ -123,9 +145,9 @@ def decode_request(frames: list[Any]) -> tuple[_RawRequest, list[memoryview]]:
     return _decode(frames, _req_dec, "empty message", "request")
 
 
-def encode_reply(rid: int, body: dict[str, Any], buffers: list[Any] | None = None) -> list[Any]:
+def encode_reply(rid: int, body: Any, buffers: list[Any] | None = None) -> list[Any]:
     """Frames of a successful reply."""
-    return [_req_enc.encode(Reply(rid, body, None, PROTOCOL_VERSION)), *(buffers or [])]
+    return [_req_enc.encode(_OutReply(rid, body, None, PROTOCOL_VERSION)), *(buffers or [])]
 
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -148,7 +170,7 @@ def error_fields(exc: BaseException) -> list[Any]:
 
 def encode_error(rid: int, exc: BaseException) -> list[Any]:
     """Frames of a failed reply carrying ``exc`` (class name, message and culprit attributes)."""
-    return [_req_enc.encode(Reply(rid, {}, error_fields(exc), PROTOCOL_VERSION))]
+    return [_req_enc.encode(_OutReply(rid, {}, error_fields(exc), PROTOCOL_VERSION))]
 
 
 def _version_error(client: int, service: int, who: str) -> ProtocolVersionError:
@@ -162,13 +184,24 @@ def _version_error(client: int, service: int, who: str) -> ProtocolVersionError:
 
 
 def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
-    """Parse a reply's frames; does not raise for a remote error (see ``rebuild_error``).
+    """Parse a reply's frames (its body as a plain dict); does not raise for a remote error (see
+    ``rebuild_error``).
 
     A reply of another protocol version is not read past its envelope: it comes back as a
     ``ProtocolVersionError`` reply to the same request id, so the call fails at once.
     """
+    return _decode_reply(frames, _rep_dec)
+
+
+def decode_raw_reply(frames: list[Any]) -> tuple[Reply | RawReply, list[memoryview]]:
+    """``decode_reply`` with the body left raw (``RawReply``), for the caller to read as its op's
+    reply struct."""
+    return _decode_reply(frames, _raw_rep_dec)
+
+
+def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder) -> tuple[Any, list[memoryview]]:
     try:
-        rep, bufs = _decode(frames, _rep_dec, "empty reply", "reply")
+        rep, bufs = _decode(frames, decoder, "empty reply", "reply")
     except WireError:
         # Only on this error path: the envelope of a reply whose body another version laid out.
         try:
@@ -254,8 +287,8 @@ def rebuild_error(error: Any) -> errors.DataplaneError:
 # ---- columns <-> frames ---------------------------------------------------------------------
 
 
-def spec_to_wire(spec: Any) -> list[Any]:
-    return [spec.kind, spec.dtype, list(spec.shape)]
+def spec_to_wire(spec: ColumnSpec) -> WireSpec:
+    return (spec.kind, spec.dtype, list(spec.shape))
 
 
 def spec_from_wire(d: Any) -> ColumnSpec:
@@ -266,15 +299,15 @@ def spec_from_wire(d: Any) -> ColumnSpec:
         raise WireError(f"malformed column spec {d!r}") from exc
 
 
-def column_to_wire(col: Any, buffers: list[Any]) -> dict[str, Any]:
+def column_to_wire(col: Column, buffers: list[Any]) -> WireColumn:
     """Describe ``col`` in a header, appending its data (offsets, shapes) to ``buffers`` without copying."""
-    out = {"spec": spec_to_wire(col.spec), "rows": int(col.num_rows), "data": len(buffers), "offsets": -1}
+    out = WireColumn(spec_to_wire(col.spec), int(col.num_rows), len(buffers))
     buffers.append(col.data)
     if col.offsets is not None:
-        out["offsets"] = len(buffers)
+        out.offsets = len(buffers)
         buffers.append(np.ascontiguousarray(col.offsets, dtype=np.int64).data)
     if col.shapes is not None:
-        out["shapes"] = array_to_wire(col.shapes, buffers)
+        out.shapes = array_to_wire(col.shapes, buffers)
     return out
 
 
@@ -332,12 +365,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Handler",
     "answer",
+    "RawReply",
     "Reply",
     "Request",
     "array_from_wire",
     "array_to_wire",
     "column_from_wire",
     "column_to_wire",
+    "decode_raw_reply",
     "decode_reply",
     "decode_request",
     "encode_error",

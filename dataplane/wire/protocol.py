@@ -1,4 +1,9 @@
-"""The request bodies of every shard and index operation, as typed msgspec structs.
+"""The request and reply bodies of every shard and index operation, as typed msgspec structs.
+
+One definition for both ends: the client's operations (``client.ops``, ``client.stream_ops``)
+build the request structs and read the reply structs; the servers decode the request structs
+(``decode_body``) and answer with bodies of the reply structs' shape (``SHARD_REPLIES`` and
+``INDEX_REPLIES`` name each op's; ``wire.requests.reply`` reads one on the client).
 
 Decoding a body is its first validation: a field of the wrong type, a negative size or a missing
 key is refused with a ``WireError`` naming the operation and the field before any handler code
@@ -7,8 +12,8 @@ from it: integers fit int64 (sizes and ids are never negative, a frame index is 
 ``MAX_FRAMES``, a count of rows or ranks is below 2**31), and a timeout is a finite number of
 seconds between 0 and ``MAX_TIMEOUT_S`` (``inf``, ``nan`` and ``1e306`` are refused; ``None`` waits
 for ever). What types cannot say (sizes against capacity, frame lengths against declared sizes, unique
-keys) the handlers check next, still before they change anything. Clients send plain dicts with
-the same field names; msgpack encodes both alike.
+keys) the handlers check next, still before they change anything. A body travels as a msgpack map
+(field name -> value, defaults left out), so a peer may also send a plain dict of the same names.
 
     >>> decode_body("ping", msgspec.msgpack.encode({}), SHARD_OPS)
     Ping()
@@ -17,14 +22,14 @@ the same field names; msgpack encodes both alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
 from dataplane.config import INT64_MAX, MAX_TIMEOUT_S
 from dataplane.errors import WireError
-from dataplane.wire.frames import MAX_FRAMES
 
+MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
 MAX_COUNT = 2**31 - 1  # rows of a batch, ranks, group sizes: far beyond any real one, far below overflow
 
 Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
@@ -36,10 +41,13 @@ OptionalFrame = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_FRAMES)]  # -1: no suc
 Version = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]  # -1: the client knows no version yet
 Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT_S)]  # nan fails both bounds
 WireSpec = tuple[str, str, list[Int64]]  # kind, dtype, shape (see _wire.spec_to_wire; the codec checks dims)
-Tags = list[dict[str, Any] | None] | None
+Tag = dict[str, Any]  # a key's tag: plain values only (``client.ops._check_tags``)
+Tags = list[Tag | None] | None
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=True):
+# Messages never form reference cycles, so the garbage collector need not track them (gc=False); a
+# field at its default is not sent (omit_defaults).
+class _Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, gc=False):
     pass
 
 
@@ -271,8 +279,7 @@ class CheckpointDrop(_Body):
 
 SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "reserve": Reserve,
-    "put": Reserve,  # reserve and commit at once: inline columns only
-    "put_ready": PutReady,  # the same, then the shard commits the rows in the index (see shard_actor)
+    "put_ready": PutReady,  # reserve and commit inline rows at once, then commit them in the index
     "commit": Commit,
     "abort": Abort,
     "get": Get,
@@ -311,7 +318,264 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
 }
 WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or at their timeout)
 
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+# ---- replies ------------------------------------------------------------------------------------
+# What each op answers. A reply may carry fields this version does not read (a newer peer's, or
+# what only a server loop adds, like ``clients`` in a shard's stats): they are ignored, not refused.
+
+
+class _Reply(msgspec.Struct, omit_defaults=True, gc=False):
+    pass
+
+
+class Done(_Reply):
+    """The answer of an op that only says it happened."""
+
+
+FileRef = list[int]  # a shared-memory file: [file_id, fd, size, inode, slot, generation]
+ErrorFields = list[Any]  # [error class name, message, culprit attributes] (``frames.error_fields``)
+
+
+class ReserveReply(_Reply):
+    """The reservation's id and, per field written through shared memory, the file to write into;
+    ``live`` (the shard's live file ids) when the request's ``version`` was not the current one."""
+
+    resv: int
+    files: dict[str, FileRef]
+    version: int
+    live: list[int] | None = None
+
+
+class CommitReply(_Reply):
+    """The index recorded a put: every field its keys now hold, and their merged tags."""
+
+    fields: list[str]
+    tags: list[Tag]
+
+
+class PutReadyReply(_Reply):
+    """The index's ``CommitReply`` passed on by the shard, or ``index_error``: the shard stored the
+    rows but whether the index recorded them is unknown."""
+
+    fields: list[str] = []
+    tags: list[Tag] = []
+    index_error: ErrorFields | None = None
+
+
+class InlineRows(_Reply, tag_field="t", tag="z"):
+    """A field's rows sent inline as frames."""
+
+    col: WireColumn
+
+
+# A segment of a shared-memory answer: its file, bytes, rows, offsets frame (-1: none), whether the
+# client may return a view of it (exported), its spec, and its shapes frame (-1: none).
+SegmentRef = tuple[FileRef, int, int, int, bool, WireSpec, int]
+
+
+class SegmentRows(_Reply, tag_field="t", tag="s"):
+    """A field's rows where they lie in shared memory: per requested key its segment (``seg``, an
+    int64 frame of indexes into ``segs``) and its row there (``row``, another frame)."""
+
+    segs: list[SegmentRef]
+    seg: FrameIndex
+    row: FrameIndex
+
+
+class GetReply(_Reply):
+    fields: dict[str, InlineRows | SegmentRows]
+    version: int
+    live: list[int] | None = None
+
+
+class RemovedReply(_Reply):
+    removed: int
+
+
+class ShardStatsReply(_Reply):
+    shard: int
+    bytes_used: int
+    bytes_reserved: int
+    reservations_expired: int
+    ready_puts: int
+    ready_batches: int
+    bytes_resident: int
+    bytes_warm: int
+    bytes_heap: int
+    capacity_bytes: int | None
+    shm_files: int
+    partitions: dict[str, int]
+    partition_bytes: dict[str, int]
+    clients: int | None = None  # (added by the shard's server loop: its open connections)
+
+
+class ShardPong(_Reply):
+    shard: int
+
+
+class PrepareReply(_Reply):
+    txn: int
+
+
+class CommitResult(_Reply):
+    """One commit of a ``commits`` request: its ``CommitReply``, or the error that refused it."""
+
+    ok: CommitReply | None = None
+    err: ErrorFields | None = None
+
+
+class CommitsReply(_Reply):
+    results: list[CommitResult]
+
+
+class ExistedReply(_Reply):
+    existed: bool
+
+
+class BatchReply(_Reply):
+    """Rows handed to a consumer (``next``, ``claim``, a cached ``ready``): their keys, tags and the
+    fields asked for; ``lease`` is the take id when they are leased."""
+
+    keys: list[str]
+    tags: list[Tag]
+    fields: list[str]
+    finished: bool = False
+    lease: str | None = None
+
+
+class ReadyReply(_Reply):
+    """Ready rows ``[key, tag]`` for a client-side sampler; or, when ``cached``, the batch this rank and
+    batch index got before (``keys``, ``tags``, ``fields``, ``lease`` as in ``BatchReply``)."""
+
+    cached: bool = False
+    rows: list[tuple[str, Tag]] = []
+    finished: bool = False
+    keys: list[str] = []
+    tags: list[Tag] = []
+    fields: list[str] = []
+    lease: str | None = None
+
+
+class ReleaseReply(_Reply):
+    released: int
+    known: bool
+
+
+class AckReply(_Reply):
+    late: list[str]
+
+
+class ConsumptionReply(_Reply):
+    """A consumer task's progress on a partition (``dp.consumption``)."""
+
+    total: int
+    produced: int
+    consumed: int
+    ready: int
+    leased: int
+    finished: bool
+    fields: list[str]
+
+
+class ConsumedReply(_Reply):
+    keys: list[str]
+
+
+class TaskProgress(_Reply):
+    taken: int
+    ready: int
+    leased: int
+    fields: list[str]
+
+
+class TasksReply(_Reply):
+    rows: int
+    fields: list[str]
+    finished: bool
+    tasks: dict[str, TaskProgress]
+
+
+class ListReply(_Reply):
+    list: dict[str, dict[str, Tag]]
+
+
+class ResolveReply(_Reply):
+    """Which asked keys the index knows (with the fields each holds), which it remembers cleared (it
+    remembers ``cleared_kept`` per partition); ``error`` when the partition is not there."""
+
+    partition: bool
+    known: dict[str, list[str]]
+    cleared: list[str] = []
+    cleared_kept: int = 0
+    error: str | None = None
+
+
+class IndexStatsReply(_Reply):
+    partitions: dict[str, int]
+    puts: dict[str, int]
+
+
+FileEntry = dict[str, Any]  # a checkpoint file's manifest entry (``server.checkpoint_files``)
+
+
+class CheckpointSaveReply(_Reply):
+    save: int
+    file: FileEntry
+    partitions: dict[str, int]
+
+
+class CheckpointFinishReply(_Reply):
+    file: FileEntry
+    partitions: dict[str, int]
+
+
+class CheckpointStageReply(_Reply):
+    load: int
+    partitions: dict[str, int]
+    existing: list[str]
+
+
+SHARD_REPLIES: dict[str, type[msgspec.Struct]] = {
+    "reserve": ReserveReply,
+    "put_ready": PutReadyReply,
+    "commit": Done,
+    "abort": Done,
+    "get": GetReply,
+    "clear": RemovedReply,
+    "clear_partition": RemovedReply,
+    "stats": ShardStatsReply,
+    "ping": ShardPong,
+}
+
+INDEX_REPLIES: dict[str, type[msgspec.Struct]] = {
+    "prepare": PrepareReply,
+    "commit": CommitReply,
+    "commits": CommitsReply,
+    "abort": Done,
+    "clear": RemovedReply,
+    "clear_partition": ExistedReply,
+    "list": ListReply,
+    "resolve": ResolveReply,
+    "stats": IndexStatsReply,
+    "ping": Done,
+    "next": BatchReply,
+    "ready": ReadyReply,
+    "claim": BatchReply,
+    "release": ReleaseReply,
+    "ack": AckReply,
+    "finish": Done,
+    "reset": Done,
+    "consumption": ConsumptionReply,
+    "consumed": ConsumedReply,
+    "checkpoint_save": CheckpointSaveReply,
+    "checkpoint_finish": CheckpointFinishReply,
+    "checkpoint_stage": CheckpointStageReply,
+    "checkpoint_install": Done,
+    "checkpoint_drop": Done,
+    "tasks": TasksReply,
+}
+
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def decode_body(
@@ -336,13 +600,41 @@ def decode_body(
         raise WireError(f"malformed {op!r} request: {exc}") from exc
 
 
+T = TypeVar("T")
+
+
+def encoded(value: T) -> T:
+    """``value`` encoded as msgpack now, standing in for itself in a request struct (the encoder copies
+    the bytes as they are): what a client encodes to check that it can be sent, it sends, with no
+    second encode. ``TypeError`` / ``OverflowError`` for a value msgpack cannot carry."""
+    return cast(T, msgspec.Raw(msgspec.msgpack.encode(value)))
+
+
 def unique_keys(keys: list[str], op: str) -> list[str]:
     """``keys`` if no key repeats, else ``WireError`` naming the first repeated key."""
     if len(set(keys)) != len(keys):
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))
-        raise WireError(f"{op!r} request names key {dup!r} twice")
+        raise WireError(f"{op!r} request names key {first_repeat(keys)!r} twice")
     return keys
 
 
-__all__ = ["INDEX_OPS", "SHARD_OPS", "WAITING_OPS", "WireColumn", "decode_body", "unique_keys"]
+def first_repeat(items: list[str]) -> str | None:
+    """The first item of ``items`` that an earlier one repeats (None: all distinct)."""
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
+
+
+__all__ = [
+    "INDEX_OPS",
+    "INDEX_REPLIES",
+    "SHARD_OPS",
+    "SHARD_REPLIES",
+    "WAITING_OPS",
+    "WireColumn",
+    "decode_body",
+    "encoded",
+    "unique_keys",
+]

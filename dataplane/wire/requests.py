@@ -1,9 +1,11 @@
 """Requests and replies as a client operation sees them, with no socket in sight.
 
-A sans-IO operation (``dataplane.client.ops``) yields batches of ``Call`` s and receives one
-``Result`` per call: ``(body, buffers)`` on success, or the exception the call ended with (a rebuilt
-remote error, or the transport's ``ShardUnavailableError``). ``INDEX`` is the target that names the
-index service; shards are named by their index ``0 .. N-1``.
+A sans-IO operation (``dataplane.client.ops``) yields batches of ``Call`` s (each with its op's
+request struct from ``wire.protocol``) and receives one ``Result`` per call: ``(body, buffers)`` on
+success, or the exception the call ended with (a rebuilt remote error, or the transport's
+``ShardUnavailableError``). The body is left raw by the wire; the operation reads it as the reply
+struct it expects (``reply``). ``INDEX`` is the target that names the index service; shards are
+named by their index ``0 .. N-1``.
 
 The pure helpers every driver of those operations shares live here too: ``next_rid`` (request ids,
 unique in the process), ``deadline_of`` (how long a batch of calls may take) and ``decode_result``
@@ -16,14 +18,19 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from dataplane.errors import WireError
 from dataplane.wire import frames as _wire
 
 INDEX = -1
 
-Result = tuple[dict[str, Any], list[memoryview]] | BaseException
+# A reply's body (raw msgpack from the wire; a test or an in-process core may hand over a dict or the
+# struct itself) and its buffer frames, or the exception the call ended with.
+Result = tuple[Any, list[memoryview]] | BaseException
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Call:
 
     target: int
     op: str
-    body: dict[str, Any]
+    body: msgspec.Struct  # the op's request struct (``wire.protocol``)
     bufs: list[Any] = field(default_factory=list)
     timeout: float | None = None  # seconds (``math.inf``: no limit, only death ends it); None: rpc_timeout_s
     exclusive: bool = False  # async: on a socket of its own (waiting calls, see AsyncTransport)
@@ -60,7 +67,7 @@ def decode_result(frames: list[Any]) -> tuple[int, Result]:
     ``WireError``: an operation sees either as a failed call, never as an exception of the driver.
     """
     try:
-        rep, bufs = _wire.decode_reply(frames)
+        rep, bufs = _wire.decode_raw_reply(frames)
     except WireError as exc:
         return -1, exc
     if rep.error is not None:
@@ -71,4 +78,24 @@ def decode_result(frames: list[Any]) -> tuple[int, Result]:
     return rep.rid, (rep.body, bufs)
 
 
-__all__ = ["INDEX", "Call", "Result", "deadline_of", "decode_result", "next_rid"]
+_reply_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def reply(body: Any, cls: type[R]) -> R:
+    """A successful call's reply ``body`` read as ``cls`` (its op's reply struct in ``wire.protocol``);
+    ``WireError`` naming the struct when the peer answered something else."""
+    if type(body) is cls:
+        return body
+    try:
+        if isinstance(body, dict):  # from an in-process core, or a test playing the store
+            return msgspec.convert(body, cls)
+        dec = _reply_decoders.get(cls)
+        if dec is None:
+            dec = _reply_decoders[cls] = msgspec.msgpack.Decoder(cls)
+        out: R = dec.decode(body)
+        return out
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"a malformed reply: not a {cls.__name__} ({exc})") from exc
+
+
+__all__ = ["INDEX", "Call", "Result", "deadline_of", "decode_result", "next_rid", "reply"]

@@ -234,7 +234,7 @@ def test_cuda_put_and_get_to_device(kv, pid):
 def test_writer_forgets_mappings_of_closed_segments(kv, pid):
     if kv != "shm":
         pytest.skip("mappings exist on the shared-memory path only")
-    maps = dp.api._client().maps
+    maps = dp.api.current_client().maps
     keys = _keys(64)
     for _ in range(4):
         dp.kv_batch_put(keys, pid, {"x": torch.ones(64, 4096)})  # 1 MiB: shared-memory segments

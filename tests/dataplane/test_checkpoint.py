@@ -125,11 +125,14 @@ def test_round_trip_of_every_column_kind(kv, pid, tmp_path):
     loaded = dp.load_checkpoint(tmp_path / "ckpt")
     assert loaded.metadata == {"global_steps": 3} and loaded.partitions == info.partitions
     assert capture([pid]) == before
-    # the loaded rows live like any other: overwrite, clear, put again
+    # the loaded rows live like any other: counted in their partition, overwritten, cleared
+    assert sum(s["partition_bytes"].get(pid, 0) for s in dp.stats()["shards"]) > 0
     dp.kv_batch_put(["k0"], pid, {"f32": torch.ones(1, 3)})
     assert dp.kv_batch_get(["k0"], pid, ["f32"])["f32"].tolist() == [[1.0, 1.0, 1.0]]
     dp.kv_clear(["k1"], pid)
     assert "k1" not in dp.kv_list(pid)[pid]
+    dp.clear_partition(pid)  # (a loaded segment had no partition to uncount its bytes from)
+    assert all(pid not in s["partition_bytes"] for s in dp.stats()["shards"])
 
 
 def test_async_save_and_load(kv, pid, tmp_path):

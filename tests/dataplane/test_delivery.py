@@ -20,7 +20,7 @@ import ray
 import torch
 
 import dataplane as dp
-from dataplane.api import _client
+from dataplane.api import current_client
 from dataplane.client import stream_ops
 
 from .conftest import store_fixtures, wait_for
@@ -216,7 +216,7 @@ def test_a_release_that_overtakes_its_call_takes_nothing(attached, pid):
     """The index is told to give back a take before the take itself reaches it (they travel on two
     connections): the take, when it comes, is refused and takes nothing. And a take parked waiting
     for rows is answered, taking nothing, when its consumer gives it up."""
-    client = _client()
+    client = current_client()
     _put(pid, 2)
 
     def op(take, task, fields, timeout_s):
@@ -250,7 +250,7 @@ def test_a_release_that_overtakes_its_call_takes_nothing(attached, pid):
 
 
 def test_a_retried_take_gets_the_same_rows(attached, pid):
-    client = _client()
+    client = current_client()
     _put(pid, 4)
     take = stream_ops.Take.new()
 

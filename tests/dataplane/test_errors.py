@@ -154,7 +154,7 @@ def test_store_full_writes_nothing(store, pid):
 def test_failed_copy_into_shared_memory_undoes_the_put(store, pid):
     import os
 
-    client = dp.api._client()
+    client = dp.api.current_client()
     if not all(client.route.shm):
         pytest.skip("this client has no shared-memory path to the shards")
     saved = list(client.memory.pids)

@@ -144,7 +144,7 @@ def test_a_connection_flood_without_the_secret_fails_no_legitimate_call(attached
         drop, uid = f"{nobody.pw_uid}:{nobody.pw_gid}", nobody.pw_uid
     else:
         drop, uid = "", os.getuid()
-    client = dp.api._client()
+    client = dp.api.current_client()
     registry = client.registry
     shard, index = registry["shards"][0], registry["index"]
     x = torch.arange(4 * 32768, dtype=torch.float32).reshape(4, -1)  # 128 KiB a row: through shared memory

@@ -206,15 +206,16 @@ def test_reader_never_gets_bytes_of_a_recycled_segment(ray_cluster):
 def paused_put(keys: list[str], pid: str, fields: dict):
     """Start a put and pause it after its reservation, before the client writes its rows.
 
-    Uses today's internal sans-IO operation (``api._client().engine.put`` driven by hand through
+    Uses the internal sans-IO operation (``ops.put`` on the client's route, driven by hand through
     ``client.sync.call_many``): the first step (schema check + reservation on the shard) runs now.
     Returns ``(reply bodies of that step, resume)``; ``resume()`` runs the rest of the put (copy the
     rows into the reserved memory, commit) and returns the exception it ended with, or None.
     """
+    from dataplane.client import ops
     from dataplane.codec.columns import encode_fields
 
-    client = dp.api._client()
-    op = client.engine.put(keys, pid, encode_fields(fields, len(keys)), None)
+    client = dp.api.current_client()
+    op = ops.put(client.route, keys, pid, encode_fields(fields, len(keys)), None)
     results = client.sync.call_many(next(op))
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"the first step of the put failed: {errors}"
@@ -277,7 +278,7 @@ def test_a_writer_whose_reservation_expired_gets_reservation_expired_error(ray_c
     and writes nothing (the old code raised ``ShmUnavailable``, an ``OSError``)."""
     numel = 2**18  # 1 MiB of float32: above shm_min_bytes, so it is copied into a reserved segment
     with own_store("t-race-expired", num_shards=1, rpc_timeout_s=30, reservation_timeout_s=1.0):
-        if not all(dp.api._client().route.shm):
+        if not all(dp.api.current_client().route.shm):
             pytest.skip("this client has no shared-memory path to the shard")
         _, resume = paused_put(["late"], "P", {"x": torch.full((1, numel), 1.0)})
         wait_for(lambda: dp.stats()["shards"][0]["bytes_reserved"] == 0, 30, "the reservation to expire")

@@ -216,7 +216,7 @@ def _put(core: ShardCore, pid: str, keys: list[str], rows: np.ndarray) -> None:
         "keys": keys,
         "fields": {"x": {"spec": col["spec"], "nbytes": rows.nbytes, "col": col}},
     }
-    core.op_put(core.decode("put", msgspec.msgpack.encode(body)), bufs)
+    core.put_ready(core.decode("put_ready", msgspec.msgpack.encode(body)), bufs)  # (not sent on: no index)
 
 
 def test_a_shard_snapshot_counts_rows_and_bytes_and_bounds_partitions(creds) -> None:

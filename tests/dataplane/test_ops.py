@@ -110,6 +110,11 @@ def ok(body: dict[str, Any] | None = None, bufs: Sequence[Any] = ()) -> Result:
     return decode_result(_received(_wire.encode_reply(1, body or {}, list(bufs))))[1]
 
 
+def wire(body: msgspec.Struct) -> Any:
+    """A request body as plain values, as it travels (fields at their default left out)."""
+    return msgspec.to_builtins(body)
+
+
 def err(exc: BaseException) -> Result:
     """A failed reply carrying ``exc``, as an operation receives it (a rebuilt remote error)."""
     return decode_result(_received(_wire.encode_error(1, exc)))[1]
@@ -162,7 +167,8 @@ class Loopback:
         # if the index refuses.
         body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
         commit, undo = shard.put_ready(body, bufs)
-        (res,) = self.index.handle("commits", msgspec.msgpack.encode({"items": [commit]}), [])[0]["results"]
+        raw = msgspec.msgpack.encode(_protocol.Commits([commit]))
+        (res,) = self.index.handle("commits", raw, [])[0]["results"]
         if "err" in res:
             shard.undo_put(undo)
             raise _wire.rebuild_error(res["err"])
@@ -339,10 +345,10 @@ def test_a_dead_shard_during_reserve_is_named_and_the_rest_undone():
 
     calls = next(op)
     assert targets(calls) == [(INDEX, "prepare"), (0, "reserve"), (1, "reserve")]
-    txn = calls[0].body["txn"]  # the client's choice
+    txn = calls[0].body.txn  # the client's choice
     aborts = op.send([ok({"txn": txn}), ok({"resv": 11, "files": {}, "version": 0}), dead(1)])
 
-    assert [(c.target, c.op, c.body) for c in aborts] == [
+    assert [(c.target, c.op, wire(c.body)) for c in aborts] == [
         (0, "abort", {"resv": 11}),
         (INDEX, "abort", {"txn": txn}),
     ]
@@ -361,21 +367,19 @@ def test_a_prepare_the_index_did_not_answer_is_aborted_all_the_same(index_answer
     op = ops.put(route, keys, PID, encode_fields(batch(2), 2), None)
 
     calls = next(op)
-    txn = calls[0].body["txn"]
+    txn = calls[0].body.txn
     silent = ShardUnavailableError("index", "index at unix:@x did not answer within 60.0s")
     no_answer = dead(INDEX) if index_answer == "dead" else silent  # (the transport's own errors)
-    aborts = op.send([no_answer, ok({"resv": 11, "files": {}, "version": 0}), ok({"resv": 12})])
-    assert [(c.target, c.body) for c in aborts] == [(0, {"resv": 11}), (1, {"resv": 12})]
+    reserved = [ok({"resv": r, "files": {}, "version": 0}) for r in (11, 12)]
+    aborts = op.send([no_answer, *reserved])
+    assert [(c.target, wire(c.body)) for c in aborts] == [(0, {"resv": 11}), (1, {"resv": 12})]
     (index_abort,) = op.send([ok(), ok()])
-    assert (index_abort.target, index_abort.op, index_abort.body) == (INDEX, "abort", {"txn": txn})
+    assert (index_abort.target, index_abort.op, wire(index_abort.body)) == (INDEX, "abort", {"txn": txn})
     assert index_abort.timeout == ops.ABORT_WAIT_S
     with pytest.raises(ShardUnavailableError) as exc:
         op.send([no_answer])  # the abort's own fate changes nothing: the put's error is the prepare's
     assert exc.value.shard == "index"
-    assert (
-        calls[0].body["txn"]
-        != next(ops.put(route, keys, PID, encode_fields(batch(2), 2), None))[0].body["txn"]
-    )
+    assert calls[0].body.txn != next(ops.put(route, keys, PID, encode_fields(batch(2), 2), None))[0].body.txn
 
 
 def test_schema_refusal_from_the_index(stores):
@@ -416,9 +420,9 @@ def test_put_that_stalls_past_its_commit_window_aborts():
     route.commit_within_s = -1.0  # any time between reserve and commit is too long
     op = ops.put(route, ["a"], PID, encode_fields(batch(1), 1), None)
     calls = next(op)
-    txn = calls[0].body["txn"]
+    txn = calls[0].body.txn
     aborts = op.send([ok({"txn": txn}), ok({"resv": 4, "files": {}, "version": 0})])
-    assert [(c.target, c.op, c.body) for c in aborts] == [
+    assert [(c.target, c.op, wire(c.body)) for c in aborts] == [
         (0, "abort", {"resv": 4}),
         (INDEX, "abort", {"txn": txn}),
     ]
@@ -431,12 +435,12 @@ def test_failed_shard_commit_aborts_the_index_and_names_what_was_written():
     route = make_route(2)
     keys = keys_on(route.placement, 0, 1) + keys_on(route.placement, 1, 1)
     op = ops.put(route, keys, PID, encode_fields(batch(2), 2), None)
-    txn = next(op)[0].body["txn"]
+    txn = next(op)[0].body.txn
     reserved = [ok({"resv": r, "files": {}, "version": 0}) for r in (1, 2)]
     commits = op.send([ok({"txn": txn}), *reserved])
     assert targets(commits) == [(0, "commit"), (1, "commit")]
     (abort,) = op.send([ok(), dead(1)])  # the index is not asked to commit: the rows are not made ready
-    assert (abort.target, abort.op, abort.body) == (INDEX, "abort", {"txn": txn})
+    assert (abort.target, abort.op, wire(abort.body)) == (INDEX, "abort", {"txn": txn})
     with pytest.raises(ShardUnavailableError, match=r"committed only in part: shards \[0\]") as exc:
         op.send([ok()])
     assert repr(keys[1]) in str(exc.value) and exc.value.shard == "shard1"
@@ -487,18 +491,18 @@ def _shm_put(route: ops.Route, memory: FakeMemory, keys: list[str], x: torch.Ten
     op = ops.put(route, keys, PID, cols, None)
     calls = next(op)
     assert targets(calls) == [(INDEX, "prepare"), (0, "reserve")]
-    assert calls[1].body["fields"]["x"]["col"] is None and calls[1].bufs == []  # no bytes in the request
+    assert calls[1].body.fields["x"].col is None and calls[1].bufs == []  # no bytes in the request
     ref = memory.add_file(0, file_id=7, size=nbytes + 100, slot=3, gen=9)
     reserved = {"resv": 5, "files": {"x": ref}, "version": 2, "live": [7]}
-    (commit,) = op.send([ok({"txn": calls[0].body["txn"]}), ok(reserved)])
-    assert (commit.target, commit.op, commit.body["resv"]) == (0, "commit", 5)
+    (commit,) = op.send([ok({"txn": calls[0].body.txn}), ok(reserved)])
+    assert (commit.target, commit.op, commit.body.resv) == (0, "commit", 5)
     assert bytes(memory.files[(0, 7)][:nbytes]) == bytes(cols["x"].data)  # copied straight into the file
     assert memory.pruned == [(0, 2, [7])]
     (index_commit,) = op.send([ok()])
-    assert (index_commit.target, index_commit.op, index_commit.body["txn"]) == (
+    assert (index_commit.target, index_commit.op, index_commit.body.txn) == (
         INDEX,
         "commit",
-        calls[0].body["txn"],
+        calls[0].body.txn,
     )
     meta = finish(op, [ok({"fields": ["x"], "tags": [{} for _ in keys]})])
     assert meta.keys == keys
@@ -527,7 +531,7 @@ def test_shared_memory_put_then_get_through_fake_memory():
 
     op = ops.get(route, ["c", "a"], PID, ["x"], copy=True)
     (call,) = next(op)
-    assert call.body["shm"] is True and call.body["export"] is False and call.body["version"] == 2
+    assert call.body.shm is True and call.body.export is False and call.body.version == 2
     cols = finish(op, [_shm_reply(ref, 48, 4, [2, 0], spec, view=False)])
     assert torch.equal(decode_fields(cols, 2)["x"], x[[2, 0]])
 
@@ -595,7 +599,7 @@ def test_an_exported_segment_comes_back_as_a_view():
 
     op = ops.get(route, ["a", "b"], PID, ["x"], copy=False)
     (call,) = next(op)
-    assert call.body["export"] is True
+    assert call.body.export is True
     cols = finish(op, [_shm_reply(ref, 24, 2, [0, 1], spec, view=True)])
     out = np.frombuffer(cols["x"].data, np.uint8)
     assert np.shares_memory(out, np.frombuffer(memory.files[(0, ref[0])], np.uint8))  # no copy
@@ -622,10 +626,10 @@ def test_a_segment_that_cannot_be_mapped_aborts_the_put():
     memory = FakeMemory(1)
     route = make_route(1, shm=True, memory=memory)
     op = ops.put(route, ["a"], PID, encode_fields({"x": torch.ones(1, 3)}, 1), None)
-    txn = next(op)[0].body["txn"]
+    txn = next(op)[0].body.txn
     gone = [99, 1, 12, 1, 0, 1]  # a file the fake does not hold
     aborts = op.send([ok({"txn": txn}), ok({"resv": 6, "files": {"x": gone}, "version": 1})])
-    assert [(c.target, c.op, c.body) for c in aborts] == [
+    assert [(c.target, c.op, wire(c.body)) for c in aborts] == [
         (0, "abort", {"resv": 6}),
         (INDEX, "abort", {"txn": txn}),
     ]
@@ -699,7 +703,7 @@ def test_partial_clear_keeps_the_first_failures_type():
     op = ops.clear(route, keys, PID)
     calls = next(op)
     assert targets(calls) == [(0, "clear"), (1, "clear"), (INDEX, "clear")]
-    assert calls[1].body == {"pid": PID, "keys": [keys[1]]}
+    assert wire(calls[1].body) == {"pid": PID, "keys": [keys[1]]}
     with pytest.raises(
         WireError, match=r"shards \[1\] freed their rows; the index forgot them; shard 0: malformed"
     ):

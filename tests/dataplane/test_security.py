@@ -75,7 +75,7 @@ def attached(store, monkeypatch):
     monkeypatch.delenv("DATAPLANE_ALLOW_PICKLE", raising=False)
     dp.close()
     dp.init(name=NAME)
-    assert not dp.api._client().allow_pickle
+    assert not dp.api.current_client().allow_pickle
     yield store
     dp.close()
 
@@ -316,7 +316,7 @@ def test_encrypted_store_speaks_only_curve_over_tcp(ray_cluster):
     socks: dict[str, zmq.Socket] = {}
     try:
         dp.init(name="t-sec-enc", transport="tcp")
-        client = dp.api._client()
+        client = dp.api.current_client()
         assert client.transport == "zmq"
         for ep in client.sync.endpoints.values():
             assert ep.address.startswith("tcp://") and ep.curve, ep

@@ -136,7 +136,7 @@ def test_async_api_inside_an_async_actor(shared, pid):
 
 
 def test_index_refuses_tensor_bytes(shared):
-    sock = raw_socket(dp.api._client().registry, "index")
+    sock = raw_socket(dp.api.current_client().registry, "index")
     reply = request(sock, "commit", {"pid": "p", "keys": ["a"]}, [b"\0" * 64])
     sock.close()
     assert reply is not None, "the index did not answer"

@@ -177,7 +177,6 @@ def test_shard_side_modules_do_not_import_torch():
 
 def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
     """A ``put_ready`` as ``ShardServer`` serves it: the rows stored, the index commit to send on."""
-    from dataplane.wire import protocol as _protocol
 
     cols = encode_fields(fields, len(keys))
     bufs: list = []
@@ -195,8 +194,15 @@ def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=No
         "tags": tags,
     }
     frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]
+    return _serve_put_ready(core, body, frames)
+
+
+def _serve_put_ready(core: ShardCore, body: dict, frames=()):
+    """``body`` decoded as a ``put_ready`` (as ``ShardServer`` does), then stored by ``core``."""
+    from dataplane.wire import protocol as _protocol
+
     typed = _protocol.decode_body("put_ready", msgspec.msgpack.encode(body), _protocol.SHARD_OPS)
-    return core.put_ready(typed, frames)
+    return core.put_ready(typed, list(frames))
 
 
 def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
@@ -205,11 +211,12 @@ def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
         call(core, "put_ready", {"pid": "p", "keys": ["a"], "fields": {}}, [])
     commit, _ = _put_ready(core, "p", ["a", "b"], {"x": torch.tensor([1, 2])}, tags=[{"t": 1}, None])
     # the index commit names what this shard stored, with the client's tags, nothing else
-    assert commit == {
+    assert msgspec.structs.asdict(commit) == {
         "pid": "p",
         "keys": ["a", "b"],
         "fields": ["x"],
         "tags": [{"t": 1}, None],
+        "txn": None,
         "specs": {"x": ("dense", "int64", [])},
     }
     body, frames = _get(core, "p", ["a", "b"])  # readable before the index is asked
@@ -237,9 +244,9 @@ def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
 
 
 def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
-    """``put_ready`` (and ``put``) store inline rows with no reservation between the checks and the
-    attach: what a reserve refuses they refuse, changing nothing, and what they store costs what a
-    reserve + commit of the same rows costs."""
+    """``put_ready`` stores inline rows with no reservation between the checks and the attach: what a
+    reserve refuses it refuses, changing nothing, and what it stores costs what a reserve + commit of
+    the same rows costs."""
     from dataplane.errors import WireError
 
     two_step, one_step = ShardCore(0), ShardCore(1, capacity_bytes=64)
@@ -264,10 +271,10 @@ def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
         "col": _wire.column_to_wire(cols["x"], bufs),
     }
     with pytest.raises(WireError, match="frame"):  # a declared frame that was not sent
-        call(one_step, "put", {"pid": "p", "keys": ["c"], "fields": {"x": wire}}, [])
+        _serve_put_ready(one_step, {"pid": "p", "keys": ["c"], "fields": {"x": wire}})
     del wire["col"]
     with pytest.raises(WireError, match="inline"):
-        call(one_step, "put", {"pid": "p", "keys": ["c"], "fields": {"x": wire}}, [])
+        _serve_put_ready(one_step, {"pid": "p", "keys": ["c"], "fields": {"x": wire}})
     assert one_step.stats() == before and "c" not in one_step.partitions["p"].rows
 
 

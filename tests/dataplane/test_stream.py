@@ -200,12 +200,13 @@ def test_a_row_handed_out_is_readable_at_once(attached, pid):
     order is one that really happens). The put commits on the shards before the index, so the
     index's commit is alone in its round (it failed before that order was fixed).
     """
+    from dataplane.client import ops
     from dataplane.codec.columns import encode_fields
     from dataplane.wire.requests import INDEX
 
-    client = dp.api._client()
+    client = dp.api.current_client()
     dp.kv_batch_put(["k-0"], pid, {"a": torch.zeros(1)})
-    op = client.engine.put(["k-0"], pid, encode_fields({"b": torch.ones(1)}, 1), None)
+    op = ops.put(client.route, ["k-0"], pid, encode_fields({"b": torch.ones(1)}, 1), None)
     outcome = None
     try:
         calls = next(op)
