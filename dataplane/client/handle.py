@@ -32,7 +32,8 @@ from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
 from dataplane.wire.requests import INDEX
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import AsyncTransport, Endpoint, SyncTransport
+from dataplane.wire.sockets import Endpoint
+from dataplane.wire.transport import AsyncTransport, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 STOPPED_WAIT_S = 2.0  # how long a failed call waits to learn whether the whole store was stopped

@@ -38,7 +38,7 @@ from dataplane.errors import (
 from dataplane.samplers import from_spec
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.index_checkpoint import IndexCheckpoints
-from dataplane.server.router import POLL_MS, ZmqServer
+from dataplane.server.router import POLL_MS, RequestServer
 from dataplane.server.streams import PartitionStreams
 from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
@@ -645,7 +645,7 @@ class _Waiter:
     incarnation: int | None = None  # of the partition it waits on, if that existed when it came
 
 
-class IndexServer(ZmqServer):
+class IndexServer(RequestServer):
     """The index's request loop: one thread, so ``IndexCore`` needs no lock.
 
     Requests that may wait (``next``, ``ready``) are answered at once when rows are ready; otherwise

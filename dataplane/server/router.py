@@ -1,6 +1,7 @@
-"""A zmq ROUTER loop on its own thread, serving a service core (``dispatch.Operations``).
+"""The store's request loop on its own thread, serving a service core (``dispatch.Operations``) on zmq
+ROUTER sockets and on the Unix lane alike.
 
-``ZmqServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
+``RequestServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
 index (``index.IndexServer``) subclass it and change only how a decoded request is answered
 (``serve``): a few of their ops are answered later, the rest run on the core at once. So both
 bind, authenticate, check and refuse alike: every request gets an answer, success or error,
@@ -57,7 +58,7 @@ from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
-from dataplane.wire.transport import recv_frames, send_frames
+from dataplane.wire.sockets import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,13 @@ def _poll_seconds(timeout_ms: Any) -> float:
     return timeout_ms / 1000
 
 
-# Why a connection or a request was refused (``ZmqServer.refusals``; the ``reason`` label).
+# Why a connection or a request was refused (``RequestServer.refusals``; the ``reason`` label).
 REFUSALS = ("auth", "uid", "handshake_timeout", "evicted", "protocol_version", "malformed")
 
 
-class ZmqServer:
-    """Serves ``core``'s operations on authenticated ROUTER sockets from a daemon thread."""
+class RequestServer:
+    """Serves ``core``'s operations on authenticated ROUTER sockets and Unix-lane connections from a
+    daemon thread."""
 
     def __init__(
         self,
@@ -183,7 +185,7 @@ class ZmqServer:
         self._socks.append(sock)
         return sock
 
-    def start(self) -> ZmqServer:
+    def start(self) -> RequestServer:
         self._thread.start()
         return self
 
@@ -526,4 +528,4 @@ class ZmqServer:
             self._thread.join(timeout)
 
 
-__all__ = ["ZmqServer"]
+__all__ = ["RequestServer"]

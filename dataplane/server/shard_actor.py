@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import threading
 import time
@@ -38,7 +37,7 @@ from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
 from dataplane.server.host_memory import HostMemory
-from dataplane.server.router import ZmqServer
+from dataplane.server.router import RequestServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.server.shard_checkpoint import ShardCheckpoints
 from dataplane.telemetry import bounds as _bounds
@@ -49,9 +48,10 @@ from dataplane.wire import protocol as _protocol
 from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
+from dataplane.wire.policy import Probe, RequestPolicy
 from dataplane.wire.requests import INDEX, next_rid, reply
 from dataplane.wire.shm import boot_id
-from dataplane.wire.transport import PROBE_S, Endpoint, _Endpoints, close_socket, recv_frames, send_frames
+from dataplane.wire.sockets import Endpoint, Endpoints, close_socket, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +74,7 @@ class _Forward:
     answered: bool = False
 
 
-@dataclass(eq=False)
-class _Sent:
-    """A ``commits`` request in flight to the index."""
-
-    items: list[_Forward]
-    started: float
-    deadline: float
-    next_probe: float
-
-
-class ShardServer(ZmqServer):
+class ShardServer(RequestServer):
     """The shard's request loop: ``ShardCore`` operations, and ``put_ready`` passed on to the index."""
 
     core: ShardCore
@@ -104,10 +94,14 @@ class ShardServer(ZmqServer):
             core, host_ip, name, creds, tick=core.tick, lock=lock, max_message_bytes=max_message_bytes
         )
         self._index_wait_s = INDEX_WAIT * rpc_timeout_s
-        self._link: _Endpoints | None = None  # set by ``link`` before any client learns of this shard
-        self._dealer: Any = None  # to the index, created on the server thread: a DEALER or a Unix-lane conn
+        self._link: Endpoints | None = None  # set by ``link`` before any client learns of this shard
+        # When each ``commits`` request in flight ends (``wire.policy``), also set by ``link``.
+        self._policy: RequestPolicy | None = None
+        # The link's connection to the index, opened on the server thread: a Unix-lane connection
+        # when the index is on this host (and the lane is on), else a DEALER.
+        self._index_conn: Any = None
         self._outbox: list[_Forward] = []
-        self._sent: dict[int, _Sent] = {}
+        self._sent: dict[int, list[_Forward]] = {}  # rid -> the puts its ``commits`` request carries
         self._next_check = 0.0  # no request in flight is due for a probe or its deadline before this
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         self._peer_metrics: ClientMetrics | None = None  # the index found dead, when metrics are on
@@ -123,8 +117,8 @@ class ShardServer(ZmqServer):
         target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
         on_dead = None if self._peer_metrics is None else self._peer_metrics.peer_dead
         liveness = Liveness({INDEX: target}, on_dead=on_dead)
-        self._link = _Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness)
-        self._link.uses_lane = True  # (the link connects over the lane whenever the index has one)
+        self._link = Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness, lane=True)
+        self._policy = RequestPolicy(liveness.known)
 
     # ---- requests --------------------------------------------------------------------------------
     def serve(
@@ -146,11 +140,11 @@ class ShardServer(ZmqServer):
 
     def after_poll(self) -> None:
         # Each step guarded on its own: a failure in one answers the writers it concerns, and the
-        # others still run (``ZmqServer._guarded`` logs it).
+        # others still run (``RequestServer._guarded`` logs it).
         if self._outbox:
             self._send_outbox()
-        if type(self._dealer) is _unix.Conn and self._dealer.pending:  # the index's socket was full
-            self._guarded("flushing the commits to the index", self._dealer.flush)
+        if type(self._index_conn) is _unix.Conn and self._index_conn.pending:  # the index's socket was full
+            self._guarded("flushing the commits to the index", self._index_conn.flush)
         if self._sent and time.monotonic() >= self._next_check:
             try:
                 self._check_sent()
@@ -166,10 +160,10 @@ class ShardServer(ZmqServer):
         """Send the queued commits to the index in one request. Until the request is on its way
         anything that fails refuses them (the index never saw them: their rows are taken back)."""
         items, self._outbox = self._outbox, []
-        link = self._link
-        assert link is not None  # _put_ready queues nothing before the link
+        link, policy = self._link, self._policy
+        assert link is not None and policy is not None  # _put_ready queues nothing before the link
         try:
-            if link.liveness.known_dead(INDEX):  # found dead before: these commits are not even sent
+            if policy.refuses(INDEX):  # found dead before: these commits are not even sent
                 self._refuse(items, link.died(INDEX))
                 return
             sock = self._index_socket(link)
@@ -199,30 +193,28 @@ class ShardServer(ZmqServer):
             self._refuse(items, exc)
             return
         now = time.monotonic()
-        sent = self._sent[rid] = _Sent(items, now, now + self._index_wait_s, now + PROBE_S)
-        self._next_check = min(self._next_check, sent.deadline, sent.next_probe)
+        policy.start(rid, INDEX, now, now + self._index_wait_s)  # (not refused: checked above)
+        self._sent[rid] = items
+        self._next_check = min(self._next_check, policy.wake_at())
         self.core.ready_puts += len(items)  # counted for stats(): how many puts one request carries
         self.core.ready_batches += 1
 
-    def _index_socket(self, link: _Endpoints) -> Any:
-        if self._dealer is None:
-            if link.endpoints[INDEX].unix is not None:
-                self._dealer = link._unix_conn(INDEX)
-            else:
-                self._dealer = link._dealer(self._ctx, INDEX)
-            self.watch(self._dealer, self._on_index_reply)
-        return self._dealer
+    def _index_socket(self, link: Endpoints) -> Any:
+        if self._index_conn is None:
+            self._index_conn = link.connect(self._ctx, INDEX)  # (a Unix-lane connect does not wait)
+            self.watch(self._index_conn, self._on_index_reply)
+        return self._index_conn
 
     def _drop_index_socket(self) -> None:
-        if self._dealer is not None:
-            self.unwatch(self._dealer)
-            close_socket(self._dealer)
-            self._dealer = None
+        if self._index_conn is not None:
+            self.unwatch(self._index_conn)
+            close_socket(self._index_conn)
+            self._index_conn = None
 
     def _on_index_reply(self) -> None:
         link = self._link
         assert link is not None
-        sock = self._dealer
+        sock = self._index_conn
         try:
             if type(sock) is _unix.Conn:
                 try:
@@ -247,29 +239,31 @@ class ShardServer(ZmqServer):
         except Exception:  # noqa: BLE001 - its writers are answered at its deadline
             logger.warning("%s: an undecodable reply from the index was dropped", self.name, exc_info=True)
             return
-        sent = self._sent.pop(rep.rid, None)
-        if sent is None:  # the answer to a request that already timed out
+        policy = self._policy
+        assert policy is not None
+        items = self._sent.pop(rep.rid, None)
+        if not policy.reply(rep.rid) or items is None:  # the answer to a request that already gave up
             return
         try:
-            self._settle(sent, rep)
+            self._settle(items, rep)
         except Exception as exc:  # noqa: BLE001 - the writers not answered yet are told, the loop goes on
-            logger.exception("%s: answering %d puts from the index failed", self.name, len(sent.items))
+            logger.exception("%s: answering %d puts from the index failed", self.name, len(items))
             why = WireError(f"the shard failed to read the index's answer to this put ({exc!r})")
-            self._not_ready([f for f in sent.items if not f.answered], why)
+            self._not_ready([f for f in items if not f.answered], why)
 
-    def _settle(self, sent: _Sent, rep: _wire.Reply) -> None:
+    def _settle(self, items: list[_Forward], rep: _wire.Reply) -> None:
         """Answer the writers of one ``commits`` request from the index's reply."""
         if rep.error is not None:  # the whole request was refused: the index recorded none of it
-            self._refuse(sent.items, _rebuild(rep.error))
+            self._refuse(items, _rebuild(rep.error))
             return
         try:
             results = reply(rep.body, _protocol.CommitsReply).results
         except WireError:
             results = []
-        if len(results) != len(sent.items):
-            self._not_ready(sent.items, WireError(f"the index answered {len(sent.items)} commits malformed"))
+        if len(results) != len(items):
+            self._not_ready(items, WireError(f"the index answered {len(items)} commits malformed"))
             return
-        for fwd, res in zip(sent.items, results, strict=True):
+        for fwd, res in zip(items, results, strict=True):
             if res.ok is not None:
                 self._answer(fwd, _wire.encode_reply(fwd.rid, res.ok))
             elif res.err is not None:
@@ -301,25 +295,28 @@ class ShardServer(ZmqServer):
         """The index is gone: what it did with the commits in flight is unknown (``_not_ready``), and
         the next commit opens a new socket."""
         sent, self._sent = list(self._sent.values()), {}
-        for s in sent:
-            self._not_ready(s.items, exc)
+        if self._policy is not None:
+            self._policy.lost(INDEX)  # (a late answer to any of them is dropped)
+        for items in sent:
+            self._not_ready(items, exc)
         self._drop_index_socket()
 
     def _check_sent(self) -> None:
-        link = self._link
-        assert link is not None
+        """Carry out what the policy says is due for the commits in flight: a request past its
+        deadline tells its writers; a silent index is probed, and found dead, the link is lost."""
+        link, policy = self._link, self._policy
+        assert link is not None and policy is not None
         now = time.monotonic()
-        for rid, sent in list(self._sent.items()):
-            if now >= sent.deadline:
-                del self._sent[rid]
-                self._not_ready(sent.items, link.unavailable(INDEX, now - sent.started))
-            elif now >= sent.next_probe and link.liveness.targets[INDEX].local:
+        for decision in policy.due(now):
+            if isinstance(decision, Probe):
                 # Only a /proc read here: asking Ray about a remote index could stall this loop.
-                sent.next_probe = now + PROBE_S
-                if link.liveness.dead(INDEX):
+                dead = link.liveness.targets[INDEX].local and link.liveness.dead(INDEX)
+                if policy.probed(INDEX, dead, now):
                     self._lose_index(link.died(INDEX))
                     return
-        self._next_check = min((min(s.deadline, s.next_probe) for s in self._sent.values()), default=math.inf)
+            else:
+                self._not_ready(self._sent.pop(decision.rid), link.give_up(decision))
+        self._next_check = policy.wake_at()
 
     # ---- metrics ---------------------------------------------------------------------------------
     def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:

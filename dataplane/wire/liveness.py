@@ -66,6 +66,11 @@ class Liveness:
     def known_dead(self, target: int) -> bool:
         return target in self._dead
 
+    @property
+    def known(self) -> frozenset[int] | set[int]:
+        """The targets found dead so far: a live view (it grows; never write to it)."""
+        return self._dead
+
     def dead(self, target: int) -> bool:
         """Whether ``target`` is dead now (may make one Ray call of up to 2 s for a remote target)."""
         if target in self._dead:

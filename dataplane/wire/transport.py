@@ -13,197 +13,44 @@ sockets are not thread-safe, so a call owns its set while it runs): a process ke
 coroutines share one connection (requests are pipelined).
 
 Both return, per call, either ``(body, buffers)`` or the exception the call ended with: a rebuilt
-remote error, or ``ShardUnavailableError`` naming the target. A reply that is late for more than
-``PROBE_S`` makes the transport ask whether its target died (``wire.liveness``): a dead target fails
-its calls at once, and every later call to it fails without being sent; a live but slow one is
-waited for until the deadline. Sends are inside the deadline too, and a socket that timed out
-is closed, so nothing queued for a dead peer lingers. Replies to requests that already timed out
-are recognised by id and dropped.
+remote error, or ``ShardUnavailableError`` naming the target. When a call ends is decided by
+``wire.policy.RequestPolicy`` (the deadline, the probe of a target silent for ``PROBE_S`` through
+``wire.liveness``, a dead target's calls failed at once and later ones not even sent, late replies
+dropped); the transports only carry its decisions out. Sends are inside the deadline too, and a
+socket that timed out is closed, so nothing queued for a dead peer lingers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from dataplane.errors import RequestTooLargeError, ShardUnavailableError
-from dataplane.wire import auth as _auth
+from dataplane.errors import ShardUnavailableError
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
-from dataplane.wire.liveness import Liveness
+from dataplane.wire.policy import DEAD, GiveUp, Probe, RequestPolicy, poll_ms
 from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
-from dataplane.wire.shm import fd_limit_error
+from dataplane.wire.sockets import EVENTS, NOBLOCK, POLLIN, Endpoints, close_socket, recv_frames, send_frames
 
-PROBE_S = 1.0  # a reply this late makes the transport ask whether its target died
 _forks = [0]  # bumped in a forked child: the sockets it inherited are its parent's, never to be used
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 MAX_IDLE_SETS = 8
-# Plain ints: pyzmq's flag enums cost microseconds per operation, and a small request pays several.
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
-_EVENTS = int(zmq.EVENTS)
 _poll = zmq.zmq_poll
 
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
-    """Receive one multipart message as zero-copy ``Frame`` s.
-
-    ``Socket.recv_multipart`` asks the socket (``RCVMORE``) after every frame; a received frame
-    already says whether more follow (``Frame.more``), which saves a socket call per frame: about
-    half the cost of receiving a small message here.
-    """
-    frame = sock.recv(flags, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(flags, copy=False)
-        frames.append(frame)
-    return frames
-
-
-def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
-    """Send a multipart message on a blocking (not ``zmq.asyncio``) socket: copied when small, zero-copy
-    when large (``wire.frames.zero_copy``).
-
-    ``Socket.send_multipart`` does the same with a type check of every frame and enum arithmetic per
-    frame, which costs more than the send itself for a small request.
-    """
-    copy = not _wire.zero_copy(frames)
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        _send(sock, frame, flags | _SNDMORE if i < last else flags, copy)
-
-
-# The backend's send: ``zmq.Socket.send`` only adds draft-socket options (routing_id, group) on top of
-# it, at the cost of one more Python call per frame; a small put's request and replies are 5 frames.
-_send = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket.send
-
-
-@dataclass
-class Endpoint:
-    """Where a target listens and how to authenticate to it."""
-
-    address: str
-    name: str
-    curve: bool = False  # CURVE (encrypted tcp) rather than PLAIN
-    unix: str | None = None  # the same-host Unix lane (``wire.unix``), used by blocking clients
-    max_frame: int = -1  # the largest frame the target takes (-1: no limit known)
-
-
-class _Endpoints:
-    def __init__(
-        self,
-        endpoints: dict[int, Endpoint],
-        creds: _auth.Credentials,
-        timeout: float,
-        liveness: Liveness,
-        max_message_bytes: int = -1,
-    ) -> None:
-        self.endpoints = endpoints
-        self.creds = creds
-        self.timeout = timeout
-        self.liveness = liveness
-        self.max_message_bytes = max_message_bytes
-
-    def _dealer(self, ctx: zmq.Context, target: int) -> zmq.Socket:
-        ep = self.endpoints[target]
-        try:
-            sock = ctx.socket(zmq.DEALER)
-        except zmq.ZMQError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise fd_limit_error(f"opening a socket to {ep.name}", OSError(exc.errno, str(exc))) from exc
-            raise
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        _auth.secure_client(sock, self.creds, ep.curve)
-        sock.connect(ep.address)
-        return sock
-
-    def _unix_conn(self, target: int, timeout: float = 0.0) -> _unix.Conn:
-        """A Unix-lane connection to ``target``; ``ConnectionError`` when it cannot be made within
-        ``timeout`` seconds (0: at once, for a server's loop, which must never block)."""
-        ep = self.endpoints[target]
-        assert ep.unix is not None
-        try:
-            return _unix.connect(
-                ep.unix,
-                self.creds.secret,
-                max_frames=_wire.MAX_FRAMES + 1,
-                max_bytes=self.max_message_bytes,
-                timeout=timeout,
-            )
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise fd_limit_error(f"opening a socket to {ep.name}", exc) from exc
-            raise
-
-    def too_large(self, target: int, op: str, frames: list[Any]) -> RequestTooLargeError | None:
-        """The refusal of a request with a frame its target does not take, or None.
-
-        The target drops such a frame unread (libzmq's ``MAXMSGSIZE``, the Unix lane's frame limit:
-        the connection is closed), so the call would only end at its deadline, blamed on the target;
-        refused here, before it is sent, it ends at once and says why.
-        """
-        ep = self.endpoints[target]
-        limit = ep.max_frame
-        if limit < 0:
-            return None
-        for i, frame in enumerate(frames):
-            size = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
-            if size > limit:
-                what = "its header (keys, tags and column descriptions)" if i == 0 else f"buffer frame {i}"
-                return RequestTooLargeError(
-                    f"a {op!r} request to {ep.name} was not sent: {what} is {size} bytes, more than the "
-                    f"{limit} bytes that service takes in one frame (the store's max_message_bytes; a shard "
-                    "with a capacity takes no frame larger than its capacity plus 1 MiB); nothing was "
-                    "written. Send fewer keys (or smaller rows) per call, or start the store with a larger "
-                    "max_message_bytes (and capacity_bytes)"
-                )
-        return None
-
-    def gone(self, target: int, waited: float, why: str) -> ShardUnavailableError:
-        """The error for a target whose connection closed or could not be made: dead, or unavailable."""
-        return self.died(target) if self.liveness.dead(target) else self.unavailable(target, waited, why)
-
-    uses_lane = False  # whether calls to a target with a Unix-lane address go over it (errors name it)
-
-    def _where(self, ep: Endpoint) -> str:
-        return f"unix:{ep.unix}" if self.uses_lane and ep.unix is not None else ep.address
-
-    def unavailable(self, target: int, waited: float, why: str = "") -> ShardUnavailableError:
-        ep = self.endpoints[target]
-        return ShardUnavailableError(
-            ep.name,
-            f"{ep.name} at {self._where(ep)} did not answer within {waited:.1f}s{why}; it may be overloaded "
-            "or unreachable (check `rlplane store status` / the Ray dashboard), or rpc_timeout_s may be "
-            "too small",
-        )
-
-    def died(self, target: int) -> ShardUnavailableError:
-        ep = self.endpoints[target]
-        return ShardUnavailableError(
-            ep.name,
-            f"{ep.name} at {self._where(ep)} is dead (its process is gone); its data went with it. The "
-            "rest of the store keeps working; `rlplane store stop` and a new store bring it back whole",
-        )
-
-
-class SyncTransport(_Endpoints):
-    """Blocking request/reply over DEALER sockets from a small pool of per-call socket sets."""
-
-    uses_lane = True
+class SyncTransport(Endpoints):
+    """Blocking request/reply over DEALER sockets (Unix-lane connections to a target that has one)
+    from a small pool of per-call socket sets."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, lane=True, **kwargs)
         self._ctx = zmq.Context.instance()
         self._idle: list[dict[int, zmq.Socket]] = []
         self._lock = threading.Lock()
@@ -255,12 +102,9 @@ class SyncTransport(_Endpoints):
         """The call set's socket to ``target``: a Unix-lane connection when it has one, else a DEALER."""
         sock = socks.get(target)
         if sock is None:
-            if self.endpoints[target].unix is not None:
-                # (a call that may wait for ever still connects within an hour, or fails)
-                wait = min(max(0.0, deadline - time.monotonic()), 3600.0)
-                sock = socks[target] = self._unix_conn(target, wait)
-            else:
-                sock = socks[target] = self._dealer(self._ctx, target)
+            # (a call that may wait for ever still connects within an hour, or fails)
+            wait = min(max(0.0, deadline - time.monotonic()), 3600.0)
+            sock = socks[target] = self.connect(self._ctx, target, wait)
         return sock
 
     def _send(self, socks: dict[int, Any], c: Call, rid: int, deadline: float) -> Any:
@@ -286,7 +130,7 @@ class SyncTransport(_Endpoints):
                 return self.gone(c.target, 0.0, " (the connection was closed)")
             return sock
         try:
-            send_frames(sock, frames, _NOBLOCK)
+            send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
             return self.unavailable(c.target, 0.0, " (its send queue is full)")
         return sock
@@ -303,90 +147,90 @@ class SyncTransport(_Endpoints):
         frames = []
         while True:  # drain without an exception at the end: the poll said a message is there
             try:
-                frames.append(recv_frames(sock, _NOBLOCK))
+                frames.append(recv_frames(sock, NOBLOCK))
             except zmq.Again:
                 break
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not sock.getsockopt(EVENTS) & POLLIN:
                 break
         return frames
 
     def _call_many(self, socks: dict[int, Any], calls: list[Call], timeout: float) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
-        waiting: dict[int, int] = {}  # rid -> call position
+        at: dict[int, int] = {}  # rid -> call position
         targets: dict[Any, int] = {}  # what the poller reports -> target
         poller = zmq.Poller()
+        policy = RequestPolicy(self.liveness.known)
         start = time.monotonic()
         deadline = start + timeout
         for i, c in enumerate(calls):
-            if self.liveness.known_dead(c.target):
-                results[i] = self.died(c.target)
-                continue
             rid = next_rid()
+            refused = policy.start(rid, c.target, start, deadline)
+            if refused is not None:
+                results[i] = self.give_up(refused)
+                continue
+            at[rid] = i
             sock = self._send(socks, c, rid, deadline)
             if isinstance(sock, BaseException):
+                policy.cancel(rid)
                 results[i] = sock
                 if c.target not in socks:  # its connection was dropped: so were earlier calls on it
-                    self._forget(poller, targets, waiting, calls, results, c.target, sock)
+                    self._forget(poller, targets, policy, at, results, c.target, sock)
                 continue
-            waiting[rid] = i
             handle = _handle(sock)
             if handle not in targets:
                 targets[handle] = c.target
-                poller.register(handle, _POLLIN)
-        next_probe = start + PROBE_S
-        while waiting:
+                poller.register(handle, POLLIN)
+        while policy:
             now = time.monotonic()
-            if now >= deadline:
-                break
-            if now >= next_probe:
-                next_probe = now + PROBE_S
-                self._fail_dead(socks, poller, calls, waiting, results)
+            wake = policy.wake_at()
+            if now >= wake:
+                for ended in self._decide(policy, now):
+                    results[at[ended.rid]] = self.give_up(ended)
+                    self._drop(socks, poller, ended.peer)  # drop what is queued for it
                 continue
-            for handle, _ in poller.poll(max(1, int((min(deadline, next_probe) - now) * 1000))):
+            for handle, _ in poller.poll(poll_ms(wake - now)):
                 target = targets.get(handle)
                 if target is None:  # forgotten earlier in this pass
                     continue
                 sock = socks.get(target)
                 if sock is None:  # dropped in this pass (its calls were failed then)
-                    self._forget(poller, targets, waiting, calls, results, target, None)
+                    self._forget(poller, targets, policy, at, results, target, None)
                     continue
                 try:
                     messages = self._receive(socks, target, sock, start)
                 except ShardUnavailableError as exc:
-                    self._forget(poller, targets, waiting, calls, results, target, exc)
+                    self._forget(poller, targets, policy, at, results, target, exc)
                     continue
                 for frames in messages:
                     rid, result = decode_result(frames)
-                    i = waiting.pop(rid, None)
-                    if i is not None:  # else: a late reply to a request that already timed out
-                        results[i] = result
-        for i in waiting.values():
-            results[i] = self.unavailable(calls[i].target, timeout)
-            self._drop(socks, poller, calls[i].target)  # drop what is queued for it
+                    if policy.reply(rid):  # else: a late reply to a request that already gave up
+                        results[at[rid]] = result
         return results  # type: ignore[return-value]
 
     def _call_one(self, socks: dict[int, zmq.Socket], c: Call, timeout: float) -> Result:
         """``_call_many`` of one call (most operations' every step), with no poller object: one socket
         polled directly, and no socket query at all once the reply is in."""
-        if self.liveness.known_dead(c.target):
-            return self.died(c.target)
+        policy = RequestPolicy(self.liveness.known)
         start = time.monotonic()
         deadline = start + timeout
         rid = next_rid()
+        refused = policy.start(rid, c.target, start, deadline)
+        if refused is not None:
+            return self.give_up(refused)
         sock = self._send(socks, c, rid, deadline)
         if isinstance(sock, BaseException):
             return sock
         unix = type(sock) is _unix.Conn
-        items = [(sock, _POLLIN)]
-        next_probe = start + PROBE_S
-        now = time.monotonic()
-        while now < deadline:
-            if now >= next_probe:
-                next_probe = now + PROBE_S
-                if self.liveness.dead(c.target):
-                    self._drop(socks, None, c.target)
-                    return self.died(c.target)
-            wait_ms = max(1, int((min(deadline, next_probe) - now) * 1000))
+        items = [(sock, POLLIN)]
+        while True:
+            now = time.monotonic()
+            wake = policy.wake_at()
+            if now >= wake:
+                for ended in self._decide(policy, now):  # (of one request: at most one)
+                    self._drop(socks, None, c.target)  # drop what is queued for it
+                    return self.give_up(ended)
+                continue
+            wait_ms = poll_ms(wake - now)
             if sock.wait(wait_ms) if unix else _poll(items, wait_ms):
                 if unix:
                     try:
@@ -395,24 +239,33 @@ class SyncTransport(_Endpoints):
                         return exc
                 else:
                     try:
-                        messages = [recv_frames(sock, _NOBLOCK)]
+                        messages = [recv_frames(sock, NOBLOCK)]
                     except zmq.Again:
                         messages = []
                 for frames in messages:
                     got, result = decode_result(frames)
-                    if got == rid:
+                    if policy.reply(got):
                         return result
-                    # else: a late reply to a request that already timed out; keep waiting for ours
-            now = time.monotonic()
-        self._drop(socks, None, c.target)  # drop what is queued for it
-        return self.unavailable(c.target, timeout)
+                    # else: a late reply to a request that already gave up; keep waiting for ours
+
+    def _decide(self, policy: RequestPolicy, now: float) -> list[GiveUp]:
+        """Carry out what ``policy`` says is due at ``now``: probe each silent target (``Liveness.dead``,
+        blocking); returns the requests that give up."""
+        ended: list[GiveUp] = []
+        for decision in policy.due(now):
+            if isinstance(decision, Probe):
+                dead = self.liveness.dead(decision.peer)
+                ended += policy.probed(decision.peer, dead, time.monotonic())
+            else:
+                ended.append(decision)
+        return ended
 
     @staticmethod
     def _forget(
         poller: zmq.Poller,
         targets: dict,
-        waiting: dict,
-        calls: list[Call],
+        policy: RequestPolicy,
+        at: dict[int, int],
         results: list,
         target: int,
         exc: Any,
@@ -425,17 +278,8 @@ class SyncTransport(_Endpoints):
             except KeyError:
                 pass
         if exc is not None:
-            for rid in [r for r, i in waiting.items() if calls[i].target == target]:
-                results[waiting.pop(rid)] = exc
-
-    def _fail_dead(
-        self, socks: dict, poller: zmq.Poller, calls: list[Call], waiting: dict, results: list
-    ) -> None:
-        for target in {calls[i].target for i in waiting.values()}:
-            if self.liveness.dead(target):
-                for rid in [r for r, i in waiting.items() if calls[i].target == target]:
-                    results[waiting.pop(rid)] = self.died(target)
-                self._drop(socks, poller, target)
+            for rid in policy.lost(target):
+                results[at[rid]] = exc
 
     @staticmethod
     def _drop(socks: dict, poller: zmq.Poller | None, target: int) -> None:
@@ -462,14 +306,6 @@ def _handle(sock: Any) -> Any:
     return sock.fd if type(sock) is _unix.Conn else sock
 
 
-def close_socket(sock: Any) -> None:
-    """Close a DEALER (dropping what it still queues) or a Unix-lane connection."""
-    if type(sock) is _unix.Conn:
-        sock.close()
-    else:
-        sock.close(linger=0)
-
-
 class _AsyncChannel:
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self.sock = sock
@@ -492,7 +328,7 @@ class _AsyncChannel:
         self.sock.close(linger=0)
 
 
-class AsyncTransport(_Endpoints):
+class AsyncTransport(Endpoints):
     """Pipelined request/reply on ``zmq.asyncio``; one channel per target per event loop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -508,7 +344,7 @@ class AsyncTransport(_Endpoints):
             chans = self._loops[loop] = {}
         ch = chans.get(target)
         if ch is None:
-            ch = chans[target] = _AsyncChannel(self._dealer(self._ctx, target))
+            ch = chans[target] = _AsyncChannel(self.dealer(self._ctx, target))
         return ch
 
     def _drop_channel(self, target: int) -> None:
@@ -532,25 +368,30 @@ class AsyncTransport(_Endpoints):
         return await asyncio.to_thread(self.liveness.dead, target)
 
     async def _call(self, c: Call, timeout: float) -> Result:
-        if self.liveness.known_dead(c.target):
-            return self.died(c.target)
+        loop = asyncio.get_running_loop()
+        policy = RequestPolicy(self.liveness.known)
+        rid = next_rid()
+        start = loop.time()
+        refused = policy.start(rid, c.target, start, start + timeout)
+        if refused is not None:
+            return self.give_up(refused)
         if not c.exclusive:
-            return await self._exchange(c, timeout, self._channel(c.target), shared=True)
+            return await self._exchange(c, timeout, policy, rid, self._channel(c.target), shared=True)
         # A socket of its own, closed however the call ends: a waiting call that is cancelled or
         # times out leaves the index nobody to hand a batch to, so it gives the rows back.
-        ch = _AsyncChannel(self._dealer(self._ctx, c.target))
+        ch = _AsyncChannel(self.dealer(self._ctx, c.target))
         try:
-            return await self._exchange(c, timeout, ch, shared=False)
+            return await self._exchange(c, timeout, policy, rid, ch, shared=False)
         finally:
             ch.close()
 
-    async def _exchange(self, c: Call, timeout: float, ch: _AsyncChannel, shared: bool) -> Result:
+    async def _exchange(
+        self, c: Call, timeout: float, policy: RequestPolicy, rid: int, ch: _AsyncChannel, shared: bool
+    ) -> Result:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        deadline = start + timeout
-        rid = next_rid()
         fut = loop.create_future()
-        ch.futures[rid] = fut
+        ch.futures[rid] = fut  # the channel's reader drops a reply to a request no longer here (late)
         try:
             frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
             refused = self.too_large(c.target, c.op, frames)
@@ -564,24 +405,32 @@ class AsyncTransport(_Endpoints):
                     self._drop_channel(c.target)
                 return self.unavailable(c.target, timeout, " (its send queue stayed full)")
             while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    return self.unavailable(c.target, timeout)
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(fut), min(left, PROBE_S))
-                except TimeoutError:
-                    if await self._dead(c.target):
-                        if shared:
-                            self._drop_channel(c.target)
-                        return self.died(c.target)
-                    continue
-                if reply is None:  # the channel was closed under us (its target died, or a send stalled)
-                    if self.liveness.known_dead(c.target):
-                        return self.died(c.target)
-                    return self.unavailable(c.target, loop.time() - start, " (connection reset)")
-                return reply
+                now = loop.time()
+                wake = policy.wake_at()
+                if now < wake:
+                    try:
+                        reply = await asyncio.wait_for(asyncio.shield(fut), wake - now)
+                    except TimeoutError:
+                        continue
+                    policy.reply(rid)
+                    if reply is None:  # the channel was closed under us (its target died, or a send stalled)
+                        if self.liveness.known_dead(c.target):
+                            return self.died(c.target)
+                        return self.unavailable(c.target, loop.time() - start, " (connection reset)")
+                    return reply
+                for decision in policy.due(now):  # (of one request: a deadline, or a probe)
+                    if isinstance(decision, Probe):
+                        dead = await self._dead(decision.peer)
+                        ended = policy.probed(decision.peer, dead, loop.time())
+                        if not ended:
+                            continue
+                        decision = ended[0]
+                    if decision.reason == DEAD and shared:
+                        self._drop_channel(c.target)
+                    return self.give_up(decision)
         finally:
             ch.futures.pop(rid, None)
+            policy.cancel(rid)  # (cancelled while waiting: gone from both)
 
     async def call_many(self, calls: list[Call], timeout: float | None = None) -> list[Result]:
         timeout = self.timeout if timeout is None else timeout
@@ -597,4 +446,4 @@ class AsyncTransport(_Endpoints):
         self._loops = weakref.WeakKeyDictionary()
 
 
-__all__ = ["AsyncTransport", "Endpoint", "SyncTransport", "close_socket", "recv_frames", "send_frames"]
+__all__ = ["AsyncTransport", "SyncTransport"]

@@ -1,7 +1,7 @@
 """Fuzz the shard's and the index's request handling without Ray or sockets.
 
 ``_wire.answer(frames, ...)`` over ``core.decode`` and ``core.run`` is exactly what a server runs on
-every message it receives (``ZmqServer``),
+every message it receives (``RequestServer``),
 so driving it with hostile frames checks what any authenticated peer can do to a shard or the index:
 random bytes, and valid requests (the bodies the client sends) whose header, body or frames are
 mutated. For every case: ``answer`` returns (never raises) reply frames that decode, echoing the
@@ -601,7 +601,7 @@ def _typed_body(frames: list[bytes], table: dict) -> tuple[str, Any] | None:
 
 
 def _answer(core: Any, frames: list, max_frames: int = _wire.MAX_FRAMES) -> tuple[int, list]:
-    """What ``ZmqServer`` does with one message (less the ops its subclasses answer later)."""
+    """What ``RequestServer`` does with one message (less the ops its subclasses answer later)."""
     rid, out = _wire.answer(
         frames, lambda req, bufs: core.run(req.op, core.decode(req.op, req.body), bufs), max_frames=max_frames
     )

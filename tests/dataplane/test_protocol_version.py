@@ -18,7 +18,7 @@ import zmq
 
 from dataplane.errors import ProtocolVersionError, WireError
 from dataplane.server.index import IndexCore, IndexServer
-from dataplane.server.router import ZmqServer
+from dataplane.server.router import RequestServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer
 from dataplane.wire import frames as _wire
@@ -49,9 +49,9 @@ def _shard_server(creds: Credentials, name: str = "v-shard") -> ShardServer:
 
 
 @pytest.fixture(params=["shard", "index"])
-def server(request, creds) -> Iterator[ZmqServer]:
+def server(request, creds) -> Iterator[RequestServer]:
     if request.param == "shard":
-        srv: ZmqServer = _shard_server(creds)
+        srv: RequestServer = _shard_server(creds)
     else:
         srv = IndexServer(IndexCore(), "127.0.0.1", "v-index", creds)
     srv.start()
@@ -142,7 +142,7 @@ def test_a_reply_of_another_version_becomes_the_error_of_its_request(body: Any) 
         _wire.decode_reply([msgspec.msgpack.encode([11, ["not", "a", "dict"], None, OURS])])
 
 
-class _IndexOfAnotherVersion(ZmqServer):
+class _IndexOfAnotherVersion(RequestServer):
     """Answers every request with a reply of another protocol version."""
 
     def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:

@@ -2,7 +2,7 @@
 hostile peer, its writes to peers that are gone or do not read, a real server's gate (hello, secret,
 handshake deadline) and its connection count, the blocking client over it, and the store on it.
 
-Everything runs on real sockets: socket pairs for the framing, real ``ZmqServer`` s (an ``IndexCore``
+Everything runs on real sockets: socket pairs for the framing, real ``RequestServer`` s (an ``IndexCore``
 behind them) on their own threads for the gate and the client, the session's Ray cluster for the
 store. Every wait has a deadline; a peer's close is seen as EOF on a poll, never waited for by time.
 """
@@ -32,13 +32,14 @@ import pytest
 
 from dataplane.errors import ShardUnavailableError
 from dataplane.server.index import IndexCore, IndexServer
-from dataplane.server.router import ZmqServer
+from dataplane.server.router import RequestServer
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, Call
-from dataplane.wire.transport import Endpoint, SyncTransport
+from dataplane.wire.sockets import Endpoint
+from dataplane.wire.transport import SyncTransport
 
 from .conftest import keys_on_shards, store_fixtures, wait_for
 
@@ -154,7 +155,7 @@ def _replies(conn: unix.Conn, n: int) -> list[tuple[_wire.Reply, list[memoryview
     return got
 
 
-def _good_client(server: ZmqServer, creds: Credentials) -> unix.Conn:
+def _good_client(server: RequestServer, creds: Credentials) -> unix.Conn:
     return unix.connect(server.unix, creds.secret, max_frames=16, max_bytes=-1)
 
 
@@ -164,7 +165,7 @@ def _ping(conn: unix.Conn, rid: int) -> None:
     assert rep.rid == rid and rep.error is None, rep
 
 
-def _connections_settle(server: ZmqServer, n: int) -> None:
+def _connections_settle(server: RequestServer, n: int) -> None:
     wait_for(
         lambda: server.connections == n, DEADLINE_S, f"server.connections == {n} (is {server.connections})"
     )
@@ -182,7 +183,7 @@ class _Index(IndexServer):
         return super().serve(sock, ident, rid, op, body, bufs)
 
 
-class _Closer(ZmqServer):
+class _Closer(RequestServer):
     """Closes the connection of a ``stats`` request instead of answering it (a service lost mid-call),
     as the server closes any connection; answers everything else."""
 
@@ -193,7 +194,7 @@ class _Closer(ZmqServer):
         return super().serve(sock, ident, rid, op, body, bufs)
 
 
-class _Slow(ZmqServer):
+class _Slow(RequestServer):
     """Holds its loop in a ``stats`` request until released (a long op: a big clear, a busy host)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -207,7 +208,7 @@ class _Slow(ZmqServer):
         return super().serve(sock, ident, rid, op, body, bufs)
 
 
-class _BigReplies(ZmqServer):
+class _BigReplies(RequestServer):
     """Answers every request with a buffer of ``reply_bytes`` (replies the peer must read)."""
 
     reply_bytes = 64 << 10
@@ -217,7 +218,7 @@ class _BigReplies(ZmqServer):
 
 
 @contextlib.contextmanager
-def _serving(cls: type[ZmqServer], creds: Credentials, name: str) -> Iterator[Any]:
+def _serving(cls: type[RequestServer], creds: Credentials, name: str) -> Iterator[Any]:
     """A real server of ``cls`` (an ``IndexCore`` behind it) on its own thread, as its actor runs it."""
     server = cls(IndexCore(), "127.0.0.1", f"{name}-{uuid.uuid4().hex[:6]}", creds).start()
     try:
@@ -240,7 +241,7 @@ def index(creds) -> Iterator[_Index]:
 
 
 @pytest.fixture
-def closer(creds) -> Iterator[ZmqServer]:
+def closer(creds) -> Iterator[RequestServer]:
     with _serving(_Closer, creds, "ul-closer") as server:
         yield server
 
@@ -251,7 +252,7 @@ def bodies(results: list[Any]) -> list[Any]:
     return [r if isinstance(r, BaseException) else (msgspec.msgpack.decode(r[0]), r[1]) for r in results]
 
 
-def _transport(server: ZmqServer, creds: Credentials, timeout: float = 20.0) -> SyncTransport:
+def _transport(server: RequestServer, creds: Credentials, timeout: float = 20.0) -> SyncTransport:
     """A blocking client with ``server`` as target 0 and as INDEX over the Unix lane, as a same-host
     client has it (``creds`` may be another store's)."""
     ep = Endpoint(server.ipc, server.name, False, server.unix)

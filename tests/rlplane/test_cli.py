@@ -387,7 +387,7 @@ def test_a_store_server_counts_its_open_connections() -> None:
     import zmq
 
     from dataplane.server.index import IndexCore
-    from dataplane.server.router import ZmqServer
+    from dataplane.server.router import RequestServer
     from dataplane.wire.auth import Credentials, secure_client
 
     def settles_at(n: int) -> bool:
@@ -397,7 +397,7 @@ def test_a_store_server_counts_its_open_connections() -> None:
         return server.connections == n
 
     creds = Credentials.new(encrypt=False)
-    server = ZmqServer(IndexCore(), "127.0.0.1", "count", creds).start()
+    server = RequestServer(IndexCore(), "127.0.0.1", "count", creds).start()
     ctx = zmq.Context()
     try:
         socks = []
