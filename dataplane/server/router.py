@@ -58,17 +58,13 @@ from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
-from dataplane.wire.sockets import recv_frames, send_frames
+from dataplane.wire.sockets import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
 TICK_S = 0.25
 _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-# Plain ints: pyzmq's flag enums cost a few microseconds per operation, paid on every request.
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 # Frames a Unix-lane message may have before the connection is dropped as broken: well above what
 # a request may carry, so a request with too many frames gets the same typed refusal (``answer``)
 # as on zmq, while the header a peer can make us hold stays bounded (8 bytes a frame).
@@ -223,8 +219,8 @@ class RequestServer:
             self._add_zmq(sock, on_readable)
 
     def _count_connections(self, which: int, mon: zmq.Socket) -> None:
-        while mon.getsockopt(zmq.EVENTS) & _POLLIN:
-            event = recv_monitor_message(mon, _NOBLOCK)
+        while mon.getsockopt(zmq.EVENTS) & POLLIN:
+            event = recv_monitor_message(mon, NOBLOCK)
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._peers.add((which, event["value"]))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
@@ -253,7 +249,7 @@ class RequestServer:
 
     def _drain_zap(self) -> None:
         zap = self._zap
-        while zap.getsockopt(_EVENTS) & _POLLIN:
+        while zap.getsockopt(EVENTS) & POLLIN:
             reply = _auth.zap_reply(zap.recv_multipart(), self._creds)
             if reply[2] != b"200":
                 self.refusals["auth"] += 1
@@ -262,9 +258,9 @@ class RequestServer:
     def _drain_router(self, sock: zmq.Socket) -> None:
         for count in self._monitors:  # a connection is counted before its first request is answered
             count()
-        while sock.getsockopt(_EVENTS) & _POLLIN:
+        while sock.getsockopt(EVENTS) & POLLIN:
             try:
-                frames = recv_frames(sock, _NOBLOCK)
+                frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 break
             self._serve_guarded(sock, frames)

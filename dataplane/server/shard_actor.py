@@ -51,15 +51,21 @@ from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.policy import Probe, RequestPolicy
 from dataplane.wire.requests import INDEX, next_rid, reply
 from dataplane.wire.shm import boot_id
-from dataplane.wire.sockets import Endpoint, Endpoints, close_socket, recv_frames, send_frames
+from dataplane.wire.sockets import (
+    EVENTS,
+    NOBLOCK,
+    POLLIN,
+    Endpoint,
+    Endpoints,
+    close_socket,
+    recv_frames,
+    send_frames,
+)
 
 logger = logging.getLogger(__name__)
 
 INDEX_WAIT = 0.5  # of rpc_timeout_s: a shard answers its writer well before the writer gives up
 MAX_BATCH = 256  # queued index commits sent at once even in the middle of a busy pass
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 
 
 @dataclass(eq=False)
@@ -181,7 +187,7 @@ class ShardServer(RequestServer):
                     return
             else:
                 self.touch(sock)
-                send_frames(sock, frames, _NOBLOCK)
+                send_frames(sock, frames, NOBLOCK)
         except zmq.Again:  # not queued: the index never sees these commits
             self._refuse(items, link.unavailable(INDEX, 0.0, " (its send queue is full)"))
             return
@@ -224,8 +230,8 @@ class ShardServer(RequestServer):
                     return
             else:
                 messages = []
-                while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
-                    messages.append(recv_frames(sock, _NOBLOCK))
+                while sock is not None and sock.getsockopt(EVENTS) & POLLIN:
+                    messages.append(recv_frames(sock, NOBLOCK))
         except Exception as exc:  # noqa: BLE001 - a link that cannot be read is lost: its writers are told
             logger.exception("%s: reading the index's replies failed", self.name)
             self._lose_index(link.unavailable(INDEX, 0.0, f" (reading its reply failed: {exc!r})"))

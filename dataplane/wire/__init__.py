@@ -4,8 +4,10 @@
 shard and index operation), ``auth`` (one secret per store, checked before any message),
 ``shm`` (the shared-memory contract between a shard and same-host clients), ``requests`` (the
 calls an operation yields and the results it receives, with no socket), ``unix`` (the same-host
-lane: those frames on a Unix stream socket, without zmq), ``transport`` (the request/reply
-sockets a client, or a shard talking to the index, sends them through), ``liveness``
+lane: those frames on a Unix stream socket, without zmq), ``policy`` (when a request ends: its
+deadline, the probe of a silent peer, late replies, dead peers; sans-IO), ``sockets`` (what
+clients and servers share of sockets: framing, connecting to a target, the errors naming it),
+``transport`` (the client's blocking and asyncio request/reply transports), ``liveness``
 (whether a silent peer is dead) and ``placement`` (which shard holds a key: the rule clients
 route by and shards find their rows of a checkpoint by).
 
