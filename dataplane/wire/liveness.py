@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from dataplane.config import NAMESPACE
@@ -67,7 +67,7 @@ class Liveness:
         return target in self._dead
 
     @property
-    def known(self) -> frozenset[int] | set[int]:
+    def known(self) -> Set[int]:
         """The targets found dead so far: a live view (it grows; never write to it)."""
         return self._dead
 

@@ -88,7 +88,7 @@ class Endpoint:
     max_frame: int = -1  # the largest frame the target takes (-1: no limit known)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # (no repr: it would print the credentials)
 class Endpoints:
     """A caller's targets (``endpoints``, by target id), its credentials, default timeout and
     ``liveness``; ``lane``: whether it reaches a target with a Unix-lane address over the lane
