@@ -62,6 +62,9 @@ def default_interval_s() -> float:
     return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, report_s / 2))
 
 
+STOP_WAIT_S = 5.0
+
+
 class Exporter:
     """The thread that exports ``recorder`` every ``interval_s`` seconds."""
 
@@ -88,9 +91,12 @@ class Exporter:
             self.flush()
 
     def stop(self) -> None:
-        """No more exports (waits for one in flight): before Ray shuts down at exit."""
-        with self._lock:
-            self._stop.set()
+        """No more exports: before Ray shuts down at exit. Waits for one in flight, at most
+        ``STOP_WAIT_S`` (an export stuck in Ray must not keep the process from exiting)."""
+        got = self._lock.acquire(timeout=STOP_WAIT_S)
+        self._stop.set()
+        if got:
+            self._lock.release()
 
     def _metric(self, name: str) -> Any:
         metric = self._metrics.get(name)

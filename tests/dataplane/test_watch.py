@@ -74,7 +74,14 @@ class Terminal:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         try:
-            return self.proc.wait(timeout=30)
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # show where it is stuck: faulthandler prints every thread
+                self.proc.send_signal(signal.SIGABRT)
+                self.proc.wait(timeout=30)
+                raise AssertionError(
+                    f"no exit 30 s after SIGINT; its stacks:\n{self.text()[-6000:]}"
+                ) from None
         finally:
             self._reader.join(5)
             os.close(self.master)
@@ -104,7 +111,19 @@ def store(ray_cluster):
 def _cli(address: str, *args: str) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env.update(PYTHONPATH=ROOT, TERM="xterm")
-    return [sys.executable, "-m", "rlplane", "store", "status", "--address", address, *args], env
+    # -X faulthandler: a process that does not exit is made to print its threads' stacks (SIGABRT)
+    return [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        "rlplane",
+        "store",
+        "status",
+        "--address",
+        address,
+        *args,
+    ], env
 
 
 @pytest.mark.slow
