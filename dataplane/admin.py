@@ -351,17 +351,9 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
 
         try:
             nodes = [node_label(_host(s["tcp"]), s["node_id"]) for s in client.registry["shards"]]
-            status = watch.run(client, nodes, address, interval, as_lines=args.json, count=args.count)
+            return watch.run(client, nodes, address, interval, as_lines=args.json, count=args.count)
         finally:
             client.close()
-        if getattr(args, "as_program", False):
-            # The watch is over (Ctrl-C, SIGTERM or --count) and holds nothing to save: the program
-            # ends now rather than after Ray's teardown of this driver, which on a busy test cluster
-            # was seen to take over 30 s (the cluster treats a driver that left like one killed).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
-        return status
     try:
         shards, index = client.run(_ops.stats(client.route))
         stats = api.stats_dict(client, shards, index)

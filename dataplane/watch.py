@@ -300,6 +300,9 @@ def run(
     tty = out.isatty() and not as_lines
     if threading.current_thread() is threading.main_thread():  # (only it may set a handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave the screen as it was
+        # Ctrl-C is how a watch ends, also in a process that inherited SIGINT ignored (a shell's
+        # background job, a parent that ignores it), where Python installs no handler of its own.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if tty:
         out.write(_ENTER)
     try:

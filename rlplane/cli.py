@@ -269,7 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
-    args.as_program = argv is None  # the process is this command (console script, python -m rlplane)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command == "store":
         from dataplane import admin

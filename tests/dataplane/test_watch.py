@@ -31,10 +31,14 @@ COLUMNS, LINES = 80, 24
 class Terminal:
     """A child process on a pseudo-terminal of 80 x 24, and what its screen shows now."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], sigint_ignored: bool = False) -> None:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", LINES, COLUMNS, 0, 0))
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT)
+        # sigint_ignored: started the way a shell starts a background job (`cmd &`): SIGINT ignored
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT, preexec_fn=ignore
+        )
         os.close(slave)
         self.output = b""
         self._lock = threading.Lock()
@@ -164,6 +168,17 @@ def test_watch_shows_shards_partitions_and_tasks_live_on_a_terminal(store) -> No
         status = term.close()
     assert status == 0, term.text()[-2000:]
     assert term.text().endswith("\x1b[?25h\x1b[?1049l"), "the terminal was not given back as it was"
+
+
+def test_ctrl_c_ends_the_watch_even_where_sigint_was_ignored(store) -> None:
+    """A process inherits an ignored SIGINT (a shell's background job, a parent that ignores it): the
+    watch, which only ends by Ctrl-C, answers it all the same."""
+    term = Terminal(*_cli(store, "--watch", "--interval", "0.3"), sigint_ignored=True)
+    try:
+        wait_for(lambda: _line(term.screen(), "wp1"), 90, "the first screen")
+    finally:
+        status = term.close()
+    assert status == 0, term.text()[-2000:]
 
 
 @pytest.mark.slow
