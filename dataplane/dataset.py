@@ -89,7 +89,7 @@ from torch.utils.data import IterableDataset
 from dataplane import api as _api
 from dataplane import stream as _stream
 from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, StoreNotInitializedError
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.samplers import Sampler
 
 logger = logging.getLogger(__name__)
@@ -284,9 +284,9 @@ class StreamingDataset(IterableDataset):
         timeout_s: float | None = None,
     ) -> None:
         super().__init__()
-        for what, value in (("partition_id", partition_id), ("task_name", task_name)):
-            if not isinstance(value, str):
-                raise TypeError(f"StreamingDataset: {what} must be a str, not {type(value).__name__}")
+        check_partition(partition_id, "StreamingDataset")
+        if not isinstance(task_name, str):
+            raise TypeError(f"StreamingDataset: task_name must be a str, not {type(task_name).__name__}")
         fields = [fields] if isinstance(fields, str) else list(fields)
         if not fields or not all(isinstance(f, str) for f in fields):
             raise TypeError(f"StreamingDataset: fields must be a non-empty list of str, got {fields!r}")
@@ -346,11 +346,7 @@ class StreamingDataset(IterableDataset):
 
     def step(self, partition_id: str) -> None:
         """Read ``partition_id`` from now on, from its first batch (TransferQueue's ``step``)."""
-        if not isinstance(partition_id, str):
-            raise TypeError(
-                f"StreamingDataset.step: partition_id must be a str, not {type(partition_id).__name__}"
-            )
-        self.partition_id = partition_id
+        self.partition_id = check_partition(partition_id, "StreamingDataset.step")
         self._next_index = 0
 
     # -- the one store call per wait slice; a hook for subclasses -----------------------------------

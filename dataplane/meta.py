@@ -21,6 +21,24 @@ from dataplane.codec.plain import plain_value as _plain
 from dataplane.errors import KeyNotFoundError
 
 
+def check_partition(partition_id: Any, caller: str | None = None) -> str:
+    """``partition_id`` if it is a str, else ``TypeError`` naming ``caller`` and the type given.
+
+    The one check of a partition name (``KVBatchMeta``, ``StreamingDataset.step`` and the client's
+    operations all call it). A str subclass is refused too: msgpack, which carries the name to the
+    store, takes only a str.
+
+        >>> check_partition(7, "StreamingDataset.step")
+        Traceback (most recent call last):
+        ...
+        TypeError: StreamingDataset.step: partition_id must be a str, not int
+    """
+    if type(partition_id) is not str:
+        where = f"{caller}: " if caller else ""
+        raise TypeError(f"{where}partition_id must be a str, not {type(partition_id).__name__}")
+    return partition_id
+
+
 def _unique(items: Iterable[str], what: str) -> None:
     seen: set[str] = set()
     for item in items:
@@ -85,8 +103,7 @@ class KVBatchMeta:
 
     def __post_init__(self) -> None:
         keys = _str_list(self.keys, "keys", "keys", "key")
-        if type(self.partition_id) is not str:
-            raise TypeError(f"KVBatchMeta partition_id must be a str, got {type(self.partition_id).__name__}")
+        check_partition(self.partition_id, "KVBatchMeta")
         tags: list[dict[Any, Any]]
         if self.tags is None:
             tags = [{} for _ in keys]
@@ -343,4 +360,4 @@ class StoreInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-__all__ = ["KVBatchMeta", "StoreInfo"]
+__all__ = ["KVBatchMeta", "StoreInfo", "check_partition"]

@@ -52,7 +52,7 @@ from dataplane.errors import (
     WireError,
     did_you_mean,
 )
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call, R, Result, reply
@@ -629,7 +629,7 @@ def clear(route: Route, keys: list[str], partition_id: str) -> Op:
 
 
 def clear_partition(route: Route, partition_id: str) -> Op:
-    check_partition(partition_id)
+    check_partition(partition_id, "clear_partition")
     _forget_schema(route, partition_id)
     shards = list(range(route.placement.num_shards))
     body = _protocol.OnePartition(partition_id)
@@ -678,18 +678,10 @@ def stats(route: Route, trim: bool = False) -> Op:
     return shards, _reply(results[n], _protocol.IndexStatsReply)
 
 
-def check_partition(partition_id: Any) -> str:
-    """``partition_id`` if it is a str, else ``TypeError`` naming its type."""
-    if not isinstance(partition_id, str):
-        raise TypeError(f"partition_id must be a str, not {type(partition_id).__name__}")
-    return partition_id
-
-
 __all__ = [
     "Op",
     "Route",
     "check_keys",
-    "check_partition",
     "clear",
     "clear_partition",
     "get",

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from dataplane.client.ops import Op, Route, _reply, check_partition
+from dataplane.client.ops import Op, Route, _reply
 from dataplane.config import INT64_MAX, MAX_TIMEOUT_S, check_number
 from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
-from dataplane.meta import KVBatchMeta
+from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
 from dataplane.wire.requests import INDEX, Call
@@ -51,7 +51,7 @@ class Take:
 
 
 def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
-    check_partition(partition_id)
+    check_partition(partition_id, "next_batch")
     if not isinstance(task_name, str) or not task_name:
         raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_COUNT:
@@ -247,17 +247,19 @@ def ack(partition_id: str, task_name: str, take: str, keys: list[str]) -> Op:
 
 def finish(partition_id: str) -> Op:
     """Producers of ``partition_id`` are done (``dp.finish_partition``)."""
-    yield from index_call("finish", _protocol.OnePartition(check_partition(partition_id)))
+    yield from index_call("finish", _protocol.OnePartition(check_partition(partition_id, "finish_partition")))
 
 
 def reset(partition_id: str, task_name: str | None) -> Op:
     """``task_name`` (None: every task) reads ``partition_id`` again (``dp.reset_consumption``)."""
-    yield from index_call("reset", _protocol.Reset(check_partition(partition_id), task_name))
+    yield from index_call(
+        "reset", _protocol.Reset(check_partition(partition_id, "reset_consumption"), task_name)
+    )
 
 
 def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> Op:
     """``task_name``'s progress on ``partition_id``: a ``ConsumptionReply``."""
-    body = _protocol.Consumption(check_partition(partition_id), task_name, fields)
+    body = _protocol.Consumption(check_partition(partition_id, "consumption"), task_name, fields)
     got: _protocol.ConsumptionReply = yield from index_call("consumption", body)
     return got
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dataplane.errors import KeyNotFoundError
-from dataplane.meta import KVBatchMeta, StoreInfo
+from dataplane.meta import KVBatchMeta, StoreInfo, check_partition
 
 
 def make(n: int = 5, **kw) -> KVBatchMeta:
@@ -55,6 +55,24 @@ def test_keys_must_be_str():
 def test_partition_required():
     with pytest.raises(TypeError, match="partition_id must be a str"):
         KVBatchMeta(["a"])
+
+
+def test_one_partition_check_names_its_caller():
+    """``KVBatchMeta``, ``StreamingDataset`` and the client's operations share ``check_partition``: the
+    message names who was given the bad value, and a str subclass (which msgpack cannot carry) is refused."""
+    from dataplane.dataset import StreamingDataset
+
+    with pytest.raises(TypeError, match=r"^KVBatchMeta: partition_id must be a str, not NoneType$"):
+        KVBatchMeta(["a"])
+    with pytest.raises(TypeError, match=r"^StreamingDataset: partition_id must be a str, not int$"):
+        StreamingDataset(3, "t", 1, ["x"])  # type: ignore[arg-type]
+
+    class Name(str):
+        pass
+
+    with pytest.raises(TypeError, match=r"^clear_partition: partition_id must be a str, not Name$"):
+        check_partition(Name("p"), "clear_partition")
+    assert check_partition("p", "anyone") == "p"
 
 
 @pytest.mark.parametrize(
