@@ -117,6 +117,7 @@ class IndexCore(IndexCheckpoints, Operations):
     """
 
     OPS = _protocol.INDEX_OPS
+    REPLIES = _protocol.INDEX_REPLIES
     SERVICE = "the index"
     PART, KEY, SCHEMA = _PartMeta, _KeyMeta, _FieldSchema  # for the checkpoint operations
 
@@ -158,9 +159,9 @@ class IndexCore(IndexCheckpoints, Operations):
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any
-        return ({"pending": True} if result is None else result), []  # a waiting op, run once
+        return (_protocol.Pending() if result is None else result), []  # a waiting op, run once
 
-    def op_prepare(self, body: _protocol.Prepare) -> dict[str, Any]:
+    def op_prepare(self, body: _protocol.Prepare) -> _protocol.PrepareReply:
         """Decide the schema of a put's new fields at once, or refuse it: ``SchemaError``.
 
         Fields already decided must match; new ones are recorded now (not at commit), so of two
@@ -168,7 +169,7 @@ class IndexCore(IndexCheckpoints, Operations):
         their keys live on. The put's id (``body.txn``) is its client's choice, so the client can
         abort a prepare whose answer it never saw: a prepare whose abort came first is refused
         (``ReservationExpiredError``) and decides nothing. An open prepare expires after
-        ``prepare_ttl_s`` (``expire``). Answers ``{"txn": body.txn}``.
+        ``prepare_ttl_s`` (``expire``). Answers ``PrepareReply(body.txn)``.
         """
         now = self._clock()
         self.expire(now)
@@ -193,7 +194,7 @@ class IndexCore(IndexCheckpoints, Operations):
         until = now + self.prepare_ttl_s
         self._open_until[txn] = until
         self._deadlines.append((until, txn))
-        return {"txn": txn}
+        return _protocol.PrepareReply(txn)
 
     def expire(self, now: float | None = None) -> None:
         """Undo the prepares open longer than ``prepare_ttl_s`` (their writers died or gave up, and
@@ -210,7 +211,7 @@ class IndexCore(IndexCheckpoints, Operations):
             if self._early_aborts.get(txn) == until:
                 del self._early_aborts[txn]
 
-    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list]:
+    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list[Any]]:
         """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
         schema = self.schemas.get(pid, {})
         families = {}
@@ -254,7 +255,7 @@ class IndexCore(IndexCheckpoints, Operations):
                 entry.confirmed, entry.pending = True, set()
             entry.wire = specs[name]
 
-    def op_abort(self, body: _protocol.IndexAbort) -> dict[str, Any]:
+    def op_abort(self, body: _protocol.IndexAbort) -> _protocol.Done:
         """A put gave up: new fields only it relied on are undecided again. Its prepare may not have
         arrived yet (the writer never saw an answer): then it is refused when it does."""
         now = self._clock()
@@ -270,7 +271,7 @@ class IndexCore(IndexCheckpoints, Operations):
             until = now + self.prepare_ttl_s
             self._early_aborts[txn] = until
             self._early_order.append((until, txn))
-        return {}
+        return _protocol.Done()
 
     def _release(self, txn: int) -> None:
         """Close the open put ``txn`` without committing it (aborted or expired)."""
@@ -286,7 +287,7 @@ class IndexCore(IndexCheckpoints, Operations):
         if not schema and pid not in self.partitions:
             self.schemas.pop(pid, None)
 
-    def op_commit(self, body: _protocol.IndexCommit) -> dict[str, Any]:
+    def op_commit(self, body: _protocol.IndexCommit) -> _protocol.CommitReply:
         """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags."""
         pid, keys, fields, tags = body.pid, _protocol.unique_keys(body.keys, "commit"), body.fields, body.tags
         if tags is not None and len(tags) != len(keys):
@@ -317,7 +318,7 @@ class IndexCore(IndexCheckpoints, Operations):
         if part is None:  # (not setdefault: a _PartMeta is not free to build, and commits are many)
             part = self.partitions[pid] = _PartMeta()
         union: dict[str, None] = {}
-        out_tags = []
+        out_tags: list[dict[str, Any]] = []
         for i, key in enumerate(keys):
             meta = part.keys.get(key)
             existed = meta is not None
@@ -326,8 +327,9 @@ class IndexCore(IndexCheckpoints, Operations):
             # (what the key held before matters only to consumers' streams: no copy when there are none)
             before = set(meta.fields) if fields and part.streams.by_fields else meta.fields
             meta.fields.update(fields)
-            if tags is not None and tags[i]:
-                meta.tag.update(tags[i])
+            tag = tags[i] if tags is not None else None
+            if tag:
+                meta.tag.update(tag)
                 if existed and part.streams.by_fields:  # a ready row's group may have changed
                     part.streams.on_retag(key)
             part.streams.on_commit(key, before, meta.fields)
@@ -337,22 +339,22 @@ class IndexCore(IndexCheckpoints, Operations):
         self.changed.add(pid)
         order = list(self.schemas.get(pid, {}))
         ordered = [f for f in order if f in union] + sorted(f for f in union if f not in order)
-        return {"fields": ordered, "tags": out_tags}
+        return _protocol.CommitReply(ordered, out_tags)
 
-    def op_commits(self, body: _protocol.Commits) -> dict[str, Any]:
+    def op_commits(self, body: _protocol.Commits) -> _protocol.CommitsReply:
         """Several independent commits (a shard passing on the puts it stored since its last batch):
-        each gets its own answer, ``{"ok": reply}`` or ``{"err": [class, message, attrs]}``. A commit
-        that is refused changed nothing (``op_commit`` checks everything first), so its shard can take
-        the rows back."""
-        results: list[dict[str, Any]] = []
+        each gets its own answer, ``CommitResult(ok=reply)`` or ``CommitResult(err=[class, message,
+        attrs])``. A commit that is refused changed nothing (``op_commit`` checks everything first), so
+        its shard can take the rows back."""
+        results: list[_protocol.CommitResult] = []
         for item in body.items:
             try:
-                results.append({"ok": self.op_commit(item)})
+                results.append(_protocol.CommitResult(ok=self.op_commit(item)))
             except Exception as exc:  # noqa: BLE001 - one refused commit does not refuse the others
-                results.append({"err": _wire.error_fields(exc)})
-        return {"results": results}
+                results.append(_protocol.CommitResult(err=_wire.error_fields(exc)))
+        return _protocol.CommitsReply(results)
 
-    def op_clear(self, body: _protocol.Clear) -> dict[str, Any]:
+    def op_clear(self, body: _protocol.Clear) -> _protocol.RemovedReply:
         part = self.partitions.get(body.pid)
         removed = 0
         if part is not None:
@@ -361,19 +363,19 @@ class IndexCore(IndexCheckpoints, Operations):
                     removed += 1
                     part.streams.on_clear(key)
                     _remember(part.cleared, key, CLEARED_KEYS_KEPT)
-        return {"removed": removed}
+        return _protocol.RemovedReply(removed)
 
-    def op_clear_partition(self, body: _protocol.OnePartition) -> dict[str, Any]:
+    def op_clear_partition(self, body: _protocol.OnePartition) -> _protocol.ExistedReply:
         pid = body.pid
         existed = self.partitions.pop(pid, None) is not None
         if existed:
             _remember(self.cleared, pid, CLEARED_PARTITIONS_KEPT)
         self.schemas.pop(pid, None)
         self.changed.add(pid)
-        return {"existed": existed}
+        return _protocol.ExistedReply(existed)
 
     # ---- streaming ------------------------------------------------------------------------------
-    def op_next(self, body: _protocol.Next) -> dict[str, Any] | None:
+    def op_next(self, body: _protocol.Next) -> _protocol.BatchReply | None:
         """The next batch for a consumer task, or None while not enough rows are ready (the actor
         waits for a commit to this partition and asks again)."""
         self._check_take(body.take)
@@ -396,7 +398,7 @@ class IndexCore(IndexCheckpoints, Operations):
             return None
         return self._batch_of(part, body, got)
 
-    def op_ready(self, body: _protocol.Ready) -> dict[str, Any] | None:
+    def op_ready(self, body: _protocol.Ready) -> _protocol.ReadyReply | None:
         """Ready rows (key, tag) for a client-side sampler, once ``min_rows`` are ready or the
         partition is finished; a cached choice for this DP rank and batch index first."""
         part = self.partitions.get(body.pid)
@@ -405,14 +407,17 @@ class IndexCore(IndexCheckpoints, Operations):
         fields = _fieldset(body.fields)
         cached = part.streams.cached(body.task, fields, body.dp_rank, body.batch_index)
         if cached is not None:
-            return {**self._batch(part, body.pid, cached, body.fields), "cached": True}
+            got = self._batch(part, cached, body.fields)
+            return _protocol.ReadyReply(
+                cached=True, finished=got.finished, keys=got.keys, tags=got.tags, fields=got.fields
+            )
         _, stream = part.streams.stream(body.task, fields)
         if len(stream.ready) < body.min_rows and not part.streams.finished:
             return None
-        rows = [[k, part.keys[k].tag] for k in itertools.islice(stream.ready, body.limit)]
-        return {"rows": rows, "finished": part.streams.finished, "cached": False}
+        rows = [(k, part.keys[k].tag) for k in itertools.islice(stream.ready, body.limit)]
+        return _protocol.ReadyReply(rows=rows, finished=part.streams.finished)
 
-    def op_claim(self, body: _protocol.Claim) -> dict[str, Any]:
+    def op_claim(self, body: _protocol.Claim) -> _protocol.BatchReply:
         self._check_take(body.take)
         part = self.partitions.get(body.pid)
         if part is None:
@@ -428,16 +433,12 @@ class IndexCore(IndexCheckpoints, Operations):
         )
         return self._batch_of(part, body, got)
 
+    @staticmethod
     def _batch(
-        self, part: _PartMeta, pid: str, keys: list[str], fields: list[str], lease: str | None = None
-    ) -> dict[str, Any]:
-        return {
-            "keys": keys,
-            "tags": [dict(part.keys[k].tag) for k in keys],
-            "fields": fields,
-            "finished": part.streams.finished,
-            "lease": lease,
-        }
+        part: _PartMeta, keys: list[str], fields: list[str], lease: str | None = None
+    ) -> _protocol.BatchReply:
+        tags = [dict(part.keys[k].tag) for k in keys]
+        return _protocol.BatchReply(keys, tags, fields, part.streams.finished, lease)
 
     # ---- delivery: giving back, leases, acknowledgements ----------------------------------------------
     def _check_take(self, take: str | None) -> None:
@@ -449,12 +450,14 @@ class IndexCore(IndexCheckpoints, Operations):
         """The deadline of the lease a taking request asks for, if it took rows now."""
         return None if body.lease_s is None or body.take is None else time.monotonic() + body.lease_s
 
-    def _batch_of(self, part: _PartMeta, body: Any, got: tuple[list[str], str | None]) -> dict[str, Any]:
+    def _batch_of(
+        self, part: _PartMeta, body: Any, got: tuple[list[str], str | None]
+    ) -> _protocol.BatchReply:
         """The reply to a take; a lease it made is queued for expiry."""
         keys, lease = got
         if lease is not None:
             self.queue_lease(part.streams.tasks[body.task].leases[lease].deadline, body.pid, body.task, lease)
-        return self._batch(part, body.pid, keys, body.fields, lease)
+        return self._batch(part, keys, body.fields, lease)
 
     def queue_lease(self, deadline: float, pid: str, task: str, take: str) -> None:
         """Give the lease's unacknowledged rows back at ``deadline`` (``expire_leases``)."""
@@ -468,7 +471,7 @@ class IndexCore(IndexCheckpoints, Operations):
                 part.streams.unconsume(task, keys)
             self.changed.add(pid)
 
-    def op_release(self, body: _protocol.Release) -> dict[str, Any]:
+    def op_release(self, body: _protocol.Release) -> _protocol.ReleaseReply:
         """Give back what a take got (its consumer gave up on the call, or lets its lease go). A take
         the index has not seen yet is refused when it comes (the release overtook it)."""
         part = self.partitions.get(body.pid)
@@ -478,14 +481,16 @@ class IndexCore(IndexCheckpoints, Operations):
             self.released.popitem(last=False)
         if released:
             self.changed.add(body.pid)
-        return {"released": released or 0, "known": released is not None}
+        return _protocol.ReleaseReply(released or 0, released is not None)
 
-    def op_ack(self, body: _protocol.Ack) -> dict[str, Any]:
+    def op_ack(self, body: _protocol.Ack) -> _protocol.AckReply:
         """Leased keys done with: taken for good. Answers the keys whose lease ran out first."""
         part = self.partitions.get(body.pid)
         if part is None:
             raise self.missing(body.pid)
-        return {"late": part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))}
+        return _protocol.AckReply(
+            part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))
+        )
 
     def next_lease_due(self) -> float:
         return self.lease_due[0][0] if self.lease_due else math.inf
@@ -526,12 +531,12 @@ class IndexCore(IndexCheckpoints, Operations):
         hint += "".join(did_you_mean(f, written) for f in never)
         return BatchTimeoutError(
             body.pid,
-            f"after {waited:.1f}s only {counts['ready']} row(s) of partition {body.pid!r} were ready for "
+            f"after {waited:.1f}s only {counts.ready} row(s) of partition {body.pid!r} were ready for "
             f"task {body.task!r} (fields {sorted(fields)}), fewer than the {want} asked for; nothing "
             f"was consumed{hint}",
         )
 
-    def op_finish(self, body: _protocol.OnePartition) -> dict[str, Any]:
+    def op_finish(self, body: _protocol.OnePartition) -> _protocol.Done:
         """Producers are done: consumers get what is left, then empty batches at once."""
         part = self.partitions.get(body.pid)
         if part is None:  # (a misspelt name must not create an empty, finished partition)
@@ -540,76 +545,78 @@ class IndexCore(IndexCheckpoints, Operations):
             )
         part.streams.finished = True
         self.changed.add(body.pid)
-        return {}
+        return _protocol.Done()
 
-    def op_reset(self, body: _protocol.Reset) -> dict[str, Any]:
+    def op_reset(self, body: _protocol.Reset) -> _protocol.Done:
         part = self.partitions.get(body.pid)
         if part is not None:
             part.streams.reset(body.task)
             self.changed.add(body.pid)
-        return {}
+        return _protocol.Done()
 
-    def op_consumption(self, body: _protocol.Consumption) -> dict[str, Any]:
+    def op_consumption(self, body: _protocol.Consumption) -> _protocol.ConsumptionReply:
         part = self.partitions.get(body.pid)
         if part is None:
             raise self.missing(body.pid)
         fields = None if body.fields is None else _fieldset(body.fields)
         return part.streams.counts(body.task, fields)
 
-    def op_consumed(self, body: _protocol.Consumed) -> dict[str, Any]:
+    def op_consumed(self, body: _protocol.Consumed) -> _protocol.ConsumedReply:
         """The keys ``task`` has taken from the partition (TransferQueue's per-row consumption status)."""
         part = self.partitions.get(body.pid)
         task = None if part is None else part.streams.tasks.get(body.task)
-        return {"keys": [] if task is None else [k for k in part.keys if k in task.consumed]}
+        if part is None or task is None:
+            return _protocol.ConsumedReply([])
+        return _protocol.ConsumedReply([k for k in part.keys if k in task.consumed])
 
-    def op_tasks(self, body: _protocol.Tasks) -> dict[str, Any]:
+    def op_tasks(self, body: _protocol.Tasks) -> _protocol.TasksReply:
         """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
         ready and not taken, leased, the fields each waits for), and the partition's rows, fields
         (in the order their schemas were decided) and whether it is finished. O(tasks)."""
         part = self.partitions.get(body.pid)
         if part is None:
             raise PartitionNotFoundError(body.pid)
-        return {
-            "rows": len(part.keys),
-            "fields": list(self.schemas.get(body.pid, {})),
-            "finished": part.streams.finished,
-            "tasks": part.streams.overview(),
-        }
+        return _protocol.TasksReply(
+            rows=len(part.keys),
+            fields=list(self.schemas.get(body.pid, {})),
+            finished=part.streams.finished,
+            tasks=part.streams.overview(),
+        )
 
-    def op_list(self, body: _protocol.ListKeys) -> dict[str, Any]:
+    def op_list(self, body: _protocol.ListKeys) -> _protocol.ListReply:
         pid = body.pid
         pids = [pid] if pid is not None else list(self.partitions)
-        return {
-            "list": {
+        return _protocol.ListReply(
+            {
                 p: {k: dict(m.tag) for k, m in self.partitions[p].keys.items()}
                 for p in pids
                 if p in self.partitions
             }
-        }
+        )
 
-    def op_resolve(self, body: _protocol.Resolve) -> dict[str, Any]:
+    def op_resolve(self, body: _protocol.Resolve) -> _protocol.ResolveReply:
         """Which of ``keys`` the index knows, and which fields they hold (classifies a failed get)."""
         part = self.partitions.get(body.pid)
         if part is None:
-            return {"partition": False, "known": {}, "error": str(self.missing(body.pid))}
-        return {
-            "partition": True,
-            "known": {k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
-            "cleared": [k for k in body.keys if k not in part.keys and k in part.cleared],
-            "cleared_kept": CLEARED_KEYS_KEPT,
-        }
+            return _protocol.ResolveReply(partition=False, known={}, error=str(self.missing(body.pid)))
+        return _protocol.ResolveReply(
+            partition=True,
+            known={k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
+            cleared=[k for k in body.keys if k not in part.keys and k in part.cleared],
+            cleared_kept=CLEARED_KEYS_KEPT,
+        )
 
-    def op_stats(self, body: _protocol.Stats) -> dict[str, Any]:
+    def op_stats(self, body: _protocol.Stats) -> _protocol.IndexStatsReply:
         """Keys per partition, and the prepared puts: open now, and how many were aborted, expired,
         or refused (their abort had come first)."""
         self.expire()
-        return {
-            "partitions": {p: len(m.keys) for p, m in self.partitions.items()},
-            "puts": {"open": len(self.txns), **self.put_counts},
-        }
+        return _protocol.IndexStatsReply(
+            partitions={p: len(m.keys) for p, m in self.partitions.items()},
+            puts={"open": len(self.txns), **self.put_counts},
+        )
 
-    def op_ping(self, body: _protocol.Ping) -> dict[str, Any]:
-        return {}
+    def op_ping(self, body: _protocol.Ping) -> _protocol.Done:
+        return _protocol.Done()
 
 
 # Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
@@ -733,11 +740,12 @@ class IndexServer(RequestServer):
         self._done(w)
         if self.metrics is not None:
             self.metrics.waited(w.op, time.monotonic() - w.start)
+        taken = result.keys if type(result) is _protocol.BatchReply else []  # (a ready takes nothing)
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
-            if w.op in ("next", "claim") and result["keys"]:  # its consumer went away: ready again
-                self.core.give_back(w.body.pid, w.body.task, w.body.take, result["keys"])
-        elif w.op != "ready":
-            self.rows_taken += len(result["keys"])
+            if taken:  # its consumer went away: ready again
+                self.core.give_back(w.body.pid, w.body.task, w.body.take, taken)
+        else:
+            self.rows_taken += len(taken)
         return True
 
     def _recheck(self) -> None:

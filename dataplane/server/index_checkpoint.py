@@ -26,6 +26,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -93,6 +94,7 @@ class IndexCheckpoints:
     partitions: dict[str, Any]
     schemas: dict[str, dict[str, Any]]
     changed: set[str]
+    queue_lease: Callable[[float, str, str, str], None]  # (``IndexCore.queue_lease``)
     node = ""  # where the index runs, for messages (``IndexActor`` sets it)
 
     _ckpt_ids = itertools.count(1)
@@ -101,10 +103,13 @@ class IndexCheckpoints:
         return f"the index on node {self.node or socket.gethostname()}"
 
     def _ckpt(self) -> dict[str, dict[int, Any]]:
-        return self.__dict__.setdefault("_checkpoints", {"saves": {}, "loads": {}})
+        state: dict[str, dict[int, Any]] = self.__dict__.setdefault(
+            "_checkpoints", {"saves": {}, "loads": {}}
+        )
+        return state
 
     # ---- save -----------------------------------------------------------------------------------
-    def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> dict[str, Any]:
+    def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> _protocol.CheckpointSaveReply:
         dir_fd = open_dir(body.path, body.token, self._who())
         try:
             parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
@@ -115,7 +120,7 @@ class IndexCheckpoints:
         path = os.path.join(body.path, INDEX_FILE)
         save = next(self._ckpt_ids)
         self._ckpt()["saves"] = {save: (path, data, entry)}  # the newest save only
-        return {"save": save, "file": entry, "partitions": {p["pid"]: len(p["keys"]) for p in parts}}
+        return _protocol.CheckpointSaveReply(save, entry, {p["pid"]: len(p["keys"]) for p in parts})
 
     def _snapshot(self, pid: str, part: Any) -> dict[str, Any]:
         layouts: dict[frozenset[str], int] = {}
@@ -134,7 +139,7 @@ class IndexCheckpoints:
             "streams": part.streams.snapshot(time.monotonic()),
         }
 
-    def op_checkpoint_finish(self, body: _protocol.CheckpointFinish) -> dict[str, Any]:
+    def op_checkpoint_finish(self, body: _protocol.CheckpointFinish) -> _protocol.CheckpointFinishReply:
         saved = self._ckpt()["saves"].pop(body.save, None)
         if saved is None:
             raise CheckpointError(
@@ -156,7 +161,7 @@ class IndexCheckpoints:
             counts = {p["pid"]: len(p["keys"]) for p in parts}
         else:
             counts = {p.pid: len(p.keys) for p in state.partitions}
-        return {"file": entry, "partitions": counts}
+        return _protocol.CheckpointFinishReply(entry, counts)
 
     def _snapshot_state(self, p: PartState, part: Any) -> dict[str, Any]:
         out = self._snapshot(p.pid, part)
@@ -164,7 +169,7 @@ class IndexCheckpoints:
         return out
 
     # ---- load -----------------------------------------------------------------------------------
-    def op_checkpoint_stage(self, body: _protocol.CheckpointStage) -> dict[str, Any]:
+    def op_checkpoint_stage(self, body: _protocol.CheckpointStage) -> _protocol.CheckpointStageReply:
         path = os.path.join(body.path, INDEX_FILE)
         state = decode_index(read_small(path, {"bytes": body.bytes, "crc32": body.crc32}, self._who()), path)
         staged = {}
@@ -174,11 +179,11 @@ class IndexCheckpoints:
             staged[p.pid] = self._restore(p, path)
         load = next(self._ckpt_ids)
         self._ckpt()["loads"] = {load: staged}  # the newest staged load only
-        return {
-            "load": load,
-            "partitions": {pid: len(part.keys) for pid, (part, _) in staged.items()},
-            "existing": sorted(pid for pid in staged if pid in self.partitions),
-        }
+        return _protocol.CheckpointStageReply(
+            load=load,
+            partitions={pid: len(part.keys) for pid, (part, _) in staged.items()},
+            existing=sorted(pid for pid in staged if pid in self.partitions),
+        )
 
     def _restore(self, p: PartState, path: str) -> tuple[Any, dict[str, Any]]:
         """A partition's metadata and schema rebuilt from its saved state (checked)."""
@@ -198,7 +203,7 @@ class IndexCheckpoints:
             ) from exc
         return part, schema
 
-    def op_checkpoint_install(self, body: _protocol.CheckpointInstall) -> dict[str, Any]:
+    def op_checkpoint_install(self, body: _protocol.CheckpointInstall) -> _protocol.Done:
         staged = self._ckpt()["loads"].get(body.load)
         if staged is None:
             raise CheckpointError(
@@ -215,13 +220,13 @@ class IndexCheckpoints:
             for task_name, task in part.streams.tasks.items():  # its leases run out here from now on
                 for take, lease in task.leases.items():
                     self.queue_lease(lease.deadline, pid, task_name, take)
-        return {}
+        return _protocol.Done()
 
-    def op_checkpoint_drop(self, body: _protocol.CheckpointDrop) -> dict[str, Any]:
+    def op_checkpoint_drop(self, body: _protocol.CheckpointDrop) -> _protocol.Done:
         state = self._ckpt()
         state["saves"].pop(body.id, None)
         state["loads"].pop(body.id, None)
-        return {}
+        return _protocol.Done()
 
 
 __all__ = ["IndexCheckpoints", "IndexKeys", "IndexState", "PartKeys", "PartState", "decode_index"]

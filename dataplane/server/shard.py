@@ -1,8 +1,9 @@
 """A storage shard's core: column segments in memory, rows addressed as (segment, row), byte accounting.
 
 ``ShardCore`` is a plain class (no Ray, no sockets); ``shard_actor`` wraps it in a Ray actor and a
-zmq loop. Every operation takes a request body plus its buffer frames and returns a reply body plus
-buffer frames (``dispatch.Operations``; the frames are ``dataplane.wire.frames``).
+zmq loop. Every operation takes a request body plus its buffer frames and returns its reply struct
+plus buffer frames (``dispatch.Operations``; the structs are ``wire.protocol``'s, the frames
+``dataplane.wire.frames``).
 
 A put is two steps so that a failure anywhere writes nothing:
 1. ``reserve``: check the schema and the byte capacity, then either keep the inline column frames
@@ -91,6 +92,7 @@ class Segment:
 
     def column(self) -> Any:
         data = self.file.view()[: self.nbytes] if self.file is not None else self.data
+        assert data is not None, "a freed segment was read"  # (a live row's segment holds its bytes)
         return Column(self.spec, self.num_rows, data, self.offsets, self.shapes)
 
 
@@ -128,6 +130,7 @@ class ShardCore(Operations):
     """The shard's storage logic. Not thread-safe: the server serialises calls."""
 
     OPS = _protocol.SHARD_OPS
+    REPLIES = _protocol.SHARD_REPLIES
     SERVER_OPS = frozenset({"put_ready"})  # its reply waits for the index: ``ShardServer`` answers it
     SERVICE = "the shard"
 
@@ -165,10 +168,12 @@ class ShardCore(Operations):
         self.bytes_put = self.bytes_cleared = 0
 
     # ---- put --------------------------------------------------------------------------------
-    def op_reserve(self, body: _protocol.Reserve, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_reserve(
+        self, body: _protocol.Reserve, bufs: list[memoryview]
+    ) -> tuple[_protocol.ReserveReply, list[Any]]:
         pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
         fields, need = self._checked_fields(pid, keys, body.fields, bufs)
-        files = {}
+        files: dict[str, list[int]] = {}
         admit = self._admit(pid)
         try:
             for name, entry in fields.items():
@@ -190,10 +195,9 @@ class ShardCore(Operations):
             pid, list(keys), fields, need, time.monotonic() + self.reservation_timeout_s
         )
         self.pending += need
-        reply: dict[str, Any] = {"resv": rid, "files": files, "version": self.pool.version}
-        if body.version != self.pool.version:
-            reply["live"] = self.pool.live_ids()
-        return reply, []
+        version = self.pool.version
+        live = self.pool.live_ids() if body.version != version else None
+        return _protocol.ReserveReply(rid, files, version, live), []
 
     def _checked_fields(
         self,
@@ -314,9 +318,9 @@ class ShardCore(Operations):
         if not part.rows and not part.specs:
             del self.partitions[undo.pid]
 
-    def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
         self._commit(body, bufs)
-        return {}, []
+        return _protocol.Done(), []
 
     def _commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> dict[str, Segment]:
         """Attach a reservation's rows to their keys; returns the segment made for each field."""
@@ -399,11 +403,11 @@ class ShardCore(Operations):
                     self._unref(old[0])
         return made
 
-    def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
         resv = self._resv.get(body.resv)
         if resv is not None:  # the writer says it is done with the files: they may be reused
             self._release(self._take(body.resv))
-        return {}, []
+        return _protocol.Done(), []
 
     def _release(self, resv: _Reservation) -> None:
         for entry in resv.fields.values():
@@ -427,7 +431,9 @@ class ShardCore(Operations):
             seg.data = None
 
     # ---- get --------------------------------------------------------------------------------
-    def _resolve(self, pid: str, keys: list[str], fields: list[str] | None) -> tuple[list, list]:
+    def _resolve(
+        self, pid: str, keys: list[str], fields: list[str] | None
+    ) -> tuple[list[dict[str, tuple[Segment, int]]], list[str]]:
         part = self.partitions.get(pid)
         if part is None:
             raise PartitionNotFoundError(pid)
@@ -446,13 +452,13 @@ class ShardCore(Operations):
                     raise FieldNotFoundError(key, pid, name)
         return rows, fields
 
-    def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[_protocol.GetReply, list[Any]]:
         pid, keys = body.pid, body.keys
         if not keys:
             raise WireError("a get names at least one key")
         rows, fields = self._resolve(pid, keys, body.fields)
         self.rows_got += len(keys)
-        out: dict[str, Any] = {}
+        out: dict[str, _protocol.InlineRows | _protocol.SegmentRows] = {}
         frames: list[Any] = []
         for name in fields:
             locs = [row[name] for row in rows]
@@ -475,36 +481,36 @@ class ShardCore(Operations):
                     dst = np.flatnonzero(seg_of == j)
                     pieces.append((seg.column(), row_of[dst], dst))
                 col = assemble_any(len(keys), pieces)
-                out[name] = {"t": "z", "col": _wire.column_to_wire(col, frames)}
-        reply: dict[str, Any] = {"fields": out, "version": self.pool.version}
-        if body.version != self.pool.version:
-            reply["live"] = self.pool.live_ids()
-        return reply, frames
+                out[name] = _protocol.InlineRows(_wire.column_to_wire(col, frames))
+        version = self.pool.version
+        live = self.pool.live_ids() if body.version != version else None
+        return _protocol.GetReply(out, version, live), frames
 
-    def _shm_entry(self, order: list[Segment], seg_of, row_of, frames: list, export: bool) -> dict:
+    def _shm_entry(
+        self, order: list[Segment], seg_of: np.ndarray, row_of: np.ndarray, frames: list[Any], export: bool
+    ) -> _protocol.SegmentRows:
         # Export (never recycle) a segment only when the client can view it: one contiguous run.
         # The reply says so per segment; a client returns a view only of an exported segment and
         # copies (then checks the generation of) every other one.
         run = len(order) == 1 and (len(row_of) < 2 or bool(np.all(np.diff(row_of) == 1)))
-        segs = []
+        segs: list[_protocol.SegmentRef] = []
         for seg in order:
+            file = seg.file
+            assert file is not None  # (the caller sends shared memory only when every segment has it)
             view = export and run
             if view:
-                seg.file.exported = True
+                file.exported = True
             off = -1 if seg.offsets is None else _wire.array_to_wire(seg.offsets, frames)
             shp = -1 if seg.shapes is None else _wire.array_to_wire(seg.shapes, frames)
-            segs.append(
-                [seg.file.ref(), seg.nbytes, seg.num_rows, off, view, _wire.spec_to_wire(seg.spec), shp]
-            )
-        return {
-            "t": "s",
-            "segs": segs,
-            "seg": _wire.array_to_wire(seg_of, frames),
-            "row": _wire.array_to_wire(row_of, frames),
-        }
+            segs.append((file.ref(), seg.nbytes, seg.num_rows, off, view, _wire.spec_to_wire(seg.spec), shp))
+        return _protocol.SegmentRows(
+            segs, _wire.array_to_wire(seg_of, frames), _wire.array_to_wire(row_of, frames)
+        )
 
     # ---- clear ------------------------------------------------------------------------------
-    def op_clear(self, body: _protocol.Clear, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_clear(
+        self, body: _protocol.Clear, bufs: list[memoryview]
+    ) -> tuple[_protocol.RemovedReply, list[Any]]:
         part = self.partitions.get(body.pid)
         removed = 0
         used = self.used
@@ -516,16 +522,18 @@ class ShardCore(Operations):
                     for seg, _ in row.values():
                         self._unref(seg)
         self._cleared(removed, used)
-        return {"removed": removed}, []
+        return _protocol.RemovedReply(removed), []
 
-    def op_clear_partition(self, body: _protocol.OnePartition, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_clear_partition(
+        self, body: _protocol.OnePartition, bufs: list[memoryview]
+    ) -> tuple[_protocol.RemovedReply, list[Any]]:
         part = self.partitions.pop(body.pid, None)
         removed = 0
         used = self.used
         if part is not None:
             removed = self.drop_rows(part)
         self._cleared(removed, used)
-        return {"removed": removed}, []
+        return _protocol.RemovedReply(removed), []
 
     def drop_rows(self, part: _Partition) -> int:
         """Let go of every row of ``part`` (no longer in ``partitions``); returns how many there were."""
@@ -540,30 +548,33 @@ class ShardCore(Operations):
         self.bytes_cleared += used_before - self.used
 
     # ---- housekeeping -----------------------------------------------------------------------
-    def op_stats(self, body: _protocol.Stats, bufs: list[memoryview]) -> tuple[dict, list]:
+    def op_stats(
+        self, body: _protocol.Stats, bufs: list[memoryview]
+    ) -> tuple[_protocol.ShardStatsReply, list[Any]]:
         if body.trim:
             self.pool.trim(everything=True)
         return self.stats(), []
 
-    def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[dict, list]:
-        return {"shard": self.shard_id}, []
+    def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[_protocol.ShardPong, list[Any]]:
+        return _protocol.ShardPong(self.shard_id), []
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "shard": self.shard_id,
-            "bytes_used": self.used,
-            "bytes_reserved": self.pending,
-            "reservations_expired": self.expired,
-            "ready_puts": self.ready_puts,
-            "ready_batches": self.ready_batches,
-            "bytes_resident": self.pool.bytes_resident + self.heap_bytes,
-            "bytes_warm": self.pool.bytes_warm,
-            "bytes_heap": self.heap_bytes,
-            "capacity_bytes": self.capacity,
-            "shm_files": len(self.pool.live) + len(self.pool.warm),
-            "partitions": {pid: len(p.rows) for pid, p in self.partitions.items()},
-            "partition_bytes": {pid: p.nbytes for pid, p in self.partitions.items()},
-        }
+    def stats(self) -> _protocol.ShardStatsReply:
+        """The shard's accounting (``dp.stats()``; ``clients`` is the server loop's to add)."""
+        return _protocol.ShardStatsReply(
+            shard=self.shard_id,
+            bytes_used=self.used,
+            bytes_reserved=self.pending,
+            reservations_expired=self.expired,
+            ready_puts=self.ready_puts,
+            ready_batches=self.ready_batches,
+            bytes_resident=self.pool.bytes_resident + self.heap_bytes,
+            bytes_warm=self.pool.bytes_warm,
+            bytes_heap=self.heap_bytes,
+            capacity_bytes=self.capacity,
+            shm_files=len(self.pool.live) + len(self.pool.warm),
+            partitions={pid: len(p.rows) for pid, p in self.partitions.items()},
+            partition_bytes={pid: p.nbytes for pid, p in self.partitions.items()},
+        )
 
     def tick(self, now: float | None = None) -> None:
         """Fence reservations whose writer stalled or vanished, and give back idle warm memory."""

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from dataplane.config import env_unix_lane
@@ -64,6 +65,7 @@ from dataplane.wire.sockets import (
 
 logger = logging.getLogger(__name__)
 
+_Files = dict[str, Any]  # a checkpoint manifest's files: name -> entry (``server.checkpoint_files``)
 INDEX_WAIT = 0.5  # of rpc_timeout_s: a shard answers its writer well before the writer gives up
 MAX_BATCH = 256  # queued index commits sent at once even in the middle of a busy pass
 
@@ -128,12 +130,12 @@ class ShardServer(RequestServer):
 
     # ---- requests --------------------------------------------------------------------------------
     def serve(
-        self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+        self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         if op != "put_ready":
             reply = super().serve(sock, ident, rid, op, body, bufs)
-            if op == "stats" and reply is not None:  # what only the loop knows: its open connections
-                reply[0]["clients"] = self.connections
+            if reply is not None and type(reply[0]) is _protocol.ShardStatsReply:
+                reply[0].clients = self.connections  # what only the loop knows: its open connections
             return reply
         if self._link is None:
             raise WireError(f"{self.name} is not linked to the store's index yet; nothing was written")
@@ -221,6 +223,7 @@ class ShardServer(RequestServer):
         link = self._link
         assert link is not None
         sock = self._index_conn
+        messages: list[list[Any]]
         try:
             if type(sock) is _unix.Conn:
                 try:
@@ -241,7 +244,7 @@ class ShardServer(RequestServer):
 
     def _index_reply(self, frames: list[Any]) -> None:
         try:
-            rep, _ = _wire.decode_reply(frames)
+            rep, _ = _wire.decode_raw_reply(frames)
         except Exception:  # noqa: BLE001 - its writers are answered at its deadline
             logger.warning("%s: an undecodable reply from the index was dropped", self.name, exc_info=True)
             return
@@ -257,7 +260,7 @@ class ShardServer(RequestServer):
             why = WireError(f"the shard failed to read the index's answer to this put ({exc!r})")
             self._not_ready([f for f in items if not f.answered], why)
 
-    def _settle(self, items: list[_Forward], rep: _wire.Reply) -> None:
+    def _settle(self, items: list[_Forward], rep: _wire.Reply | _wire.RawReply) -> None:
         """Answer the writers of one ``commits`` request from the index's reply."""
         if rep.error is not None:  # the whole request was refused: the index recorded none of it
             self._refuse(items, _rebuild(rep.error))
@@ -270,8 +273,9 @@ class ShardServer(RequestServer):
             self._not_ready(items, WireError(f"the index answered {len(items)} commits malformed"))
             return
         for fwd, res in zip(items, results, strict=True):
-            if res.ok is not None:
-                self._answer(fwd, _wire.encode_reply(fwd.rid, res.ok))
+            if res.ok is not None:  # the index's commit reply, passed on as the put's
+                ready = _protocol.PutReadyReply(res.ok.fields, res.ok.tags)
+                self._answer(fwd, _wire.encode_reply(fwd.rid, ready))
             elif res.err is not None:
                 self._refuse([fwd], _rebuild(res.err))
             else:
@@ -328,29 +332,29 @@ class ShardServer(RequestServer):
     def metrics_snapshot(self, labels: tuple[str, ...]) -> tuple[dict[Key, float], dict[Key, float]]:
         counters, gauges = super().metrics_snapshot(labels)
         core = self.core
-        for op, rows in (("put", core.rows_put), ("get", core.rows_got), ("clear", core.rows_cleared)):
-            counters[("dataplane_shard_rows", *labels, op)] = rows
+        for op, count in (("put", core.rows_put), ("get", core.rows_got), ("clear", core.rows_cleared)):
+            counters[("dataplane_shard_rows", *labels, op)] = count
         counters[("dataplane_shard_bytes", *labels, "put")] = core.bytes_put
         counters[("dataplane_shard_bytes", *labels, "clear")] = core.bytes_cleared
         counters[("dataplane_shard_reservations_expired", *labels)] = core.expired
         capacity = core.capacity if core.capacity is not None else core.host_memory
-        for state, value in (
+        for state, nbytes in (
             ("used", core.used),
             ("reserved", core.pending),
             ("free", max(0, capacity - core.used - core.pending)),
         ):
-            gauges[("dataplane_shard_capacity_bytes", *labels, state)] = value
+            gauges[("dataplane_shard_capacity_bytes", *labels, state)] = nbytes
         gauges[("dataplane_shard_resident_bytes", *labels)] = core.pool.bytes_resident + core.heap_bytes
         sizes = {pid: part.nbytes for pid, part in core.partitions.items()}
         rows = {pid: len(part.rows) for pid, part in core.partitions.items()}
         gauges[("dataplane_shard_rows_held", *labels)] = sum(rows.values())
         keep = _bounds.chosen(sizes, self.partition_series)
-        for name, values in (
+        for name, series in (
             ("dataplane_shard_partition_rows", rows),
             ("dataplane_shard_partition_bytes", sizes),
         ):
-            for pid, value in _bounds.fold(values, keep, _bounds.OTHER).items():
-                gauges[(name, *labels, pid)] = value
+            for pid, n in _bounds.fold(series, keep, _bounds.OTHER).items():
+                gauges[(name, *labels, pid)] = n
         return counters, gauges
 
 
@@ -364,7 +368,9 @@ def _rebuild(error: Any) -> BaseException:
 class ShardActor:
     """A storage shard (wrapped with ``ray.remote`` by ``service.launch``; never built by user code)."""
 
-    def __init__(self, shard_id: int, capacity_bytes: int | None, cfg: dict[str, Any], creds: dict) -> None:
+    def __init__(
+        self, shard_id: int, capacity_bytes: int | None, cfg: dict[str, Any], creds: dict[str, str]
+    ) -> None:
         import ray
 
         # An unbounded store's shards on one host share its memory (``server.host_memory``).
@@ -441,15 +447,18 @@ class ShardActor:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return self.core.stats()
+            out: dict[str, Any] = msgspec.to_builtins(self.core.stats())  # (a Ray call: plain values)
+            return out
 
     # ---- checkpoints (``server.shard_checkpoint``): Ray calls, so that the request loop keeps serving
     # while the files are written or read; the actor runs one at a time.
-    def checkpoint_save(self, path: str, token: str, num_shards: int, index_file: dict) -> dict[str, Any]:
+    def checkpoint_save(
+        self, path: str, token: str, num_shards: int, index_file: dict[str, int]
+    ) -> dict[str, Any]:
         return self.checkpoints.save(path, token, num_shards, index_file)
 
     def checkpoint_stage(
-        self, path: str, load: int, num_shards: int, files: dict, saved_shards: int, timeout_s: float
+        self, path: str, load: int, num_shards: int, files: _Files, saved_shards: int, timeout_s: float
     ) -> dict[str, Any]:
         return self.checkpoints.stage(path, load, num_shards, files, saved_shards, timeout_s)
 

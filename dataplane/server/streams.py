@@ -22,6 +22,7 @@ from typing import Any
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.server.ready import ReadyKeys
+from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
@@ -41,11 +42,14 @@ class Lease:
     deadline: float  # time.monotonic()
 
 
+Slot = tuple[frozenset[str], int | None, int | None]  # a rank-aware call's (fields, dp_rank, batch_index)
+
+
 @dataclass
 class Task:
     consumed: set[str] = field(default_factory=set)
     streams: dict[frozenset[str], Stream] = field(default_factory=dict)
-    cache: OrderedDict[tuple, list[str]] = field(default_factory=OrderedDict)
+    cache: OrderedDict[Slot, list[str]] = field(default_factory=OrderedDict)
     # The last TAKE_MEMORY takes (id -> keys): a call its consumer gave up on is given back by id, and
     # a retry of a take gets the same keys. Leases (id -> Lease) are kept until acknowledged or due;
     # ``leased`` maps each key under a lease to its take.
@@ -99,7 +103,8 @@ class PartitionStreams:
         return task, stream
 
     def _tag(self, key: str) -> dict[str, Any]:
-        return self.keys[key].tag
+        tag: dict[str, Any] = self.keys[key].tag
+        return tag
 
     def on_retag(self, key: str) -> None:
         """``key``'s tags changed: streams that index ready rows by group file it again."""
@@ -137,7 +142,7 @@ class PartitionStreams:
         )
         if choice is None or (not choice and not self.finished):
             return None
-        parts = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
+        parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
         chosen = [k for part in parts.values() for k in part]
         self._check_ready(stream, chosen, type(sampler).__name__)
         mine = parts.get(dp_rank, [])
@@ -237,7 +242,9 @@ class PartitionStreams:
             del task.cache[slot]
         return self.release(task_name, take) or 0
 
-    def cached(self, task_name: str, fields: frozenset[str], dp_rank: int | None, batch_index: int | None):
+    def cached(
+        self, task_name: str, fields: frozenset[str], dp_rank: int | None, batch_index: int | None
+    ) -> list[str] | None:
         task = self.tasks.get(task_name)
         if task is None or dp_rank is None or batch_index is None:
             return None
@@ -255,7 +262,7 @@ class PartitionStreams:
             )
 
     @staticmethod
-    def _remember(task: Task, slot: tuple, keys: list[str]) -> None:
+    def _remember(task: Task, slot: Slot, keys: list[str]) -> None:
         task.cache[slot] = keys
         while len(task.cache) > RANK_CACHE:
             task.cache.popitem(last=False)
@@ -366,19 +373,15 @@ class PartitionStreams:
             ready = 0 if stream is None else len(stream.ready)
             yield name, len(task.consumed), ready, len(task.leased), stream
 
-    def overview(self) -> dict[str, dict[str, Any]]:
-        """``progress`` by task, with the fields each waits for."""
+    def overview(self) -> dict[str, TaskProgress]:
+        """``progress`` by task, with the fields each waits for (the ``tasks`` reply's)."""
         return {
-            name: {
-                "taken": taken,
-                "ready": ready,
-                "leased": leased,
-                "fields": [] if stream is None else sorted(stream.fields),
-            }
+            name: TaskProgress(taken, ready, leased, [] if stream is None else sorted(stream.fields))
             for name, taken, ready, leased, stream in self.progress()
         }
 
-    def counts(self, task_name: str, fields: frozenset[str] | None) -> dict[str, Any]:
+    def counts(self, task_name: str, fields: frozenset[str] | None) -> ConsumptionReply:
+        """``task_name``'s progress on this partition for ``fields`` (the ``consumption`` reply)."""
         task = self.tasks.get(task_name)
         consumed = task.consumed if task is not None else set()
         if fields is None:  # the fields the task asked for last; every key when it never asked
@@ -388,20 +391,22 @@ class PartitionStreams:
                 else frozenset()
             )
         stream = task.streams.get(fields) if task is not None else None
-        if stream is not None and len(task.streams) == 1:  # every consumed key came through it: O(1)
+        if (
+            task is not None and stream is not None and len(task.streams) == 1
+        ):  # every consumed key came through it: O(1)
             produced, done = len(stream.ready) + len(consumed), len(consumed)
         else:
             produced = sum(1 for meta in self.keys.values() if fields <= meta.fields)
             done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k].fields)
-        return {
-            "total": len(self.keys),
-            "produced": produced,
-            "consumed": len(consumed),
-            "ready": produced - done,
-            "leased": 0 if task is None else len(task.leased),
-            "finished": self.finished,
-            "fields": sorted(fields),
-        }
+        return ConsumptionReply(
+            total=len(self.keys),
+            produced=produced,
+            consumed=len(consumed),
+            ready=produced - done,
+            leased=0 if task is None else len(task.leased),
+            finished=self.finished,
+            fields=sorted(fields),
+        )
 
 
 __all__ = ["Lease", "PartitionStreams", "Stream", "Task"]

@@ -74,8 +74,9 @@ class Reply(msgspec.Struct, array_like=True, gc=False):
 
 
 class _OutReply(msgspec.Struct, array_like=True, gc=False):
-    """Header frame of a reply as a server encodes it: the body is the op's reply struct (or a dict of
-    the same fields)."""
+    """Header frame of a reply as a server encodes it: the body is the op's reply struct, which msgpack
+    carries as a map of its fields (those at their default left out, as the client's struct reads them
+    back); a test playing a server may pass a dict of the same fields."""
 
     rid: int
     body: Any
@@ -85,7 +86,7 @@ class _OutReply(msgspec.Struct, array_like=True, gc=False):
 
 class RawReply(msgspec.Struct, array_like=True, gc=False):
     """A reply header as a client decodes it (``decode_raw_reply``): the body stays raw until the
-    operation that asked reads it as its op's reply struct (``wire.protocol.reply_body``)."""
+    operation that asked reads it as its op's reply struct (``wire.requests.reply``)."""
 
     rid: int
     body: msgspec.Raw
@@ -129,7 +130,9 @@ def encode_request(rid: int, op: str, body: Any, buffers: list[Any] | None = Non
     return [_req_enc.encode(Request(rid, op, body)), *(buffers or [])]
 
 
-def _decode(frames: list[Any], decoder: msgspec.msgpack.Decoder, empty: str, what: str) -> tuple[Any, list]:
+def _decode(
+    frames: list[Any], decoder: msgspec.msgpack.Decoder[Any], empty: str, what: str
+) -> tuple[Any, list[memoryview]]:
     """Header (decoded by ``decoder``) and zero-copy buffer views of a message's frames."""
     if not frames:
         raise WireError(empty)
@@ -145,8 +148,10 @@ def decode_request(frames: list[Any]) -> tuple[_RawRequest, list[memoryview]]:
     return _decode(frames, _req_dec, "empty message", "request")
 
 
-def encode_reply(rid: int, body: Any, buffers: list[Any] | None = None) -> list[Any]:
-    """Frames of a successful reply."""
+def encode_reply(
+    rid: int, body: msgspec.Struct | dict[str, Any], buffers: list[Any] | None = None
+) -> list[Any]:
+    """Frames of a successful reply: ``body`` is the op's reply struct (``wire.protocol``)."""
     return [_req_enc.encode(_OutReply(rid, body, None, PROTOCOL_VERSION)), *(buffers or [])]
 
 
@@ -199,7 +204,7 @@ def decode_raw_reply(frames: list[Any]) -> tuple[Reply | RawReply, list[memoryvi
     return _decode_reply(frames, _raw_rep_dec)
 
 
-def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder) -> tuple[Any, list[memoryview]]:
+def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder[Any]) -> tuple[Any, list[memoryview]]:
     try:
         rep, bufs = _decode(frames, decoder, "empty reply", "reply")
     except WireError:
@@ -216,7 +221,7 @@ def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder) -> tuple[
     return rep, bufs
 
 
-Handler = Callable[[_RawRequest, list[memoryview]], "tuple[dict[str, Any], list[Any]] | None"]
+Handler = Callable[[_RawRequest, list[memoryview]], "tuple[msgspec.Struct, list[Any]] | None"]
 
 
 def answer(
@@ -318,6 +323,11 @@ def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>")
     hold exactly the rows the entry declares (``Column.check``): a peer's declared sizes are
     never trusted.
     """
+    spec: Any
+    rows: Any
+    data_i: Any
+    off_i: Any
+    shapes_i: Any
     if isinstance(d, dict):
         spec, rows, data_i = d.get("spec"), d.get("rows"), d.get("data")
         off_i, shapes_i = d.get("offsets", -1), d.get("shapes", -1)
@@ -346,7 +356,7 @@ def column_from_wire(d: Any, buffers: list[memoryview], field: str = "<column>")
 
 def array_to_wire(arr: np.ndarray, buffers: list[Any]) -> int:
     """Append an int64 array as a frame (flattened, C order); returns its frame index."""
-    buffers.append(memoryview(np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)).cast("B"))
+    buffers.append(np.ascontiguousarray(arr, dtype=np.int64).reshape(-1).data.cast("B"))
     return len(buffers) - 1
 
 

@@ -2,8 +2,9 @@
 
 One definition for both ends: the client's operations (``client.ops``, ``client.stream_ops``)
 build the request structs and read the reply structs; the servers decode the request structs
-(``decode_body``) and answer with bodies of the reply structs' shape (``SHARD_REPLIES`` and
-``INDEX_REPLIES`` name each op's; ``wire.requests.reply`` reads one on the client).
+(``decode_body``) and answer with instances of the reply structs (``SHARD_REPLIES`` and
+``INDEX_REPLIES`` name each op's; ``server.dispatch`` refuses a core whose ``op_<name>`` is annotated
+with another; ``wire.requests.reply`` reads one on the client).
 
 Decoding a body is its first validation: a field of the wrong type, a negative size or a missing
 key is refused with a ``WireError`` naming the operation and the field before any handler code
@@ -320,8 +321,10 @@ WAITING_OPS = frozenset({"next", "ready"})  # answered when rows are ready (or a
 
 
 # ---- replies ------------------------------------------------------------------------------------
-# What each op answers. A reply may carry fields this version does not read (a newer peer's, or
-# what only a server loop adds, like ``clients`` in a shard's stats): they are ignored, not refused.
+# What each op answers: its handler returns an instance (``server.dispatch`` checks the annotation
+# against these tables), encoded as a map of its fields, those at their default left out, which the
+# client's struct reads back as the same defaults. A reply may carry fields this version does not read
+# (a newer peer's): they are ignored, not refused.
 
 
 class _Reply(msgspec.Struct, omit_defaults=True, gc=False):
@@ -330,6 +333,13 @@ class _Reply(msgspec.Struct, omit_defaults=True, gc=False):
 
 class Done(_Reply):
     """The answer of an op that only says it happened."""
+
+
+class Pending(_Reply, omit_defaults=False):
+    """What a waiting op (``next``, ``ready``) answers when a core runs it once, outside its server, while
+    its rows are not ready (the server parks such a request instead: no client is sent this)."""
+
+    pending: bool = True
 
 
 FileRef = list[int]  # a shared-memory file: [file_id, fd, size, inode, slot, generation]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -17,7 +18,8 @@ from dataplane.server.streams import PartitionStreams
 F32 = ["dense", "float32", [4]]
 
 
-def call(core: IndexCore, op: str, body: dict) -> dict:
+def call(core: IndexCore, op: str, body: dict) -> Any:
+    """One request as the index serves it; the reply is the op's reply struct."""
     return core.handle(op, msgspec.msgpack.encode(body), [])[0]
 
 
@@ -58,24 +60,24 @@ def test_the_index_metadata_round_trips_through_its_file(tmp_path):
     token = new_token()
     (tmp_path / token).touch()
     saved = call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
-    assert saved["partitions"] == {"p": 12, "q": 0}
+    assert saved.partitions == {"p": 12, "q": 0}
     call(core, "clear", {"pid": "p", "keys": ["k4"]})  # cleared while the shards saved: left out
-    done = call(core, "checkpoint_finish", {"save": saved["save"], "missing": {"p": ["k4"]}})
-    assert done["partitions"] == {"p": 11, "q": 0}
+    done = call(core, "checkpoint_finish", {"save": saved.save, "missing": {"p": ["k4"]}})
+    assert done.partitions == {"p": 11, "q": 0}
     fresh = IndexCore()
     call(fresh, "commit", {"pid": "q", "keys": ["z"]})
-    staged = call(fresh, "checkpoint_stage", {"path": str(tmp_path), **done["file"]})
-    assert staged["existing"] == ["q"] and fresh.partitions["q"].keys.keys() == {"z"}  # nothing changed yet
+    staged = call(fresh, "checkpoint_stage", {"path": str(tmp_path), **done.file})
+    assert staged.existing == ["q"] and fresh.partitions["q"].keys.keys() == {"z"}  # nothing changed yet
     with pytest.raises(CheckpointError, match=r"now holds partitions \['q'\]"):
-        call(fresh, "checkpoint_install", {"load": staged["load"]})
-    call(fresh, "checkpoint_install", {"load": staged["load"], "overwrite": True})
+        call(fresh, "checkpoint_install", {"load": staged.load})
+    call(fresh, "checkpoint_install", {"load": staged.load, "overwrite": True})
     assert _state(fresh) == _state(core)
     again = {"pid": "p", "task": "t", "batch_size": 2, "fields": ["a"]}
     assert call(fresh, "next", again) == call(core, "next", again)
     leased = fresh.partitions["p"].streams.tasks["l"].leased
     assert sorted(leased) == ["k1", "k2", "k3"] and [e[4] for e in fresh.lease_due] == ["L1"]
     fresh.expire_leases(time.monotonic() + 601)  # the lease runs out in the loaded store too
-    assert call(fresh, "consumption", {"pid": "p", "task": "l"})["ready"] == 11 - 1
+    assert call(fresh, "consumption", {"pid": "p", "task": "l"}).ready == 11 - 1
     assert fresh.schemas["p"].keys() == {"a", "b"} and all(e.confirmed for e in fresh.schemas["p"].values())
 
 
@@ -89,7 +91,7 @@ def test_a_damaged_index_file_is_refused_by_name(tmp_path):
     data[10] ^= 1
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="index.msgpack is corrupted"):
-        call(IndexCore(), "checkpoint_stage", {"path": str(tmp_path), **saved["file"]})
+        call(IndexCore(), "checkpoint_stage", {"path": str(tmp_path), **saved.file})
 
 
 def test_the_index_writes_only_where_the_saver_proved_it_can(tmp_path):

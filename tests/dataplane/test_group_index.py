@@ -81,7 +81,7 @@ def test_a_commit_costs_the_same_beside_many_rows_in_incomplete_groups(monkeypat
         assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING
     assert looked[0] <= 8, f"a commit looked at {looked[0]} rows"
     put(core, "p", ["s-extra-1", "s-extra-2"], ["x"], tags=[{"uid": "g0"}, {"uid": "g0"}])  # g0 complete
-    assert call(core, "next", {**body, "task": "t0"})["keys"] == ["s0", "s1", "s-extra-1", "s-extra-2"]
+    assert call(core, "next", {**body, "task": "t0"}).keys == ["s0", "s1", "s-extra-1", "s-extra-2"]
 
 
 def test_without_retags_groups_come_in_the_order_a_scan_finds_them():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import pytest
@@ -19,17 +21,19 @@ from dataplane.errors import (
 )
 from dataplane.server.index import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT, IndexCore
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 
 F32 = ["dense", "float32", [4]]
 I64 = ["dense", "int64", [4]]
 
 
-def call(core: IndexCore, op: str, body: dict) -> dict:
-    """One request as the index serves it: the body msgpack-encoded, then decoded for its op."""
+def call(core: IndexCore, op: str, body: dict) -> Any:
+    """One request as the index serves it: the body msgpack-encoded, then decoded for its op; the reply
+    is the op's reply struct (``wire.protocol.INDEX_REPLIES``)."""
     return core.handle(op, msgspec.msgpack.encode(body), [])[0]
 
 
-def prepare(core: IndexCore, pid: str, specs: dict, txn: int) -> dict:
+def prepare(core: IndexCore, pid: str, specs: dict, txn: int) -> _protocol.PrepareReply:
     """A put's prepare; ``txn`` is the put's id, chosen by its client."""
     return call(core, "prepare", {"pid": pid, "specs": specs, "txn": txn})
 
@@ -46,7 +50,7 @@ class Clock:
 
 def test_index_decides_a_new_fields_schema_at_prepare():
     core = IndexCore()
-    assert prepare(core, "p", {"x": F32}, 1) == {"txn": 1}
+    assert prepare(core, "p", {"x": F32}, 1) == _protocol.PrepareReply(txn=1)
     with pytest.raises(SchemaError, match="'x'"):  # a racing put of another dtype: refused at once
         prepare(core, "p", {"x": I64}, 2)
     prepare(core, "p", {"x": F32}, 3)  # the same spec: fine
@@ -83,18 +87,20 @@ def test_a_prepare_expires_with_the_reservations_of_its_put():
         prepare(core, "p", {"y": I64}, 2)
     assert "10s" in str(err.value), err.value  # says how long the in-flight put may hold it
     clock.now += 0.1
-    assert prepare(core, "p", {"y": I64}, 3) == {"txn": 3}  # put 1 expired: y undecided, 3 decides it
+    assert prepare(core, "p", {"y": I64}, 3) == _protocol.PrepareReply(
+        txn=3
+    )  # put 1 expired: y undecided, 3 decides it
     one_trip = {"pid": "p", "keys": ["c"], "fields": ["z"], "specs": {"z": I64}}  # a put_ready's commit
     call(core, "commit", one_trip)  # z is undecided again too
     with pytest.raises(SchemaError, match="'x'"):  # a field decided by a commit stays decided
         prepare(core, "p", {"x": I64}, 4)
     with pytest.raises(ReservationExpiredError, match="put 1 .*expired.*nothing was recorded"):
         call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x", "y"], "txn": 1})
-    assert call(core, "list", {"pid": "p"}) == {"list": {"p": {"a": {}, "c": {}}}}  # b was not recorded
+    assert call(core, "list", {"pid": "p"}).list == {"p": {"a": {}, "c": {}}}  # b was not recorded
     with pytest.raises(ReservationExpiredError):  # a put id the index never saw: refused alike
         call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x"], "txn": 77})
     call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "txn": 3})
-    assert call(core, "stats", {})["puts"] == {"open": 0, "aborted": 0, "expired": 1, "refused": 0}
+    assert call(core, "stats", {}).puts == {"open": 0, "aborted": 0, "expired": 1, "refused": 0}
 
 
 def test_an_abort_that_overtakes_its_prepare_makes_the_index_refuse_the_prepare():
@@ -103,38 +109,35 @@ def test_an_abort_that_overtakes_its_prepare_makes_the_index_refuse_the_prepare(
     refused and decides nothing. The memory of such an abort lasts as long as a prepare would."""
     clock = Clock()
     core = IndexCore(prepare_ttl_s=10.0, clock=clock)
-    assert call(core, "abort", {"txn": 5}) == {}
+    assert call(core, "abort", {"txn": 5}) == _protocol.Done()
     with pytest.raises(ReservationExpiredError, match="put 5 was aborted"):
         prepare(core, "p", {"x": F32}, 5)
     assert core.schemas.get("p", {}) == {}
     prepare(core, "p", {"x": I64}, 6)  # nothing of put 5 is left in the way
-    assert call(core, "stats", {})["puts"] == {"open": 1, "aborted": 0, "expired": 0, "refused": 1}
+    assert call(core, "stats", {}).puts == {"open": 1, "aborted": 0, "expired": 0, "refused": 1}
     call(core, "abort", {"txn": 7})
     clock.now += 10.0
     prepare(core, "p", {"z": F32}, 7)  # forgotten with the reservations it stood for (6 expired too)
-    assert call(core, "stats", {})["puts"] == {"open": 1, "aborted": 0, "expired": 1, "refused": 1}
+    assert call(core, "stats", {}).puts == {"open": 1, "aborted": 0, "expired": 1, "refused": 1}
 
 
 def test_index_fields_tags_list_resolve_drop():
     core = IndexCore()
     r = call(core, "commit", {"pid": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None]})
-    assert r == {"fields": ["x"], "tags": [{"s": 1}, {}]}
+    assert r == _protocol.CommitReply(fields=["x"], tags=[{"s": 1}, {}])
     r = call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}]})
-    assert r["fields"] == ["x", "y"] and r["tags"] == [{"s": 1, "t": 2}]
-    assert call(core, "list", {"pid": "p"}) == {"list": {"p": {"a": {"s": 1, "t": 2}, "b": {}}}}
-    assert call(core, "list", {"pid": "zz"}) == {"list": {}}
-    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}) == {
-        "partition": True,
-        "known": {"a": ["x", "y"]},
-        "cleared": [],
-        "cleared_kept": CLEARED_KEYS_KEPT,
-    }
+    assert r.fields == ["x", "y"] and r.tags == [{"s": 1, "t": 2}]
+    assert call(core, "list", {"pid": "p"}).list == {"p": {"a": {"s": 1, "t": 2}, "b": {}}}
+    assert call(core, "list", {"pid": "zz"}).list == {}
+    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}) == _protocol.ResolveReply(
+        partition=True, known={"a": ["x", "y"]}, cleared=[], cleared_kept=CLEARED_KEYS_KEPT
+    )
     call(core, "clear", {"pid": "p", "keys": ["a"]})
-    assert call(core, "stats", {})["partitions"] == {"p": 1}
-    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]})["cleared"] == ["a"]  # c: never written
+    assert call(core, "stats", {}).partitions == {"p": 1}
+    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}).cleared == ["a"]  # c: never written
     call(core, "clear_partition", {"pid": "p"})
     gone = call(core, "resolve", {"pid": "p", "keys": ["b"]})
-    assert gone["partition"] is False and "it was cleared" in gone["error"], gone
+    assert gone.partition is False and gone.error is not None and "it was cleared" in gone.error, gone
     with pytest.raises(WireError, match="malformed 'commit'"):
         call(core, "commit", {"pid": "p", "keys": "a"})
     with pytest.raises(WireError, match="unknown operation 'evil'"):
@@ -147,16 +150,16 @@ def test_index_remembers_cleared_keys_and_partitions_within_a_bound():
     call(core, "commit", {"pid": "p", "keys": keys, "fields": ["x"]})
     call(core, "clear", {"pid": "p", "keys": keys})  # in order: k0 is the oldest
     said = call(core, "resolve", {"pid": "p", "keys": ["k0", "k1", keys[-1]]})
-    assert said["cleared"] == ["k1", keys[-1]], "the oldest cleared key is forgotten past the bound"
+    assert said.cleared == ["k1", keys[-1]], "the oldest cleared key is forgotten past the bound"
     for i in range(CLEARED_PARTITIONS_KEPT + 1):
         call(core, "commit", {"pid": f"q{i}", "keys": ["a"], "fields": ["x"]})
         call(core, "clear_partition", {"pid": f"q{i}"})
-    oldest = call(core, "resolve", {"pid": "q0", "keys": ["a"]})["error"]
-    newest = call(core, "resolve", {"pid": "q1", "keys": ["a"]})["error"]
+    oldest = call(core, "resolve", {"pid": "q0", "keys": ["a"]}).error
+    newest = call(core, "resolve", {"pid": "q1", "keys": ["a"]}).error
     assert "it was cleared" in newest and "it was cleared" not in oldest, (oldest, newest)
     assert f"last {CLEARED_PARTITIONS_KEPT} partitions cleared" in oldest, oldest
     call(core, "commit", {"pid": "step1", "keys": ["a"], "fields": ["x"]})
-    typo = call(core, "resolve", {"pid": "setp1", "keys": ["a"]})["error"]
+    typo = call(core, "resolve", {"pid": "setp1", "keys": ["a"]}).error
     assert "did you mean 'step1'?" in typo, typo
 
 
@@ -215,7 +218,7 @@ def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
     relies on that field too: the prepared put's abort must not take the field's schema back, or a
     later put could declare the field again with another dtype while rows of the first one exist."""
     core = IndexCore()
-    txn = prepare(core, "p", {"y": F32}, 1)["txn"]
+    txn = prepare(core, "p", {"y": F32}, 1).txn
     call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "specs": {"y": F32}})
     call(core, "abort", {"txn": txn})
     with pytest.raises(SchemaError, match="'y'"):
@@ -223,7 +226,7 @@ def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
     with pytest.raises(SchemaError, match="'y'"):  # the same spec is remembered, another is checked
         call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": I64}})
     call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": F32}})
-    assert sorted(call(core, "list", {"pid": "p"})["list"]["p"]) == ["a", "b"]
+    assert sorted(call(core, "list", {"pid": "p"}).list["p"]) == ["a", "b"]
 
 
 def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
@@ -245,9 +248,9 @@ def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
                 },
             ]
         },
-    )["results"]
-    assert res[0] == {"ok": {"fields": ["x"], "tags": [{}]}}
-    name, msg, attrs = res[1]["err"]
+    ).results
+    assert res[0] == _protocol.CommitResult(ok=_protocol.CommitReply(fields=["x"], tags=[{}]))
+    name, msg, attrs = res[1].err
     assert name == "SchemaError" and attrs["field"] == "x" and "float32" in msg
-    assert res[2] == {"ok": {"fields": ["y"], "tags": [{"t": 1}]}}
-    assert sorted(call(core, "list", {"pid": "p"})["list"]["p"]) == ["a", "b", "d"]  # "c" was not recorded
+    assert res[2] == _protocol.CommitResult(ok=_protocol.CommitReply(fields=["y"], tags=[{"t": 1}]))
+    assert sorted(call(core, "list", {"pid": "p"}).list["p"]) == ["a", "b", "d"]  # "c" was not recorded

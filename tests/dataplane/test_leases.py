@@ -10,6 +10,7 @@ import pytest
 from dataplane.errors import DataplaneError, WireError
 from dataplane.server import index as index_mod
 from dataplane.server.index import IndexCore
+from dataplane.wire import protocol as _protocol
 
 from .test_samplers import PENDING, call, put
 
@@ -27,12 +28,12 @@ def take(
         **kw,
     }
     res = call(core, "next", body)
-    return None if res == PENDING else res["keys"]
+    return None if res == PENDING else res.keys
 
 
 def counts(core: IndexCore, pid: str = "p") -> tuple[int, int, int]:
     c = call(core, "consumption", {"pid": pid, "task": "t"})
-    return c["consumed"], c["ready"], c["leased"]
+    return c.consumed, c.ready, c.leased
 
 
 def later(core: IndexCore, seconds: float) -> None:
@@ -44,12 +45,12 @@ def test_a_take_given_back_by_id_is_first_in_line_and_its_id_is_spent():
     put(core, "p", ["a", "b", "c"], ["x"])
     assert take(core, "p", 2, "T1") == ["a", "b"]
     assert take(core, "p", 2, "T1") == ["a", "b"]  # a retry of the same take: the same keys
-    assert call(core, "release", {"pid": "p", "task": "t", "take": "T1"}) == {"released": 2, "known": True}
+    assert call(core, "release", {"pid": "p", "task": "t", "take": "T1"}) == _protocol.ReleaseReply(2, True)
     assert counts(core) == (0, 3, 0)
     with pytest.raises(DataplaneError, match="given back"):
         take(core, "p", 2, "T1")  # a late duplicate of a given-back take
     assert take(core, "p", 3, "T2") == ["a", "b", "c"]
-    assert call(core, "release", {"pid": "q", "task": "t", "take": "T3"})["known"] is False
+    assert call(core, "release", {"pid": "q", "task": "t", "take": "T3"}).known is False
     with pytest.raises(DataplaneError, match="given back"):
         take(core, "q", 1, "T3")  # the release overtook it
 
@@ -60,17 +61,25 @@ def test_a_lease_runs_out_unless_acknowledged():
     assert take(core, "p", 2, "L1", lease_s=5) == ["a", "b"]
     assert take(core, "p", 2, "L2", lease_s=5) == ["c", "d"]
     assert counts(core) == (4, 0, 4)
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a", "b"]}) == {"late": []}
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["c"]}) == {"late": []}
+    assert call(
+        core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a", "b"]}
+    ) == _protocol.AckReply([])
+    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["c"]}) == _protocol.AckReply([])
     core.changed.clear()
     later(core, 1)
     assert counts(core) == (4, 0, 1) and not core.changed  # not due yet
     later(core, 6)
     assert core.changed == {"p"} and counts(core) == (3, 1, 0)  # "d" is back
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == {"late": ["d"]}
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a"]}) == {"late": []}  # again
+    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == _protocol.AckReply(
+        ["d"]
+    )
+    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a"]}) == _protocol.AckReply(
+        []
+    )  # again
     assert take(core, "p", 1, "T3") == ["d"]
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == {"late": ["d"]}
+    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == _protocol.AckReply(
+        ["d"]
+    )
 
 
 def test_cleared_and_reset_rows_leave_their_leases():
@@ -93,7 +102,7 @@ def test_a_lapsed_lease_of_a_rank_aware_slot_frees_the_slot():
     slot = {"dp_rank": 0, "dp_size": 2, "batch_index": 0}
     assert take(core, "p", 2, "L1", lease_s=5, **slot) == ["a", "b"]
     res = call(core, "next", {"pid": "p", "task": "t", "batch_size": 2, "fields": ["x"], "take": "P", **slot})
-    assert res["keys"] == ["a", "b"] and res["lease"] == "L1"  # a peer acknowledges under the lease's id
+    assert res.keys == ["a", "b"] and res.lease == "L1"  # a peer acknowledges under the lease's id
     later(core, 10)
     assert counts(core) == (0, 4, 0)
     assert take(core, "p", 2, "L2", **slot) == ["a", "b"]

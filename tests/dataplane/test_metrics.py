@@ -157,7 +157,7 @@ def _next(core: IndexCore, pid: str, task: str, n: int, lease_s: float | None = 
         pid=pid, task=task, batch_size=n, fields=["x"], take=uuid.uuid4().hex, lease_s=lease_s
     )
     got = core.op_next(body)
-    return [] if got is None else got["keys"]
+    return [] if got is None else got.keys
 
 
 def test_ten_thousand_partitions_make_at_most_k_plus_one_series(creds) -> None:
@@ -192,15 +192,15 @@ def test_the_index_lists_the_consumer_tasks_of_a_partition() -> None:
     core.op_finish(_protocol.OnePartition(pid="p"))
     raw = msgspec.msgpack.encode({"pid": "p"})
     got = core.operation("tasks")(core.decode("tasks", raw))
-    assert got == {
-        "rows": 10,
-        "fields": [],  # commits without prepare or specs decide no schema
-        "finished": True,
-        "tasks": {
-            "reward": {"taken": 4, "ready": 6, "leased": 0, "fields": ["x"]},
-            "train": {"taken": 3, "ready": 7, "leased": 3, "fields": ["x"]},
+    assert got == _protocol.TasksReply(
+        rows=10,
+        fields=[],  # commits without prepare or specs decide no schema
+        finished=True,
+        tasks={
+            "reward": _protocol.TaskProgress(taken=4, ready=6, leased=0, fields=["x"]),
+            "train": _protocol.TaskProgress(taken=3, ready=7, leased=3, fields=["x"]),
         },
-    }
+    )
     with pytest.raises(PartitionNotFoundError):
         core.operation("tasks")(core.decode("tasks", msgspec.msgpack.encode({"pid": "nope"})))
     with pytest.raises(WireError, match="malformed 'tasks' request"):

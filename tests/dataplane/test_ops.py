@@ -147,7 +147,7 @@ class Loopback:
         if call.target == INDEX:  # the index takes metadata only, as IndexServer does
             answered, reply = _wire.answer(
                 request,
-                lambda req, bufs: self.index.handle(req.op, req.body, bufs),
+                lambda req, bufs: self._index(req.op, req.body, bufs),
                 max_frames=0,
                 who="the index",
             )
@@ -160,7 +160,12 @@ class Loopback:
         assert answered == got == rid
         return result
 
-    def _shard(self, shard: ShardCore, op: str, raw: Any, bufs: list[memoryview]) -> tuple[dict, list]:
+    def _index(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[msgspec.Struct, list]:
+        return self.index.handle(op, raw, bufs)
+
+    def _shard(
+        self, shard: ShardCore, op: str, raw: Any, bufs: list[memoryview]
+    ) -> tuple[msgspec.Struct, list]:
         if op != "put_ready":
             return shard.handle(op, raw, bufs)
         # What ShardServer does with a one-step put: store it, commit it in the index, take it back
@@ -168,11 +173,12 @@ class Loopback:
         body = _protocol.decode_body(op, raw, _protocol.SHARD_OPS)
         commit, undo = shard.put_ready(body, bufs)
         raw = msgspec.msgpack.encode(_protocol.Commits([commit]))
-        (res,) = self.index.handle("commits", raw, [])[0]["results"]
-        if "err" in res:
+        (res,) = self.index.op_commits(_protocol.decode_body("commits", raw, _protocol.INDEX_OPS)).results
+        if res.err is not None:
             shard.undo_put(undo)
-            raise _wire.rebuild_error(res["err"])
-        return res["ok"], []
+            raise _wire.rebuild_error(res.err)
+        assert res.ok is not None
+        return _protocol.PutReadyReply(res.ok.fields, res.ok.tags), []
 
     def drive(self, op: ops.Op) -> Any:
         """Run ``op`` to completion against the cores (what ``handle.drive`` does with sockets)."""
@@ -332,7 +338,7 @@ def test_reserve_failure_aborts_the_reservations_that_succeeded(stores):
         [(INDEX, "prepare"), (0, "reserve"), (1, "reserve")],
         [(0, "abort"), (INDEX, "abort")],  # only what succeeded is undone; nothing is committed
     ]
-    assert store.shards[0].stats()["bytes_reserved"] == 0  # the abort really gave the space back
+    assert store.shards[0].stats().bytes_reserved == 0  # the abort really gave the space back
     assert store.index.txns == {} and store.index.schemas == {}  # the new fields are undecided again
     assert PID not in route.schemas
 
@@ -397,7 +403,7 @@ def test_schema_refusal_from_the_index(stores):
 
     assert exc.value.field == "x"
     assert store.rounds == [[(INDEX, "prepare"), (1, "reserve")], [(1, "abort"), (INDEX, "abort")]]
-    assert store.shards[1].stats()["bytes_reserved"] == 0
+    assert store.shards[1].stats().bytes_reserved == 0
     assert store.drive(ops.list_keys(route, PID)) == {PID: {k: {} for k in on0}}
 
 
@@ -650,7 +656,7 @@ def test_clear_frees_the_keys_everywhere_and_ignores_unknown_ones(stores):
     store.drive(ops.clear(route, [*keys, "never-written"], PID))
 
     assert store.rounds == [[(0, "clear"), (1, "clear"), (INDEX, "clear")]]
-    assert all(s.stats()["bytes_used"] == 0 for s in store.shards)
+    assert all(s.stats().bytes_used == 0 for s in store.shards)
     assert store.drive(ops.list_keys(route, PID)) == {PID: {}}
 
 
@@ -668,12 +674,12 @@ def test_partial_clear_names_where_the_rows_were_freed(stores):
     assert exc.value.shard == "shard1"
     assert "completed only in part" in msg and "shards [0] freed their rows" in msg
     assert "the index forgot them" in msg and "shard 1:" in msg and "Call it again" in msg
-    assert store.shards[0].stats()["partitions"] == {PID: 0}
-    assert store.shards[1].stats()["partitions"] == {PID: 2}  # not reached: its rows are still there
+    assert store.shards[0].stats().partitions == {PID: 0}
+    assert store.shards[1].stats().partitions == {PID: 2}  # not reached: its rows are still there
 
     store.down.clear()
     store.drive(ops.clear(route, on0 + on1, PID))  # calling it again finishes the job
-    assert store.shards[1].stats()["bytes_used"] == 0
+    assert store.shards[1].stats().bytes_used == 0
 
 
 def test_partial_clear_partition_names_the_index(stores):
@@ -692,7 +698,7 @@ def test_partial_clear_partition_names_the_index(stores):
 
     assert exc.value.shard == "index"
     assert store.rounds == [[(0, "clear_partition"), (1, "clear_partition"), (INDEX, "clear_partition")]]
-    assert all(PID not in s.stats()["partitions"] for s in store.shards)
+    assert all(PID not in s.stats().partitions for s in store.shards)
     assert PID not in route.schemas  # the partition may be re-created with another schema
 
 

@@ -6,7 +6,9 @@ op of the shard's and the index's tables, one test row checks both directions:
 
 * the request the client built decodes into the server's struct for that op, and encodes back to
   the very bytes the client sent (nothing lost or renamed on the way);
-* the server's reply decodes into the op's reply struct, and names no field that struct lacks.
+* the server's handler answered an instance of the op's reply struct (``SHARD_REPLIES`` /
+  ``INDEX_REPLIES``), and what the client received is that struct's encoding, which reads back as the
+  same struct (no field lost, none the struct lacks).
 
 Ops no client operation here sends say who does (``ELSEWHERE``); the table must cover the rest.
 """
@@ -41,29 +43,41 @@ ELSEWHERE = {
 
 
 class Recorder(Loopback):
-    """A ``Loopback`` that keeps every call it served with its result, and serves ``put_ready`` the
-    way ``ShardServer`` does (the shard's ``commits`` to the index recorded too)."""
+    """A ``Loopback`` that keeps every call it served with its result and the reply object the
+    server's handler returned, and serves ``put_ready`` the way ``ShardServer`` does (the shard's
+    ``commits`` to the index recorded too)."""
 
     def __init__(self, num_shards: int, **shard_options: Any) -> None:
         super().__init__(num_shards, **shard_options)
-        self.seen: list[tuple[str, str, bytes, Result]] = []
+        self.seen: list[tuple[str, str, bytes, Result, Any]] = []
+        self._answered: list[Any] = []  # what the handlers of the calls in progress returned
 
     def _one(self, call: Call) -> Result:
+        self._answered.append(None)
         result = super()._one(call)
         side = "index" if call.target == INDEX else "shard"
-        self.seen.append((side, call.op, _wire.encode_request(0, call.op, call.body)[0], result))
+        header = _wire.encode_request(0, call.op, call.body)[0]
+        self.seen.append((side, call.op, header, result, self._answered.pop()))
         return result
+
+    def _index(self, op: str, raw: Any, bufs: list[memoryview]) -> tuple[Any, list[Any]]:
+        out = super()._index(op, raw, bufs)
+        self._answered[-1] = out[0]
+        return out
 
     def _shard(self, shard: ShardCore, op: str, raw: Any, bufs: list[memoryview]) -> tuple[Any, list[Any]]:
         if op != "put_ready":
-            return shard.handle(op, raw, bufs)
-        commit, undo = shard.put_ready(_protocol.decode_body(op, raw, _protocol.SHARD_OPS), bufs)
-        commits = Call(INDEX, "commits", _protocol.Commits([commit]))
-        (res,) = reply(self._one(commits)[0], _protocol.CommitsReply).results  # type: ignore[index]
-        if res.err is not None:
-            shard.undo_put(undo)
-            raise _wire.rebuild_error(res.err)
-        return res.ok, []
+            out = shard.handle(op, raw, bufs)
+        else:
+            commit, undo = shard.put_ready(_protocol.decode_body(op, raw, _protocol.SHARD_OPS), bufs)
+            commits = Call(INDEX, "commits", _protocol.Commits([commit]))
+            (res,) = reply(self._one(commits)[0], _protocol.CommitsReply).results  # type: ignore[index]
+            if res.err is not None:
+                shard.undo_put(undo)
+                raise _wire.rebuild_error(res.err)
+            out = _protocol.PutReadyReply(res.ok.fields, res.ok.tags), []
+        self._answered[-1] = out[0]
+        return out
 
 
 class _Mine(Sampler):
@@ -111,16 +125,16 @@ def _scenario(store: Recorder) -> None:
 
 
 @pytest.fixture(scope="module")
-def seen() -> dict[tuple[str, str], list[tuple[bytes, Result]]]:
+def seen() -> dict[tuple[str, str], list[tuple[bytes, Result, Any]]]:
     store = Recorder(2)
     try:
         _scenario(store)
     finally:
         for shard in store.shards:
             shard.close()
-    out: dict[tuple[str, str], list[tuple[bytes, Result]]] = {}
-    for side, op, header, result in store.seen:
-        out.setdefault((side, op), []).append((header, result))
+    out: dict[tuple[str, str], list[tuple[bytes, Result, Any]]] = {}
+    for side, op, header, result, answered in store.seen:
+        out.setdefault((side, op), []).append((header, result, answered))
     return out
 
 
@@ -140,7 +154,7 @@ def test_each_op_is_one_protocol_for_both_ends(side: str, op: str, seen: dict) -
     assert (side, op) in seen, f"no client operation sent {side}.{op}: a dead op, or the scenario misses it"
     requests = _protocol.SHARD_OPS if side == "shard" else _protocol.INDEX_OPS
     replies = _protocol.SHARD_REPLIES if side == "shard" else _protocol.INDEX_REPLIES
-    for header, result in seen[(side, op)]:
+    for header, result, answered in seen[(side, op)]:
         sent = msgspec.msgpack.decode(header)[2]  # [rid, op, body, version]
         raw = msgspec.msgpack.encode(sent)
         body = _protocol.decode_body(op, raw, requests)
@@ -149,7 +163,10 @@ def test_each_op_is_one_protocol_for_both_ends(side: str, op: str, seen: dict) -
         if isinstance(result, BaseException):  # refused for what it asked, never for how
             assert "malformed" not in str(result), result
             continue
+        assert type(answered) is replies[op], f"{side}.{op} answered a {type(answered).__name__}"
+        assert bytes(result[0]) == msgspec.msgpack.encode(answered)  # the struct, as it travels
         typed = reply(result[0], replies[op])
+        assert typed == answered  # read back whole: no field lost on the way
         declared = set(type(typed).__struct_fields__)
         assert set(msgspec.msgpack.decode(result[0])) <= declared, f"{op} answers fields its reply lacks"
 
@@ -170,3 +187,46 @@ def test_tags_are_encoded_once_and_sent_as_they_were_checked() -> None:
     assert body.tags == [{"n": 1}]
     with pytest.raises(TypeError, match="tags cannot be stored"):
         next(ops.put(route, ["k"], PID, None, [{"n": 2**70}]))
+
+
+def test_a_core_whose_handler_answers_another_reply_struct_is_refused_at_import() -> None:
+    """The op tables tie each op to its reply struct: a handler annotated with another struct (or with
+    none) is refused when its class is made, as a missing handler is."""
+    from dataplane.server.dispatch import Operations
+    from dataplane.server.index import IndexCore
+
+    with pytest.raises(
+        TypeError, match=r"op_get is annotated to answer ReserveReply, but 'get' answers GetReply"
+    ):
+
+        class WrongGet(ShardCore):
+            def op_get(
+                self, body: _protocol.Get, bufs: list[memoryview]
+            ) -> tuple[_protocol.ReserveReply, list]:
+                raise AssertionError("never served")
+
+    with pytest.raises(
+        TypeError, match=r"op_next is annotated to answer ReadyReply, but 'next' answers BatchReply"
+    ):
+
+        class WrongNext(IndexCore):
+            def op_next(self, body: _protocol.Next) -> _protocol.ReadyReply | None:
+                return None
+
+    with pytest.raises(TypeError, match=r"op_ping is annotated to answer no reply struct"):
+
+        class Unannotated(Operations):
+            OPS = {"ping": _protocol.Ping}
+            REPLIES = {"ping": _protocol.ShardPong}
+
+            def op_ping(self, body, bufs):  # type: ignore[no-untyped-def]
+                return {"shard": 0}, []
+
+    class RightPing(Operations):  # the same op, annotated with its struct: accepted
+        OPS = {"ping": _protocol.Ping}
+        REPLIES = {"ping": _protocol.ShardPong}
+
+        def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[_protocol.ShardPong, list]:
+            return _protocol.ShardPong(0), []
+
+    assert RightPing().handle("ping", msgspec.msgpack.encode({}), []) == (_protocol.ShardPong(0), [])

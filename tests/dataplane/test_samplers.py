@@ -3,14 +3,15 @@
 The built-in samplers are driven on hand-made ``ReadyRows``; ``balanced_partition`` is checked
 against brute force on small inputs; and ``IndexCore``'s streaming operations (``next``, ``ready``,
 ``claim``, ``finish``, ``reset``, ``consumption``) are driven the way the index serves them: a
-msgpack-encoded body through ``core.handle`` (``{"pending": True}`` is the answer of a ``next`` /
-``ready`` that would wait).
+msgpack-encoded body through ``core.handle``, answered with the op's reply struct (``Pending()`` is the
+answer of a ``next`` / ``ready`` that would wait).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -29,7 +30,7 @@ from dataplane.samplers import (
 from dataplane.server.index import IndexCore
 from dataplane.wire import protocol as _protocol
 
-PENDING = {"pending": True}
+PENDING = _protocol.Pending()
 
 
 def rows(keys: list[str], tags: dict[str, dict] | None = None) -> ReadyRows:
@@ -37,7 +38,7 @@ def rows(keys: list[str], tags: dict[str, dict] | None = None) -> ReadyRows:
     return ReadyRows(list(keys), lambda k: tags.get(k, {}))
 
 
-def call(core: IndexCore, op: str, body: dict) -> dict:
+def call(core: IndexCore, op: str, body: dict) -> Any:
     """One request as the index serves it: the body msgpack-encoded, then decoded for its op."""
     return core.handle(op, msgspec.msgpack.encode(body), [])[0]
 
@@ -52,11 +53,11 @@ def put(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags: lis
 def nxt(core: IndexCore, pid: str, task: str, n: int, fields: list[str], **kw) -> list[str] | None:
     """The keys a ``next`` call gets, or None while it would wait."""
     res = call(core, "next", {"pid": pid, "task": task, "batch_size": n, "fields": fields, **kw})
-    return None if res == PENDING else res["keys"]
+    return None if res == PENDING else res.keys
 
 
 def consumed(core: IndexCore, pid: str, task: str) -> list[str]:
-    return call(core, "consumed", {"pid": pid, "task": task})["keys"]
+    return call(core, "consumed", {"pid": pid, "task": task}).keys
 
 
 # ---- samplers on ReadyRows ---------------------------------------------------------------------------
@@ -249,12 +250,12 @@ def test_finish_gives_a_short_batch_then_empty_batches():
     assert nxt(core, "p", "t", 2, ["x"]) is None
     call(core, "finish", {"pid": "p"})
     res = call(core, "next", {"pid": "p", "task": "t", "batch_size": 2, "fields": ["x"]})
-    assert res["keys"] == ["c"] and res["finished"] is True
+    assert res.keys == ["c"] and res.finished is True
     assert nxt(core, "p", "t", 2, ["x"]) == []
     assert nxt(core, "p", "other", 5, ["never"]) == []  # finished: never waits
     with pytest.raises(PartitionNotFoundError, match="nothing to finish"):
         call(core, "finish", {"pid": "new"})  # a typo must not create an empty, finished partition
-    assert call(core, "list", {})["list"].keys() == {"p"}
+    assert call(core, "list", {}).list.keys() == {"p"}
 
 
 def test_reset_per_task_and_for_all_tasks():
@@ -278,29 +279,23 @@ def test_consumption_counts():
     put(core, "p", ["a", "b", "c", "d"], ["x"])
     put(core, "p", ["a", "b"], ["y"])
     c = call(core, "consumption", {"pid": "p", "task": "t"})
-    assert c == {
-        "total": 4,
-        "produced": 4,
-        "consumed": 0,
-        "ready": 4,
-        "leased": 0,
-        "finished": False,
-        "fields": [],
-    }
+    assert c == _protocol.ConsumptionReply(
+        total=4, produced=4, consumed=0, ready=4, leased=0, finished=False, fields=[]
+    )
     assert nxt(core, "p", "t", 1, ["x", "y"]) == ["a"]
     c = call(core, "consumption", {"pid": "p", "task": "t"})  # default: the fields last asked for
-    assert (c["produced"], c["consumed"], c["ready"], c["fields"]) == (2, 1, 1, ["x", "y"])
+    assert (c.produced, c.consumed, c.ready, c.fields) == (2, 1, 1, ["x", "y"])
     c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
-    assert (c["produced"], c["consumed"], c["ready"]) == (4, 1, 3)
+    assert (c.produced, c.consumed, c.ready) == (4, 1, 3)
     assert nxt(core, "p", "t", 3, ["x"]) == ["b", "c", "d"]
     c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
-    assert (c["produced"], c["consumed"], c["ready"]) == (4, 4, 0)
-    assert call(core, "consumption", {"pid": "p", "task": "other"})["ready"] == 4
+    assert (c.produced, c.consumed, c.ready) == (4, 4, 0)
+    assert call(core, "consumption", {"pid": "p", "task": "other"}).ready == 4
     call(core, "clear", {"pid": "p", "keys": ["a"]})
     c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
-    assert (c["total"], c["produced"], c["consumed"], c["ready"]) == (3, 3, 3, 0)
+    assert (c.total, c.produced, c.consumed, c.ready) == (3, 3, 3, 0)
     call(core, "finish", {"pid": "p"})
-    assert call(core, "consumption", {"pid": "p", "task": "t"})["finished"] is True
+    assert call(core, "consumption", {"pid": "p", "task": "t"}).finished is True
 
 
 # ---- IndexCore: samplers and data-parallel ranks ----------------------------------------------------------
@@ -368,7 +363,7 @@ def test_seqlen_balanced_sampler_after_finish_ends_every_rank_at_the_same_batch_
         got = {r: nxt(core, "p", "t", 1, ["x"], dp_rank=r, batch_index=1, **kw) for r in order}
         assert got == {0: [], 1: [], 2: [], 3: []}, got
     counts = call(core, "consumption", {"pid": "p", "task": "t"})
-    assert counts["consumed"] == 4 and counts["ready"] == 3  # left for reset_consumption, not lost
+    assert counts.consumed == 4 and counts.ready == 3  # left for reset_consumption, not lost
     # enough left for every rank: the short last batch is split, every rank gets some
     put(core, "q", [f"k{i}" for i in range(6)], ["x"], tags=[{"length": 10 + i} for i in range(6)])
     call(core, "finish", {"pid": "q"})
@@ -476,19 +471,15 @@ def test_ready_and_claim_serve_a_client_side_sampler():
     assert call(core, "ready", body) == PENDING
     body["min_rows"] = 2
     res = call(core, "ready", body)
-    assert res == {
-        "rows": [["a", {"n": 1}], ["b", {"n": 2}], ["c", {"n": 3}]],
-        "finished": False,
-        "cached": False,
-    }
+    assert res == _protocol.ReadyReply(rows=[("a", {"n": 1}), ("b", {"n": 2}), ("c", {"n": 3})])
     assert consumed(core, "p", "t") == []  # looking takes nothing
     claim = {"pid": "p", "task": "t", "fields": ["x"], "keys": ["c", "a"], "dp_rank": 0, "batch_index": 5}
-    assert call(core, "claim", claim)["keys"] == ["c", "a"]
+    assert call(core, "claim", claim).keys == ["c", "a"]
     with pytest.raises(WireError, match="not ready"):
         call(core, "claim", claim)  # taken
     res = call(core, "ready", {**body, "min_rows": 1, "dp_rank": 0, "batch_index": 5})
-    assert res["cached"] is True and res["keys"] == ["c", "a"]  # the slot's keys, for a peer
-    assert call(core, "ready", {**body, "min_rows": 1})["rows"] == [["b", {"n": 2}]]
+    assert res.cached is True and res.keys == ["c", "a"]  # the slot's keys, for a peer
+    assert call(core, "ready", {**body, "min_rows": 1}).rows == [("b", {"n": 2})]
 
 
 def test_an_undelivered_batch_is_first_in_line_again():

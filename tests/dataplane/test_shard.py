@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -15,10 +16,12 @@ from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaErr
 from dataplane.server.segments import ShmPool, size_class
 from dataplane.server.shard import ShardCore
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 
 
-def call(core: ShardCore, op: str, body: dict, frames=()) -> tuple[dict, list]:
-    """One request as the server runs it: the body msgpack-encoded, then decoded for its op."""
+def call(core: ShardCore, op: str, body: dict, frames=()) -> tuple[Any, list]:
+    """One request as the server runs it: the body msgpack-encoded, then decoded for its op; the reply
+    is the op's reply struct (``wire.protocol.SHARD_REPLIES``)."""
     return core.handle(op, msgspec.msgpack.encode(body), list(frames))
 
 
@@ -38,7 +41,7 @@ def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) ->
         },
     }
     frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]  # as if received
-    return call(core, "reserve", body, frames)[0]["resv"]
+    return call(core, "reserve", body, frames)[0].resv
 
 
 def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: MappingCache) -> None:
@@ -49,14 +52,14 @@ def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: 
         "fields": {"x": {"spec": _wire.spec_to_wire(col.spec), "nbytes": len(col.data)}},
     }
     reply, _ = call(core, "reserve", body, [])
-    view = maps.view(core.shard_id, os.getpid(), reply["files"]["x"])
+    view = maps.view(core.shard_id, os.getpid(), reply.files["x"])
     view[: len(col.data)] = col.data
-    call(core, "commit", {"resv": reply["resv"], "offsets": {}}, [])
+    call(core, "commit", {"resv": reply.resv, "offsets": {}}, [])
 
 
 def _get(
     core: ShardCore, pid: str, keys: list[str], fields=None, shm=False, export=False
-) -> tuple[dict, list]:
+) -> tuple[Any, list]:
     body, frames = call(
         core, "get", {"pid": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, []
     )
@@ -66,15 +69,15 @@ def _get(
 def test_inline_put_get_and_accounting():
     core = ShardCore(0)
     rid = _reserve_inline(core, "p", ["a", "b"], {"x": torch.tensor([[1, 2], [3, 4]]), "s": ["hi", "there"]})
-    assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_reserved"] > 0
+    assert core.stats().bytes_used == 0 and core.stats().bytes_reserved > 0
     call(core, "commit", {"resv": rid}, [])
     st = core.stats()
-    assert st["bytes_reserved"] == 0 and st["bytes_used"] > 0 and st["partitions"] == {"p": 2}
+    assert st.bytes_reserved == 0 and st.bytes_used > 0 and st.partitions == {"p": 2}
     body, frames = _get(core, "p", ["b", "a"])
-    x = _wire.column_from_wire(body["fields"]["x"]["col"], frames)
+    x = _wire.column_from_wire(body.fields["x"].col, frames)
     assert np.frombuffer(x.data, np.int64).tolist() == [3, 4, 1, 2]  # request order
     call(core, "clear", {"pid": "p", "keys": ["a", "b", "zz"]}, [])
-    assert core.stats()["bytes_used"] == 0 and core.stats()["bytes_resident"] == 0
+    assert core.stats().bytes_used == 0 and core.stats().bytes_resident == 0
 
 
 def test_errors_name_the_culprit():
@@ -90,7 +93,7 @@ def test_errors_name_the_culprit():
         _reserve_inline(core, "p", ["b"], {"x": torch.zeros(1, 3, dtype=torch.int64)})  # another dtype
     with pytest.raises(StoreFullError, match="shard 3.*capacity"):
         _reserve_inline(core, "p", ["b"], {"y": torch.zeros(1, 64)})
-    assert core.stats()["bytes_reserved"] == 0
+    assert core.stats().bytes_reserved == 0
 
 
 def test_abort_and_expired_reservations_free_everything():
@@ -101,13 +104,13 @@ def test_abort_and_expired_reservations_free_everything():
         "keys": ["a"],
         "fields": {"x": {"spec": ["dense", "float32", [1 << 18]], "nbytes": 1 << 20}},
     }
-    rid = call(core, "reserve", body, [])[0]["resv"]
+    rid = call(core, "reserve", body, [])[0].resv
     call(core, "abort", {"resv": rid}, [])
     call(core, "reserve", body, [])
     core.tick(now=1e12)  # the client vanished: undone, its files fenced (closed, never reused)
     st = core.stats()
-    assert st["bytes_reserved"] == 0 and st["bytes_warm"] == 0 and core.pool.bytes_resident == pool_before
-    assert st["reservations_expired"] == 1
+    assert st.bytes_reserved == 0 and st.bytes_warm == 0 and core.pool.bytes_resident == pool_before
+    assert st.reservations_expired == 1
 
 
 def test_shared_memory_put_get_and_warm_reuse():
@@ -117,19 +120,19 @@ def test_shared_memory_put_get_and_warm_reuse():
     keys = [f"k{i}" for i in range(64)]
     _put_shm(core, "p", keys, x, maps)
     body, frames = _get(core, "p", keys[10:20], shm=True)
-    entry = body["fields"]["x"]
-    assert entry["t"] == "s" and len(entry["segs"]) == 1
-    ref, nbytes, rows, _, view, _, _ = entry["segs"][0]
+    entry = body.fields["x"]
+    assert isinstance(entry, _protocol.SegmentRows) and len(entry.segs) == 1
+    ref, nbytes, rows, _, view, _, _ = entry.segs[0]
     assert not view  # not asked for a view: the client copies (and checks the generation)
     seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
-    assert np.array_equal(seg[_wire.array_from_wire(entry["row"], frames)], x[10:20].numpy())
+    assert np.array_equal(seg[_wire.array_from_wire(entry.row, frames)], x[10:20].numpy())
     first_file = ref[0]
     call(core, "clear_partition", {"pid": "p"}, [])
     st = core.stats()
-    assert st["bytes_used"] == 0 and st["bytes_warm"] > 0  # kept warm for the next put
+    assert st.bytes_used == 0 and st.bytes_warm > 0  # kept warm for the next put
     _put_shm(core, "p", keys, x + 1, maps)
     body, _ = _get(core, "p", keys, shm=True)
-    assert body["fields"]["x"]["segs"][0][0][0] == first_file, "a warm segment was not reused"
+    assert body.fields["x"].segs[0][0][0] == first_file, "a warm segment was not reused"
     assert len(maps) == 1
 
 
@@ -139,10 +142,10 @@ def test_exported_segment_is_never_recycled():
     keys = [f"k{i}" for i in range(16)]
     _put_shm(core, "p", keys, torch.ones(16, 4096), maps)
     body, _ = _get(core, "p", keys, shm=True, export=True)
-    ref = body["fields"]["x"]["segs"][0][0]
+    ref = body.fields["x"].segs[0][0]
     view = np.frombuffer(maps.view(0, os.getpid(), ref), np.float32)[: 16 * 4096]
     call(core, "clear", {"pid": "p", "keys": keys}, [])
-    assert core.stats()["bytes_warm"] == 0  # closed, not pooled
+    assert core.stats().bytes_warm == 0  # closed, not pooled
     _put_shm(core, "p", keys, torch.zeros(16, 4096), maps)
     assert float(view.min()) == 1.0, "an exported view was overwritten"
     maps.prune(0, core.pool.version, core.pool.live_ids())
@@ -199,8 +202,6 @@ def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=No
 
 def _serve_put_ready(core: ShardCore, body: dict, frames=()):
     """``body`` decoded as a ``put_ready`` (as ``ShardServer`` does), then stored by ``core``."""
-    from dataplane.wire import protocol as _protocol
-
     typed = _protocol.decode_body("put_ready", msgspec.msgpack.encode(body), _protocol.SHARD_OPS)
     return core.put_ready(typed, list(frames))
 
@@ -220,13 +221,11 @@ def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
         "specs": {"x": ("dense", "int64", [])},
     }
     body, frames = _get(core, "p", ["a", "b"])  # readable before the index is asked
-    assert np.frombuffer(
-        _wire.column_from_wire(body["fields"]["x"]["col"], frames).data, np.int64
-    ).tolist() == [
+    assert np.frombuffer(_wire.column_from_wire(body.fields["x"].col, frames).data, np.int64).tolist() == [
         1,
         2,
     ]
-    used = core.stats()["bytes_used"]
+    used = core.stats().bytes_used
     # a refused put of a new field y to "a" and a new key "c": only what that put wrote goes
     _, undo = _put_ready(core, "p", ["a", "c"], {"y": torch.tensor([1.5, 2.5])})
     # meanwhile a later put replaced "c"'s y: the undo must leave that one alone
@@ -236,11 +235,11 @@ def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
     assert "y" in core.partitions["p"].specs  # still held by "c"
     core.undo_put(later)
     assert "c" not in core.partitions["p"].rows and "y" not in core.partitions["p"].specs
-    assert core.stats()["bytes_used"] == used
+    assert core.stats().bytes_used == used
     # a refused put into a partition it created leaves no partition behind
     _, undo = _put_ready(core, "q", ["a"], {"x": torch.tensor([1.0])})
     core.undo_put(undo)
-    assert "q" not in core.partitions and core.stats()["partitions"] == {"p": 2}
+    assert "q" not in core.partitions and core.stats().partitions == {"p": 2}
 
 
 def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
@@ -254,8 +253,8 @@ def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
     call(two_step, "commit", {"resv": _reserve_inline(two_step, "p", ["a", "b"], rows)}, [])
     _put_ready(one_step, "p", ["a", "b"], rows)
     for st in (two_step.stats(), one_step.stats()):
-        assert st["bytes_reserved"] == 0 and st["partitions"] == {"p": 2}
-    assert two_step.stats()["bytes_used"] == one_step.stats()["bytes_used"] > 0
+        assert st.bytes_reserved == 0 and st.partitions == {"p": 2}
+    assert two_step.stats().bytes_used == one_step.stats().bytes_used > 0
     before = one_step.stats()
     with pytest.raises(SchemaError, match="'x'"):  # another dtype for a stored field
         _put_ready(one_step, "p", ["c"], {"x": torch.zeros(1, 2)})
@@ -301,7 +300,7 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     theirs, mine = a.host.ref(), b.host.ref()
     assert theirs is not None and mine is not None and mine[2] == theirs[2], "b does not use a's ledger"
 
-    def reserve(core: ShardCore, nbytes: int) -> dict:
+    def reserve(core: ShardCore, nbytes: int) -> _protocol.ReserveReply:
         body = {
             "pid": "p",
             "keys": ["k"],
@@ -315,10 +314,10 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
         with a.host.admit(48 * mib, "shard 0's put"):  # shard 0 is allocating 48 MiB right now
             with pytest.raises(StoreFullError, match="less 50331648 bytes the store's other shards"):
                 reserve(b, 32 * mib)
-            assert b.stats()["bytes_reserved"] == 0
+            assert b.stats().bytes_reserved == 0
             reserve(b, 8 * mib)  # what is left beside shard 0's allocation
-        resv = reserve(b, 32 * mib)["resv"]  # shard 0 is done allocating: admitted
-        assert b.stats()["bytes_reserved"] >= 32 * mib
+        resv = reserve(b, 32 * mib).resv  # shard 0 is done allocating: admitted
+        assert b.stats().bytes_reserved >= 32 * mib
         call(b, "abort", {"resv": resv}, [])
     finally:
         a.close()
