@@ -495,8 +495,8 @@ def _check_shard(core: ShardCore) -> list[str]:
     bad = []
     st = core.stats()
     for k in ("bytes_used", "bytes_reserved", "bytes_heap"):
-        if st[k] < 0:
-            bad.append(f"{k} = {st[k]} < 0")
+        if getattr(st, k) < 0:
+            bad.append(f"{k} = {getattr(st, k)} < 0")
     refs: Counter = Counter()
     segs: dict[int, Any] = {}
     for pid, part in core.partitions.items():
@@ -761,7 +761,7 @@ def test_regression_zero_key_commit_leaks():
         _call(core, "clear_partition", {"pid": "p"})
         st = core.stats()
         assert not _check_shard(core), _check_shard(core)
-        assert st["bytes_used"] == 0 and st["bytes_heap"] == 0 and st["shm_files"] == 0, st
+        assert st.bytes_used == 0 and st.bytes_heap == 0 and st.shm_files == 0, st
     finally:
         core.close()
 
@@ -827,8 +827,8 @@ def test_regression_huge_jagged_row_overflows():
             rep = _call(core, "commit", {"resv": rep.body["resv"], "offsets": {"j": 0}}, [_offsets([8])])
         if rep.error is None or _internal(rep.error):
             problems.append(f"shared-memory commit: {rep.error}")
-        if core.stats()["bytes_reserved"]:
-            problems.append(f"the failed commit kept {core.stats()['bytes_reserved']} bytes reserved")
+        if core.stats().bytes_reserved:
+            problems.append(f"the failed commit kept {core.stats().bytes_reserved} bytes reserved")
     finally:
         core.close()
     assert not problems, problems
