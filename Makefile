@@ -29,8 +29,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite runs on TEST_WORKERS pytest-xdist workers, each with a Ray of its own (tests/conftest.py),
+# a module's tests on one worker (--dist loadfile), in the order tests/conftest.py gives (slow first).
+TEST_WORKERS ?= 3
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Benchmarks need the `bench` extra (matplotlib, transferqueue==0.1.11 for side-by-side runs).
 $(BENCH_STAMP): $(STAMP)

@@ -11,6 +11,8 @@ need ``ray`` initialised). Pure tests take neither and never start Ray.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -21,6 +23,26 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # does on a laptop), so the GCS, raylets, workers and the store's tcp endpoints bind there. Processes
 # the tests start inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Under pytest-xdist (``make test`` runs the suite on several workers) each worker runs its own Ray:
+# a temp dir of its own (sessions, sockets, the address `auto` finds; short, for Unix socket paths)
+# and ports of its own, so the workers' clusters never meet.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_OWN_TMP = None
+if WORKER and "RAY_TMPDIR" not in os.environ:
+    _OWN_TMP = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"rlt-{WORKER}-", dir="/tmp")
+
+
+def pytest_unconfigure(config) -> None:
+    if _OWN_TMP:
+        shutil.rmtree(_OWN_TMP, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules with slow tests run first (a stable sort: each module's tests stay together, in order).
+    ``make test`` spreads modules over workers; a long module started last would end the run alone."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
 
 RAY_NUM_CPUS = 8
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
@@ -32,12 +54,16 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests._fresh_ray import free_port
+
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": RAY_NUM_CPUS,
             "include_dashboard": False,
             "object_store_memory": RAY_OBJECT_STORE_BYTES,
+            # Ray's fixed default (52365) would clash between the workers' clusters.
+            "dashboard_agent_listen_port": free_port(),
         },
     )
     ray.init(address=cluster.address, log_to_driver=True)

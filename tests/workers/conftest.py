@@ -8,9 +8,10 @@ from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from tests.workers._bridge_workers import BridgeWorker
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def store(ray_cluster):
-    """The store for this pytest process: started (embedded) here unless one is already attached."""
+    """The store for this module: started (embedded) here unless one is already attached. Per module,
+    not per session: a module of another package may close the process's store between two of ours."""
     import dataplane as dp
 
     owned = not dp.is_initialized()
