@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, each with a Ray of its own (tests/conftest.py),
 # a module's tests on one worker (--dist loadfile), in the order tests/conftest.py gives (slow first).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
