@@ -5,7 +5,8 @@ The session runs on a ``ray.cluster_utils.Cluster`` head with a logical ``num_cp
 same cluster with ``ray_cluster.add_node(...)`` instead of starting a second Ray.
 
 Tests that need Ray take the ``ray_cluster`` fixture (or ``ray_session`` when they only
-need ``ray`` initialised). Pure tests take neither and never start Ray.
+need ``ray`` initialised). Pure tests take neither and never start Ray. ``make test`` runs the suite
+on pytest-xdist workers: each is a pytest session of its own, so each has its own cluster.
 """
 
 from __future__ import annotations
