@@ -2,7 +2,7 @@
 ROUTER sockets and on the Unix lane alike.
 
 ``RequestServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
-index (``index.IndexServer``) subclass it and change only how a decoded request is answered
+index (``index_actor.IndexServer``) subclass it and change only how a decoded request is answered
 (``serve``): a few of their ops are answered later, the rest run on the core at once. So both
 bind, authenticate, check and refuse alike: every request gets an answer, success or error,
 echoing its request id (``frames.answer``: a header of another protocol version, too many
