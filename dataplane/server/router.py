@@ -2,7 +2,7 @@
 ROUTER sockets and on the Unix lane alike.
 
 ``RequestServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
-index (``index.IndexServer``) subclass it and change only how a decoded request is answered
+index (``index_actor.IndexServer``) subclass it and change only how a decoded request is answered
 (``serve``): a few of their ops are answered later, the rest run on the core at once. So both
 bind, authenticate, check and refuse alike: every request gets an answer, success or error,
 echoing its request id (``frames.answer``: a header of another protocol version, too many
@@ -58,6 +58,7 @@ from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.wire import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
+from dataplane.wire.protocol import MAX_FRAMES
 from dataplane.wire.sockets import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,15 @@ _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # Frames a Unix-lane message may have before the connection is dropped as broken: well above what
 # a request may carry, so a request with too many frames gets the same typed refusal (``answer``)
 # as on zmq, while the header a peer can make us hold stays bounded (8 bytes a frame).
-_LANE_FRAMES = 2 * _wire.MAX_FRAMES + 2
+_LANE_FRAMES = 2 * MAX_FRAMES + 2
 _LOG_EVERY_S = 10.0  # a loop step that keeps failing logs its traceback at most this often
+
+# What the loop serves a request from: a ROUTER socket, or a Unix-lane connection.
+Peer = zmq.Socket[bytes] | _unix.Conn
+
+# ``getsockopt`` unbound and typed for the one option the drains read, ZMQ_EVENTS (an int): pyzmq's
+# stubs give every option's value as ``int | bytes``. (Unbound, it costs a drain no more than the method.)
+_events: Callable[[zmq.Socket[bytes], int], int] = zmq.Socket.getsockopt  # type: ignore[assignment]
 
 
 def _poll_seconds(timeout_ms: Any) -> float:
@@ -79,7 +87,8 @@ def _poll_seconds(timeout_ms: Any) -> float:
         return 0.0
     if type(timeout_ms) not in (int, float) or not timeout_ms <= POLL_MS:
         return POLL_MS / 1000
-    return timeout_ms / 1000
+    seconds: float = timeout_ms / 1000  # (an int or a float, checked above)
+    return seconds
 
 
 # Why a connection or a request was refused (``RequestServer.refusals``; the ``reason`` label).
@@ -100,7 +109,7 @@ class RequestServer:
         tick: Callable[[], None] | None = None,
         lock: contextlib.AbstractContextManager[Any] | None = None,
         max_message_bytes: int = -1,
-        max_frames: int = _wire.MAX_FRAMES,
+        max_frames: int = MAX_FRAMES,
         mandatory: bool = False,
     ) -> None:
         self.core = core
@@ -115,7 +124,7 @@ class RequestServer:
         self._zap = self._ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(_auth.ZAP_ENDPOINT)  # before any ROUTER binds: no unauthenticated window
-        self._socks: list[zmq.Socket] = []
+        self._socks: list[zmq.Socket[bytes]] = []
         self.ipc, self.tcp = self._bind(host_ip, max_message_bytes)
         self._max_message_bytes = max_message_bytes
         self._listener, self.unix = _unix.listen(f"{name}-{uuid.uuid4().hex[:12]}-u")
@@ -138,15 +147,15 @@ class RequestServer:
         # syscall per wake-up where zmq_poll made two and asked every zmq socket for its events twice.
         self._ep = select.epoll()
         self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(epoll events)
-        self._drains: dict[zmq.Socket, Callable[[], None]] = {}  # every zmq socket -> its drain
-        self._touched: set[zmq.Socket] = set()  # zmq sockets sent on since the loop last drained them
+        self._drains: dict[zmq.Socket[bytes], Callable[[], None]] = {}  # every zmq socket -> its drain
+        self._touched: set[zmq.Socket[bytes]] = set()  # zmq sockets sent on since the loop last drained them
         # Open connections (``rlplane store status`` shows a shard's as its clients), counted from
         # each socket's accept/disconnect events, whose value is the connection's file descriptor,
         # and from the Unix lane's accepted connections. A router's drain reads the monitors first,
         # so a connection is counted before its first request is answered (its accept came first).
         self._peers: set[tuple[int, int]] = set()
         self.connections = 0
-        self._monitors = []
+        self._monitors: list[Callable[[], None]] = []
         for which, sock in enumerate(self._socks):
             mon = sock.get_monitor_socket(_CONNECTION_EVENTS)
             count = functools.partial(self._count_connections, which, mon)
@@ -169,7 +178,7 @@ class RequestServer:
         port = tcp_sock.bind_to_random_port(f"tcp://{host_ip}")
         return ipc, f"tcp://{host_ip}:{port}"
 
-    def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket:
+    def _router(self, curve: bool, max_message_bytes: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if self._mandatory else 0)
@@ -197,18 +206,18 @@ class RequestServer:
             except OSError:  # already closed (and so already out of the epoll): nothing to undo
                 logger.debug("%s: fd %d was closed before it was unregistered", self.name, fd)
 
-    def _add_zmq(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
+    def _add_zmq(self, sock: zmq.Socket[bytes], drain: Callable[[], None]) -> None:
         """Watch a zmq socket: ``drain()`` must consume every message its ZMQ_EVENTS shows (the fd
         signals again only after that)."""
         self._drains[sock] = drain
-        self._add(sock.getsockopt(zmq.FD), lambda ev: drain())
+        self._add(sock.fileno(), lambda ev: drain())
 
-    def touch(self, sock: zmq.Socket) -> None:
+    def touch(self, sock: zmq.Socket[bytes]) -> None:
         """Say a zmq socket was sent on outside its drain: a send may consume the signal of a message
         that arrived meanwhile, so the loop drains it before it blocks again."""
         self._touched.add(sock)
 
-    def watch(self, sock: Any, on_readable: Callable[[], None]) -> None:
+    def watch(self, sock: Peer, on_readable: Callable[[], None]) -> None:
         """Serve ``sock`` (a zmq socket or a ``wire.unix.Conn``) from the loop too: ``on_readable()``
         runs when it may have messages and must take all there are (for a zmq socket: until its
         ZMQ_EVENTS shows none). Call on the server thread (from a handler or ``after_poll``);
@@ -218,8 +227,8 @@ class RequestServer:
         else:
             self._add_zmq(sock, on_readable)
 
-    def _count_connections(self, which: int, mon: zmq.Socket) -> None:
-        while mon.getsockopt(zmq.EVENTS) & POLLIN:
+    def _count_connections(self, which: int, mon: zmq.Socket[bytes]) -> None:
+        while _events(mon, EVENTS) & POLLIN:
             event = recv_monitor_message(mon, NOBLOCK)
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._peers.add((which, event["value"]))
@@ -230,12 +239,12 @@ class RequestServer:
     def _count(self) -> None:
         self.connections = len(self._peers) + len(self._conns)  # read by other threads: one int
 
-    def unwatch(self, sock: Any) -> None:
+    def unwatch(self, sock: Peer) -> None:
         if type(sock) is _unix.Conn:
             self._remove(sock.fd)
         elif self._drains.pop(sock, None) is not None:
             self._touched.discard(sock)
-            self._remove(sock.getsockopt(zmq.FD))
+            self._remove(sock.fileno())
 
     @property
     def refused(self) -> int:
@@ -249,16 +258,16 @@ class RequestServer:
 
     def _drain_zap(self) -> None:
         zap = self._zap
-        while zap.getsockopt(EVENTS) & POLLIN:
+        while _events(zap, EVENTS) & POLLIN:
             reply = _auth.zap_reply(zap.recv_multipart(), self._creds)
             if reply[2] != b"200":
                 self.refusals["auth"] += 1
             zap.send_multipart(reply)
 
-    def _drain_router(self, sock: zmq.Socket) -> None:
+    def _drain_router(self, sock: zmq.Socket[bytes]) -> None:
         for count in self._monitors:  # a connection is counted before its first request is answered
             count()
-        while sock.getsockopt(EVENTS) & POLLIN:
+        while _events(sock, EVENTS) & POLLIN:
             try:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
@@ -266,7 +275,7 @@ class RequestServer:
             self._serve_guarded(sock, frames)
         self._touched.discard(sock)  # drained after its replies went: its signal is re-armed
 
-    def _serve_guarded(self, sock: Any, msg: list[Any]) -> None:
+    def _serve_guarded(self, sock: Peer, msg: list[Any]) -> None:
         """``_serve_one``, whose failures end with this message: the messages queued behind it are
         still served (``_serve_one`` answers a handler's exception itself; what can reach here is a
         subclass's work after the answer, such as re-trying parked requests)."""
@@ -437,7 +446,7 @@ class RequestServer:
     def after_poll(self) -> None:
         """Runs after every poll, on the server thread (subclasses: expire deadlines)."""
 
-    def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
+    def _serve_one(self, sock: Peer, msg: list[Any]) -> None:
         if len(msg) < 2:
             return
         ident = msg[0]
@@ -493,14 +502,14 @@ class RequestServer:
         return counters, gauges
 
     def serve(
-        self, sock: zmq.Socket, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+        self, sock: Peer, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         """The reply to one checked and decoded request, or None when it is answered later (a
         subclass keeps ``sock``, ``ident`` and ``rid`` and ``deliver`` s the reply itself)."""
         with self._lock:
             return self.core.run(op, body, bufs)
 
-    def deliver(self, sock: Any, ident: Any, reply: list[Any]) -> bool:
+    def deliver(self, sock: Peer, ident: Any, reply: list[Any]) -> bool:
         """Send ``reply`` to the peer ``ident`` (on a ROUTER socket) or on a Unix-lane connection;
         False when it cannot be delivered (the peer left)."""
         if type(sock) is _unix.Conn:
@@ -524,4 +533,4 @@ class RequestServer:
             self._thread.join(timeout)
 
 
-__all__ = ["RequestServer"]
+__all__ = ["Peer", "RequestServer"]

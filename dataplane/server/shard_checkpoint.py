@@ -95,6 +95,13 @@ class ShardManifest(msgspec.Struct):
     partitions: list[ShardPart]
 
 
+# What a save writes of one partition: its pid, its keys, and per field the (segment, row, key
+# position) of each of its rows there.
+_PartPlan = tuple[str, list[str], dict[str, list[tuple[Segment, int, int]]]]
+# A chunk a load reads: its pid, the chunk, the key of each of its rows, the rows to take (None: all).
+_Selected = tuple[str, Chunk, list[str], np.ndarray | None]
+
+
 @dataclass(eq=False)
 class _Load:
     """A staged load (``parts`` built aside), then a committed one (``previous``: what it replaced)."""
@@ -174,8 +181,12 @@ class ShardCheckpoints:
         out["missing"] = missing
         return out
 
-    def _pin(self, mine: dict[str, dict[str, list[str]]]) -> tuple[list, dict[str, list[str]], list[Segment]]:
-        plan, missing, pinned = [], {}, {}
+    def _pin(
+        self, mine: dict[str, dict[str, list[str]]]
+    ) -> tuple[list[_PartPlan], dict[str, list[str]], list[Segment]]:
+        plan: list[_PartPlan] = []
+        missing: dict[str, list[str]] = {}
+        pinned: dict[int, Segment] = {}
         for pid, wanted in mine.items():
             part = self.core.partitions.get(pid)
             keys: list[str] = []
@@ -196,7 +207,7 @@ class ShardCheckpoints:
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
-    def _write(self, dir_fd: int, plan: list) -> dict[str, Any]:
+    def _write(self, dir_fd: int, plan: list[_PartPlan]) -> dict[str, Any]:
         man_name, bin_name = shard_files(self.core.shard_id)
         writer = DataWriter(bin_name, dir_fd)
         try:
@@ -284,7 +295,7 @@ class ShardCheckpoints:
             ) from None
         self.core.pending += need
 
-    def _read(self, bin_path: str, size: int, selected: list, staged: _Load) -> None:
+    def _read(self, bin_path: str, size: int, selected: list[_Selected], staged: _Load) -> None:
         if not selected:
             return
         fd = open_checked(bin_path, size, self.who)
@@ -329,7 +340,7 @@ class ShardCheckpoints:
                 shm = self._acquire(nbytes, staged, allocate=False)
                 dst, dst_fd = shm.view()[:nbytes], shm.fd
             else:
-                dst = memoryview(np.empty(nbytes, dtype=np.uint8))
+                dst = np.empty(nbytes, dtype=np.uint8).data  # (the array's memoryview, as memoryview(array))
             read_into(fd, bin_path, dst, entry, size, f"{what} (buffer {i})", dst_fd)
             views.append(dst)
         try:
@@ -447,10 +458,10 @@ def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, l
     position of each row and where the data lies: whole contiguous runs straight from their segment
     (its file, for a segment in shared memory), the rest gathered."""
     by_seg: dict[int, tuple[Segment, list[int], list[int]]] = {}
-    for seg, r, pos in entries:
+    for seg, r, at in entries:
         got = by_seg.setdefault(id(seg), (seg, [], []))
         got[1].append(r)
-        got[2].append(pos)
+        got[2].append(at)
     pending: dict[ColumnSpec, list[tuple[Column, np.ndarray, np.ndarray]]] = {}
     pending_bytes: dict[ColumnSpec, int] = {}
     for seg, rows_l, pos_l in by_seg.values():
@@ -490,10 +501,10 @@ def _entry(files: dict[str, Any], name: str, path: str) -> Any:
     return entry
 
 
-def _select(man: ShardManifest, expect: dict[str, dict[str, list[str]]], path: str) -> list:
+def _select(man: ShardManifest, expect: dict[str, dict[str, list[str]]], path: str) -> list[_Selected]:
     """The chunks of a shard manifest holding rows this shard loads: ``(pid, chunk, the key of each
     of its rows, the rows to take or None for all)``."""
-    out = []
+    out: list[_Selected] = []
     for part in man.partitions:
         want = expect.get(part.pid, {})
         for chunk in part.chunks:

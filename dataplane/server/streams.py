@@ -9,7 +9,7 @@ its sampler looks at (for the built-ins, about the batch size), however many row
 any other partition holds.
 
 Plain class, no Ray, no sockets: ``IndexCore`` owns one per partition and the index actor does the
-waiting (``server.index``).
+waiting (``server.index_actor``).
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from dataplane.server.index import IndexActor
+    from dataplane.server.index_actor import IndexActor
     from dataplane.server.shard_actor import ShardActor
 
     nodes = _alive_nodes()

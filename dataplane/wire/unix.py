@@ -39,7 +39,7 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Any
+from typing import Any, final
 
 HELLO = b"dataplane-unix-1"
 HANDSHAKE_S = 10.0  # an accepted peer that has not said hello by then is closed
@@ -196,6 +196,7 @@ def _split(data: bytes | bytearray, sizes: tuple[int, ...]) -> list[memoryview]:
     return frames
 
 
+@final  # callers tell a connection from a zmq socket by ``type(sock) is Conn``: no subclass may exist
 class Conn:
     """One framed connection, non-blocking, for either side: ``read`` what arrived, ``write`` frames
     (what the socket does not take at once waits in ``pending`` until ``flush``)."""

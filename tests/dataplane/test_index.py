@@ -19,7 +19,8 @@ from dataplane.errors import (
     ShardUnavailableError,
     WireError,
 )
-from dataplane.server.index import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT, IndexCore
+from dataplane.server.index import IndexCore
+from dataplane.server.index_records import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dataplane.errors import DataplaneError, WireError
-from dataplane.server import index as index_mod
+from dataplane.server import index_streaming
 from dataplane.server.index import IndexCore
 from dataplane.wire import protocol as _protocol
 
@@ -109,7 +109,7 @@ def test_a_lapsed_lease_of_a_rank_aware_slot_frees_the_slot():
 
 
 def test_the_lease_queue_sheds_acknowledged_leases(monkeypatch):
-    monkeypatch.setattr(index_mod, "LEASE_HEAP_COMPACT", 8)
+    monkeypatch.setattr(index_streaming, "LEASE_HEAP_COMPACT", 8)
     core = IndexCore()
     put(core, "p", [f"k{i}" for i in range(20)], ["x"])
     for i in range(10):

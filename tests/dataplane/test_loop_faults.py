@@ -23,7 +23,8 @@ import pytest
 import zmq
 
 from dataplane.server import shard_actor
-from dataplane.server.index import IndexCore, IndexServer
+from dataplane.server.index import IndexCore
+from dataplane.server.index_actor import IndexServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer
 from dataplane.wire import frames as _wire

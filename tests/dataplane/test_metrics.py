@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, WireError
-from dataplane.server.index import IndexCore, IndexServer
+from dataplane.server.index import IndexCore
+from dataplane.server.index_actor import IndexServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer
 from dataplane.telemetry import bounds

@@ -17,7 +17,8 @@ import pytest
 import zmq
 
 from dataplane.errors import ProtocolVersionError, WireError
-from dataplane.server.index import IndexCore, IndexServer
+from dataplane.server.index import IndexCore
+from dataplane.server.index_actor import IndexServer
 from dataplane.server.router import RequestServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer

@@ -168,7 +168,7 @@ def test_shard_side_modules_do_not_import_torch():
     import sys
 
     mods = (
-        "dataplane.server.shard, dataplane.server.shard_actor, dataplane.server.index, "
+        "dataplane.server.shard, dataplane.server.shard_actor, dataplane.server.index_actor, "
         "dataplane.wire.frames, dataplane.codec.rows"
     )
     code = f"import sys, {mods}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"

@@ -31,7 +31,8 @@ import msgspec
 import pytest
 
 from dataplane.errors import ShardUnavailableError
-from dataplane.server.index import IndexCore, IndexServer
+from dataplane.server.index import IndexCore
+from dataplane.server.index_actor import IndexServer
 from dataplane.server.router import RequestServer
 from dataplane.wire import frames as _wire
 from dataplane.wire import unix

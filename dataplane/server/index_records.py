@@ -1,0 +1,115 @@
+"""The index's records, and the state that every group of its operations reads and changes.
+
+``KeyMeta`` (a key's tag and fields), ``PartMeta`` (a partition: keys, keys cleared lately, its
+consumers' streams) and ``FieldSchema`` (a field's family, decided once) are the metadata;
+``IndexRecords`` is the base of ``IndexCore`` that holds them beside the rest of the index's state
+(open puts, lease deadlines, takes given back) and builds the error for a partition that is not
+there. The operations are mixins over it, one module per group: ``index_puts`` (puts and clears),
+``index_streaming`` (consumers), ``index_checkpoint``; ``index`` joins them into ``IndexCore``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataplane.errors import PartitionNotFoundError, did_you_mean
+from dataplane.server.streams import PartitionStreams
+
+CLEARED_KEYS_KEPT = 4096  # cleared keys remembered per partition, so a get of one says "cleared"
+CLEARED_PARTITIONS_KEPT = 1024  # cleared partitions remembered, for the same reason
+
+
+@dataclass
+class KeyMeta:
+    """A key: its tag and the fields it holds."""
+
+    tag: dict[str, Any] = field(default_factory=dict)
+    fields: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PartMeta:
+    """A partition: its keys (in the order they came), the keys cleared lately, its consumers' streams."""
+
+    keys: dict[str, KeyMeta] = field(default_factory=dict)
+    # The last CLEARED_KEYS_KEPT keys cleared from it, oldest first: a get of one says "cleared".
+    cleared: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    streams: PartitionStreams = field(init=False)
+    # Which partition of this name it is: a consumer waiting on one never gets rows of a successor.
+    incarnation: int = field(default_factory=itertools.count(1).__next__)
+
+    def __post_init__(self) -> None:
+        self.streams = PartitionStreams(self.keys)
+
+
+@dataclass
+class FieldSchema:
+    """A field's family (kind group, dtype, dims per row; ``ColumnSpec.family``), decided by the first
+    ``prepare`` that named it (first writer wins); each row's shape is free.
+
+    ``confirmed`` once a put that relies on it commits; until then ``pending`` holds the puts
+    (transaction ids) that rely on it, and the last of them to abort or expire takes it back.
+    """
+
+    family: list[Any]
+    confirmed: bool = False
+    pending: set[int] = field(default_factory=set)
+    wire: Any = None  # the wire spec a put without prepare last declared, found of this family
+
+
+class IndexRecords:
+    """The state of ``IndexCore``, empty at first (``prepare_ttl_s`` and ``clock``: see ``IndexCore``).
+
+    Each attribute is read and written on the index's one thread only, so none needs a lock.
+    """
+
+    def __init__(self, prepare_ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.partitions: dict[str, PartMeta] = {}
+        self.schemas: dict[str, dict[str, FieldSchema]] = {}  # pid -> field -> schema
+        self.txns: dict[int, tuple[str, list[str]]] = {}  # open put -> (pid, fields it relies on)
+        self.prepare_ttl_s = prepare_ttl_s
+        self._clock = clock
+        # When each open put expires, and the same in deadline order (one ttl for all: arrival order)
+        # so that expiring costs nothing while no deadline has passed.
+        self._open_until: dict[int, float] = {}
+        self._deadlines: deque[tuple[float, int]] = deque()
+        # Puts aborted before their prepare arrived (txn -> until when it is refused), same order.
+        self._early_aborts: dict[int, float] = {}
+        self._early_order: deque[tuple[float, int]] = deque()
+        self.put_counts = {"aborted": 0, "expired": 0, "refused": 0}
+        self.registry: dict[str, Any] = {}
+        self.changed: set[str] = set()  # partitions whose rows changed since the actor last looked
+        # Lease deadlines (deadline, seq, pid, task, take), stale entries dropped when they come up.
+        self.lease_due: list[tuple[float, int, str, str, str]] = []
+        self._lease_seq = itertools.count()
+        # Takes given back by id (bounded, oldest dropped): a request carrying one that arrives after
+        # its release (it travelled on another connection) takes nothing.
+        self.released: OrderedDict[str, None] = OrderedDict()
+        # The last CLEARED_PARTITIONS_KEPT partitions cleared, oldest first (for the error naming one).
+        self.cleared: OrderedDict[str, None] = OrderedDict()
+        self.leases_expired = 0  # leased rows given back because their lease ran out (metrics)
+
+    def missing(self, pid: str, message: str | None = None) -> PartitionNotFoundError:
+        """The error for a partition that is not there: cleared (if remembered), or never written, with
+        the names it might be a typo of."""
+        text = message or f"partition {pid!r} not found"
+        if pid in self.cleared:
+            text += " (it was cleared: clear_partition; a put creates it anew)"
+        elif message is None:
+            text += f" (never written, nor among the last {CLEARED_PARTITIONS_KEPT} partitions cleared)"
+        return PartitionNotFoundError(pid, text + did_you_mean(pid, self.partitions))
+
+
+__all__ = [
+    "CLEARED_KEYS_KEPT",
+    "CLEARED_PARTITIONS_KEPT",
+    "FieldSchema",
+    "IndexRecords",
+    "KeyMeta",
+    "PartMeta",
+]
