@@ -7,6 +7,15 @@ import pytest
 from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from tests.workers._bridge_workers import BridgeWorker
 
+# Rows the demo's one-run table prints (``workers.demo.format_summary``), also in ``--mode both``'s table.
+SUMMARY_ROWS = (
+    "mean reward, last 10% of steps",
+    "reward range",
+    "setup, s",
+    "training, s",
+    "bytes via store",
+)
+
 
 @pytest.fixture(scope="module")
 def store(ray_cluster):
