@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench import _common
 from bench._bypass_data import row_nbytes, seq_for
 from bench._bypass_paths import PATH_CLASSES, BypassPath, Point
 from bench._bypass_worker import BypassConsumer, BypassProducer
@@ -107,22 +108,20 @@ class Session:
             self.setup_s[phase] = round(self.setup_s.get(phase, 0.0) + time.perf_counter() - start, 2)
 
     def _start_ray(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return
         from dataplane.service.connect import connect  # one meaning of --address in every rlplane command
 
         cfg = self.cfg
-        if cfg.address not in (None, "local"):
-            connect(cfg.address, log_to_driver=False)
-        else:
-            # "local": a fresh Ray, never one another process left running on this host. Every
-            # worker holds a 1-CPU bundle; TransferQueue's three actors want one CPU each.
-            cpus = cfg.ray_num_cpus or max(8, max(cfg.workers) + cfg.producers + 4)
-            connect("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-        self.started_ray = True
-        self._stack.callback(ray.shutdown)
+
+        def join() -> None:
+            if cfg.address not in (None, "local"):
+                connect(cfg.address, log_to_driver=False)
+            else:
+                # "local": a fresh Ray, never one another process left running on this host. Every
+                # worker holds a 1-CPU bundle; TransferQueue's three actors want one CPU each.
+                cpus = cfg.ray_num_cpus or max(8, max(cfg.workers) + cfg.producers + 4)
+                connect("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+
+        self.started_ray = self._stack.enter_context(_common.ray_for_run(join))
 
     def _start_store(self) -> None:
         import dataplane as dp

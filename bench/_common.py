@@ -10,6 +10,7 @@ Conventions used by every benchmark in ``bench/``:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -18,13 +19,38 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
 GB = 10**9
 _REPORTED_DISTRIBUTIONS = ("torch", "ray", "tensordict", "numpy", "pyzmq", "transferqueue", "rlplane")
+
+
+@contextlib.contextmanager
+def ray_for_run(join: Callable[[], Any]) -> Iterator[bool]:
+    """Ray for one benchmark run; yields whether the run joined it (and so shuts it down at the end).
+
+    A process that has joined Ray already (a notebook, the test suite) runs the benchmark on that Ray
+    and keeps it joined; only otherwise is ``join()`` called (joining ``--address``, or starting a
+    local Ray), and Ray shut down when the run ends.
+
+    Example::
+
+        with ray_for_run(lambda: ray.init(address=cfg.address, log_to_driver=False)):
+            results = run_paths(cfg)
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield False
+        return
+    join()
+    try:
+        yield True
+    finally:
+        ray.shutdown()
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -258,21 +258,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = parse_args(argv)
     opts = {"num_cpus": 8, "include_dashboard": False} if cfg.address == "local" else {}
-    ray.init(address=cfg.address, log_to_driver=False, logging_level="ERROR", **opts)
     workdir = tempfile.mkdtemp(prefix="rlplane-bench-checkpoint-", dir=cfg.dir)
     results: dict[str, Any] = {"disk": None, "store": None, "tq": None, "skipped": {}, "dir": workdir}
     try:
-        payload = _payload(cfg)
-        disk = Disk(payload, workdir)
-        results["store"] = run_store(cfg, payload, workdir, disk)
-        skipped = _common.why_not_tq(cfg.skip_tq)
-        if skipped:
-            results["skipped"]["tq"] = skipped
-        else:
-            results["tq"] = run_tq(cfg, payload, workdir, disk)
-        results["disk"] = disk.result()
+        with _common.ray_for_run(
+            lambda: ray.init(address=cfg.address, log_to_driver=False, logging_level="ERROR", **opts)
+        ):
+            payload = _payload(cfg)
+            disk = Disk(payload, workdir)
+            results["store"] = run_store(cfg, payload, workdir, disk)
+            skipped = _common.why_not_tq(cfg.skip_tq)
+            if skipped:
+                results["skipped"]["tq"] = skipped
+            else:
+                results["tq"] = run_tq(cfg, payload, workdir, disk)
+            results["disk"] = disk.result()
     finally:
-        ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
     disk, store, tq = results["disk"], results["store"], results["tq"]
     checks = [

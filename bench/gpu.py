@@ -1,7 +1,7 @@
 """GPU round trip: a CUDA tensor put by one process and read onto the GPU by another, against a plain
 device-to-host-to-device copy of the same bytes.
 
-One fresh local Ray, an embedded store of one shard. Per round:
+One fresh local Ray (or ``--address``), an embedded store of one shard. Per round:
 
 1. **store**: the driver puts ``--rows`` rows of one float32 field that live on the GPU
    (``dp.kv_batch_put``: staged to host through pinned memory, into the shard's shared memory); a
@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench._common import GB, machine_facts, ratio, throughput, write_json
+from bench._common import GB, machine_facts, ratio, ray_for_run, throughput, write_json
 from dataplane._units import parse_size
 
 STORE = "bench-gpu"
@@ -57,19 +57,32 @@ class GpuReader:
 
 
 def run(nbytes: int, rows: int, repeats: int, device: str, address: str | None = None) -> dict[str, Any]:
-    """Measure ``repeats`` rounds; returns the figures (GB/s, best and median) and their ratio."""
+    """Measure ``repeats`` rounds; returns the figures (GB/s, best and median) and their ratio.
+    The Ray is ``address``, else a fresh local one, or the one this process has joined already."""
+    import ray
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run with --device cpu, or on a machine with a GPU")
+
+    def join() -> None:
+        if address:  # an existing cluster
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+
+    with ray_for_run(join):
+        return _round_trips(nbytes, rows, repeats, device)
+
+
+def _round_trips(nbytes: int, rows: int, repeats: int, device: str) -> dict[str, Any]:
     import ray
     import torch
 
     import dataplane as dp
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: run with --device cpu, or on a machine with a GPU")
     width = max(1, nbytes // 4 // rows)
-    if address:  # an existing cluster (the test suite's)
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    reader = None
     try:
         dp.init(name=STORE, num_shards=1)
         gpus = 0.5 if device == "cuda" else 0  # the driver keeps the device visible; the actor asks
@@ -105,8 +118,9 @@ def run(nbytes: int, rows: int, repeats: int, device: str, address: str | None =
             "store_vs_reference": ratio(store["best_gbps"], ref["best_gbps"]),
         }
     finally:
+        if reader is not None:  # the Ray may outlive this run (a process that had joined it)
+            ray.kill(reader)
         dp.close()
-        ray.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -128,8 +128,8 @@ def _tq_available() -> str | None:
     return None
 
 
-def _start_ray(cfg: Config) -> str | None:
-    """Connect to ``cfg.ray_address``, or start a fresh local Ray; return its private temp dir if any.
+def _join_ray(cfg: Config, temp_dir: str) -> None:
+    """Connect to ``cfg.ray_address``, or start a fresh local Ray in ``temp_dir``.
 
     A fresh Ray gets its own temp dir, so other Ray sessions on the host (sharing /tmp/ray) cannot
     disturb it, and it is removed afterwards.
@@ -138,8 +138,7 @@ def _start_ray(cfg: Config) -> str | None:
 
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=False)
-        return None
-    temp_dir = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")  # short: Ray puts unix sockets under it
+        return
     ray.init(
         address="local",
         num_cpus=cfg.ray_num_cpus,
@@ -148,13 +147,11 @@ def _start_ray(cfg: Config) -> str | None:
         log_to_driver=False,
         _temp_dir=temp_dir,
     )
-    return temp_dir
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Run every path on a fresh Ray and return the results dict (also what ``--json`` writes)."""
-    import ray
-
+    """Run every path and return the results dict (also what ``--json`` writes). The Ray is a fresh
+    local one, or ``--ray-address``, or the one this process has joined already (kept joined)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     results: dict[str, Any] = {
         "benchmark": "store_throughput",
@@ -183,13 +180,12 @@ def run(cfg: Config) -> dict[str, Any]:
             results["skipped"][name] = reason
         else:
             paths.append(cls(cfg, td, expected, small))
-    temp_dir = _start_ray(cfg)
+    temp_dir = tempfile.mkdtemp(prefix="rlb-", dir="/tmp")  # short: Ray puts unix sockets under it
     try:
-        _run_paths(cfg, paths, results)
+        with _common.ray_for_run(lambda: _join_ray(cfg, temp_dir)):
+            _run_paths(cfg, paths, results)
     finally:
-        ray.shutdown()
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     results["checks"], results["info"] = _report.evaluate(results)
     return results
 

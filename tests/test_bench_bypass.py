@@ -2,10 +2,11 @@
 
 No timing is asserted (speed belongs in the benchmark's output). The pure tests pin the workload
 (rows from a formula, exact checks that catch a wrong row), how driver bytes are counted, the
-command line and the report; two runs through the session's Ray check that every path runs end to
-end and checks its results: ``run()`` in this process (the entry point ``examples/`` call), and
-the ``--quick`` preset in a child process against the session's cluster (``--address``), which
-writes the JSON records and the PNG as ``make bench-quick`` does.
+command line and the report; one run of the ``--quick`` preset, through the command line's ``main``
+in this process against the session's cluster (``--address``), checks that every path runs end to
+end and checks its results, and that the JSON records and the PNG are written as ``make
+bench-quick`` writes them. ``bench.bypass.run()``, the entry point of ``examples/``, runs in
+``tests/test_examples.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -187,30 +186,6 @@ def test_report_ratios_and_checks() -> None:
 # ---------------------------------------------------------------------------- runs
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_run_returns_checked_records_for_every_path(ray_session) -> None:
-    import dataplane as dp
-
-    paths = bypass.PATHS if HAS_TQ else ("floor", "classic", "store")  # tq: the bench extra
-    records = bypass.run(
-        payloads=[256 * 1024], workers=[2], producers=1, rows=64, steps=1, paths=paths,
-        store_name="t-bench-bypass", progress=False,
-    )  # fmt: skip
-    assert not dp.is_initialized()  # the run stopped the store it started
-    assert [r["path"] for r in records] == list(paths)
-    by = {r["path"]: r for r in records}
-    for r in records:
-        assert RECORD_KEYS <= set(r), r["path"]
-        assert r["workers"] == 2 and r["rows"] == 64 and len(r["seconds"]) == 1
-    payload = by["store"]["payload_bytes"]
-    # the store path ships metadata only: far fewer driver bytes than the payload; classic ships it all
-    assert by["store"]["driver_bytes"] < payload < by["classic"]["driver_bytes"]
-    # put once, fetched once, the new field (a quarter of the token bytes) written back, per step
-    assert payload * 2 <= by["store"]["store_bytes"] <= payload * 2.5
-    assert by["floor"]["overhead_s"] == 0.0 and "overhead_vs_store" in by["classic"]
-
-
 @pytest.mark.skipif(not HAS_MPL, reason="needs matplotlib (the bench extra)")
 @pytest.mark.parametrize("payloads", [[64 * 2**20], [16 * 2**20, 64 * 2**20]])
 def test_the_chart_of_one_point_or_several_is_drawn_with_its_reading(tmp_path, payloads) -> None:
@@ -228,18 +203,37 @@ def test_the_chart_of_one_point_or_several_is_drawn_with_its_reading(tmp_path, p
 
 
 @pytest.mark.ray
-def test_quick_preset_against_a_running_cluster_writes_json_and_png(ray_cluster, tmp_path) -> None:
+@pytest.mark.slow
+def test_quick_preset_runs_every_path_checked_and_writes_json_and_png(ray_cluster, tmp_path, capsys) -> None:
+    """The command line's ``main`` in this process, against the session's cluster (``--address``):
+    this process has joined that Ray already, so the run uses it and leaves it joined, starts and
+    stops a store of its own, and writes what ``make bench-quick`` writes (JSON records, PNG)."""
+    import ray
+
+    import dataplane as dp
+
+    dp.close()  # a store this process attached to before would be used instead of the run's own
+    paths = bypass.PATHS if HAS_TQ else ("floor", "classic", "store")  # tq: the bench extra
     out = tmp_path / "bypass.json"
-    # TransferQueue's start (three actors) would double this test's time; the run() test covers tq.
-    cmd = [sys.executable, "-m", "bench.bypass", "--quick", "--payload", "2MiB", "--steps", "1",
-           "--paths", "floor,classic,store", "--address", ray_cluster.address,
-           "--store-name", "t-bench-bypass-quick", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    argv = ["--quick", "--payload", "256KiB", "--rows", "64", "--steps", "1", "--paths", ",".join(paths),
+            "--address", ray_cluster.address, "--store-name", "t-bench-bypass",
+            "--json", str(out)]  # fmt: skip
+    assert bypass.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert ray.is_initialized() and not dp.is_initialized()  # Ray kept, the run's own store stopped
     records = json.loads(out.read_text())
-    assert {r["path"] for r in records} == {"floor", "classic", "store"}
-    assert all(RECORD_KEYS <= set(r) for r in records)
-    assert "classic/store overhead" in proc.stdout
+    assert [r["path"] for r in records] == list(paths)
+    by = {r["path"]: r for r in records}
+    for r in records:
+        assert RECORD_KEYS <= set(r), r["path"]
+        assert r["workers"] == 2 and r["rows"] == 64 and len(r["seconds"]) == 1
+    payload = by["store"]["payload_bytes"]
+    # the store path ships metadata only: far fewer driver bytes than the payload; classic ships it all
+    assert by["store"]["driver_bytes"] < payload < by["classic"]["driver_bytes"]
+    # put once, fetched once, the new field (a quarter of the token bytes) written back, per step
+    assert payload * 2 <= by["store"]["store_bytes"] <= payload * 2.5
+    assert by["floor"]["overhead_s"] == 0.0 and "overhead_vs_store" in by["classic"]
+    assert "classic/store overhead" in printed
     run = json.loads((tmp_path / "bypass.run.json").read_text())
     assert run["config"]["address"] == ray_cluster.address and run["machine"]["cpu_count"]
     assert (tmp_path / "bypass.png").exists() == HAS_MPL
