@@ -19,7 +19,7 @@ from typing import Any
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.index_checkpoint import IndexCheckpoints
 from dataplane.server.index_puts import IndexPuts
-from dataplane.server.index_records import CLEARED_KEYS_KEPT, FieldSchema, KeyMeta, PartMeta
+from dataplane.server.index_records import CLEARED_KEYS_KEPT
 from dataplane.server.index_streaming import IndexStreaming
 from dataplane.wire import protocol as _protocol
 
@@ -42,7 +42,6 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
     OPS = _protocol.INDEX_OPS
     REPLIES = _protocol.INDEX_REPLIES
     SERVICE = "the index"
-    PART, KEY, SCHEMA = PartMeta, KeyMeta, FieldSchema  # for the checkpoint operations
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any

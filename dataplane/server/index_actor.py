@@ -24,7 +24,7 @@ from typing import Any
 from dataplane.errors import DataplaneError, PartitionNotFoundError
 from dataplane.server.dispatch import OpReply
 from dataplane.server.index import IndexCore
-from dataplane.server.router import POLL_MS, RequestServer
+from dataplane.server.router import POLL_MS, Peer, RequestServer
 from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
 from dataplane.telemetry.recorder import Key, ServerMetrics
@@ -42,7 +42,7 @@ _TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
 class _Waiter:
     """A ``next`` / ``ready`` request parked until rows are ready for it (or its deadline passes)."""
 
-    sock: Any
+    sock: Peer
     ident: Any
     rid: int
     op: str
@@ -76,12 +76,12 @@ class IndexServer(RequestServer):
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
-    def _serve_one(self, sock: Any, msg: list[Any]) -> None:
+    def _serve_one(self, sock: Peer, msg: list[Any]) -> None:
         super()._serve_one(sock, msg)
         self._recheck()  # the request may have changed partitions that parked requests wait on
 
     def serve(
-        self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+        self, sock: Peer, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         if op not in _TAKING_OPS:
             if op == "release":  # a parked take its consumer gave up on waits no more

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -40,6 +40,7 @@ from dataplane.server.checkpoint_files import (
     read_small,
     write_small,
 )
+from dataplane.server.index_records import FieldSchema, KeyMeta, PartMeta
 from dataplane.wire import protocol as _protocol
 
 
@@ -85,14 +86,10 @@ def decode_index(data: bytes, path: str, struct: type[Any] = IndexState) -> Any:
 
 
 class IndexCheckpoints:
-    """The checkpoint operations of ``IndexCore`` (see the module docstring). ``IndexCore`` names its
-    metadata classes (``PART``, ``KEY``, ``SCHEMA``) so that this module need not import it."""
+    """The checkpoint operations of ``IndexCore`` (see the module docstring)."""
 
-    PART: ClassVar[Any]
-    KEY: ClassVar[Any]
-    SCHEMA: ClassVar[Any]
-    partitions: dict[str, Any]
-    schemas: dict[str, dict[str, Any]]
+    partitions: dict[str, PartMeta]
+    schemas: dict[str, dict[str, FieldSchema]]
     changed: set[str]
     queue_lease: Callable[[float, str, str, str], None]  # (``IndexCore.queue_lease``)
     node = ""  # where the index runs, for messages (``IndexActor`` sets it)
@@ -188,14 +185,14 @@ class IndexCheckpoints:
     def _restore(self, p: PartState, path: str) -> tuple[Any, dict[str, Any]]:
         """A partition's metadata and schema rebuilt from its saved state (checked)."""
         try:
-            part = self.PART()
+            part = PartMeta()
             fields = p.fields_of()
             if len(p.tags) != len(p.keys) or len(set(p.keys)) != len(p.keys):
                 raise ValueError("keys and tags disagree, or a key repeats")
             for key, tag, held in zip(p.keys, p.tags, fields, strict=True):
-                part.keys[key] = self.KEY(tag=tag, fields=set(held))
+                part.keys[key] = KeyMeta(tag=tag, fields=set(held))
             part.streams.restore(p.streams, time.monotonic())
-            schema = {str(name): self.SCHEMA(list(family), confirmed=True) for name, family in p.schema}
+            schema = {str(name): FieldSchema(list(family), confirmed=True) for name, family in p.schema}
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 path,

@@ -38,7 +38,7 @@ from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
 from dataplane.server.host_memory import HostMemory
-from dataplane.server.router import RequestServer
+from dataplane.server.router import Peer, RequestServer
 from dataplane.server.shard import PutUndo, ShardCore
 from dataplane.server.shard_checkpoint import ShardCheckpoints
 from dataplane.telemetry import bounds as _bounds
@@ -74,7 +74,7 @@ MAX_BATCH = 256  # queued index commits sent at once even in the middle of a bus
 class _Forward:
     """One stored ``put_ready`` whose writer waits for the index."""
 
-    sock: Any
+    sock: Peer
     ident: Any
     rid: int
     commit: _protocol.IndexCommit
@@ -130,7 +130,7 @@ class ShardServer(RequestServer):
 
     # ---- requests --------------------------------------------------------------------------------
     def serve(
-        self, sock: Any, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
+        self, sock: Peer, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
         if op != "put_ready":
             reply = super().serve(sock, ident, rid, op, body, bufs)
