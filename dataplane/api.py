@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -119,11 +120,10 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
         if not ray.is_initialized():
             # Keep the context: if it is garbage collected, actor creations in flight get cancelled.
             _state.ray_ctx = _connect.connect(address)
+        # The codec (torch, tensordict: some 4.5 CPU-seconds) is imported by the first put or get, not
+        # here: a process that handles metadata only (the TransferQueue controller, the CLI, a
+        # metadata-only driver) never pays for it.
         cfg = StoreConfig.from_options(**options)
-        import tensordict  # noqa: F401 - import the codec's dependencies now, not on the first get
-
-        import dataplane.codec.columns  # noqa: F401
-
         try:
             found = find_service(cfg)
         except StoreNotInitializedError:  # a broken store (its index died): clear it, then start afresh
@@ -498,11 +498,25 @@ def stats_dict(client: StoreClient, replies: list[ShardStatsReply], index: Index
 # ---- async forms ----------------------------------------------------------------------------------
 
 
+def _import_codec() -> None:
+    import tensordict  # noqa: F401 - what decoding a get builds
+
+    import dataplane.codec.columns  # noqa: F401
+
+
+async def _codec_loaded() -> None:
+    """Import the codec on a worker thread the first time an async put or get needs it: an import of
+    seconds (torch, tensordict) must not stall the caller's event loop."""
+    if "tensordict" not in sys.modules or "dataplane.codec.columns" not in sys.modules:
+        await asyncio.to_thread(_import_codec)
+
+
 async def async_kv_put(
     key: str, partition_id: str, fields: Mapping[str, Any] | None = None, tag: dict[Any, Any] | None = None
 ) -> KVBatchMeta:
     """Async ``kv_put``."""
     tags = [tag] if tag is not None else None
+    await _codec_loaded()
     meta: KVBatchMeta = await current_client().arun(
         _put_op([key], partition_id, fields, tags, row=True), "put"
     )
@@ -516,6 +530,7 @@ async def async_kv_batch_put(
     tags: Sequence[dict[Any, Any] | None] | None = None,
 ) -> KVBatchMeta:
     """Async ``kv_batch_put``."""
+    await _codec_loaded()
     meta: KVBatchMeta = await current_client().arun(
         _put_op(keys, partition_id, fields, tags, row=False), "put"
     )
@@ -531,6 +546,7 @@ async def async_kv_batch_get(
     copy: bool = True,
 ) -> TensorDict:
     """Async ``kv_batch_get``."""
+    await _codec_loaded()
     td: TensorDict = await current_client().arun(
         _get_op(keys, partition_id, select_fields, device, copy), "get"
     )

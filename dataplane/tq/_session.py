@@ -13,9 +13,9 @@ import threading
 from typing import Any
 
 from dataplane import api
+from dataplane._tq_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, Controller
 from dataplane.config import tq_controller_timeout_s
 from dataplane.errors import StoreNotInitializedError
-from dataplane.tq.controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, Controller
 
 
 class _State:

@@ -3,7 +3,7 @@ this store: every public method of TransferQueue 0.1.11's client, sync and ``asy
 signature.
 
 Rows are named as TransferQueue names them, by ``BatchMeta`` (integer global indexes; see
-``dataplane.tq.controller``). Under it each row is a key of a partition of the store:
+``dataplane._tq_controller``). Under it each row is a key of a partition of the store:
 
 * ``get_meta(mode="fetch")`` is ``dataplane.next_batch`` (the sampler of the TransferQueue config
   chooses; in polling mode too few ready rows give an empty meta at once, else it waits up to

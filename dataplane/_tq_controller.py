@@ -1,0 +1,252 @@
+"""The ``TransferQueueController`` actor of ``dataplane.tq``: what TransferQueue's controller holds
+that this store does not (the store itself keeps rows, tags, readiness and consumption).
+
+* **Global indexes.** TransferQueue names rows by integer global indexes; this store names them by
+  key. The controller hands out an index per ``(partition, key)`` the first time a TransferQueue
+  call asks for one, in the order of the keys asked (so a batch of new keys gets consecutive
+  indexes, which ``GRPOGroupNSampler`` relies on). An index is never reused: a cleared key written
+  again gets a new one, so a stale ``BatchMeta`` can never name another row's data.
+* **Field schemas** (dtype, row shape, nested or not) of what the TransferQueue calls wrote, per
+  partition and field, for ``BatchMeta.field_schema``.
+* **The config** every process of the cluster attaches with (store name, ``polling_mode``, sampler).
+* TransferQueue's introspection calls (``list_partitions``, ``clear_partition``,
+  ``get_partition_snapshot``).
+
+``tq.init`` starts one in TransferQueue's namespace (``transfer_queue``) and, when the caller's
+namespace differs, a second one there (older TransferQueue code looks it up with a bare
+``ray.get_actor``); the second asks the first for indexes, so both answer alike.
+
+It lives outside the ``dataplane.tq`` package because an actor's process imports the package of its
+class: ``dataplane.tq``'s front door imports tensordict (and with it ``torch._dynamo``), some 4.5
+CPU-seconds per process, twice per ``tq.init``; this module needs numpy and the client only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataplane import api
+
+CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
+
+
+class GlobalIndexes:
+    """``(partition, key) <-> int``; indexes start at 0 and are never reused. Plain class."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, dict[str, int]] = {}
+        self._by_index: dict[int, tuple[str, str]] = {}
+        self._next = itertools.count()
+
+    def of(self, partition_id: str, keys: list[str], create: bool) -> list[int | None]:
+        """The index of each key (None for an unknown key unless ``create``)."""
+        known = self._by_key.setdefault(partition_id, {}) if create else self._by_key.get(partition_id, {})
+        out: list[int | None] = []
+        for key in keys:
+            gi = known.get(key)
+            if gi is None and create:
+                gi = next(self._next)
+                known[key] = gi
+                self._by_index[gi] = (partition_id, key)
+            out.append(gi)
+        return out
+
+    def new_rows(self, partition_id: str, n: int) -> tuple[list[int], list[str]]:
+        """``n`` fresh indexes and the keys this store will use for them (``"#<index>"``)."""
+        known = self._by_key.setdefault(partition_id, {})
+        gis, keys = [], []
+        for _ in range(n):
+            gi = next(self._next)
+            key = f"#{gi}"
+            while key in known:  # a user key that looks like ours: skip to a free index
+                gi = next(self._next)
+                key = f"#{gi}"
+            known[key] = gi
+            self._by_index[gi] = (partition_id, key)
+            gis.append(gi)
+            keys.append(key)
+        return gis, keys
+
+    def keys(self, partition_id: str | None, indexes: list[int]) -> list[str | None]:
+        """The key of each index (None where the index is unknown or of another partition)."""
+        out: list[str | None] = []
+        for gi in indexes:
+            found = self._by_index.get(gi)
+            out.append(found[1] if found and (partition_id is None or found[0] == partition_id) else None)
+        return out
+
+    def locate(self, indexes: list[int]) -> list[tuple[str, str] | None]:
+        """``(partition, key)`` of each index (None where unknown)."""
+        return [self._by_index.get(gi) for gi in indexes]
+
+    def forget(self, partition_id: str, keys: list[str] | None = None) -> None:
+        """Drop the indexes of ``keys`` (all of the partition's when None)."""
+        known = self._by_key.get(partition_id, {})
+        for key in list(known) if keys is None else keys:
+            gi = known.pop(key, None)
+            if gi is not None:
+                self._by_index.pop(gi, None)
+        if not known:
+            self._by_key.pop(partition_id, None)
+
+
+class FieldSchemas:
+    """Per partition and field: dtype, row shape (None once rows differ), nested, non-tensor."""
+
+    def __init__(self) -> None:
+        self._by_pid: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def record(self, partition_id: str, schema: dict[str, dict[str, Any]]) -> None:
+        mine = self._by_pid.setdefault(partition_id, {})
+        for name, new in schema.items():
+            old = mine.get(name)
+            entry = {k: v for k, v in new.items() if k != "per_sample_shapes"}
+            if old is not None and (old.get("is_nested") or old.get("shape") != entry.get("shape")):
+                entry["shape"], entry["is_nested"] = None, not entry.get("is_non_tensor", False)
+            mine[name] = entry
+
+    def get(self, partition_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+        """Each field's schema; a field no TransferQueue call wrote gets an entry of unknown dtype."""
+        mine = self._by_pid.get(partition_id, {})
+        unknown = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
+        return {f: dict(mine.get(f, unknown)) for f in fields}
+
+    def forget(self, partition_id: str) -> None:
+        self._by_pid.pop(partition_id, None)
+
+
+class ProductionTable:
+    """``[global_index, column]`` -> 1 when that row holds that field (TransferQueue's 2-D status).
+
+    Sparse: indexes are global and never reused, so a dense table would be as tall as the largest.
+    """
+
+    def __init__(self, rows: dict[int, np.ndarray], num_columns: int) -> None:
+        self._rows, self.num_columns = rows, num_columns
+
+    def __getitem__(self, item: Any) -> Any:
+        if isinstance(item, tuple):
+            gi, col = item
+            row = self._rows.get(int(gi))
+            return 0 if row is None else row[col]
+        row = self._rows.get(int(item))
+        return np.zeros(self.num_columns, dtype=np.int8) if row is None else row
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+@dataclass
+class Snapshot:
+    """What TransferQueue's ``get_partition_snapshot`` exposes, for one partition."""
+
+    partition_id: str
+    keys_mapping: dict[str, int] = field(default_factory=dict)
+    global_indexes: set[int] = field(default_factory=set)
+    custom_meta: dict[int, dict] = field(default_factory=dict)
+    field_name_mapping: dict[str, int] = field(default_factory=dict)
+    production_status: ProductionTable = field(default_factory=lambda: ProductionTable({}, 0))
+
+
+def snapshot(partition_id: str, indexes_of: Any) -> Snapshot:
+    """The partition's keys (with their global indexes), tags, fields and which row holds which."""
+    from dataplane.client import stream_ops as _stream_ops
+
+    listed = api.kv_list(partition_id).get(partition_id, {})
+    snap = Snapshot(partition_id)
+    if not listed:
+        return snap
+    keys = list(listed)
+    known = api.current_client().run(_stream_ops.resolve(partition_id, keys))
+    gis = indexes_of(partition_id, keys)
+    for key, gi in zip(keys, gis, strict=True):
+        snap.keys_mapping[key] = gi
+        snap.global_indexes.add(gi)
+        snap.custom_meta[gi] = dict(listed[key])
+        for f in known.get(key, []):
+            snap.field_name_mapping.setdefault(f, len(snap.field_name_mapping))
+    rows = {}
+    for key, gi in snap.keys_mapping.items():
+        row = np.zeros(len(snap.field_name_mapping), dtype=np.int8)
+        for f in known.get(key, []):
+            row[snap.field_name_mapping[f]] = 1
+        rows[gi] = row
+    snap.production_status = ProductionTable(rows, len(snap.field_name_mapping))
+    return snap
+
+
+class Controller:
+    """The actor (see the module docstring). ``primary`` is None for the one in TransferQueue's
+    namespace (it keeps the indexes); the other gets its handle and asks it."""
+
+    def __init__(self, config: dict[str, Any], primary: Any = None) -> None:
+        api.init(name=config["store"], attach_only=True)
+        self._config = dict(config)
+        self._primary = primary
+        self._indexes = GlobalIndexes()
+        self._schemas = FieldSchemas()
+
+    # -- config --------------------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        return dict(self._config)
+
+    def ping(self) -> bool:
+        return True
+
+    # -- global indexes and schemas --------------------------------------------------------------
+
+    def indexes(self, partition_id: str, keys: list[str], create: bool = True) -> list[int | None]:
+        if self._primary is not None:
+            import ray
+
+            return ray.get(self._primary.indexes.remote(partition_id, keys, create))
+        return self._indexes.of(partition_id, keys, create)
+
+    def describe(
+        self, partition_id: str, keys: list[str], fields: list[str]
+    ) -> tuple[list[int], dict[str, dict[str, Any]]]:
+        """Indexes for ``keys`` (created as needed) and the schemas of ``fields``: one round trip
+        for a ``BatchMeta``."""
+        return self._indexes.of(partition_id, keys, True), self._schemas.get(partition_id, fields)  # type: ignore[return-value]
+
+    def new_rows(self, partition_id: str, n: int) -> tuple[list[int], list[str]]:
+        return self._indexes.new_rows(partition_id, n)
+
+    def keys(self, partition_id: str | None, indexes: list[int]) -> list[str | None]:
+        return self._indexes.keys(partition_id, indexes)
+
+    def locate(self, indexes: list[int]) -> list[tuple[str, str] | None]:
+        return self._indexes.locate(indexes)
+
+    def record_schema(self, partition_id: str, schema: dict[str, dict[str, Any]]) -> None:
+        self._schemas.record(partition_id, schema)
+
+    def schemas(self, partition_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+        return self._schemas.get(partition_id, fields)
+
+    def forget(self, partition_id: str, keys: list[str] | None = None) -> None:
+        self._indexes.forget(partition_id, keys)
+        if keys is None:
+            self._schemas.forget(partition_id)
+
+    # -- TransferQueue's introspection calls ---------------------------------------------------
+
+    def list_partitions(self) -> list[str]:
+        return list(api.kv_list())
+
+    def clear_partition(self, partition_id: str) -> None:
+        api.clear_partition(partition_id)
+        if self._primary is None:
+            self.forget(partition_id)
+        else:
+            self._primary.forget.remote(partition_id)
+
+    def get_partition_snapshot(self, partition_id: str) -> Snapshot | None:
+        snap = snapshot(partition_id, lambda pid, keys: self.indexes(pid, keys, True))
+        return snap if snap.keys_mapping or partition_id in api.kv_list() else None
