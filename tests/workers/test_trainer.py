@@ -113,12 +113,12 @@ def test_reward_improves_over_a_short_run(groups) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_trainer_on_running_groups_starts_as_new_workers_would(groups) -> None:
-    # Two runs of the same seed in turn on the same workers: the second starts from fresh weights, the
-    # same prompts and sampling streams, so it repeats the first exactly (sync mode is deterministic).
-    cfg = TrainerConfig(steps=3, prompts_per_step=2, n=4, seed=2)
+    # Two runs of the same seed in turn on the same workers (started with seed 0): the second starts
+    # from fresh weights, the same prompts and sampling streams, so it repeats the first exactly (sync
+    # mode is deterministic); a run of another seed then differs.
     runs = []
-    for _ in range(2):
-        trainer = GRPOTrainer(cfg, groups=groups)
+    for seed in (2, 2, 3):
+        trainer = GRPOTrainer(TrainerConfig(steps=3, prompts_per_step=2, n=4, seed=seed), groups=groups)
         try:
             runs.append(trainer.fit())
             assert trainer.store_bytes() == runs[-1]["store_bytes"] > 0  # this trainer's bytes only
@@ -127,6 +127,7 @@ def test_a_trainer_on_running_groups_starts_as_new_workers_would(groups) -> None
         assert not groups.closed  # the groups' owner closes them, not the trainer
     assert runs[0]["reward_history"] == runs[1]["reward_history"]
     assert runs[0]["loss_last"] == runs[1]["loss_last"]
+    assert runs[2]["reward_history"] != runs[0]["reward_history"]
     with pytest.raises(ValueError, match=r"dp=2 \(config: 1\)"):
         GRPOTrainer(TrainerConfig(dp=1), groups=groups)
 
