@@ -171,6 +171,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--summary", default="build/demo-summary.json", help="where to write the JSON summary")
     demo.add_argument(
+        "--dp",
+        type=positive_int,
+        default=None,
+        help="data-parallel actor workers, one process each (default: 2)",
+    )
+    demo.add_argument(
         "--mode",
         choices=["sync", "stream", "both"],
         default="sync",

@@ -193,7 +193,7 @@ def cli(args: argparse.Namespace) -> int:
     mode = getattr(args, "mode", "sync") or "sync"
     modes = list(MODES) if mode == "both" else [mode]
     extra: dict[str, Any] = {}
-    names = ("steps", "max_staleness", "stream_chunks", "rollout_chunks", "colocate", "checkpoint_dir")
+    names = ("steps", "dp", "max_staleness", "stream_chunks", "rollout_chunks", "colocate", "checkpoint_dir")
     for name in (*names, "checkpoint_every", "resume"):
         if getattr(args, name, None) is not None:
             extra[name] = getattr(args, name)

@@ -108,8 +108,15 @@ class ActorRolloutRefWorker(RoleWorker):
         self._stream_calls: dict[int, int] = {}  # rollout calls per step (stream mode: several)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        """Join the data-parallel process group and build the model on every rank."""
+    def init_model(self, seed: int | None = None) -> None:
+        """Join the data-parallel process group (once) and build the model on every rank.
+
+        Called again, it starts a new run on the same processes: fresh weights (from ``seed``, by
+        default the constructor's; it also seeds the sampling streams), reference and optimizer.
+        """
+        if seed is not None:
+            self.seed = seed
+        self._stream_calls = {}  # a new run's steps start again from 0
         if self.world_size > 1 and not dist.is_initialized():
             addr, port = self.get_master_addr_port()
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -205,6 +212,11 @@ class RewardWorker(RoleWorker):
         super().__init__()
         self.task = CountingTask(**task)
         self.reward = PatternReward(self.task)
+        self.seed = seed
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reseed(self, seed: int) -> None:
+        """Start the prompt stream of a new run from ``seed`` (a trainer reusing this worker)."""
         self.seed = seed
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, bridge=False)

@@ -198,27 +198,58 @@ class TrainerConfig:
                 )
 
 
+# What the workers are started with, apart from the seed (a new run on them takes its own).
+_WORKER_SETTINGS = ("dp", "colocate", "use_gpu", "task", "model", "actor")
+
+
+def _worker_settings(cfg: TrainerConfig) -> dict[str, Any]:
+    return {name: getattr(cfg, name) for name in _WORKER_SETTINGS}
+
+
+def _check_groups(groups: Groups, cfg: TrainerConfig) -> None:
+    """Refuse groups a trainer with ``cfg`` cannot train on (``GRPOTrainer(groups=...)``)."""
+    if groups.closed:
+        raise ValueError("GRPOTrainer: the groups it was handed are closed")
+    if not groups.settings:
+        raise ValueError(
+            "GRPOTrainer: hand it groups from GRPOTrainer.build_groups (these record no settings)"
+        )
+    want = _worker_settings(cfg)
+    differ = [
+        f"{k}={groups.settings.get(k)!r} (config: {v!r})"
+        for k, v in want.items()
+        if groups.settings.get(k) != v
+    ]
+    if differ:
+        raise ValueError(f"GRPOTrainer: the groups were built for other workers: {', '.join(differ)}")
+
+
 class GRPOTrainer:
     """Builds the worker groups (and the store if none runs) and runs GRPO steps.
 
     Args:
         cfg: the run's settings.
+        groups: worker groups to train on instead of starting new ones: what
+            :meth:`build_groups` returned for a config with the same workers (``dp``, ``colocate``,
+            ``use_gpu``, ``task``, ``model``, ``actor``; the seed may differ). The trainer starts a
+            fresh model on them (weights, reference, optimizer and sampling streams from
+            ``cfg.seed``, as new workers would have), so several runs in turn skip the workers'
+            process starts (seconds of CPU each). The caller owns them: :meth:`close` leaves them
+            running; one trainer at a time may use them.
 
     The store is attached to if this process already has one; otherwise an embedded one is
     started and :meth:`close` stops it. Ray must be initialised (``dp.init`` starts it if not).
+
+    Raises:
+        ValueError: ``groups`` are closed, or were built for other workers (the settings named).
     """
 
-    def __init__(self, cfg: TrainerConfig) -> None:
+    def __init__(self, cfg: TrainerConfig, groups: Groups | None = None) -> None:
         self.cfg = cfg
+        if groups is not None:
+            _check_groups(groups, cfg)
         self._owns_store = not dp.is_initialized()
         dp.init(num_shards=cfg.num_shards)
-        device = "cuda" if cfg.use_gpu else "cpu"
-        specs = {
-            Role.ActorRolloutRef: RayClassWithInitArgs(
-                ROLE_WORKERS[Role.ActorRolloutRef], cfg.task, cfg.model, cfg.actor, cfg.seed, device
-            ),
-            Role.Reward: RayClassWithInitArgs(ROLE_WORKERS[Role.Reward], cfg.task, cfg.seed),
-        }
         self.history: list[dict[str, float]] = []
         self.timeline: list[dict[str, Any]] = []  # spans: see workers.timeline
         self.stream_counts: dict[str, dict[str, int]] = {}  # stream mode: task -> rows / consumed
@@ -228,17 +259,49 @@ class GRPOTrainer:
         self._restored_counts: dict[str, dict[str, int]] = {}
         self._resumed: tuple[dict[int, list], int, int] | None = None  # (in flight, launched, next step)
         self._groups: Groups | None = None
+        self._owns_groups = groups is None
+        self._store0 = 0  # the workers' store bytes before this trainer (reused groups count on)
         try:
-            manager = pool_manager(cfg.dp, colocate=cfg.colocate, use_gpu=cfg.use_gpu)
-            self._groups = build_groups(manager, specs)
+            self._groups = self.build_groups(cfg) if groups is None else groups
             self.actor = MetadataOnlyGroup(self._groups.views[Role.ActorRolloutRef], "actor")
             self.reward = MetadataOnlyGroup(self._groups.views[Role.Reward], "reward")
-            self.actor.init_model()
+            if groups is None:
+                self.actor.init_model()
+            else:  # a new run on running workers: what fresh ones would start from
+                self.actor.init_model(cfg.seed)
+                self.reward.reseed(cfg.seed)
+                self._store0 = self.store_bytes()
             if cfg.resume:
                 self._resume(cfg.resume)
         except BaseException:
             self.close()  # leave no actors, placement groups or owned store behind
             raise
+
+    @staticmethod
+    def build_groups(cfg: TrainerConfig) -> Groups:
+        """Start the worker groups ``cfg`` asks for, to hand to trainers in turn (``groups=``).
+
+        Ray must be running (``dp.init`` starts it). The caller stops them with ``Groups.close``.
+
+        Example:
+            >>> groups = GRPOTrainer.build_groups(TrainerConfig())
+            >>> for seed in (0, 1):
+            ...     trainer = GRPOTrainer(TrainerConfig(seed=seed), groups=groups)
+            ...     summaries.append(trainer.fit())
+            ...     trainer.close()   # the groups keep running
+            >>> groups.close()
+        """
+        device = "cuda" if cfg.use_gpu else "cpu"
+        specs = {
+            Role.ActorRolloutRef: RayClassWithInitArgs(
+                ROLE_WORKERS[Role.ActorRolloutRef], cfg.task, cfg.model, cfg.actor, cfg.seed, device
+            ),
+            Role.Reward: RayClassWithInitArgs(ROLE_WORKERS[Role.Reward], cfg.task, cfg.seed),
+        }
+        manager = pool_manager(cfg.dp, colocate=cfg.colocate, use_gpu=cfg.use_gpu)
+        groups = build_groups(manager, specs)
+        groups.settings = _worker_settings(cfg)
+        return groups
 
     # ---- traffic ------------------------------------------------------------------------------
     @property
@@ -254,8 +317,10 @@ class GRPOTrainer:
         return list(per_pid.values())
 
     def store_bytes(self) -> int:
-        """Bytes the workers read from and wrote to the store so far (each process counted once)."""
-        return sum(stats["read_bytes"] + stats["written_bytes"] for stats in self._worker_traffic())
+        """Bytes the workers read from and wrote to the store for this trainer so far (each process
+        counted once)."""
+        total = sum(stats["read_bytes"] + stats["written_bytes"] for stats in self._worker_traffic())
+        return total - self._store0
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self, index: int, prompts_per_step: int | None = None) -> dict[str, float]:
@@ -569,9 +634,9 @@ class GRPOTrainer:
     def close(self) -> None:
         """Stop the workers, free their placement groups, and stop the store if this trainer started it.
 
-        Idempotent.
+        Idempotent. Groups handed to the trainer (``groups=``) keep running: their owner closes them.
         """
-        if self._groups is not None:
+        if self._groups is not None and self._owns_groups:
             self._groups.close()
         if self._owns_store and dp.is_initialized():
             dp.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import secrets
+from typing import Any
 
 from controlplane import (
     RayClassWithInitArgs,
@@ -59,12 +60,20 @@ def pool_manager(dp_size: int, *, colocate: bool, use_gpu: bool) -> ResourcePool
 
 @dataclasses.dataclass
 class Groups:
-    """The groups built for the roles: ``views`` (role -> the group to call) and what to release
-    (``groups`` the actors belong to, ``pools``)."""
+    """The groups built for the roles: ``views`` (role -> the group to call), what to release
+    (``groups`` the actors belong to, ``pools``), and ``settings``: what the builder made them for
+    (``GRPOTrainer.build_groups`` records the layout and the workers' settings there, and a trainer
+    handed the groups checks them; empty otherwise)."""
 
     views: dict[Role, RayWorkerGroup]
     groups: list[RayWorkerGroup]
     pools: list[RayResourcePool]
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (its actors are gone)."""
+        return not self.groups
 
     def close(self) -> None:
         """Kill every actor and free every placement group (idempotent)."""
@@ -77,7 +86,8 @@ class Groups:
 
 
 def _actor_prefix(name: str) -> str:
-    # Actor names are unique per namespace: a random part lets trainers follow each other at once.
+    # Actor (and placement-group) names are unique per namespace: a random part lets trainers follow
+    # each other at once, or run side by side.
     return f"{name}-{secrets.token_hex(3)}-"
 
 
@@ -89,6 +99,10 @@ def build_groups(manager: ResourcePoolManager, specs: dict[Role, RayClassWithIni
         ResourceShortageError: the cluster cannot hold the pools.
     """
     manager.create_resource_pool()
+    for name, pool in manager.resource_pool_dict.items():
+        # Placement-group names are unique per cluster as well, and the manager names them after the pool
+        # alone; the pools are placed only when their group starts, so two trainers' pools can coexist.
+        pool.name_prefix = _actor_prefix(name)
     built = Groups({}, [], list(manager.resource_pool_dict.values()))
     try:
         by_pool: dict[str, list[Role]] = {}

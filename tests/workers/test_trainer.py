@@ -17,6 +17,16 @@ from workers import demo as demo_module
 from workers.trainer import STREAM_TASKS, GRPOTrainer, TrainerConfig
 
 
+@pytest.fixture(scope="module")
+def groups(store):
+    """The trainers' workers for this module (two actor ranks and a reward worker), started once:
+    each test's trainer starts a fresh model on them (``GRPOTrainer(groups=...)``), so only the tests
+    about processes of their own (the demo, the driver actor) pay for new ones."""
+    built = GRPOTrainer.build_groups(TrainerConfig())
+    yield built
+    built.close()
+
+
 class _EchoGroup:
     """A real (tiny, local) stand-in for a worker group: returns what it is given."""
 
@@ -63,8 +73,8 @@ def test_guard_refuses_tensor_results() -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_driver_bytes_stay_metadata_sized_as_the_batch_grows_8x(store) -> None:
-    trainer = GRPOTrainer(TrainerConfig(prompts_per_step=2, n=4, dp=2, seed=0))
+def test_driver_bytes_stay_metadata_sized_as_the_batch_grows_8x(groups) -> None:
+    trainer = GRPOTrainer(TrainerConfig(prompts_per_step=2, n=4, dp=2, seed=0), groups=groups)
     try:
         traffic = {}
         for label, prompts in (("1x", 2), ("8x", 16)):
@@ -89,8 +99,8 @@ def test_driver_bytes_stay_metadata_sized_as_the_batch_grows_8x(store) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_reward_improves_over_a_short_run(store) -> None:
-    trainer = GRPOTrainer(TrainerConfig(steps=20, seed=1))
+def test_reward_improves_over_a_short_run(groups) -> None:
+    trainer = GRPOTrainer(TrainerConfig(steps=20, seed=1), groups=groups)  # a fresh model from seed 1
     try:
         summary = trainer.fit()
     finally:
@@ -98,6 +108,28 @@ def test_reward_improves_over_a_short_run(store) -> None:
     assert summary["steps"] == 20 and len(summary["reward_history"]) == 20
     assert summary["reward_last"] > summary["reward_first"] + 0.05, summary["reward_history"]
     assert 0 < summary["driver_bytes"] < summary["store_bytes"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_trainer_on_running_groups_starts_as_new_workers_would(groups) -> None:
+    # Two runs of the same seed in turn on the same workers (started with seed 0): the second starts
+    # from fresh weights, the same prompts and sampling streams, so it repeats the first exactly (sync
+    # mode is deterministic); a run of another seed then differs.
+    runs = []
+    for seed in (2, 2, 3):
+        trainer = GRPOTrainer(TrainerConfig(steps=3, prompts_per_step=2, n=4, seed=seed), groups=groups)
+        try:
+            runs.append(trainer.fit())
+            assert trainer.store_bytes() == runs[-1]["store_bytes"] > 0  # this trainer's bytes only
+        finally:
+            trainer.close()
+        assert not groups.closed  # the groups' owner closes them, not the trainer
+    assert runs[0]["reward_history"] == runs[1]["reward_history"]
+    assert runs[0]["loss_last"] == runs[1]["loss_last"]
+    assert runs[2]["reward_history"] != runs[0]["reward_history"]
+    with pytest.raises(ValueError, match=r"dp=2 \(config: 1\)"):
+        GRPOTrainer(TrainerConfig(dp=1), groups=groups)
 
 
 def test_stream_config_is_checked() -> None:
@@ -116,9 +148,10 @@ def _spans(spans: list[dict], task: str, step: int, rank: int) -> list[dict]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_stream_mode_takes_every_row_once_with_bounded_staleness(store) -> None:
+def test_stream_mode_takes_every_row_once_with_bounded_staleness(groups) -> None:
     steps, prompts, n = 4, 4, 4
-    trainer = GRPOTrainer(TrainerConfig(mode="stream", steps=steps, prompts_per_step=prompts, n=n, seed=0))
+    cfg = TrainerConfig(mode="stream", steps=steps, prompts_per_step=prompts, n=n, seed=0)
+    trainer = GRPOTrainer(cfg, groups=groups)
     try:
         summary = trainer.fit()
         with pytest.raises(DriverDataError):  # the guard covers submitted calls too
@@ -159,13 +192,17 @@ def test_demo_both_modes_of_one_step_write_summary_and_timeline_and_judge_nothin
     # One step: the smallest run must work, exit 0, and say that a rise cannot be judged. (The demo run
     # as a program of its own, starting its own Ray: tests/workers/test_demo_resume.py.)
     out = tmp_path / "demo-summary.json"
-    args = build_parser().parse_args(["demo", "--steps", "1", "--mode", "both", "--summary", str(out)])
+    # One actor rank (--dp 1): what is checked here does not depend on data parallelism, and each mode
+    # starts workers of its own.
+    argv = ["demo", "--steps", "1", "--dp", "1", "--mode", "both", "--summary", str(out)]
+    args = build_parser().parse_args(argv)
     assert demo_module.cli(args) == 0
     printed = capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["mode"] == "both" and set(record["runs"]) == {"sync", "stream"}
     for mode, summary in record["runs"].items():
         assert summary["mode"] == mode and summary["steps"] == 1 and summary["reward_window"] == 1
+        assert summary["dp"] == 1
         assert summary["steps_per_s"] > 0 and summary["setup_seconds"] > 0 and summary["seconds"] > 0
         assert 0 < summary["driver_bytes"] < summary["store_bytes"]
         assert (
