@@ -219,23 +219,3 @@ class ProtoWorker(Worker):
     @register(dispatch_mode=make_nd_compute_dispatch_fn("mesh"), blocking=False)
     def mesh_stamp_later(self, data: ProtoBatch) -> ProtoBatch:
         return self._stamp(data)
-
-
-class MeshCopyWorker(Worker):
-    """Registers mesh ``own`` as (rank, rank == 0); copies meshes from info it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._register_dispatch_collect_info("own", dp_rank=self.rank, is_collect=self.rank == 0)
-
-    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
-    def info(self) -> dict:
-        return self.get_dispatch_collect()
-
-    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
-    def adopt(self, mesh_name: str, info: dict) -> tuple:
-        try:
-            self.set_dispatch_collect(mesh_name, **info)
-        except AssertionError as exc:  # verl code catches this; ours is a MeshConflictError too
-            return ("refused", type(exc).__name__)
-        return (self.query_dispatch_info(mesh_name), self.query_collect_info(mesh_name))

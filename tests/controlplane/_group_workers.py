@@ -115,3 +115,26 @@ class FlakyWorker(Worker):
 
     def forgot_register(self) -> int:  # not decorated: the group must say so when it is called
         return self.rank
+
+
+class MeshCopyWorker(Worker):
+    """Registers mesh ``own`` as (rank, rank == 0); copies meshes from info it is handed.
+
+    For test_verl_proto, but kept out of _dataproto: it sees plain dicts only, so its actors need not
+    import torch and tensordict (seconds of CPU each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._register_dispatch_collect_info("own", dp_rank=self.rank, is_collect=self.rank == 0)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def info(self) -> dict:
+        return self.get_dispatch_collect()
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def adopt(self, mesh_name: str, info: dict) -> tuple:
+        try:
+            self.set_dispatch_collect(mesh_name, **info)
+        except AssertionError as exc:  # verl code catches this; ours is a MeshConflictError too
+            return ("refused", type(exc).__name__)
+        return (self.query_dispatch_info(mesh_name), self.query_collect_info(mesh_name))

@@ -20,7 +20,6 @@ from controlplane.errors import ControlPlaneError, MeshConflictError
 from controlplane.future import BatchFuture, future_maker, is_batch_future
 from tests.controlplane._dataproto import (
     HookedBatch,
-    MeshCopyWorker,
     ProtoBatch,
     ProtoFuture,
     ProtoWorker,
@@ -28,6 +27,7 @@ from tests.controlplane._dataproto import (
     rows,
     tag_with_rank,
 )
+from tests.controlplane._group_workers import MeshCopyWorker
 from tests.controlplane._groups import started_groups
 
 
