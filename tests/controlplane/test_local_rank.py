@@ -54,28 +54,39 @@ def test_apply_local_rank_outside_an_accelerator_actor_changes_nothing(monkeypat
 
 
 # ---- with Ray ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def _added_node(ray_cluster):
+    """Holds the one node this module adds, if added; removed with the module."""
+    held: dict = {}
+    yield held
+    if "node" in held:
+        ray_cluster.remove_node(held.pop("node"))
+
+
 @pytest.fixture
-def node_with(ray_cluster):
-    """Add one node with the given (logical) resources; removed after the test."""
-    added = []
-
-    def add(**resources):
-        node = ray_cluster.add_node(num_cpus=4, **resources)
+def accelerator_node(ray_cluster, _added_node):
+    """A node with 4 (logical) GPUs and 2 NPUs, added on first use and kept for the module's
+    accelerator tests: each added node starts a raylet and its agents (seconds of CPU), and each test
+    places only on the resource it asks for, so one node serves both."""
+    if "node" not in _added_node:
+        _added_node["node"] = ray_cluster.add_node(num_cpus=4, num_gpus=4, resources={"NPU": 2})
         ray_cluster.wait_for_nodes()
-        added.append(node)
-        return node
+    return _added_node["node"]
 
-    yield add
-    for node in added:
-        ray_cluster.remove_node(node)
+
+@pytest.fixture
+def head_only(ray_cluster, _added_node):
+    """Removes the added node, if present: a CPU pool could land on it, and ranks count per node."""
+    if "node" in _added_node:
+        ray_cluster.remove_node(_added_node.pop("node"))
+    return ray_cluster
 
 
 def _group(pool: RayResourcePool, **kwargs) -> RayWorkerGroup:
     return RayWorkerGroup(pool, RayClassWithInitArgs(DeviceWorker), ready_timeout_s=120, **kwargs)
 
 
-def test_two_placement_groups_on_one_gpu_node(node_with) -> None:
-    node_with(num_gpus=4)
+def test_two_placement_groups_on_one_gpu_node(accelerator_node) -> None:
     pool = RayResourcePool([2, 2], use_gpu=True, max_colocate_count=1, placement_timeout_s=60)
     narrowed = noset = None
     try:
@@ -100,8 +111,7 @@ def test_two_placement_groups_on_one_gpu_node(node_with) -> None:
         pool.remove()
 
 
-def test_npu_device_name_requests_the_npu_resource(node_with) -> None:
-    node_with(resources={"NPU": 2})
+def test_npu_device_name_requests_the_npu_resource(accelerator_node) -> None:
     pool = RayResourcePool([2], use_gpu=True, max_colocate_count=1, placement_timeout_s=60)
     wg = None
     try:
@@ -120,7 +130,7 @@ def test_npu_device_name_requests_the_npu_resource(node_with) -> None:
         pool.remove()
 
 
-def test_cpu_groups_number_ranks_per_node(ray_session) -> None:
+def test_cpu_groups_number_ranks_per_node(head_only) -> None:
     pool = RayResourcePool([2, 2], use_gpu=False, max_colocate_count=1)
     wg = None
     try:
