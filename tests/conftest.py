@@ -24,6 +24,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # does on a laptop), so the GCS, raylets, workers and the store's tcp endpoints bind there. Processes
 # the tests start inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Torch on one intra-op thread in the test processes (and what they start with this environment), as
+# in Ray's workers. The test processes share the cores (``make test``'s xdist workers, Ray's workers):
+# a pool thread waiting for a core spins, and on these tiny tensors that tripled the CPU of a module
+# that trains in process (tests/workers/test_engine.py: 70 CPU-s against 25 under a two-process load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Under pytest-xdist (``make test`` runs the suite on several workers) each worker runs its own Ray:
 # a temp dir of its own (sessions, sockets, the address `auto` finds; short, for Unix socket paths)
 # and ports of its own, so the workers' clusters never meet.

@@ -17,20 +17,6 @@ SUMMARY_ROWS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Torch on one intra-op thread in this process while a module of this package runs, as in the
-    role workers (``workers.roles``). Test processes share the cores (``make test``'s xdist workers,
-    Ray's workers): a second pool thread waiting for a core spins, and on these tiny tensors that
-    tripled test_engine.py's CPU (70 CPU-s against 25 under a two-process load on 2 cores)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def store(ray_cluster):
     """The store for this module: started (embedded) here unless one is already attached. Per module,
