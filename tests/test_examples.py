@@ -67,8 +67,9 @@ def test_the_commands_of_examples_readme_run_as_written() -> None:
     """Line by line, from the repository's root, in a new terminal on a fresh machine that has run
     Ray before (it has a token, as a first ``ray.init()`` leaves it, so ``ray start --head`` uses token
     authentication, Ray 2.60's default); each script's output is checked (``CHECKS``). Two rewrites,
-    both because this machine is shared: ``ray start --head`` gets ports of its own (6379 and 52365
-    may be another engineer's), and ``ray stop``, which stops every Ray on the machine, is replaced
+    both because this machine is shared: ``ray start --head`` gets ports of its own (6379, 52365 and
+    the dashboard's 8265 may be another engineer's, or another test's Ray: a dashboard that cannot
+    bind 8265 prints a traceback), and ``ray stop``, which stops every Ray on the machine, is replaced
     by stopping this sandbox's cluster alone."""
     checked = []
     with sandbox() as box:
@@ -78,7 +79,10 @@ def test_the_commands_of_examples_readme_run_as_written() -> None:
                 stop_processes_naming(box.root)
                 continue
             if line == ".venv/bin/ray start --head":
-                line += f" --port {free_port()} --dashboard-agent-listen-port {free_port()}"
+                line += (
+                    f" --port {free_port()} --dashboard-port {free_port()}"
+                    f" --dashboard-agent-listen-port {free_port()}"
+                )
             proc = box.sh(line, timeout=TIMEOUT_S, PYTHONUNBUFFERED="1")
             check_clean_run(proc, f"examples/README.md: {line}")
             for script, check in CHECKS.items():
