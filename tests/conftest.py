@@ -87,3 +87,22 @@ def ray_session(ray_cluster):
 
     assert ray.is_initialized()
     return ray_cluster
+
+
+@pytest.fixture
+def main_in_process(ray_session, capsys):
+    """Runs a command line's ``main(argv)`` in this process, which has joined the session's Ray (so a
+    benchmark uses that Ray and leaves it joined, ``bench._common.ray_for_run``) and is attached to no
+    store (the run starts its own); returns ``(exit code, what it printed)``. Checks that the run kept
+    Ray and stopped its store."""
+    import ray
+
+    import dataplane as dp
+
+    def run(main, argv: list[str]) -> tuple[int, str]:
+        dp.close()  # a store this process attached to before would be used instead of the run's own
+        code = main(argv)
+        assert ray.is_initialized() and not dp.is_initialized(), "the run must keep Ray and stop its store"
+        return code, capsys.readouterr().out
+
+    return run

@@ -204,23 +204,19 @@ def test_the_chart_of_one_point_or_several_is_drawn_with_its_reading(tmp_path, p
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_quick_preset_runs_every_path_checked_and_writes_json_and_png(ray_cluster, tmp_path, capsys) -> None:
+def test_quick_preset_runs_every_path_checked_and_writes_json_and_png(
+    ray_cluster, tmp_path, main_in_process
+) -> None:
     """The command line's ``main`` in this process, against the session's cluster (``--address``):
     this process has joined that Ray already, so the run uses it and leaves it joined, starts and
     stops a store of its own, and writes what ``make bench-quick`` writes (JSON records, PNG)."""
-    import ray
-
-    import dataplane as dp
-
-    dp.close()  # a store this process attached to before would be used instead of the run's own
     paths = bypass.PATHS if HAS_TQ else ("floor", "classic", "store")  # tq: the bench extra
     out = tmp_path / "bypass.json"
     argv = ["--quick", "--payload", "256KiB", "--rows", "64", "--steps", "1", "--paths", ",".join(paths),
             "--address", ray_cluster.address, "--store-name", "t-bench-bypass",
             "--json", str(out)]  # fmt: skip
-    assert bypass.main(argv) == 0
-    printed = capsys.readouterr().out
-    assert ray.is_initialized() and not dp.is_initialized()  # Ray kept, the run's own store stopped
+    code, printed = main_in_process(bypass.main, argv)
+    assert code == 0, printed[-3000:]
     records = json.loads(out.read_text())
     assert [r["path"] for r in records] == list(paths)
     by = {r["path"]: r for r in records}

@@ -143,20 +143,7 @@ def test_runner_runs_a_benchmark_in_a_child_process(tmp_path, monkeypatch) -> No
     assert written == ["--json", str(tmp_path / "out" / "fake_bench_mod.json")]
 
 
-def _in_process(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """A benchmark's command line run in this process, which has joined the session's Ray already (so
-    the run uses that Ray and leaves it joined); returns its exit code and what it printed."""
-    import ray
-
-    import dataplane as dp
-
-    dp.close()  # the benchmark starts a store of its own
-    code = main(argv)
-    assert ray.is_initialized() and not dp.is_initialized(), "the run must keep Ray and stop its store"
-    return code, capsys.readouterr().out
-
-
-def _tiny_run(ray_cluster, tmp_path, paths: str, capsys: pytest.CaptureFixture[str]) -> dict:
+def _tiny_run(ray_cluster, tmp_path, paths: str, main_in_process) -> dict:
     """Run the benchmark on 4 rows x 8 floats x 2 fields against the session's Ray; return its JSON."""
     from bench import store_throughput
 
@@ -164,7 +151,7 @@ def _tiny_run(ray_cluster, tmp_path, paths: str, capsys: pytest.CaptureFixture[s
     argv = ["--rows", "4", "--cols", "8", "--repeats", "1", "--latency-iters", "3", "--latency-warmup", "1",
             "--ray-address", ray_cluster.address, "--call-timeout-s", "60", "--release-wait-s", "2",
             "--paths", paths, "--json", str(out)]  # fmt: skip
-    code, printed = _in_process(store_throughput.main, argv, capsys)
+    code, printed = main_in_process(store_throughput.main, argv)
     assert code == 0, f"benchmark failed:\n{printed[-3000:]}"
     assert "check" in printed and "memcpy" in printed
     results = json.loads(out.read_text())
@@ -177,8 +164,8 @@ def _tiny_run(ray_cluster, tmp_path, paths: str, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.ray
-def test_store_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, capsys) -> None:
-    results = _tiny_run(ray_cluster, tmp_path, "memcpy,ray,store", capsys)
+def test_store_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, main_in_process) -> None:
+    results = _tiny_run(ray_cluster, tmp_path, "memcpy,ray,store", main_in_process)
     ray_path = results["paths"]["ray"]
     assert {"put", "get", "latency"} <= ray_path.keys(), ray_path.get("error")
     assert ray_path["get"]["n"] == 1 and ray_path["latency"]["bare_ray"]["n"] == 3
@@ -196,9 +183,9 @@ def test_store_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, capsys) -> 
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TQ, reason="transferqueue is not installed (the bench extra)")
-def test_store_benchmark_tiny_transferqueue_run(ray_cluster, tmp_path, capsys) -> None:
+def test_store_benchmark_tiny_transferqueue_run(ray_cluster, tmp_path, main_in_process) -> None:
     # TransferQueue starts three actors of its own (num_cpus=1 each); on 2 busy cores that takes a while.
-    results = _tiny_run(ray_cluster, tmp_path, "memcpy,tq", capsys)
+    results = _tiny_run(ray_cluster, tmp_path, "memcpy,tq", main_in_process)
     tq = results["paths"]["tq"]
     assert {"put", "get", "latency", "init_s"} <= tq.keys(), tq.get("error")
     assert {"bare_ray", "bare_ray_no_arg", "put", "get"} <= tq["latency"].keys()
@@ -206,13 +193,13 @@ def test_store_benchmark_tiny_transferqueue_run(ray_cluster, tmp_path, capsys) -
 
 
 @pytest.mark.ray
-def test_checkpoint_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, capsys) -> None:
+def test_checkpoint_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, main_in_process) -> None:
     from bench import checkpoint
 
     out = tmp_path / "checkpoint.json"
     argv = ["--bytes", "64K", "--rows", "4", "--repeats", "1", "--skip-tq", "--address", ray_cluster.address,
             "--dir", str(tmp_path), "--json", str(out)]  # fmt: skip
-    code, printed = _in_process(checkpoint.main, argv, capsys)
+    code, printed = main_in_process(checkpoint.main, argv)
     # 64 KiB is all fixed costs: the speed targets may miss, the benchmark must still run whole
     assert code in (0, 1), f"benchmark failed:\n{printed[-3000:]}"
     results = json.loads(out.read_text())
@@ -227,14 +214,16 @@ def test_checkpoint_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, capsys
 
 
 @pytest.mark.ray
-def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(ray_cluster, tmp_path, capsys) -> None:
+def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(
+    ray_cluster, tmp_path, main_in_process
+) -> None:
     """`scripts/gpu_check.sh`'s benchmark, with CPU tensors: the machinery runs where no GPU is."""
     from bench import gpu
 
     out = tmp_path / "gpu.json"
     argv = ["--device", "cpu", "--bytes", "64K", "--rows", "4", "--repeats", "1",
             "--address", ray_cluster.address, "--json", str(out)]  # fmt: skip
-    code, printed = _in_process(gpu.main, argv, capsys)
+    code, printed = main_in_process(gpu.main, argv)
     assert code == 0, f"benchmark failed:\n{printed[-3000:]}"
     res = json.loads(out.read_text())["results"]
     assert res["bytes"] == 64 * 1024 and res["store"]["n"] == 1 and res["store_vs_reference"] > 0
