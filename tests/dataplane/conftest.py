@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 
@@ -19,6 +20,28 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def process_exited(pid: int) -> bool:
+    """Whether every thread of process ``pid`` has exited, so the kernel has closed its sockets.
+
+    Not the same as ``liveness.process_start(pid) == ""``, which is true as soon as the main thread is
+    a zombie: the other threads of a killed process may still be exiting then (slowly, on a loaded
+    machine), and its sockets stay open (a connect and a write to them succeed) until the last is done.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # this thread is gone
+            continue
+        if stat[stat.rfind(")") + 2] not in "ZX":
+            return False
+    return True
 
 
 @pytest.fixture

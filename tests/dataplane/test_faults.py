@@ -21,9 +21,16 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
-from dataplane.wire.liveness import process_start
 
-from .conftest import keys_on_shards, own_store, raw_unix_socket, request, start_store, wait_for
+from .conftest import (
+    keys_on_shards,
+    own_store,
+    process_exited,
+    raw_unix_socket,
+    request,
+    start_store,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -33,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _kill(name: str, pid: int) -> None:
     """Kill the store actor ``name`` and wait until its process is gone."""
     ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-    wait_for(lambda: process_start(pid) == "", 30, f"process {pid} of {name} to exit")
+    wait_for(lambda: process_exited(pid), 30, f"process {pid} of {name} to exit")
 
 
 def test_clear_partition_with_a_dead_shard_names_what_is_left(ray_cluster, pid):
@@ -117,7 +124,7 @@ def test_init_clears_a_broken_store_before_starting_one(ray_cluster):
 def _sigkill(pid: int) -> None:
     """Kill process ``pid`` the way the OS does (not ``ray.kill``) and wait until it is gone."""
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: process_start(pid) == "", 30, f"process {pid} to exit after SIGKILL")
+    wait_for(lambda: process_exited(pid), 30, f"process {pid} to exit after SIGKILL")
 
 
 def _init_in_another_process(address: str, name: str, num_shards: int, first: str = "") -> str:
