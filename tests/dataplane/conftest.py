@@ -22,6 +22,23 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
+def thread_states(pid: int) -> list[str]:
+    """The state letter (R, S, D, T, Z, ...) of each thread of process ``pid``; [] when it is gone."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    states = []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # a thread that ended meanwhile
+            continue
+        states.append(stat[stat.rfind(")") + 2])
+    return states
+
+
 def process_exited(pid: int) -> bool:
     """Whether every thread of process ``pid`` has exited, so the kernel has closed its sockets.
 
@@ -29,19 +46,7 @@ def process_exited(pid: int) -> bool:
     a zombie: the other threads of a killed process may still be exiting then (slowly, on a loaded
     machine), and its sockets stay open (a connect and a write to them succeed) until the last is done.
     """
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:  # this thread is gone
-            continue
-        if stat[stat.rfind(")") + 2] not in "ZX":
-            return False
-    return True
+    return all(state in "ZX" for state in thread_states(pid))
 
 
 @pytest.fixture

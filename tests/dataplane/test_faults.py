@@ -29,6 +29,7 @@ from .conftest import (
     raw_unix_socket,
     request,
     start_store,
+    thread_states,
     wait_for,
 )
 
@@ -192,14 +193,7 @@ def test_sigkilled_shards_do_not_block_a_new_store(ray_cluster):
 
 def _all_threads_stopped(pid: int) -> bool:
     """Whether a SIGSTOP has taken effect: every thread of process ``pid`` is in state T."""
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:  # a thread that ended meanwhile
-            continue
-        states.append(stat[stat.rfind(")") + 2])
+    states = thread_states(pid)
     return bool(states) and all(state == "T" for state in states)
 
 
