@@ -36,6 +36,7 @@ from dataplane._units import format_bytes
 from workers import timeline
 from workers.task_runner import run_in_actor
 from workers.trainer import MODES, GRPOTrainer, TrainerConfig
+from workers.wiring import Groups
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if "setup_seconds" in summary:
         startup, workers = summary.get("startup_seconds", 0.0), summary["setup_seconds"]
-        parts = "workers and model"
+        parts = "a fresh model on the same workers" if summary.get("workers_reused") else "workers and model"
         if startup:  # the first run only: later ones reuse Ray and the store
             parts = f"Ray and store {startup:.1f}, workers and model {workers:.1f}"
         rows.append(("setup, s", f"{startup + workers:.1f}  ({parts})"))
@@ -150,12 +151,13 @@ def format_comparison(summaries: dict[str, dict[str, Any]]) -> str:
     return table
 
 
-def _run_here(cfg: TrainerConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Train in this process with a progress bar; returns ``(summary, timeline run)``."""
+def _run_here(cfg: TrainerConfig, groups: Groups | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train in this process with a progress bar, on ``groups`` if given (else on workers of its
+    own); returns ``(summary, timeline run)``."""
     trainer = None
     try:
         t0 = time.perf_counter()
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, groups=groups)
         setup_s = time.perf_counter() - t0
         summary = trainer.fit(progress=True)
         summary["setup_seconds"] = setup_s
@@ -184,9 +186,11 @@ def cli(args: argparse.Namespace) -> int:
     """``rlplane demo``: train, print and save the summary and the timeline; returns the exit status
     (module docstring).
 
-    ``--mode both`` trains twice on the same seed, sync then stream (fresh workers, the same store
-    and Ray), and prints both side by side. ``--driver-actor`` runs each trainer in a Ray actor
-    (``workers.task_runner``); ``--colocate`` puts the reward role in the actor's processes.
+    ``--mode both`` trains twice on the same seed, sync then stream, with the same store and Ray and
+    (unless ``--driver-actor``) the same workers: each run starts a fresh model on them, as new
+    workers would, and the first run's setup counts their start; it prints both side by side.
+    ``--driver-actor`` runs each trainer in a Ray actor (``workers.task_runner``); ``--colocate``
+    puts the reward role in the actor's processes.
     """
     import ray
 
@@ -211,17 +215,29 @@ def cli(args: argparse.Namespace) -> int:
     owns_store = not dp.is_initialized()
     summaries: dict[str, dict[str, Any]] = {}
     runs: list[dict[str, Any]] = []
+    groups: Groups | None = None
     try:
         dp.init(num_shards=configs[modes[0]].num_shards)
         startup_s = time.perf_counter() - t0
+        in_actor = getattr(args, "driver_actor", False)
+        if len(modes) > 1 and not in_actor:  # one set of workers for both runs: their process starts once
+            t1 = time.perf_counter()
+            groups = GRPOTrainer.build_groups(configs[modes[0]])
+            groups_s = time.perf_counter() - t1
         for m, cfg in configs.items():
-            if getattr(args, "driver_actor", False):
+            if in_actor:
                 summaries[m], run = run_in_actor(cfg, timeout_s=_RUN_TIMEOUT_S)
             else:
-                summaries[m], run = _run_here(cfg)
+                summaries[m], run = _run_here(cfg, groups)
+                if groups is not None and m == modes[0]:
+                    summaries[m]["setup_seconds"] += groups_s
+                elif groups is not None:
+                    summaries[m]["workers_reused"] = True
             summaries[m]["startup_seconds"] = startup_s if m == modes[0] else 0.0
             runs.append(run)
     finally:
+        if groups is not None:
+            groups.close()
         if owns_store and dp.is_initialized():
             dp.close()
         if started_ray:

@@ -183,6 +183,12 @@ def test_stream_mode_takes_every_row_once_with_bounded_staleness(groups) -> None
                 assert min(s["start"] for s in _spans(spans, "rollout", step + 2, rank)) >= update["end"]
 
 
+def _live_placement_groups() -> set[str]:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_demo_both_modes_of_one_step_write_summary_and_timeline_and_judge_nothing(
@@ -192,11 +198,12 @@ def test_demo_both_modes_of_one_step_write_summary_and_timeline_and_judge_nothin
     # One step: the smallest run must work, exit 0, and say that a rise cannot be judged. (The demo run
     # as a program of its own, starting its own Ray: tests/workers/test_demo_resume.py.)
     out = tmp_path / "demo-summary.json"
-    # One actor rank (--dp 1): what is checked here does not depend on data parallelism, and each mode
-    # starts workers of its own.
+    # One actor rank (--dp 1): what is checked here does not depend on data parallelism.
     argv = ["demo", "--steps", "1", "--dp", "1", "--mode", "both", "--summary", str(out)]
     args = build_parser().parse_args(argv)
+    groups_before = _live_placement_groups()
     assert demo_module.cli(args) == 0
+    assert _live_placement_groups() == groups_before, "the demo left its workers' groups running"
     printed = capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["mode"] == "both" and set(record["runs"]) == {"sync", "stream"}
@@ -210,6 +217,9 @@ def test_demo_both_modes_of_one_step_write_summary_and_timeline_and_judge_nothin
             "not judged" in printed
         ), printed
     assert record["runs"]["sync"]["startup_seconds"] >= 0 and record["stream_vs_sync_steps_per_s"] > 0
+    # The stream run trained on the sync run's workers (a fresh model on them): one set of processes.
+    assert record["runs"]["stream"]["workers_reused"] and "workers_reused" not in record["runs"]["sync"]
+    assert "a fresh model on the same workers" in printed, printed
     for row in (*SUMMARY_ROWS, "stream / sync steps/s"):
         assert row in printed, printed
     timeline = json.loads((tmp_path / "demo-timeline.json").read_text())
