@@ -22,21 +22,26 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-def thread_states(pid: int) -> list[str]:
-    """The state letter (R, S, D, T, Z, ...) of each thread of process ``pid``; [] when it is gone."""
+def thread_files(pid: int, name: str) -> dict[str, str]:
+    """The text of ``/proc/PID/task/TID/<name>`` (``stat``, ``schedstat``, ...) per thread id of process
+    ``pid``; {} when it is gone (a thread that ends meanwhile is left out)."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return []
-    states = []
+        return {}
+    texts = {}
     for tid in threads:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/task/{tid}/{name}", "rb") as f:
+                texts[tid] = f.read().decode(errors="replace")
         except OSError:  # a thread that ended meanwhile
             continue
-        states.append(stat[stat.rfind(")") + 2])
-    return states
+    return texts
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter (R, S, D, T, Z, ...) of each thread of process ``pid``; [] when it is gone."""
+    return [stat[stat.rfind(")") + 2] for stat in thread_files(pid, "stat").values()]
 
 
 def process_exited(pid: int) -> bool:

@@ -10,7 +10,6 @@ tested without Ray in ``test_samplers.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import statistics
@@ -23,7 +22,7 @@ import torch
 
 import dataplane as dp
 
-from .conftest import store_fixtures, wait_for
+from .conftest import store_fixtures, thread_files, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -607,12 +606,7 @@ def test_a_batch_whose_consumer_was_killed_while_waiting_is_given_back(attached,
 
 def _thread_cpu_ns(pid: int) -> dict[str, int]:
     """Nanoseconds on a CPU so far, per thread of process ``pid`` (``/proc/PID/task/TID/schedstat``)."""
-    spent = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                spent[tid] = int(f.read().split()[0])
-    return spent
+    return {tid: int(text.split()[0]) for tid, text in thread_files(pid, "schedstat").items()}
 
 
 def test_next_batch_cost_does_not_grow_with_rows_of_other_partitions(attached, pid):
