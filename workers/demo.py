@@ -220,6 +220,7 @@ def cli(args: argparse.Namespace) -> int:
         dp.init(num_shards=configs[modes[0]].num_shards)
         startup_s = time.perf_counter() - t0
         in_actor = getattr(args, "driver_actor", False)
+        groups_s = 0.0  # the shared workers' start, counted in the first run's setup
         if len(modes) > 1 and not in_actor:  # one set of workers for both runs: their process starts once
             t1 = time.perf_counter()
             groups = GRPOTrainer.build_groups(configs[modes[0]])
@@ -229,10 +230,10 @@ def cli(args: argparse.Namespace) -> int:
                 summaries[m], run = run_in_actor(cfg, timeout_s=_RUN_TIMEOUT_S)
             else:
                 summaries[m], run = _run_here(cfg, groups)
-                if groups is not None and m == modes[0]:
+                if m == modes[0]:
                     summaries[m]["setup_seconds"] += groups_s
-                elif groups is not None:
-                    summaries[m]["workers_reused"] = True
+                else:
+                    summaries[m]["workers_reused"] = groups is not None
             summaries[m]["startup_seconds"] = startup_s if m == modes[0] else 0.0
             runs.append(run)
     finally:
