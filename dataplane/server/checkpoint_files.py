@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib's gives the
     from zlib import crc32
 
 from dataplane.errors import CheckpointError, CheckpointNotFoundError
+from dataplane.wire.decoders import decoder
 
 FORMAT = "rlplane-store-checkpoint"
 VERSION = 1
@@ -247,7 +248,7 @@ def read_small(path: str, entry: Any, who: str = "") -> bytes:
 def decode_file(data: bytes, path: str, struct: type[Any]) -> Any:
     """A msgpack file of a checkpoint decoded as ``struct`` (which has a ``version``), checked."""
     try:
-        state = msgspec.msgpack.decode(data, type=struct)
+        state = decoder(struct).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             path, f"checkpoint file {path} is malformed ({exc}); nothing was loaded"

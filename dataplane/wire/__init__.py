@@ -1,7 +1,8 @@
 """What crosses between processes: frames, request bodies, authentication, shared memory, sockets.
 
 ``frames`` (a msgpack header plus raw buffers), ``protocol`` (the typed request bodies of every
-shard and index operation), ``auth`` (one secret per store, checked before any message),
+shard and index operation), ``decoders`` (typed decoders, each built by one thread at a time,
+since msgspec's first build of a type is not safe against a second thread), ``auth`` (one secret per store, checked before any message),
 ``shm`` (the shared-memory contract between a shard and same-host clients), ``requests`` (the
 calls an operation yields and the results it receives, with no socket), ``unix`` (the same-host
 lane: those frames on a Unix stream socket, without zmq), ``policy`` (when a request ends: its

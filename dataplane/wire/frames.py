@@ -34,6 +34,7 @@ import numpy as np
 from dataplane import errors
 from dataplane.codec.column_types import Column, ColumnSpec
 from dataplane.errors import ProtocolVersionError, WireError
+from dataplane.wire.decoders import decoder
 from dataplane.wire.protocol import MAX_FRAMES, WireColumn, WireSpec
 
 logger = logging.getLogger(__name__)
@@ -104,10 +105,10 @@ class _ReplyEnvelope(msgspec.Struct, array_like=True):
 
 
 _req_enc = msgspec.msgpack.Encoder()
-_req_dec = msgspec.msgpack.Decoder(_RawRequest)
-_rep_dec = msgspec.msgpack.Decoder(Reply)
-_raw_rep_dec = msgspec.msgpack.Decoder(RawReply)
-_envelope_dec = msgspec.msgpack.Decoder(_ReplyEnvelope)
+_req_dec = decoder(_RawRequest)
+_rep_dec = decoder(Reply)
+_raw_rep_dec = decoder(RawReply)
+_envelope_dec = decoder(_ReplyEnvelope)
 
 SMALL_MESSAGE = 1 << 16  # below this many bytes, copying a frame is cheaper than sending it zero-copy
 

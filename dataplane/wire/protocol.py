@@ -29,6 +29,7 @@ import msgspec
 
 from dataplane.config import INT64_MAX, MAX_TIMEOUT_S
 from dataplane.errors import WireError
+from dataplane.wire.decoders import decoder
 
 MAX_FRAMES = 1 << 16  # buffer frames one request may carry (a put sends at most two per field)
 MAX_COUNT = 2**31 - 1  # rows of a batch, ranks, group sizes: far beyond any real one, far below overflow
@@ -585,8 +586,6 @@ INDEX_REPLIES: dict[str, type[msgspec.Struct]] = {
     "tasks": TasksReply,
 }
 
-_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
-
 
 def decode_body(
     op: str, raw: Any, table: Mapping[str, type[msgspec.Struct]], service: str = "this service"
@@ -596,11 +595,8 @@ def decode_body(
     cls = table.get(op) if type(op) is str else None
     if cls is None:
         raise WireError(f"unknown operation {op!r}; {service} knows {sorted(table)}")
-    dec = _decoders.get(cls)
-    if dec is None:
-        dec = _decoders[cls] = msgspec.msgpack.Decoder(cls)
     try:
-        return dec.decode(raw)
+        return decoder(cls).decode(raw)
     except msgspec.ValidationError as exc:  # the message names the field: "... - at `$.timeout_s`"
         raise WireError(
             f"malformed {op!r} request: {exc} (every number must be finite and within its range: "

@@ -24,6 +24,7 @@ import msgspec
 
 from dataplane.errors import WireError
 from dataplane.wire import frames as _wire
+from dataplane.wire.decoders import convert, decoder
 
 INDEX = -1
 
@@ -78,9 +79,6 @@ def decode_result(frames: list[Any]) -> tuple[int, Result]:
     return rep.rid, (rep.body, bufs)
 
 
-_reply_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
-
-
 def reply(body: Any, cls: type[R]) -> R:
     """A successful call's reply ``body`` read as ``cls`` (its op's reply struct in ``wire.protocol``);
     ``WireError`` naming the struct when the peer answered something else."""
@@ -88,12 +86,8 @@ def reply(body: Any, cls: type[R]) -> R:
         return body
     try:
         if isinstance(body, dict):  # from an in-process core, or a test playing the store
-            return msgspec.convert(body, cls)
-        dec = _reply_decoders.get(cls)
-        if dec is None:
-            dec = _reply_decoders[cls] = msgspec.msgpack.Decoder(cls)
-        out: R = dec.decode(body)
-        return out
+            return convert(body, cls)
+        return decoder(cls).decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise WireError(f"a malformed reply: not a {cls.__name__} ({exc})") from exc
 
