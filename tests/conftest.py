@@ -68,6 +68,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 RAY_NUM_CPUS = 8
+WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_start.py")
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
@@ -79,7 +80,13 @@ def ray_cluster():
 
     from tests._fresh_ray import free_port
 
-    cluster = Cluster(
+    class _Cluster(Cluster):
+        def add_node(self, wait: bool = True, **node_args):
+            # Each node of the session starts its workers without an extra import (tests/_worker_start.py).
+            node_args.setdefault("setup_worker_path", WORKER_START)
+            return super().add_node(wait, **node_args)
+
+    cluster = _Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": RAY_NUM_CPUS,
