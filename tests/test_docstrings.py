@@ -53,6 +53,7 @@ RUNNABLE = [
     "dataplane.codec.gather",
     "dataplane.server.checkpoint_files",
     "dataplane.server.dispatch",
+    "dataplane.wire.decoders",
     "dataplane.wire.placement",
     "dataplane.wire.protocol",
     "dataplane._units",

@@ -11,8 +11,14 @@ So every typed decode of this package goes through ``decoder(cls)``: the first c
 its ``Decoder``, and with it the plan of every type it contains, under one lock; later calls read the
 finished decoder without locking. ``convert`` is ``msgspec.convert`` behind the same guarantee.
 
-    >>> decoder(GetReply).decode(raw_body)
-    >>> convert({"removed": 3}, RemovedReply)
+    >>> class Point(msgspec.Struct):
+    ...     x: int
+    >>> decoder(Point).decode(msgspec.msgpack.encode(Point(1)))
+    Point(x=1)
+    >>> decoder(Point) is decoder(Point)
+    True
+    >>> convert({"x": 2}, Point)
+    Point(x=2)
 """
 
 from __future__ import annotations
