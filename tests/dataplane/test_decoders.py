@@ -40,26 +40,24 @@ _CHILD = textwrap.dedent(
     sys.setswitchinterval(1e-6)
     TYPES, ROUNDS = sys.argv[1], int(sys.argv[2])
 
-    def entry_points(cls):
-        return {
-            "requests.reply": lambda raw: requests.reply(raw, cls),
-            "protocol.decode_body": lambda raw: protocol.decode_body("op", raw, {"op": cls}),
-            "checkpoint_files.decode_file": lambda raw: checkpoint_files.decode_file(raw, "f", cls),
-        }
+    ENTRY_POINTS = {
+        "requests.reply": requests.reply,
+        "protocol.decode_body": lambda raw, cls: protocol.decode_body("op", raw, {"op": cls}),
+        "checkpoint_files.decode_file": lambda raw, cls: checkpoint_files.decode_file(raw, "f", cls),
+    }
 
-    for name in entry_points(None):
+    for name, decode in ENTRY_POINTS.items():
         for _ in range(ROUNDS):
             ns = {}
             exec(TYPES, ns)  # a new, cold Body type
             fields = {"a": ns["Rows"](2, [1, 2]), "b": ns["Segment"]("p", [0])}
             body = ns["Body"](checkpoint_files.VERSION, fields)
             raw = msgspec.msgpack.encode(body)
-            decode = entry_points(ns["Body"])[name]
             start, got = threading.Barrier(2), []
 
             def first_decode():
                 start.wait(timeout=10)
-                got.append(decode(raw))
+                got.append(decode(raw, ns["Body"]))
 
             threads = [threading.Thread(target=first_decode) for _ in range(2)]
             for t in threads:
