@@ -5,9 +5,11 @@ Ray (about half a CPU-second), applies the worker's runtime-env context (its env
 its interpreter) and execs ``python default_worker.py ...``, which imports Ray again. The suite starts
 some 300 workers on 2 cores, so the session clusters use this script instead (``tests/conftest.py``
 passes it as the node's ``setup_worker_path``): the same context applied with the standard library,
-then the same exec. The worker that runs is Ray's own, with the same arguments and environment. A
-context this script does not handle (a command prefix, another entry point, another language, an
-interpreter given as a command line) goes to Ray's own script unchanged.
+then the same worker: forked by the session's fork server (``tests/_zygote.py``, named by
+``RLT_ZYGOTE``), which has imported what workers import, or else exec'd. The worker that runs is
+Ray's own, with the same arguments and environment. A context this script does not handle (a command
+prefix, another entry point, another language, an interpreter given as a command line) goes to Ray's
+own script unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 
 CONTEXT = "--serialized-runtime-env-context"
 LANGUAGE = "--language"
+ZYGOTE = "RLT_ZYGOTE"  # the fork server's socket (tests/_zygote.py), set by tests/conftest.py
 
 
 def split(argv: list[str]) -> tuple[dict, str, list[str]]:
@@ -55,6 +58,13 @@ def start(argv: list[str]) -> None:
     for key, value in (context.get("env_vars") or {}).items():
         # As Ray does: ${X} from this environment, and an unset one replaced by nothing.
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+    zygote = os.environ.get(ZYGOTE)
+    if zygote and os.path.realpath(exe) == os.path.realpath(sys.executable):
+        from _zygote import request_worker  # this script's directory is first on sys.path
+
+        status = request_worker(zygote, rest)
+        if status is not None:
+            sys.exit(status)
     os.execv(exe, [exe, *rest])
 
 

@@ -11,6 +11,7 @@ on pytest-xdist workers: each is a pytest session of its own, so each has its ow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -69,15 +70,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 RAY_NUM_CPUS = 8
 WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_start.py")
+ZYGOTE = "RLT_ZYGOTE"  # read by tests/_worker_start.py
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A one-node Ray cluster shared by every test in the session, torn down at the end."""
+    """A one-node Ray cluster shared by every test in the session, torn down at the end. Its workers
+    are forked from one process that has imported what they import (``tests/_zygote.py``)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests import _zygote
     from tests._fresh_ray import free_port
 
     class _Cluster(Cluster):
@@ -86,22 +90,27 @@ def ray_cluster():
             node_args.setdefault("setup_worker_path", WORKER_START)
             return super().add_node(wait, **node_args)
 
-    cluster = _Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": RAY_NUM_CPUS,
-            "include_dashboard": False,
-            "object_store_memory": RAY_OBJECT_STORE_BYTES,
-            # Ray's fixed default (52365) would clash between the workers' clusters.
-            "dashboard_agent_listen_port": free_port(),
-        },
-    )
-    ray.init(address=cluster.address, log_to_driver=True)
-    try:
+    with contextlib.ExitStack() as stack:
+        directory = os.environ.get("RAY_TMPDIR") or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="rlz-")
+        )
+        # The nodes (and so their workers' starts) inherit this process's environment.
+        os.environ[ZYGOTE] = stack.enter_context(_zygote.running(directory))
+        stack.callback(os.environ.pop, ZYGOTE, None)
+        cluster = _Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": RAY_NUM_CPUS,
+                "include_dashboard": False,
+                "object_store_memory": RAY_OBJECT_STORE_BYTES,
+                # Ray's fixed default (52365) would clash between the workers' clusters.
+                "dashboard_agent_listen_port": free_port(),
+            },
+        )
+        stack.callback(cluster.shutdown)
+        ray.init(address=cluster.address, log_to_driver=True)
+        stack.callback(ray.shutdown)
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

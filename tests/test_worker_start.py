@@ -1,13 +1,20 @@
-"""The session clusters' worker launcher (``tests/_worker_start.py``) starts workers as Ray's own does."""
+"""The session clusters' worker launcher (``tests/_worker_start.py``) starts workers as Ray's own does,
+forked from the suite's fork server (``tests/_zygote.py``)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
+import psutil
 import pytest
 
+from tests import _zygote
 from tests._worker_start import split
+from tests.dataplane.conftest import wait_for
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_split_reads_the_context_and_language_in_both_spellings() -> None:
@@ -35,3 +42,93 @@ def test_env_vars_expand_as_ray_expands_them_and_other_contexts_go_to_rays_scrip
     # An interpreter given as a command line is Ray's script's to run (through bash): it still applies.
     command = {"py_executable": f"{sys.executable} -X utf8"}
     assert ray.get(probe.options(runtime_env=command).remote(), timeout=120)[2] == 1
+
+
+@pytest.mark.ray
+def test_the_session_clusters_workers_are_forked_from_the_server(ray_session) -> None:
+    import ray
+
+    # This module imports no torch, so a worker that has it without importing it was forked from the
+    # server (tests/_zygote.py), which preloads it.
+    has_torch = ray.remote(num_cpus=0.01)(lambda: "torch" in sys.modules)
+    assert ray.get(has_torch.remote(), timeout=120)
+
+
+_SCRIPT = """
+import os, sys, numpy
+probe, draw = os.environ.get("RLT_PROBE"), numpy.random.randint(1 << 62)
+print(sys.argv[1:], os.getcwd(), probe, sys.path[0], os.getppid(), draw)
+sys.stdout.flush()
+if sys.argv[1] == "wait":
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.getpid()))
+    import signal
+    signal.pause()
+sys.exit(int(sys.argv[1]))
+"""
+# A starter, as tests/_worker_start.py runs it: it hands its command line to the server and exits with
+# the worker's status.
+_STARTER = (
+    f"import sys; sys.path.insert(0, {TESTS!r}); from _zygote import request_worker as start; "
+    "sys.exit(start(sys.argv[1], sys.argv[2:]))"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with _zygote.running(str(tmp_path_factory.mktemp("zygote")), modules=["numpy"]) as path:
+        yield path
+
+
+def _starter(server: str, script, *args: str, cwd, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _STARTER, server, str(script), *args],
+        cwd=cwd,
+        env={**os.environ, "RLT_PROBE": "seen", **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_forked_worker_runs_as_the_exec_would_and_its_status_comes_back(server, tmp_path) -> None:
+    script = tmp_path / "sub" / "worker.py"
+    script.parent.mkdir()
+    script.write_text(_SCRIPT)
+    outs = []
+    for status in ("3", "0"):
+        starter = _starter(server, script, status, cwd=tmp_path)
+        out, _ = starter.communicate(timeout=60)
+        assert starter.returncode == int(status), out
+        args, cwd, probe, path0, parent, draw = out.rsplit(maxsplit=5)
+        # Its arguments, working directory, environment and sys.path[0] are the starter's, its output
+        # is the starter's stdout, and its parent is the server, not the starter.
+        assert (args, cwd, probe, path0) == (f"['{status}']", str(tmp_path), "seen", str(script.parent))
+        assert int(parent) != starter.pid
+        outs.append(draw)
+    assert outs[0] != outs[1], "two workers drew the same numbers from numpy's global generator"
+
+
+def test_a_worker_dies_with_its_starter(server, tmp_path) -> None:
+    script, pid_file = tmp_path / "worker.py", tmp_path / "pid"
+    script.write_text(_SCRIPT)
+    starter = _starter(server, script, "wait", str(pid_file), cwd=tmp_path)
+    try:
+        pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the worker to start"))
+    finally:
+        starter.kill()  # as a raylet kills a worker it started
+        starter.wait()
+    wait_for(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+        60,
+        "the worker to die",
+    )
+
+
+def test_without_a_server_or_with_other_interpreter_settings_the_starter_execs(server, tmp_path) -> None:
+    assert _zygote.request_worker(str(tmp_path / "none.sock"), ["worker.py"]) is None
+    # A PYTHONPATH of its own (as a runtime env may give) is read at an interpreter's start: refused.
+    script = tmp_path / "worker.py"
+    script.write_text(_SCRIPT)
+    starter = _starter(server, script, "3", cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    out, _ = starter.communicate(timeout=60)
+    assert (starter.returncode, out) == (0, ""), "the starter should have been told to exec"

@@ -1,0 +1,338 @@
+"""A fork server for the test clusters' Ray workers: each worker is forked from one process that has
+already imported torch, tensordict, the store's package and what Ray imports, instead of being a new
+interpreter that imports them again.
+
+The suite starts some 300 Ray workers on 2 cores, and each new one spent most of its CPU importing:
+Ray (half a CPU-second), then the module its actor class lives in (torch: 2, tensordict: 1.5-2.5
+more). Ray itself is not preloaded: its native library reads the worker's settings (its job, its
+raylet) from the environment when it loads, so each worker loads it after the fork.
+
+``tests/conftest.py`` starts this server once per test session, before the cluster, and each node's
+worker start (``tests/_worker_start.py``) hands it the worker's command line, environment, working
+directory and standard streams. The server forks; the child runs Ray's own ``default_worker.py`` with
+them, as the exec would have, and exits as an interpreter does (non-daemon threads joined, atexit
+functions run). The starter stays, as the process the raylet started, until the worker exits, and
+exits with its status; if the starter dies first, the worker is killed (it would have died with it).
+A worker whose interpreter settings differ from the server's (``PYTHON*`` or ``LD_*`` variables, e.g.
+a runtime env's ``PYTHONPATH``) is exec'd as before.
+
+The server is single-threaded (the only way a fork is safe) and forks only from its main loop. After a
+fork the child reseeds what an import seeded in the server (numpy's global generator; Python's
+``random`` reseeds itself), so no two workers draw the same numbers. They do share the server's hash
+seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
+
+Protocol, over a Unix stream socket: the starter sends 8 bytes (the JSON's length, big-endian) with its
+stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd"}``; the server
+answers 4 bytes, the worker's pid (0: exec it yourself), then 4 more when the worker is gone: its
+exit status as a shell reports it (128 + a signal's number).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+from collections.abc import Iterator
+
+# What the suite's actor classes import besides Ray (their modules are this repository's tests).
+PRELOAD = ("numpy", "pyarrow", "torch", "tensordict", "zmq", "msgspec", "dataplane")
+
+
+class _RayImport(BaseException):
+    """Raised, in the server, by an import of Ray; not an ImportError, so no fallback catches it."""
+
+
+class _NoRay:
+    """A meta path finder that refuses ``ray``: Ray's native library reads its per-worker settings
+    (the job's id, the raylet's pid) from the environment when it loads, so the server must not load
+    it; each worker imports Ray itself, after the fork, with its own environment."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise _RayImport(name)
+        return None
+
+
+def _ray_dependencies() -> list[str]:
+    """The modules outside Ray that ``import ray`` loads (asked of a child interpreter, which then
+    exits: this process must not load Ray)."""
+    import subprocess
+
+    script = (
+        "import sys; before = set(sys.modules); import ray; "
+        "print(*sorted(m for m in set(sys.modules) - before if m.split('.')[0] != 'ray'))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    return out.stdout.split()
+
+
+def _preload(modules: list[str] | None) -> None:
+    """Import what the workers would: Ray's dependencies, then ``PRELOAD`` and every module of
+    ``dataplane`` (or only ``modules``); anything that needs Ray (or fails) is left to the workers."""
+    import pkgutil
+
+    sys.meta_path.insert(0, _NoRay)
+    try:
+        names = modules if modules is not None else _ray_dependencies() + list(PRELOAD)
+        for name in filter(None, names):
+            try:
+                importlib.import_module(name)
+            except (Exception, _RayImport):  # noqa: BLE001 - a worker imports it itself
+                continue
+        dataplane = sys.modules.get("dataplane")
+        if dataplane is not None:
+            for info in pkgutil.walk_packages(dataplane.__path__, "dataplane."):
+                try:
+                    importlib.import_module(info.name)
+                except (Exception, _RayImport):  # noqa: BLE001
+                    continue
+    finally:
+        sys.meta_path.remove(_NoRay)
+    assert "ray" not in sys.modules and "ray._raylet" not in sys.modules, "the fork server loaded Ray"
+
+
+def _startup_env(env) -> dict[str, str]:
+    """The variables an interpreter reads only when it starts (or the loader, when it loads it)."""
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the starter closed the connection")
+        data += chunk
+    return bytes(data)
+
+
+def _run_worker(request: dict, fds: list[int]) -> int:
+    """In the forked child: become the worker the starter would have exec'd; returns its exit status."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as ``python SCRIPT`` would have it
+    import runpy
+
+    code = 0
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it, then status 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # What the interpreter does at exit, in its order: wait for non-daemon threads, run the atexit
+    # functions (Ray shuts its worker down in one). Not the server's own cleanup, which a return
+    # through its frames would run.
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    return code
+
+
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` ends a process with."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+class _Server:
+    """The fork server's state: its listening socket, and each running worker's starter connection."""
+
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(128)
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w)  # SIGCHLD wakes the loop
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, self.accept)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, self.reap)
+        self.starters: dict[int, socket.socket | None] = {}  # worker pid -> its starter (None: gone)
+
+    def run(self) -> None:
+        try:
+            while True:
+                for key, _ in self.selector.select():
+                    if key.fd in self.selector.get_map():  # not closed by an earlier event of the batch
+                        key.data(key)
+        finally:
+            for pid in self.starters:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def accept(self, _key: selectors.SelectorKey) -> None:
+        conn, _addr = self.listener.accept()
+        try:
+            head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
+            head += _recv_exactly(conn, 8 - len(head))
+            request = json.loads(_recv_exactly(conn, struct.unpack(">Q", head)[0]))
+        except (OSError, ValueError, ConnectionError):
+            conn.close()
+            return
+        if _startup_env(request["env"]) != _startup_env(os.environ):
+            # What the interpreter read at its start (its path, hash seed, preloaded libraries)
+            # differs: the starter execs a worker of its own (pid 0 tells it so).
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.sendall(struct.pack(">i", 0))
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(request, fds, conn)
+        for fd in fds:
+            os.close(fd)
+        self.starters[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, self.starter_closed)
+        with contextlib.suppress(OSError):  # a starter gone already is seen as its connection closing
+            conn.sendall(struct.pack(">i", pid))
+
+    def _become_worker(self, request: dict, fds: list[int], conn: socket.socket) -> None:
+        """In the forked child: drop the server's sockets and signal handlers, run the worker, exit."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.selector.close()
+            for sock in (self.listener, conn, *self.starters.values()):
+                if sock is not None:
+                    sock.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            code = _run_worker(request, fds)
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def reap(self, _key: selectors.SelectorKey) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_r, 4096):
+                pass
+        while self.starters:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            conn = self.starters.pop(pid, None)
+            if conn is not None:
+                self.selector.unregister(conn)
+                code = os.waitstatus_to_exitcode(status)
+                with contextlib.suppress(OSError):
+                    conn.sendall(struct.pack(">i", code if code >= 0 else 128 - code))
+                conn.close()
+
+    def starter_closed(self, key: selectors.SelectorKey) -> None:
+        """A starter's connection is readable: it sent nothing after its request, so it has closed,
+        i.e. died (killed by its raylet); its worker dies with it, as an exec'd one would have."""
+        conn = key.fileobj
+        pid = next(p for p, c in self.starters.items() if c is conn)
+        self.selector.unregister(conn)
+        conn.close()
+        self.starters[pid] = None  # reaped, and forgotten, on its SIGCHLD
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def serve(path: str, modules: list[str] | None = None) -> None:
+    _preload(modules)
+    server = _Server(path)
+    gc.collect()
+    gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
+    print("ready", flush=True)
+    server.run()
+
+
+def request_worker(path: str, argv: list[str]) -> int | None:
+    """In the starter: have the server run ``argv`` (Ray's worker) as this process would; its exit
+    status, or None if the server cannot be reached (the caller then execs as usual)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        conn.close()
+        return None
+    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [struct.pack(">Q", len(body))], [0, 1, 2])
+    conn.sendall(body)
+    # The streams are the worker's now; this process waits, passing on the signals a raylet sends the
+    # process it started.
+    pid = struct.unpack(">i", _recv_exactly(conn, 4))[0]
+    if pid == 0:
+        return None
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    try:
+        return struct.unpack(">i", _recv_exactly(conn, 4))[0]
+    except ConnectionError:
+        return 1
+
+
+@contextlib.contextmanager
+def running(directory: str, modules: list[str] | None = None, timeout_s: float = 120.0) -> Iterator[str]:
+    """Run a server for this session, its socket in ``directory``; yields the socket's path, which
+    goes in ``RLT_ZYGOTE`` of the environment the cluster's nodes start with. ``modules``: what it
+    preloads instead of Ray's dependencies and ``PRELOAD``."""
+    import select
+    import subprocess
+
+    path = os.path.join(directory, "zygote.sock")
+    command = [sys.executable, os.path.abspath(__file__), path]
+    if modules is not None:
+        command.append(",".join(modules))
+    server = subprocess.Popen(command, stdout=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([server.stdout], [], [], timeout_s)
+        line = server.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            raise RuntimeError(
+                f"the workers' fork server did not start within {timeout_s}s (it said {line!r})"
+            )
+        yield path
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+if __name__ == "__main__":
+    # Not this script's directory (tests/, whose packages would shadow the repository's) but the
+    # worker script's, set in each child.
+    sys.path[0] = ""
+    serve(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else None)
