@@ -20,9 +20,13 @@ import os
 import re
 import sys
 
+try:  # run as a script (what a raylet does), this directory is first on sys.path
+    import _zygote
+except ImportError:  # imported as tests._worker_start
+    from tests import _zygote
+
 CONTEXT = "--serialized-runtime-env-context"
 LANGUAGE = "--language"
-ZYGOTE = "RLT_ZYGOTE"  # the fork server's socket (tests/_zygote.py), set by tests/conftest.py
 
 
 def split(argv: list[str]) -> tuple[dict, str, list[str]]:
@@ -58,11 +62,9 @@ def start(argv: list[str]) -> None:
     for key, value in (context.get("env_vars") or {}).items():
         # As Ray does: ${X} from this environment, and an unset one replaced by nothing.
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
-    zygote = os.environ.get(ZYGOTE)
+    zygote = os.environ.get(_zygote.ZYGOTE)
     if zygote and os.path.realpath(exe) == os.path.realpath(sys.executable):
-        from _zygote import request_worker  # this script's directory is first on sys.path
-
-        status = request_worker(zygote, rest)
+        status = _zygote.request_worker(zygote, rest)
         if status is not None:
             sys.exit(status)
     os.execv(exe, [exe, *rest])

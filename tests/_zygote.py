@@ -24,7 +24,9 @@ seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
 Protocol, over a Unix stream socket: the starter sends 8 bytes (the JSON's length, big-endian) with its
 stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd"}``; the server
 answers 4 bytes, the worker's pid (0: exec it yourself), then 4 more when the worker is gone: its
-exit status as a shell reports it (128 + a signal's number).
+exit status as ``subprocess`` reports it (minus a signal's number). ``argv`` is what would follow
+``python``: a script, ``-c CODE`` or ``-m MODULE``, then the arguments. ``run_python`` uses the same
+server for the tests' own subprocesses that join the session's cluster.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
+
+ZYGOTE = "RLT_ZYGOTE"  # the environment variable naming the session's server (tests/conftest.py)
 
 # What the suite's actor classes import besides Ray (their modules are this repository's tests).
 PRELOAD = ("numpy", "pyarrow", "torch", "tensordict", "zmq", "msgspec", "dataplane")
@@ -64,8 +70,6 @@ class _NoRay:
 def _ray_dependencies() -> list[str]:
     """The modules outside Ray that ``import ray`` loads (asked of a child interpreter, which then
     exits: this process must not load Ray)."""
-    import subprocess
-
     script = (
         "import sys; before = set(sys.modules); import ray; "
         "print(*sorted(m for m in set(sys.modules) - before if m.split('.')[0] != 'ray'))"
@@ -114,8 +118,27 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
+def _main(argv: list[str]):
+    """What ``python ARGV...`` runs (``-c CODE``, ``-m MODULE`` or a script, then its arguments), with
+    ``sys.argv`` and ``sys.path[0]`` set as that interpreter sets them."""
+    import runpy
+
+    if argv[0] == "-c":
+        import types
+
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        return lambda: exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    if argv[0] == "-m":
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        return lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+    return lambda: runpy.run_path(argv[0], run_name="__main__")
+
+
 def _run_worker(request: dict, fds: list[int]) -> int:
-    """In the forked child: become the worker the starter would have exec'd; returns its exit status."""
+    """In the forked child: become the process the starter would have exec'd; returns its exit status."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -124,13 +147,9 @@ def _run_worker(request: dict, fds: list[int]) -> int:
     os.environ.update(request["env"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as ``python SCRIPT`` would have it
-    import runpy
-
     code = 0
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        _main(request["argv"])()
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except BaseException:  # noqa: BLE001 - reported as the interpreter reports it, then status 1
@@ -248,9 +267,8 @@ class _Server:
             conn = self.starters.pop(pid, None)
             if conn is not None:
                 self.selector.unregister(conn)
-                code = os.waitstatus_to_exitcode(status)
                 with contextlib.suppress(OSError):
-                    conn.sendall(struct.pack(">i", code if code >= 0 else 128 - code))
+                    conn.sendall(struct.pack(">i", os.waitstatus_to_exitcode(status)))
                 conn.close()
 
     def starter_closed(self, key: selectors.SelectorKey) -> None:
@@ -274,29 +292,104 @@ def serve(path: str, modules: list[str] | None = None) -> None:
     server.run()
 
 
-def request_worker(path: str, argv: list[str]) -> int | None:
-    """In the starter: have the server run ``argv`` (Ray's worker) as this process would; its exit
-    status, or None if the server cannot be reached (the caller then execs as usual)."""
+def _request(
+    path: str, argv: list[str], env: dict, cwd: str, fds: list[int]
+) -> tuple[socket.socket, int] | None:
+    """Ask the server at ``path`` to run ``python ARGV`` with these streams; its connection and the
+    new process's pid, or None when there is no server or it says to exec instead."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-    except OSError:
+        body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        socket.send_fds(conn, [struct.pack(">Q", len(body))], fds)
+        conn.sendall(body)
+        pid = struct.unpack(">i", _recv_exactly(conn, 4))[0]
+    except (OSError, ConnectionError):
         conn.close()
         return None
-    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(conn, [struct.pack(">Q", len(body))], [0, 1, 2])
-    conn.sendall(body)
-    # The streams are the worker's now; this process waits, passing on the signals a raylet sends the
-    # process it started.
-    pid = struct.unpack(">i", _recv_exactly(conn, 4))[0]
     if pid == 0:
+        conn.close()
         return None
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    return conn, pid
+
+
+def _status(conn: socket.socket) -> int:
     try:
         return struct.unpack(">i", _recv_exactly(conn, 4))[0]
-    except ConnectionError:
+    except (OSError, ConnectionError):
         return 1
+    finally:
+        conn.close()
+
+
+def request_worker(path: str, argv: list[str]) -> int | None:
+    """In the starter: have the server run ``argv`` (Ray's worker) as this process would; its exit
+    status (128 + a signal's number, as a shell reports it), or None if the caller is to exec it."""
+    started = _request(path, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
+    if started is None:
+        return None
+    conn, pid = started
+    # The streams are the worker's now; this process waits, passing on the signals a raylet sends the
+    # process it started.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    code = _status(conn)
+    return code if code >= 0 else 128 - code
+
+
+def run_python(
+    args: list[str], timeout: float, env: dict[str, str] | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` for a test's
+    process that joins the session's cluster: a new process all the same, forked by the session's
+    server when there is one (it has imported torch and the store's package already), else started
+    as usual. Raises ``subprocess.TimeoutExpired`` (the process killed) after ``timeout`` seconds."""
+    env = dict(os.environ if env is None else env)
+    cwd = cwd or os.getcwd()
+    command = [sys.executable, *args]
+    path = os.environ.get(ZYGOTE)
+    pipes = [os.pipe(), os.pipe()]
+    started = _request(path, args, env, cwd, [0, pipes[0][1], pipes[1][1]]) if path else None
+    for _, write in pipes:
+        os.close(write)
+    if started is None:
+        for read, _ in pipes:
+            os.close(read)
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    conn, pid = started
+    out, err = _read_until_closed([read for read, _ in pipes], time.monotonic() + timeout)
+    if out is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        conn.close()
+        raise subprocess.TimeoutExpired(command, timeout)
+    return subprocess.CompletedProcess(command, _status(conn), out, err)
+
+
+def _read_until_closed(fds: list[int], deadline: float) -> tuple[str | None, str]:
+    """Everything written to pipes ``fds`` (stdout, stderr) until every writer closed them; (None, "")
+    at ``deadline``. The pipes are closed."""
+    chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
+    selector = selectors.DefaultSelector()
+    for fd in fds:
+        selector.register(fd, selectors.EVENT_READ)
+    try:
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, ""
+            for key, _ in selector.select(left):
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+    finally:
+        selector.close()
+        for fd in fds:
+            os.close(fd)
+    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in fds)
+    return out, err
 
 
 @contextlib.contextmanager
@@ -305,7 +398,6 @@ def running(directory: str, modules: list[str] | None = None, timeout_s: float =
     goes in ``RLT_ZYGOTE`` of the environment the cluster's nodes start with. ``modules``: what it
     preloads instead of Ray's dependencies and ``PRELOAD``."""
     import select
-    import subprocess
 
     path = os.path.join(directory, "zygote.sock")
     command = [sys.executable, os.path.abspath(__file__), path]

@@ -70,7 +70,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 RAY_NUM_CPUS = 8
 WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_start.py")
-ZYGOTE = "RLT_ZYGOTE"  # read by tests/_worker_start.py
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
@@ -95,8 +94,8 @@ def ray_cluster():
             tempfile.TemporaryDirectory(prefix="rlz-")
         )
         # The nodes (and so their workers' starts) inherit this process's environment.
-        os.environ[ZYGOTE] = stack.enter_context(_zygote.running(directory))
-        stack.callback(os.environ.pop, ZYGOTE, None)
+        os.environ[_zygote.ZYGOTE] = stack.enter_context(_zygote.running(directory))
+        stack.callback(os.environ.pop, _zygote.ZYGOTE, None)
         cluster = _Cluster(
             initialize_head=True,
             head_node_args={

@@ -132,3 +132,24 @@ def test_without_a_server_or_with_other_interpreter_settings_the_starter_execs(s
     starter = _starter(server, script, "3", cwd=tmp_path, PYTHONPATH=str(tmp_path))
     out, _ = starter.communicate(timeout=60)
     assert (starter.returncode, out) == (0, ""), "the starter should have been told to exec"
+
+
+def test_run_python_forks_a_process_as_subprocess_run_would(server, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(_zygote.ZYGOTE, server)
+    code = (
+        "import os, sys; print(sys.argv, sys.path[0] == '', os.getppid()); sys.stderr.write('E'); sys.exit(4)"
+    )
+    done = _zygote.run_python(["-c", code, "x"], timeout=60, cwd=str(tmp_path))
+    assert (done.returncode, done.stderr) == (4, "E"), done
+    argv, empty_path0, parent = done.stdout.rsplit(maxsplit=2)
+    assert (argv, empty_path0) == ("['-c', 'x']", "True") and int(
+        parent
+    ) != os.getpid()  # forked by the server
+    (tmp_path / "mod_here.py").write_text("import sys; print('MODULE', sys.argv[1:])")
+    assert (
+        _zygote.run_python(["-m", "mod_here", "y"], timeout=60, cwd=str(tmp_path)).stdout == "MODULE ['y']\n"
+    )
+    killed = _zygote.run_python(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], timeout=60)
+    assert killed.returncode == -9
+    with pytest.raises(subprocess.TimeoutExpired):
+        _zygote.run_python(["-c", "import signal; signal.pause()"], timeout=1)

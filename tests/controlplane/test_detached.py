@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from tests._zygote import run_python
 from tests.controlplane._group_workers import EnvWorker
 
 pytestmark = pytest.mark.ray
@@ -47,14 +45,8 @@ def test_attach_from_another_driver(ray_cluster) -> None:
         names = wg.worker_names
         assert names == ["trainerEnvWorker_0:0", "trainerEnvWorker_0:1"]
         pids = [e["pid"] for e in wg.env()]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-        proc = subprocess.run(
-            [sys.executable, "-c", CLIENT, ray_cluster.address, namespace, json.dumps(names)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
+        proc = run_python(
+            ["-c", CLIENT, ray_cluster.address, namespace, json.dumps(names)], 240, cwd=str(ROOT)
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, f"client failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -21,6 +21,7 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
+from tests._zygote import run_python
 
 from .conftest import (
     keys_on_shards,
@@ -149,7 +150,7 @@ def _init_in_another_process(address: str, name: str, num_shards: int, first: st
         print(f"INIT {{took:.2f}}")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run_python(["-c", code], timeout=300)
     return out.stdout + out.stderr[-3000:]
 
 

@@ -26,6 +26,7 @@ import dataplane as dp
 from dataplane.wire import unix
 from dataplane.wire.requests import INDEX, Call
 from dataplane.wire.transport import SyncTransport
+from tests._zygote import run_python
 
 from .conftest import store_fixtures, wait_for
 
@@ -251,7 +252,7 @@ def _read_past_the_end() -> None:
 
 def test_a_segment_reference_past_the_end_of_its_file_is_a_typed_error_not_sigbus() -> None:
     code = "from tests.dataplane.test_hostile_local_peers import _read_past_the_end; _read_past_the_end()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_python(["-c", code], timeout=120, cwd=ROOT)
     assert proc.returncode == 0, f"the reader died (exit {proc.returncode}): {proc.stderr[-2000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["raised"] == "WireError", out

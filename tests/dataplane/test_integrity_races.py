@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -27,6 +25,7 @@ import torch
 
 import dataplane as dp
 from dataplane.config import NAMESPACE
+from tests._zygote import run_python
 
 from .conftest import keys_on_shards, own_store, store_fixtures, wait_for
 
@@ -526,15 +525,8 @@ def test_live_segments_do_not_hold_client_fds(attached, ray_cluster, pid):
             sys.exit(1)
         print("OK")
     """
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
+        proc = run_python(["-c", textwrap.dedent(code)], timeout=240, cwd=ROOT)
     finally:
         dp.clear_partition(pid)
     print(proc.stdout)

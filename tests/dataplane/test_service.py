@@ -14,6 +14,7 @@ import torch
 
 import dataplane as dp
 from dataplane.config import NAMESPACE
+from tests._zygote import run_python
 
 from .conftest import raw_socket, request, start_store, wait_for
 
@@ -236,14 +237,8 @@ def test_two_nodes_shards_on_both_and_zmq_path(ray_cluster):
 
 
 def _run(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    """``python -c CODE`` from the repository's root (forked by the session's server when it runs)."""
+    return run_python(["-c", textwrap.dedent(code)], timeout, cwd=ROOT)
 
 
 @pytest.mark.slow

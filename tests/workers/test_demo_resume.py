@@ -2,9 +2,10 @@
 again with ``--resume``, it continues from that checkpoint and trains every prompt of every step
 exactly once across the two runs.
 
-Each run is its own process with its own local Ray (as ``rlplane demo`` runs), in a process group of
-its own so that the kill takes its Ray along; the kill waits for a natural point (the first complete
-checkpoint on disk), never for a time.
+Each run is its own process. The first starts a local Ray of its own (as ``make demo`` runs), in a
+process group of its own so that the kill takes its Ray along; the kill waits for a natural point (the
+first complete checkpoint on disk), never for a time. The second joins the session's cluster
+(``--address``): a checkpoint taken on one Ray resumes on another, and the suite pays one Ray start.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _demo(ckpt, summary, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prompt_once(tmp_path) -> None:
+def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prompt_once(
+    ray_cluster, tmp_path
+) -> None:
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     first = subprocess.Popen(
@@ -55,7 +58,7 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
     assert 0 < killed_at < STEPS
 
     second = subprocess.run(
-        _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt)),
+        _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt), "--address", ray_cluster.address),
         cwd=ROOT,
         env=env,
         capture_output=True,
