@@ -289,6 +289,7 @@ def serve(path: str, modules: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
     print("ready", flush=True)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe any more: never fill it
     server.run()
 
 
