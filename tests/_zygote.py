@@ -207,13 +207,18 @@ class _Server:
 
     def accept(self, _key: selectors.SelectorKey) -> None:
         conn, _addr = self.listener.accept()
+        conn.settimeout(30)  # a starter stopped mid-request must not stall every other worker's start
+        fds: list[int] = []
         try:
             head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
             head += _recv_exactly(conn, 8 - len(head))
             request = json.loads(_recv_exactly(conn, struct.unpack(">Q", head)[0]))
-        except (OSError, ValueError, ConnectionError):
+        except (OSError, ValueError, ConnectionError):  # socket.timeout is an OSError
+            for fd in fds:
+                os.close(fd)
             conn.close()
             return
+        conn.settimeout(None)
         if _startup_env(request["env"]) != _startup_env(os.environ):
             # What the interpreter read at its start (its path, hash seed, preloaded libraries)
             # differs: the starter execs a worker of its own (pid 0 tells it so).
@@ -314,9 +319,15 @@ def _request(
     return conn, pid
 
 
-def _status(conn: socket.socket) -> int:
+def _status(conn: socket.socket, deadline: float | None = None) -> int | None:
+    """The process's exit status, sent when it is gone (1 if the server went first); None at
+    ``deadline``."""
+    if deadline is not None:
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         return struct.unpack(">i", _recv_exactly(conn, 4))[0]
+    except TimeoutError:
+        return None
     except (OSError, ConnectionError):
         return 1
     finally:
@@ -335,6 +346,7 @@ def request_worker(path: str, argv: list[str]) -> int | None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
     code = _status(conn)
+    assert code is not None  # no deadline
     return code if code >= 0 else 128 - code
 
 
@@ -358,13 +370,15 @@ def run_python(
             os.close(read)
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     conn, pid = started
-    out, err = _read_until_closed([read for read, _ in pipes], time.monotonic() + timeout)
-    if out is None:
+    deadline = time.monotonic() + timeout
+    out, err = _read_until_closed([read for read, _ in pipes], deadline)
+    status = _status(conn, deadline) if out is not None else None
+    if status is None:  # as subprocess.run: the process is killed, then the timeout raised
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         conn.close()
         raise subprocess.TimeoutExpired(command, timeout)
-    return subprocess.CompletedProcess(command, _status(conn), out, err)
+    return subprocess.CompletedProcess(command, status, out, err)
 
 
 def _read_until_closed(fds: list[int], deadline: float) -> tuple[str | None, str]:

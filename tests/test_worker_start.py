@@ -153,3 +153,10 @@ def test_run_python_forks_a_process_as_subprocess_run_would(server, tmp_path, mo
     assert killed.returncode == -9
     with pytest.raises(subprocess.TimeoutExpired):
         _zygote.run_python(["-c", "import signal; signal.pause()"], timeout=1)
+
+
+def test_run_python_times_out_a_process_that_closed_its_streams_and_lives_on(server, monkeypatch) -> None:
+    monkeypatch.setenv(_zygote.ZYGOTE, server)
+    code = "import os, signal; os.close(1); os.close(2); signal.pause()"
+    with pytest.raises(subprocess.TimeoutExpired):
+        _zygote.run_python(["-c", code], timeout=1)
