@@ -83,21 +83,20 @@ def _preload(modules: list[str] | None) -> None:
     ``dataplane`` (or only ``modules``); anything that needs Ray (or fails) is left to the workers."""
     import pkgutil
 
+    def attempt(name: str) -> None:
+        try:
+            importlib.import_module(name)
+        except (Exception, _RayImport):  # noqa: BLE001 - a worker imports it itself
+            pass
+
     sys.meta_path.insert(0, _NoRay)
     try:
-        names = modules if modules is not None else _ray_dependencies() + list(PRELOAD)
+        names = modules if modules is not None else [*_ray_dependencies(), *PRELOAD]
         for name in filter(None, names):
-            try:
-                importlib.import_module(name)
-            except (Exception, _RayImport):  # noqa: BLE001 - a worker imports it itself
-                continue
-        dataplane = sys.modules.get("dataplane")
-        if dataplane is not None:
-            for info in pkgutil.walk_packages(dataplane.__path__, "dataplane."):
-                try:
-                    importlib.import_module(info.name)
-                except (Exception, _RayImport):  # noqa: BLE001
-                    continue
+            attempt(name)
+        if "dataplane" in sys.modules:
+            for info in pkgutil.walk_packages(sys.modules["dataplane"].__path__, "dataplane."):
+                attempt(info.name)
     finally:
         sys.meta_path.remove(_NoRay)
     assert "ray" not in sys.modules and "ray._raylet" not in sys.modules, "the fork server loaded Ray"
@@ -219,22 +218,22 @@ class _Server:
             conn.close()
             return
         conn.settimeout(None)
-        if _startup_env(request["env"]) != _startup_env(os.environ):
-            # What the interpreter read at its start (its path, hash seed, preloaded libraries)
-            # differs: the starter execs a worker of its own (pid 0 tells it so).
+        try:
+            if _startup_env(request["env"]) != _startup_env(os.environ):
+                # What the interpreter read at its start (its path, hash seed, preloaded libraries)
+                # differs: the starter execs a worker of its own (pid 0 tells it so).
+                with contextlib.suppress(OSError):
+                    conn.sendall(struct.pack(">i", 0))
+                conn.close()
+                return
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                self._become_worker(request, fds, conn)  # never returns
+        finally:  # the streams are the child's now (or nobody's)
             for fd in fds:
                 os.close(fd)
-            with contextlib.suppress(OSError):
-                conn.sendall(struct.pack(">i", 0))
-            conn.close()
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            self._become_worker(request, fds, conn)
-        for fd in fds:
-            os.close(fd)
         self.starters[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, self.starter_closed)
         with contextlib.suppress(OSError):  # a starter gone already is seen as its connection closing
