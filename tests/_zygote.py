@@ -102,9 +102,14 @@ def _preload(modules: list[str] | None) -> None:
     assert "ray" not in sys.modules and "ray._raylet" not in sys.modules, "the fork server loaded Ray"
 
 
+# Read at each breakpoint() call, not at the start: ray.init() sets it in a test process after the
+# server has started, and run_python from that process would otherwise always exec.
+_READ_LATER = {"PYTHONBREAKPOINT"}
+
+
 def _startup_env(env) -> dict[str, str]:
     """The variables an interpreter reads only when it starts (or the loader, when it loads it)."""
-    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_")) and k not in _READ_LATER}
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

@@ -31,6 +31,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # a pool thread waiting for a core spins, and on these tiny tensors that tripled the CPU of a module
 # that trains in process (tests/workers/test_engine.py: 70 CPU-s against 25 under a two-process load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Each node's dashboard agent samples every process of its node (psutil) every 5 s by default for the
+# dashboard's graphs, which the session clusters do not have; with a few dozen workers alive that was
+# about 12 CPU-seconds a session. The store's own metrics do not go through it (tests/dataplane/
+# _metrics_cluster.py, a cluster of its own, keeps Ray's default).
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 # Under pytest-xdist (``make test`` runs the suite on several workers) each worker runs its own Ray:
 # a temp dir of its own (sessions, sockets, the address `auto` finds; short, for Unix socket paths)
 # and ports of its own, so the workers' clusters never meet.

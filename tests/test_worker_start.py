@@ -54,6 +54,15 @@ def test_the_session_clusters_workers_are_forked_from_the_server(ray_session) ->
     assert ray.get(has_torch.remote(), timeout=120)
 
 
+@pytest.mark.ray
+def test_run_python_forks_in_a_test_process_that_has_joined_ray(ray_session) -> None:
+    # ray.init() sets PYTHONBREAKPOINT in this process after the session's server started; a variable
+    # read at each breakpoint() call, not at an interpreter's start, must not send run_python to exec.
+    code = "import os, sys; print(os.getppid(), 'torch' in sys.modules)"
+    parent, preloaded = _zygote.run_python(["-c", code], timeout=60).stdout.split()
+    assert int(parent) != os.getpid() and preloaded == "True", "run_python exec'd a new interpreter"
+
+
 _SCRIPT = """
 import os, sys, numpy
 probe, draw = os.environ.get("RLT_PROBE"), numpy.random.randint(1 << 62)

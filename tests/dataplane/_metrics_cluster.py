@@ -19,6 +19,7 @@ import time
 
 os.environ["RAY_metrics_report_interval_ms"] = "500"  # read by every process of the cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.pop("REPORTER_UPDATE_INTERVAL_MS", None)  # set by tests/conftest.py: Ray's default here
 
 STORE = "m"
 DEADLINE_S = 90.0

@@ -90,8 +90,8 @@ ATTACKER = textwrap.dedent(
 )
 
 HOLD = 3000  # connections an attacker keeps open: well over the cap of a listener
-ROUNDS = 60  # put + get rounds of the legitimate client while the attack runs
-FRESH_EVERY = 4  # every so many rounds, a new blocking client connects to the shard and the index
+ROUNDS = 30  # put + get rounds of the legitimate client while the attack runs
+FRESH_EVERY = 2  # every so many rounds, a new blocking client connects to the shard and the index
 SLACK_FDS = 128  # descriptors a legitimate client's use may add (its connections, new segments)
 
 

@@ -6,6 +6,7 @@ Each run is its own process. The first starts a local Ray of its own (as ``make 
 process group of its own so that the kill takes its Ray along; the kill waits for a natural point (the
 first complete checkpoint on disk), never for a time. The second joins the session's cluster
 (``--address``): a checkpoint taken on one Ray resumes on another, and the suite pays one Ray start.
+It is forked by the session's fork server (``tests/_zygote.run_python``), as the session's workers are.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import pytest
 
+from tests._zygote import run_python
 from tests.dataplane.conftest import wait_for
 from tests.workers.conftest import SUMMARY_ROWS
 from workers.checkpoints import check_ledger
@@ -57,13 +59,11 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
     killed_at = int((ckpt / "latest").read_text().strip().removeprefix("step-"))
     assert 0 < killed_at < STEPS
 
-    second = subprocess.run(
-        _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt), "--address", ray_cluster.address),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    second = run_python(  # forked by the session's server, which has imported what the demo imports
+        _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt), "--address", ray_cluster.address)[1:],
         timeout=900,
+        env=env,
+        cwd=ROOT,
     )
     assert second.returncode == 0, second.stdout + second.stderr  # the reward rose, the ledger holds
     summary = json.loads((tmp_path / "second.json").read_text())
