@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tests import _zygote
 from tests._worker_start import split
-from tests.dataplane.conftest import wait_for
+from tests.dataplane.conftest import process_exited, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -126,11 +125,7 @@ def test_a_worker_dies_with_its_starter(server, tmp_path) -> None:
     finally:
         starter.kill()  # as a raylet kills a worker it started
         starter.wait()
-    wait_for(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-        60,
-        "the worker to die",
-    )
+    wait_for(lambda: process_exited(pid), 60, "the worker to die")  # gone, or a zombie not yet reaped
 
 
 def test_without_a_server_or_with_other_interpreter_settings_the_starter_execs(server, tmp_path) -> None:
