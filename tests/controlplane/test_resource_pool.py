@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +17,7 @@ from controlplane import (
     split_resource_pool,
 )
 from controlplane._placement_groups import ip_sort_key
+from tests._zygote import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,7 +45,7 @@ def test_a_group_without_ray_init_says_to_call_it() -> None:
             print("RAISED", exc)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_python(["-c", code], timeout=120, cwd=str(ROOT))  # forked by the session's server, if it runs
     assert "RAISED" in proc.stdout and "call ray.init() first" in proc.stdout, proc.stdout + proc.stderr
     assert "state API" not in proc.stdout + proc.stderr
 

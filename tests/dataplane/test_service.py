@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -282,12 +281,10 @@ def test_bare_ray_init_embedded_store():
 @pytest.mark.slow
 def test_cli_start_status_stop_and_two_drivers(ray_cluster):
     dp.close()
-    cli = [sys.executable, "-m", "rlplane", "store"]
-    env = {**os.environ, "PYTHONPATH": ROOT}
     addr = ray_cluster.address
 
-    def rl(*args):
-        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    def rl(*args):  # `python -m rlplane store ...` from the repository's root (forked, as _run's are)
+        return run_python(["-m", "rlplane", "store", *args], 240, cwd=ROOT)
 
     started = rl("start", "--shards", "1", "--address", addr, "--capacity", "64M")
     assert started.returncode == 0 and "started store" in started.stdout, started.stdout + started.stderr
