@@ -36,6 +36,7 @@ import gc
 import importlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -385,6 +386,69 @@ def run_python(
     return subprocess.CompletedProcess(command, status, out, err)
 
 
+class Forked:
+    """What :func:`start_python` returns when the server forked the process: the part of
+    ``subprocess.Popen`` the tests use (``pid``, ``stdin`` / ``stdout`` when piped, ``poll``, ``wait``,
+    ``kill``, ``returncode``: negative for a signal, as Popen reports it)."""
+
+    def __init__(self, command: list[str], conn: socket.socket, pid: int, stdin, stdout) -> None:
+        self.args, self.pid, self.stdin, self.stdout = command, pid, stdin, stdout
+        self.returncode: int | None = None
+        self._conn = conn
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.returncode = _status(self._conn)  # sent when the process is gone
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if deadline is not None and not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = _status(self._conn, deadline)
+            assert self.returncode is not None  # the connection was readable
+        for stream in (self.stdin, self.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def start_python(
+    args: list[str], stdin: bool = False, stdout: bool = False, env: dict[str, str] | None = None
+) -> Forked | subprocess.Popen:
+    """``subprocess.Popen([sys.executable, *args], ...)`` for a test's process that joins the session's
+    cluster, forked as :func:`run_python`'s are; ``stdin`` / ``stdout``: text pipes (else this
+    process's streams, as Popen inherits them). A ``subprocess.Popen`` where no server runs."""
+    env = dict(os.environ if env is None else env)
+    command = [sys.executable, *args]
+    path = os.environ.get(ZYGOTE)
+    pipes = [os.pipe() if stdin else None, os.pipe() if stdout else None]
+    fds = [pipes[0][0] if pipes[0] else 0, pipes[1][1] if pipes[1] else 1, 2]
+    started = _request(path, args, env, os.getcwd(), fds) if path else None
+    for pipe, child_end in zip(pipes, (0, 1), strict=True):
+        if pipe is not None:
+            os.close(pipe[child_end])
+    if started is None:
+        for pipe, our_end in zip(pipes, (1, 0), strict=True):
+            if pipe is not None:
+                os.close(pipe[our_end])
+        piped = {"stdin": subprocess.PIPE if stdin else None, "stdout": subprocess.PIPE if stdout else None}
+        return subprocess.Popen(command, text=True, env=env, **piped)
+    conn, pid = started
+    ours = [
+        os.fdopen(pipes[0][1], "w") if pipes[0] else None,
+        os.fdopen(pipes[1][0], "r") if pipes[1] else None,
+    ]
+    return Forked(command, conn, pid, *ours)
+
+
 def _read_until_closed(fds: list[int], deadline: float) -> tuple[str | None, str]:
     """Everything written to pipes ``fds`` (stdout, stderr) until every writer closed them; (None, "")
     at ``deadline``. The pipes are closed."""
@@ -416,8 +480,6 @@ def running(directory: str, modules: list[str] | None = None, timeout_s: float =
     """Run a server for this session, its socket in ``directory``; yields the socket's path, which
     goes in ``RLT_ZYGOTE`` of the environment the cluster's nodes start with. ``modules``: what it
     preloads instead of Ray's dependencies and ``PRELOAD``."""
-    import select
-
     path = os.path.join(directory, "zygote.sock")
     command = [sys.executable, os.path.abspath(__file__), path]
     if modules is not None:

@@ -159,6 +159,22 @@ def test_run_python_forks_a_process_as_subprocess_run_would(server, tmp_path, mo
         _zygote.run_python(["-c", "import signal; signal.pause()"], timeout=1)
 
 
+def test_start_python_is_popen_for_a_forked_process(server, monkeypatch) -> None:
+    monkeypatch.setenv(_zygote.ZYGOTE, server)
+    echo = "import os, sys; print(os.getppid(), sys.stdin.readline().strip(), flush=True); sys.exit(5)"
+    proc = _zygote.start_python(["-c", echo], stdin=True, stdout=True)
+    assert isinstance(proc, _zygote.Forked) and proc.poll() is None
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    parent, word = proc.stdout.readline().split()
+    assert (int(parent) != os.getpid(), word, proc.wait(timeout=60), proc.poll()) == (True, "hello", 5, 5)
+    sleeper = _zygote.start_python(["-c", "import signal; signal.pause()"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.2)
+    sleeper.kill()
+    assert sleeper.wait(timeout=60) == -9
+
+
 def test_run_python_times_out_a_process_that_closed_its_streams_and_lives_on(server, monkeypatch) -> None:
     monkeypatch.setenv(_zygote.ZYGOTE, server)
     code = "import os, signal; os.close(1); os.close(2); signal.pause()"

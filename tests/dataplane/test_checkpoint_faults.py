@@ -8,14 +8,13 @@ appearing, or a writer's call finishing.
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 import ray
 import torch
 
 import dataplane as dp
+from tests._zygote import start_python
 
 from .conftest import store_fixtures, wait_for
 from .test_checkpoint import capture, clear_all
@@ -53,7 +52,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(kv, pid, t
     dp.save_checkpoint(target, metadata={"step": 1})
     # 256 MiB more: the next save writes long enough to be killed while its shards write
     dp.kv_batch_put([f"big{i}" for i in range(64)], pid, {"f32": torch.ones(64, 1 << 20)})
-    saver = subprocess.Popen([sys.executable, "-c", _SAVER, NAME, ray_cluster.address, str(target)])
+    saver = start_python(["-c", _SAVER, NAME, ray_cluster.address, str(target)])
     try:
         wait_for(
             lambda: (tmp_path / "c.tmp" / "shard-0.bin").exists() or saver.poll() is not None,

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -21,7 +19,7 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
-from tests._zygote import run_python
+from tests._zygote import run_python, start_python
 
 from .conftest import (
     keys_on_shards,
@@ -270,9 +268,7 @@ def test_a_writer_killed_between_prepare_and_commit_decides_no_schema(ray_cluste
             print("PUT RETURNED", flush=True)
             """
         )
-        writer = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        writer = start_python(["-c", code], stdin=True, stdout=True)
         try:
             assert writer.stdout.readline().strip() == "ATTACHED"
             with _stopped(registry["shards"][0]["pid"]):
@@ -331,7 +327,7 @@ def test_running_out_of_fds_is_a_typed_error_naming_the_limit(ray_cluster, pid):
             print("AFTER", float(dp.kv_batch_get(["big"], {pid!r})["y"].min()))
             """
         )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        out = run_python(["-c", code], timeout=120)
         assert "TYPED" in out.stdout and "AN FD" not in out.stdout, out.stdout + out.stderr[-3000:]
         assert "ran out of file descriptors" in out.stdout and "limit is" in out.stdout
         assert "AFTER 1.0" in out.stdout, "the client did not recover once descriptors were free"
