@@ -30,7 +30,8 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, each with a Ray of its own (tests/conftest.py),
-# a module's tests on one worker (--dist loadfile), in the order tests/conftest.py gives (slow first).
+# a module's tests on one worker (--dist loadfile; the first-hour tests that share one newcomer's machine
+# go together, tests/conftest.py), in the order tests/conftest.py gives (slow first).
 TEST_WORKERS ?= 2
 
 test: lint

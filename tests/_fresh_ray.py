@@ -33,9 +33,11 @@ VENV_BIN = Path(sys.executable).parent  # the venv running the tests
 
 @dataclass
 class Sandbox:
-    """One newcomer machine: ``root`` holds ``home`` and ``ray_tmp``."""
+    """One newcomer machine: ``root`` holds ``home`` and ``ray_tmp``; ``head`` is the address of the
+    head ``start_head`` started there, if it did."""
 
     root: Path
+    head: str | None = None
 
     @property
     def home(self) -> Path:
@@ -109,20 +111,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_head(box: Sandbox, timeout: float = 240.0) -> str:
-    """``ray start --head`` in the sandbox, on ports of its own (6379 and 52365 may be taken by
-    another Ray on a shared machine); returns the head's address. Token authentication is on when the
-    sandbox has a token, as Ray 2.60 does by default."""
-    port = free_port()
-    cmd = (
-        f"{VENV_BIN}/ray start --head --port {port} --dashboard-agent-listen-port {free_port()} "
-        "--include-dashboard=false --disable-usage-stats"
+def head_command(typed: str = f"{VENV_BIN}/ray start --head") -> str:
+    """``ray start --head`` as typed, on ports of its own: 6379, 52365 and the dashboard's 8265 may be
+    another engineer's, or another test's Ray (a dashboard that cannot bind 8265 prints a traceback)."""
+    return (
+        f"{typed} --port {free_port()} --dashboard-port {free_port()}"
+        f" --dashboard-agent-listen-port {free_port()}"
     )
-    proc = box.sh(cmd, timeout=timeout)
+
+
+def start_head(box: Sandbox, command: str | None = None, timeout: float = 240.0) -> str:
+    """The sandbox's head: started by ``command`` (default ``head_command()``) unless one runs there
+    already; returns its address. Token authentication is on when the sandbox has a token, as Ray
+    2.60 does by default."""
+    if box.head is not None:
+        return box.head
+    cmd = command or head_command()
+    proc = box.sh(cmd, timeout=timeout, PYTHONUNBUFFERED="1")
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return recorded_head(box)
+
+
+def recorded_head(box: Sandbox) -> str:
+    """The address the sandbox's ``ray start --head`` recorded (as ``address="auto"`` finds it), kept
+    as its ``head``."""
     recorded = box.ray_tmp / "ray" / "ray_current_cluster"
     deadline = time.monotonic() + 30
     while not recorded.exists():  # written by `ray start` before it returns; bounded all the same
         assert time.monotonic() < deadline, f"`ray start` recorded no address in {recorded}"
         time.sleep(0.1)
-    return recorded.read_text().strip()
+    box.head = recorded.read_text().strip()
+    return box.head

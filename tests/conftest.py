@@ -67,11 +67,53 @@ def pytest_unconfigure(config) -> None:
         shutil.rmtree(_OWN_TMP, ignore_errors=True)
 
 
+# The first-hour tests that share one newcomer's machine (the ``laptop`` fixture): one unit of work for
+# xdist, so one worker and one ``ray start --head`` for the three, in this order (examples/README.md
+# starts the head; its first command must find none).
+FIRST_HOUR = ("tests/test_examples.py", "tests/test_readme.py", "tests/workers/test_printed_steps.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Modules with slow tests run first (a stable sort: each module's tests stay together, in order).
-    ``make test`` spreads modules over workers; a long module started last would end the run alone."""
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+    """Modules with slow tests run first, the first-hour modules (together the longest unit) before
+    the others (a stable sort: each module's tests stay together, in order). ``make test`` spreads
+    modules over workers (``--dist loadfile``, ``pytest_xdist_make_scheduler``); a long module started
+    last would end the run alone."""
+
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow")}
+    order = {name: i for i, name in enumerate(FIRST_HOUR)}
+    items.sort(key=lambda item: (module(item) not in slow, order.get(module(item), len(order))))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run without xdist has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the first-hour modules as one unit of work (xdist's ``loadgroup`` would
+    say so with marks, but its group names do not reach the scheduler under pytest 9.2, where an item's
+    nodeid is no longer the attribute it rewrites)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "first-hour" if module in FIRST_HOUR else module
+
+    return ModuleScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def laptop():
+    """A newcomer's machine (``tests/_fresh_ray.py``) shared by the first-hour tests (``FIRST_HOUR``):
+    it has a Ray token, as a first ``ray.init()`` leaves it. The first to need a head starts it
+    (``_fresh_ray.start_head``), the others use it; everything it ran is stopped at the end."""
+    from tests._fresh_ray import sandbox
+
+    with sandbox() as box:
+        box.make_token()
+        yield box
 
 
 RAY_NUM_CPUS = 8
@@ -80,13 +122,33 @@ RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def fork_server():
+    """The session's fork server (``tests/_zygote.py``), named by ``RLT_ZYGOTE`` in this process's
+    environment, which the session cluster's nodes inherit: their workers, and the processes tests
+    start with ``run_python`` / ``start_python``, are forked from it. Yields its socket's path, or None
+    when it did not start (slower, not wrong: tests/test_worker_start.py names the loss)."""
+    from tests import _zygote
+
+    with contextlib.ExitStack() as stack:
+        directory = os.environ.get("RAY_TMPDIR") or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="rlz-")
+        )
+        try:
+            path = os.environ[_zygote.ZYGOTE] = stack.enter_context(_zygote.running(directory))
+            stack.callback(os.environ.pop, _zygote.ZYGOTE, None)
+        except RuntimeError as exc:
+            warnings.warn(f"{exc}: the session's processes start as new interpreters", stacklevel=1)
+            path = None
+        yield path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(fork_server):
     """A one-node Ray cluster shared by every test in the session, torn down at the end. Its workers
-    are forked from one process that has imported what they import (``tests/_zygote.py``)."""
+    are forked from one process that has imported what they import (``fork_server``)."""
     import ray
     from ray.cluster_utils import Cluster
 
-    from tests import _zygote
     from tests._fresh_ray import free_port
 
     class _Cluster(Cluster):
@@ -96,15 +158,6 @@ def ray_cluster():
             return super().add_node(wait, **node_args)
 
     with contextlib.ExitStack() as stack:
-        directory = os.environ.get("RAY_TMPDIR") or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="rlz-")
-        )
-        # The nodes (and so their workers' starts) inherit this process's environment.
-        try:
-            os.environ[_zygote.ZYGOTE] = stack.enter_context(_zygote.running(directory))
-            stack.callback(os.environ.pop, _zygote.ZYGOTE, None)
-        except RuntimeError as exc:  # slower, not wrong: tests/test_worker_start.py names the loss
-            warnings.warn(f"{exc}: the session's Ray starts each worker as a new interpreter", stacklevel=1)
         cluster = _Cluster(
             initialize_head=True,
             head_node_args={

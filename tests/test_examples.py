@@ -1,12 +1,15 @@
 """Every script in examples/, and every command of examples/README.md, runs on a newcomer's laptop.
 
-A newcomer's laptop here is a sandbox (``tests/_fresh_ray.py``): a fresh Ray of its own, started the
-plain way (the script's ``dp.init()`` calls ``ray.init()`` with no arguments, or ``ray start --head``
-with none about CPUs), so it has as many CPUs as the machine has cores (2 on the machine this was
-built on), in a new terminal's environment. Never the session's cluster: its 8 logical CPUs hid that
-a store plus a group of 2 workers did not fit 2 cores. The README's commands run once, as
-written, in one sandbox: each must exit 0, print what shows it worked, and leave no noise on stderr
-(``tests/test_readme.py``).
+A newcomer's laptop here is a sandbox (``tests/_fresh_ray.py``, the session's ``laptop``): a fresh Ray
+of its own, started the plain way (the script's ``dp.init()`` calls ``ray.init()`` with no arguments,
+or ``ray start --head`` with none about CPUs), so it has as many CPUs as the machine has cores (2 on
+the machine this was built on), in a new terminal's environment. Never the session's cluster: its 8
+logical CPUs hid that a store plus a group of 2 workers did not fit 2 cores. The README's commands
+run once, as written, in that sandbox: each must exit 0, print what shows it worked, and leave no
+noise on stderr (``tests/test_readme.py``). The head its ``ray start --head`` starts is the one the
+README's blocks (``tests/test_readme.py``) and ``rlplane store start``'s printed lines
+(``tests/workers/test_printed_steps.py``) run on next, as on a laptop whose owner reads on (the three
+are one xdist group, in this order, ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests._fresh_ray import free_port, sandbox, stop_processes_naming
+from tests._fresh_ray import head_command, recorded_head
 from tests.test_readme import ROOT, check_clean_run
 
 EXAMPLES = ROOT / "examples"
@@ -63,30 +66,27 @@ CHECKS: dict[str, Callable[[str], None]] = {
 
 @pytest.mark.slow
 @pytest.mark.timeout(4 * TIMEOUT_S)
-def test_the_commands_of_examples_readme_run_as_written() -> None:
+def test_the_commands_of_examples_readme_run_as_written(laptop) -> None:
     """Line by line, from the repository's root, in a new terminal on a fresh machine that has run
     Ray before (it has a token, as a first ``ray.init()`` leaves it, so ``ray start --head`` uses token
     authentication, Ray 2.60's default); each script's output is checked (``CHECKS``). Two rewrites,
-    both because this machine is shared: ``ray start --head`` gets ports of its own (6379, 52365 and
-    the dashboard's 8265 may be another engineer's, or another test's Ray: a dashboard that cannot
-    bind 8265 prints a traceback), and ``ray stop``, which stops every Ray on the machine, is replaced
-    by stopping this sandbox's cluster alone."""
+    both because this machine is shared: ``ray start --head`` gets ports of its own
+    (``_fresh_ray.head_command``), and ``ray stop``, which stops every Ray on the machine, is left to
+    the ``laptop`` fixture, which stops this sandbox's processes alone once the first-hour tests that
+    use its head are done."""
+    assert laptop.head is None, "examples/README.md's first command must find no Ray: run this test first"
     checked = []
-    with sandbox() as box:
-        box.make_token()
-        for line in readme_commands():
-            if line == ".venv/bin/ray stop":
-                stop_processes_naming(box.root)
-                continue
-            if line == ".venv/bin/ray start --head":
-                line += (
-                    f" --port {free_port()} --dashboard-port {free_port()}"
-                    f" --dashboard-agent-listen-port {free_port()}"
-                )
-            proc = box.sh(line, timeout=TIMEOUT_S, PYTHONUNBUFFERED="1")
-            check_clean_run(proc, f"examples/README.md: {line}")
-            for script, check in CHECKS.items():
-                if f"examples/{script}" in line:
-                    check(proc.stdout)
-                    checked.append(script)
+    for line in readme_commands():
+        if line == ".venv/bin/ray stop":
+            continue
+        if line == ".venv/bin/ray start --head":
+            line = head_command(line)
+        proc = laptop.sh(line, timeout=TIMEOUT_S, PYTHONUNBUFFERED="1")
+        check_clean_run(proc, f"examples/README.md: {line}")
+        if "ray start --head" in line:
+            recorded_head(laptop)
+        for script, check in CHECKS.items():
+            if f"examples/{script}" in line:
+                check(proc.stdout)
+                checked.append(script)
     assert sorted(checked) == sorted(CHECKS), f"checked {checked}"

@@ -2,14 +2,15 @@
 
 The blocks run in order in one subprocess (``tests/_run_blocks.py``: the venv's python, the
 repository as working directory, each block a fresh ``__main__`` namespace, Ray shut down between
-blocks) on a newcomer's laptop (``tests/_fresh_ray.py``: a new terminal's environment, Ray's temp
-dir of its own) where ``ray start --head`` runs (``tests/_fresh_ray.start_head``): each block's
-``ray.init()`` / ``dp.init()`` joins that local Ray as it would on such a laptop (Ray finds the
-cluster it recorded), which has as many CPUs as the machine has cores (2 on the machine this was
-built on), never the session's cluster, whose 8 logical CPUs hid that the bridge block's store and
-2 workers did not fit 2 cores. One Ray for all the blocks instead of one each saves a Ray start per
-block (63 -> 33 CPU-seconds for the test); a ``dp.init()`` that starts Ray itself runs as written in
-``examples/metadata_only_trainer.py`` (``tests/test_examples.py``). Every block must run,
+blocks) on a newcomer's laptop (``tests/_fresh_ray.py``, the session's ``laptop``: a new terminal's
+environment, Ray's temp dir of its own) where ``ray start --head`` runs (the head examples/README.md
+started, ``tests/test_examples.py``, or ``tests/_fresh_ray.start_head`` when this test runs alone):
+each block's ``ray.init()`` / ``dp.init()`` joins that local Ray as it would on such a laptop (Ray
+finds the cluster it recorded), which has as many CPUs as the machine has cores (2 on the machine
+this was built on), never the session's cluster, whose 8 logical CPUs hid that the bridge block's
+store and 2 workers did not fit 2 cores. One Ray for all the blocks instead of one each saves a Ray
+start per block (63 -> 33 CPU-seconds for the test); a ``dp.init()`` that starts Ray itself runs as
+written in ``examples/metadata_only_trainer.py`` (``tests/test_examples.py``). Every block must run,
 print what its ``print(...)  # <literal>`` comments promise, and leave no noise on stderr (a
 traceback, Ray's "Unhandled error", asyncio's "Task was destroyed", torch's fx warning).
 
@@ -117,16 +118,14 @@ RUN_BLOCKS = [b for b in readme_blocks() if b.skip is None]
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_readme_blocks_run(tmp_path: Path) -> None:
-    from tests._fresh_ray import sandbox, start_head
+def test_readme_blocks_run(tmp_path: Path, laptop) -> None:
+    from tests._fresh_ray import start_head
 
     blocks = tmp_path / "blocks.json"
     blocks.write_text(json.dumps([[b.line, b.code] for b in RUN_BLOCKS]))
+    start_head(laptop)  # it has a token, as the first ray.init() on a laptop leaves it: token auth is on
     # As a module: run as a script, tests/ would come first on sys.path and tests/dataplane hide dataplane.
-    with sandbox() as box:
-        box.make_token()  # as the first ray.init() on a laptop leaves it: `ray start` turns token auth on
-        start_head(box)
-        proc = run_python("tests._run_blocks", box.env(), args=[str(blocks)])
+    proc = run_python("tests._run_blocks", laptop.env(), args=[str(blocks)])
     started = re.findall(r"^=== block at line (\d+)$", proc.stdout, re.M)
     failed = f"README.md block at line {started[-1]}" if started else "README.md"
     check_clean_run(proc, failed)

@@ -33,7 +33,7 @@ def test_heterogeneous_counts() -> None:
     assert pool.store == [2, 3, 1]
 
 
-def test_a_group_without_ray_init_says_to_call_it() -> None:
+def test_a_group_without_ray_init_says_to_call_it(fork_server) -> None:
     """A script that forgot ray.init(): one line naming the fix, not Ray's "state API" error."""
     code = textwrap.dedent(
         """
@@ -45,7 +45,7 @@ def test_a_group_without_ray_init_says_to_call_it() -> None:
             print("RAISED", exc)
         """
     )
-    proc = run_python(["-c", code], timeout=120, cwd=str(ROOT))  # forked by the session's server, if it runs
+    proc = run_python(["-c", code], timeout=120, cwd=str(ROOT))  # forked by the session's server
     assert "RAISED" in proc.stdout and "call ray.init() first" in proc.stdout, proc.stdout + proc.stderr
     assert "state API" not in proc.stdout + proc.stderr
 

@@ -7,9 +7,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tensordict import TensorDict
 
+from tests._zygote import start_python
 from workers.engine import (
     EOS,
     PAD,
@@ -180,7 +180,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
+def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of the data-parallel update, in a process of its own; saves its weights and metrics
+    to ``out/rank<rank>.pt``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -191,17 +193,27 @@ def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
         batch.update(actor.compute_log_prob(batch))
         batch.update(compute_advantage(batch))
         metrics = actor.update(batch)
-        out[rank] = ([p.detach().clone() for p in model.parameters()], metrics)
+        torch.save(([p.detach() for p in model.parameters()], metrics), f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_actor_data_parallel_under_gloo_keeps_replicas_identical() -> None:
-    world = 2
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_ddp_rank, args=(world, _free_port(), out), nprocs=world, join=True)
-        (w0, m0), (w1, m1) = out[0], out[1]
+_RANK = (
+    "import sys; from tests.workers.test_engine import _ddp_rank; "
+    "_ddp_rank(*map(int, sys.argv[1:4]), sys.argv[4])"
+)
+
+
+def test_actor_data_parallel_under_gloo_keeps_replicas_identical(fork_server, tmp_path) -> None:
+    # Each rank a process of its own (forked by the session's server, which has imported torch).
+    world, port = 2, _free_port()
+    ranks = [start_python(["-c", _RANK, str(r), str(world), str(port), str(tmp_path)]) for r in range(world)]
+    try:
+        assert [rank.wait(timeout=240) for rank in ranks] == [0] * world
+    finally:
+        for rank in ranks:
+            rank.kill()
+    (w0, m0), (w1, m1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
     for a, b in zip(w0, w1, strict=True):
         assert torch.equal(a, b), "replicas diverged after a data-parallel update"
     assert m0 == m1  # metrics are averaged over ranks

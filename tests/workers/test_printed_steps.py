@@ -2,7 +2,8 @@
 authentication (Ray 2.60: ``ray start`` turns it on when the machine has a token, which any first
 ``ray.init()`` leaves in ``~/.ray/auth_token``).
 
-The trial: ``ray start --head`` on a newcomer's machine (``tests/_fresh_ray.py``), then
+The trial: ``ray start --head`` on a newcomer's machine (the session's ``laptop``, whose head
+examples/README.md started when the first-hour tests run together, ``tests/conftest.py``), then
 ``rlplane store start``, and every line it printed, each in a fresh shell: the Python attach line,
 ``store status`` with the printed address, and the recipe for another machine (a second sandbox with
 no token and no recorded cluster: first refused with an error that names ``ray get-auth-token``, then,
@@ -38,9 +39,9 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_every_line_store_start_prints_works_as_printed() -> None:
-    with sandbox() as here, sandbox() as elsewhere:
-        here.make_token()
+def test_every_line_store_start_prints_works_as_printed(laptop) -> None:
+    here = laptop
+    with sandbox() as elsewhere:
         address = start_head(here)
         started = here.sh(f"{VENV_BIN}/rlplane store start --shards 1", timeout=TIMEOUT_S)
         _check(started, "rlplane store start")
