@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from dataplane.client.sharding import HashPlacement
 from dataplane.telemetry.catalog import exported_names
+from tests._zygote import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M = {"store": "m"}
@@ -79,19 +78,13 @@ def _expected() -> list[list]:
 
 
 @pytest.mark.slow
-def test_metrics_reach_prometheus_by_the_exact_amounts(tmp_path) -> None:
+def test_metrics_reach_prometheus_by_the_exact_amounts(tmp_path, fork_server) -> None:
     expected = _expected()
     path = tmp_path / "expected.json"
     path.write_text(json.dumps(expected))
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.dataplane._metrics_cluster", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        cwd=ROOT,
-    )
+    # The driver is forked by the session's server (it has imported what the driver imports); the Ray
+    # it starts is its own, as before.
+    proc = run_python(["-m", "tests.dataplane._metrics_cluster", str(path)], timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     wrong = [(exp, seen) for exp, seen in zip(expected, report["seen"], strict=True) if exp != seen]
