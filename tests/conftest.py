@@ -5,8 +5,11 @@ The session runs on a ``ray.cluster_utils.Cluster`` head with a logical ``num_cp
 same cluster with ``ray_cluster.add_node(...)`` instead of starting a second Ray.
 
 Tests that need Ray take the ``ray_cluster`` fixture (or ``ray_session`` when they only
-need ``ray`` initialised). Pure tests take neither and never start Ray. ``make test`` runs the suite
-on pytest-xdist workers: each is a pytest session of its own, so each has its own cluster.
+need ``ray`` initialised). Pure tests take neither and never start Ray. ``fork_server`` is the
+process the session's Ray workers and the tests' own second processes are forked from
+(``tests/_zygote.py``); ``laptop`` is the newcomer's machine the first-hour tests share.
+``make test`` runs the suite on pytest-xdist workers: each is a pytest session of its own, so each
+has its own cluster.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def pytest_xdist_make_scheduler(config, log):
 def laptop():
     """A newcomer's machine (``tests/_fresh_ray.py``) shared by the first-hour tests (``FIRST_HOUR``):
     it has a Ray token, as a first ``ray.init()`` leaves it. The first to need a head starts it
-    (``_fresh_ray.start_head``), the others use it; everything it ran is stopped at the end."""
+    (examples/README.md's ``ray start --head``, or ``_fresh_ray.start_head`` for a test run alone), the
+    others use it; everything it ran is stopped, by process id, at the end of the session."""
     from tests._fresh_ray import sandbox
 
     with sandbox() as box:
