@@ -324,15 +324,10 @@ def _request(
     return conn, pid
 
 
-def _status(conn: socket.socket, deadline: float | None = None) -> int | None:
-    """The process's exit status, sent when it is gone (1 if the server went first); None at
-    ``deadline``."""
-    if deadline is not None:
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+def _status(conn: socket.socket) -> int:
+    """The process's exit status, sent when it is gone (1 if the server went first)."""
     try:
         return struct.unpack(">i", _recv_exactly(conn, 4))[0]
-    except TimeoutError:
-        return None
     except (OSError, ConnectionError):
         return 1
     finally:
@@ -351,7 +346,6 @@ def request_worker(path: str, argv: list[str]) -> int | None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
     code = _status(conn)
-    assert code is not None  # no deadline
     return code if code >= 0 else 128 - code
 
 
@@ -362,37 +356,25 @@ def run_python(
     process that joins the session's cluster: a new process all the same, forked by the session's
     server when there is one (it has imported torch and the store's package already), else started
     as usual. Raises ``subprocess.TimeoutExpired`` (the process killed) after ``timeout`` seconds."""
-    env = dict(os.environ if env is None else env)
-    cwd = cwd or os.getcwd()
-    command = [sys.executable, *args]
-    path = os.environ.get(ZYGOTE)
-    pipes = [os.pipe(), os.pipe()]
-    started = _request(path, args, env, cwd, [0, pipes[0][1], pipes[1][1]]) if path else None
-    for _, write in pipes:
-        os.close(write)
-    if started is None:
-        for read, _ in pipes:
-            os.close(read)
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    conn, pid = started
-    deadline = time.monotonic() + timeout
-    out, err = _read_until_closed([read for read, _ in pipes], deadline)
-    status = _status(conn, deadline) if out is not None else None
-    if status is None:  # as subprocess.run: the process is killed, then the timeout raised
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        conn.close()
-        raise subprocess.TimeoutExpired(command, timeout)
-    return subprocess.CompletedProcess(command, status, out, err)
+    proc = start_python(args, stdout=True, stderr=True, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # as subprocess.run: the process is killed, then the timeout raised
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class Forked:
     """What :func:`start_python` returns when the server forked the process: the part of
-    ``subprocess.Popen`` the tests use (``pid``, ``stdin`` / ``stdout`` when piped, ``poll``, ``wait``,
-    ``kill``, ``returncode``: negative for a signal, as Popen reports it)."""
+    ``subprocess.Popen`` the tests use (``pid``, ``stdin`` / ``stdout`` / ``stderr`` when piped,
+    ``poll``, ``wait``, ``communicate``, ``kill``, ``returncode``: negative for a signal, as Popen
+    reports it)."""
 
-    def __init__(self, command: list[str], conn: socket.socket, pid: int, stdin, stdout) -> None:
-        self.args, self.pid, self.stdin, self.stdout = command, pid, stdin, stdout
+    def __init__(self, command: list[str], conn: socket.socket, pid: int, stdin, stdout, stderr) -> None:
+        self.args, self.pid = command, pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
         self._conn = conn
 
@@ -403,16 +385,25 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if deadline is not None and not select.select([self._conn], [], [], timeout)[0]:
+            if timeout is not None and not select.select([self._conn], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = _status(self._conn, deadline)
-            assert self.returncode is not None  # the connection was readable
-        for stream in (self.stdin, self.stdout):
+            self.returncode = _status(self._conn)
+        for stream in (self.stdin, self.stdout, self.stderr):
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
         return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """What the piped stdout and stderr carried until every writer closed them, once the process
+        is gone (no input is sent); ``subprocess.TimeoutExpired`` after ``timeout`` seconds, the process
+        left running, as Popen's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got = _read_until_closed([self.stdout, self.stderr], deadline)
+        if got is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return got
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -421,57 +412,60 @@ class Forked:
 
 
 def start_python(
-    args: list[str], stdin: bool = False, stdout: bool = False, env: dict[str, str] | None = None
+    args: list[str],
+    stdin: bool = False,
+    stdout: bool = False,
+    stderr: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> Forked | subprocess.Popen:
-    """``subprocess.Popen([sys.executable, *args], ...)`` for a test's process that joins the session's
-    cluster, forked as :func:`run_python`'s are; ``stdin`` / ``stdout``: text pipes (else this
-    process's streams, as Popen inherits them). A ``subprocess.Popen`` where no server runs."""
+    """``subprocess.Popen([sys.executable, *args], text=True, ...)`` for a test's process that joins
+    the session's cluster: forked by the session's server when there is one, else a real Popen.
+    ``stdin`` / ``stdout`` / ``stderr``: text pipes (else this process's streams, as Popen inherits
+    them)."""
     env = dict(os.environ if env is None else env)
+    cwd = cwd or os.getcwd()
     command = [sys.executable, *args]
     path = os.environ.get(ZYGOTE)
-    pipes = [os.pipe() if stdin else None, os.pipe() if stdout else None]
-    fds = [pipes[0][0] if pipes[0] else 0, pipes[1][1] if pipes[1] else 1, 2]
-    started = _request(path, args, env, os.getcwd(), fds) if path else None
-    for pipe, child_end in zip(pipes, (0, 1), strict=True):
+    pipes = [os.pipe() if piped else None for piped in (stdin, stdout, stderr)]
+    # The child reads its stdin's pipe and writes the others; an end left out is this process's stream.
+    theirs = [(pipe[0] if fd == 0 else pipe[1]) if pipe else fd for fd, pipe in enumerate(pipes)]
+    ours = [(pipe[1] if fd == 0 else pipe[0]) if pipe else None for fd, pipe in enumerate(pipes)]
+    started = _request(path, args, env, cwd, theirs) if path else None
+    for fd, pipe in zip(theirs, pipes, strict=True):
         if pipe is not None:
-            os.close(pipe[child_end])
+            os.close(fd)
     if started is None:
-        for pipe, our_end in zip(pipes, (1, 0), strict=True):
-            if pipe is not None:
-                os.close(pipe[our_end])
-        piped = {"stdin": subprocess.PIPE if stdin else None, "stdout": subprocess.PIPE if stdout else None}
-        return subprocess.Popen(command, text=True, env=env, **piped)
+        for fd in ours:
+            if fd is not None:
+                os.close(fd)
+        modes = [subprocess.PIPE if piped else None for piped in (stdin, stdout, stderr)]
+        return subprocess.Popen(
+            command, text=True, env=env, cwd=cwd, stdin=modes[0], stdout=modes[1], stderr=modes[2]
+        )
     conn, pid = started
-    ours = [
-        os.fdopen(pipes[0][1], "w") if pipes[0] else None,
-        os.fdopen(pipes[1][0], "r") if pipes[1] else None,
-    ]
-    return Forked(command, conn, pid, *ours)
+    streams = [None if fd is None else os.fdopen(fd, "w" if i == 0 else "r") for i, fd in enumerate(ours)]
+    return Forked(command, conn, pid, *streams)
 
 
-def _read_until_closed(fds: list[int], deadline: float) -> tuple[str | None, str]:
-    """Everything written to pipes ``fds`` (stdout, stderr) until every writer closed them; (None, "")
-    at ``deadline``. The pipes are closed."""
-    chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
-    selector = selectors.DefaultSelector()
-    for fd in fds:
-        selector.register(fd, selectors.EVENT_READ)
-    try:
+def _read_until_closed(streams: list, deadline: float | None) -> tuple[str, str] | None:
+    """Everything written to the pipes ``streams`` (stdout, stderr) until every writer closed them;
+    None at ``deadline`` (the streams stay open: the caller closes them)."""
+    chunks: dict[int, list[bytes]] = {stream.fileno(): [] for stream in streams}
+    with selectors.DefaultSelector() as selector:
+        for fd in chunks:
+            selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None, ""
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
             for key, _ in selector.select(left):
                 data = os.read(key.fd, 1 << 16)
                 if data:
                     chunks[key.fd].append(data)
                 else:
                     selector.unregister(key.fd)
-    finally:
-        selector.close()
-        for fd in fds:
-            os.close(fd)
-    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in fds)
+    out, err = (b"".join(parts).decode(errors="replace") for parts in chunks.values())
     return out, err
 
 

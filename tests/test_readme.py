@@ -75,7 +75,7 @@ def promised_outputs(code: str) -> list[str]:
     return out
 
 
-def run_python(
+def run_venv_python(
     target: Path | str, env: dict[str, str], timeout: float = RUN_TIMEOUT_S, args: list[str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run a script (a ``Path``) or a module (``"tests._run_blocks"``, run with ``-m``) with the venv's
@@ -125,7 +125,7 @@ def test_readme_blocks_run(tmp_path: Path, laptop) -> None:
     blocks.write_text(json.dumps([[b.line, b.code] for b in RUN_BLOCKS]))
     start_head(laptop)  # it has a token, as the first ray.init() on a laptop leaves it: token auth is on
     # As a module: run as a script, tests/ would come first on sys.path and tests/dataplane hide dataplane.
-    proc = run_python("tests._run_blocks", laptop.env(), args=[str(blocks)])
+    proc = run_venv_python("tests._run_blocks", laptop.env(), args=[str(blocks)])
     started = re.findall(r"^=== block at line (\d+)$", proc.stdout, re.M)
     failed = f"README.md block at line {started[-1]}" if started else "README.md"
     check_clean_run(proc, failed)
