@@ -8,7 +8,7 @@ One fresh local Ray (or ``--address``), an embedded store of one shard. Per roun
    reader actor in another process gets them with ``device="cuda"`` and synchronises. The figure is
    put time + get time (each side timed where it runs), checked bit for bit on the GPU.
 2. **reference**: in the driver, the same tensor copied to host (``.cpu()``) and back
-   (``.to("cuda")``), synchronised: the floor any host-staged path pays.
+   (``.to("cuda")``), synchronised: the naive host-staged copy (pageable memory, one process).
 
 Printed: both times as GB/s of payload (best of ``--repeats``) and the ratio store / reference.
 ``--device cpu`` runs the same code with CPU tensors (no reference copy to speak of: its figure is
