@@ -184,10 +184,8 @@ def _exit_status(code: object) -> int:
 class _Server:
     """The fork server's state: its listening socket, and each running worker's starter connection."""
 
-    def __init__(self, path: str) -> None:
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(128)
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -294,12 +292,17 @@ class _Server:
 
 
 def serve(path: str, modules: list[str] | None = None) -> None:
-    _preload(modules)
-    server = _Server(path)
-    gc.collect()
-    gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
+    # Ready once it listens, before it preloads (3-4 s): the session's cluster starts meanwhile, and
+    # the first requests wait in the backlog until the loop accepts them.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
     print("ready", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe any more: never fill it
+    _preload(modules)
+    server = _Server(listener)
+    gc.collect()
+    gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
     server.run()
 
 
@@ -472,8 +475,9 @@ def _read_until_closed(streams: list, deadline: float | None) -> tuple[str, str]
 @contextlib.contextmanager
 def running(directory: str, modules: list[str] | None = None, timeout_s: float = 120.0) -> Iterator[str]:
     """Run a server for this session, its socket in ``directory``; yields the socket's path, which
-    goes in ``RLT_ZYGOTE`` of the environment the cluster's nodes start with. ``modules``: what it
-    preloads instead of Ray's dependencies and ``PRELOAD``."""
+    goes in ``RLT_ZYGOTE`` of the environment the cluster's nodes start with, as soon as the server
+    listens (its preload goes on while the caller starts the cluster; requests wait for it). ``modules``:
+    what it preloads instead of Ray's dependencies and ``PRELOAD``."""
     path = os.path.join(directory, "zygote.sock")
     command = [sys.executable, os.path.abspath(__file__), path]
     if modules is not None:
