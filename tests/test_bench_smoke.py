@@ -227,4 +227,5 @@ def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(
     assert code == 0, f"benchmark failed:\n{printed[-3000:]}"
     res = json.loads(out.read_text())["results"]
     assert res["bytes"] == 64 * 1024 and res["store"]["n"] == 1 and res["store_vs_reference"] > 0
-    assert "ratio store / reference" in printed
+    assert res["pinned"] is None and res["store_vs_pinned"] is None  # a pinned buffer needs a GPU
+    assert "ratio store / reference" in printed and "pinned" not in printed
