@@ -76,18 +76,24 @@ def pytest_unconfigure(config) -> None:
 FIRST_HOUR = ("tests/test_examples.py", "tests/test_readme.py", "tests/workers/test_printed_steps.py")
 
 
+def _module(nodeid: str) -> str:
+    """The test file a test's nodeid names (``tests/x.py::test_y[z]`` -> ``tests/x.py``)."""
+    return nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules with slow tests run first, the first-hour modules (together the longest unit) before
     the others (a stable sort: each module's tests stay together, in order). ``make test`` spreads
     modules over workers (``--dist loadfile``, ``pytest_xdist_make_scheduler``); a long module started
     last would end the run alone."""
-
-    def module(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    slow = {module(item) for item in items if item.get_closest_marker("slow")}
+    slow = {_module(item.nodeid) for item in items if item.get_closest_marker("slow")}
     order = {name: i for i, name in enumerate(FIRST_HOUR)}
-    items.sort(key=lambda item: (module(item) not in slow, order.get(module(item), len(order))))
+
+    def rank(item) -> tuple[bool, int]:
+        module = _module(item.nodeid)
+        return module not in slow, order.get(module, len(order))
+
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run without xdist has no such hook
@@ -101,7 +107,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
+            module = _module(nodeid)
             return "first-hour" if module in FIRST_HOUR else module
 
     return ModuleScheduling(config, log)
@@ -132,11 +138,8 @@ def laptop():
 def pytest_runtest_teardown(item, nextitem) -> None:
     """The laptop's Ray stops when the first-hour tests are done, not when the session is: its head,
     dashboard and agents would idle through the rest of the run (some 10 CPU-seconds)."""
-
-    def module(it) -> str | None:
-        return it.nodeid.split("::")[0] if it is not None else None
-
-    if _LAPTOP and module(item) in FIRST_HOUR and module(nextitem) not in FIRST_HOUR:
+    last = nextitem is None or _module(nextitem.nodeid) not in FIRST_HOUR
+    if _LAPTOP and _module(item.nodeid) in FIRST_HOUR and last:
         _LAPTOP[0].stop()
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
+
+from tests._fresh_ray import free_port
 
 os.environ["RAY_metrics_report_interval_ms"] = "500"  # read by every process of the cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -23,12 +24,6 @@ os.environ.pop("REPORTER_UPDATE_INTERVAL_MS", None)  # set by tests/conftest.py:
 
 STORE = "m"
 DEADLINE_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, what: str, timeout: float = 30.0):
@@ -167,7 +162,7 @@ def main(expected_path: str) -> None:
         address="local",
         num_cpus=4,
         include_dashboard=False,
-        _metrics_export_port=_free_port(),
+        _metrics_export_port=free_port(),
         _temp_dir=tmp,
         object_store_memory=256 << 20,
     )

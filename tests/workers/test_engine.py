@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from tests._fresh_ray import free_port
 from tests._zygote import start_python
 from workers.engine import (
     EOS,
@@ -174,12 +173,6 @@ def test_actor_update_on_an_empty_shard_still_steps() -> None:
     assert metrics["actor/pg_loss"] == 0.0 and metrics["actor/grad_norm"] == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of the data-parallel update, in a process of its own; saves its weights and metrics
     to ``out/rank<rank>.pt``."""
@@ -206,7 +199,7 @@ _RANK = (
 
 def test_actor_data_parallel_under_gloo_keeps_replicas_identical(fork_server, tmp_path) -> None:
     # Each rank a process of its own (forked by the session's server, which has imported torch).
-    world, port = 2, _free_port()
+    world, port = 2, free_port()
     ranks = [start_python(["-c", _RANK, str(r), str(world), str(port), str(tmp_path)]) for r in range(world)]
     try:
         assert [rank.wait(timeout=240) for rank in ranks] == [0] * world
