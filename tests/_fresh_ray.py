@@ -96,18 +96,23 @@ def sandbox() -> Iterator[Sandbox]:
 
 
 def stop_processes_naming(path: Path, timeout_s: float = 30.0) -> None:
-    """Kill, by pid, the processes whose command line names ``path`` (what a sandbox's Ray started)."""
-    mine = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    """Kill, by pid, what a sandbox's Ray started: the processes whose command line or environment
+    names ``path``, and their descendants. Ray's agents rename themselves (``ray::DashboardAgent``: no
+    path left to see, their environment overwritten too) and its client server names the sandbox only
+    in its environment; each outlived the sandbox by minutes when only command lines were matched."""
+    mine: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
         try:
-            if any(str(path) in part for part in proc.info["cmdline"] or []) and proc.pid != os.getpid():
-                mine.append(proc)
+            named = [*(proc.info["cmdline"] or []), *(proc.info["environ"] or {}).values()]
+            if proc.pid != os.getpid() and any(str(path) in part for part in named):
+                mine[proc.pid] = proc
+                mine.update((child.pid, child) for child in proc.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    for proc in mine:
+    for proc in mine.values():
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    psutil.wait_procs(mine, timeout=timeout_s)
+    psutil.wait_procs(list(mine.values()), timeout=timeout_s)
 
 
 def free_port() -> int:

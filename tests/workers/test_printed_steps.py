@@ -18,6 +18,7 @@ import re
 import shlex
 import subprocess
 
+import psutil
 import pytest
 
 from tests._fresh_ray import VENV_BIN, sandbox, start_head
@@ -82,3 +83,29 @@ def test_bench_help_starts_with_its_usage() -> None:
         [f"{VENV_BIN}/rlplane", "bench", "bypass", "--help"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.startswith("usage: rlplane bench bypass"), proc.stdout
+
+
+@pytest.mark.slow
+def test_the_laptop_stops_every_process_its_head_started(laptop) -> None:
+    """Stopping a sandbox leaves none of its Ray behind. The last first-hour test, on the head the
+    others used (the laptop stops after it anyway, ``tests/conftest.py``). Before the fix the raylet's
+    agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``: no path in their command line) and the
+    client server (the sandbox named only in its environment) idled on for minutes, through the
+    rest of the suite."""
+    address = start_head(laptop)
+    cmdlines = {p.pid: p.info["cmdline"] or [] for p in psutil.process_iter(["cmdline"])}
+    raylet = next(
+        psutil.Process(pid)
+        for pid, line in cmdlines.items()
+        if line and line[0].endswith("/raylet") and any(str(laptop.root) in part for part in line)
+    )
+    agents = raylet.children()
+    clients = [
+        psutil.Process(pid)
+        for pid, line in cmdlines.items()
+        if "ray.util.client.server" in line and f"--address={address}" in line
+    ]
+    assert len(agents) >= 2 and len(clients) == 1, ([a.name() for a in agents], clients)
+    laptop.stop()
+    _gone, alive = psutil.wait_procs([raylet, *agents, *clients], timeout=30)
+    assert not alive, [p.info for p in psutil.process_iter(["pid", "name", "cmdline"]) if p in alive]
