@@ -1,32 +1,34 @@
-"""A fork server for the test clusters' Ray workers: each worker is forked from one process that has
-already imported torch, tensordict, the store's package and what Ray imports, instead of being a new
-interpreter that imports them again.
+"""A fork server for the test clusters' Ray workers: each worker is forked from a process that has
+already imported Ray, torch, tensordict and the store's package, instead of being a new interpreter
+that imports them again.
 
 The suite starts some 300 Ray workers on 2 cores, and each new one spent most of its CPU importing:
 Ray (half a CPU-second), then the module its actor class lives in (torch: 2, tensordict: 1.5-2.5
-more). Ray itself is not preloaded: its native library reads the worker's settings (its job, its
-raylet) from the environment when it loads, so each worker loads it after the fork.
+more). Ray's native library reads its settings and the worker's own (its job, its raylet: every
+``RAY_*`` variable) from the environment when it loads, once, so the server at the socket (the root)
+imports everything but Ray, and forks one Ray server per set of ``RAY_*`` variables that imports Ray
+with them; it forks the workers that have those variables (``_Server``, ``ray_key``).
 
 ``tests/conftest.py`` starts this server once per test session, before the cluster, and each node's
 worker start (``tests/_worker_start.py``) hands it the worker's command line, environment, working
-directory and standard streams. The server forks; the child runs Ray's own ``default_worker.py`` with
-them, as the exec would have, and exits as an interpreter does (non-daemon threads joined, atexit
-functions run). The starter stays, as the process the raylet started, until the worker exits, and
-exits with its status; if the starter dies first, the worker is killed (it would have died with it).
-A worker whose interpreter settings differ from the server's (``PYTHON*`` or ``LD_*`` variables, e.g.
-a runtime env's ``PYTHONPATH``) is exec'd as before.
+directory and standard streams. The server (its Ray server) forks; the child runs Ray's own
+``default_worker.py`` with them, as the exec would have, and exits as an interpreter does (non-daemon
+threads joined, atexit functions run). The starter stays, as the process the raylet started, until the
+worker exits, and exits with its status; if the starter dies first, the worker is killed (it would have
+died with it). A worker whose interpreter settings differ from the server's (``PYTHON*`` or ``LD_*``
+variables, e.g. a runtime env's ``PYTHONPATH``) is exec'd as before.
 
-The server is single-threaded (the only way a fork is safe) and forks only from its main loop. After a
-fork the child reseeds what an import seeded in the server (numpy's global generator; Python's
-``random`` reseeds itself), so no two workers draw the same numbers. They do share the server's hash
-seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
+Each server is single-threaded (the only way a fork is safe; importing Ray starts no thread) and forks
+only from its main loop. After a fork the child reseeds what an import seeded in the server (numpy's
+global generator; Python's ``random`` reseeds itself), so no two workers draw the same numbers. They do
+share the server's hash seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
 
 Protocol, over a Unix stream socket: the starter sends 8 bytes (the JSON's length, big-endian) with its
 stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd"}``; the server
-answers 4 bytes, the worker's pid (0: exec it yourself), then 4 more when the worker is gone: its
-exit status as ``subprocess`` reports it (minus a signal's number). ``argv`` is what would follow
-``python``: a script, ``-c CODE`` or ``-m MODULE``, then the arguments. ``run_python`` uses the same
-server for the tests' own subprocesses that join the session's cluster.
+(whichever Ray server took the request) answers 4 bytes, the worker's pid (0: exec it yourself), then 4
+more when the worker is gone: its exit status as ``subprocess`` reports it (minus a signal's number).
+``argv`` is what would follow ``python``: a script, ``-c CODE`` or ``-m MODULE``, then the arguments.
+``run_python`` uses the same server for the tests' own subprocesses that join the session's cluster.
 """
 
 from __future__ import annotations
@@ -48,8 +50,19 @@ from collections.abc import Iterator
 
 ZYGOTE = "RLT_ZYGOTE"  # the environment variable naming the session's server (tests/conftest.py)
 
-# What the suite's actor classes import besides Ray (their modules are this repository's tests).
-PRELOAD = ("numpy", "pyarrow", "torch", "tensordict", "zmq", "msgspec", "dataplane")
+# What the suite's actor classes import besides Ray (their modules are this repository's tests); what
+# needs Ray (controlplane, most of dataplane) the Ray servers import.
+PRELOAD = (
+    "numpy",
+    "pyarrow",
+    "pyarrow.json",
+    "torch",
+    "tensordict",
+    "zmq",
+    "msgspec",
+    "dataplane",
+    "controlplane",
+)
 
 
 class _RayImport(BaseException):
@@ -58,8 +71,8 @@ class _RayImport(BaseException):
 
 class _NoRay:
     """A meta path finder that refuses ``ray``: Ray's native library reads its per-worker settings
-    (the job's id, the raylet's pid) from the environment when it loads, so the server must not load
-    it; each worker imports Ray itself, after the fork, with its own environment."""
+    (the job's id, the raylet's pid) from the environment when it loads, so the root must not load
+    it; its Ray servers do, each with the variables of the workers it forks."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
@@ -79,15 +92,20 @@ def _ray_dependencies() -> list[str]:
     return out.stdout.split()
 
 
-def _preload(modules: list[str] | None) -> None:
+def _preload(modules: list[str] | None) -> list[str]:
     """Import what the workers would: Ray's dependencies, then ``PRELOAD`` and every module of
-    ``dataplane`` (or only ``modules``); anything that needs Ray (or fails) is left to the workers."""
+    ``dataplane`` (or only ``modules``); anything that fails is left to the workers. Returns the
+    modules that need Ray, for the servers that load it (``_preload_ray``)."""
     import pkgutil
+
+    need_ray: list[str] = []
 
     def attempt(name: str) -> None:
         try:
             importlib.import_module(name)
-        except (Exception, _RayImport):  # noqa: BLE001 - a worker imports it itself
+        except _RayImport:
+            need_ray.append(name)
+        except Exception:  # noqa: BLE001 - a worker imports it itself
             pass
 
     sys.meta_path.insert(0, _NoRay)
@@ -101,6 +119,38 @@ def _preload(modules: list[str] | None) -> None:
     finally:
         sys.meta_path.remove(_NoRay)
     assert "ray" not in sys.modules and "ray._raylet" not in sys.modules, "the fork server loaded Ray"
+    return need_ray
+
+
+# What Ray's worker script (ray/_private/workers/default_worker.py) imports besides ``ray``, then
+# what nearly every worker of the suite imported once running (pydantic, through Ray: 0.1 CPU-s).
+RAY_PRELOAD = (
+    "ray",
+    "ray.actor",
+    "ray._private.node",
+    "ray._private.parameter",
+    "ray._private.async_compat",
+    "ray._private.ray_logging",
+    "ray._private.runtime_env.setup_hook",
+    "ray._common.usage.usage_lib",
+    "ray._common.pydantic_compat",
+    "ray._private.arrow_serialization",
+)
+
+
+def _preload_ray(modules: list[str]) -> None:
+    """In a Ray server: import Ray (its native library reads this environment's ``RAY_*`` variables
+    as it loads), what Ray's worker script imports, and ``modules``, which needed Ray."""
+    for name in [*RAY_PRELOAD, *modules]:
+        with contextlib.suppress(Exception):  # a worker imports it itself
+            importlib.import_module(name)
+
+
+def ray_key(env: dict[str, str]) -> str:
+    """What a process forked from a server that has imported Ray inherits from that server's
+    environment: every ``RAY_*`` variable, which Ray's native library reads once, as it loads (its
+    settings, the worker's job, its raylet). Processes whose variables agree share a Ray server."""
+    return json.dumps(sorted((k, v) for k, v in env.items() if k.startswith("RAY_")))
 
 
 # Read at each breakpoint() call, not at the start: ray.init() sets it in a test process after the
@@ -181,11 +231,42 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-class _Server:
-    """The fork server's state: its listening socket, and each running worker's starter connection."""
+RAY_SERVERS = 4  # Ray servers kept; the least recently used one beyond them drains and exits
+_REQUEST_MAX = 1 << 16  # a request handed to a Ray server: one message of at most this many bytes
 
-    def __init__(self, listener: socket.socket) -> None:
-        self.listener = listener
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A starter's request from its new connection: the JSON and the streams attached; None (the
+    connection closed) when it sends garbage or stops midway."""
+    conn.settimeout(30)  # a starter stopped mid-request must not stall every other worker's start
+    fds: list[int] = []
+    try:
+        head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
+        head += _recv_exactly(conn, 8 - len(head))
+        request = json.loads(_recv_exactly(conn, struct.unpack(">Q", head)[0]))
+    except (OSError, ValueError, ConnectionError):  # socket.timeout is an OSError
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    conn.settimeout(None)
+    return request, fds
+
+
+class _Server:
+    """A fork server's state: where requests come from, and each running worker's starter connection.
+
+    The server at the socket (the root) has not imported Ray. It hands each request to a Ray server,
+    a child it forked that has set the requester's ``RAY_*`` variables and then imported Ray
+    (``ray_key``: one per set of them, ``RAY_SERVERS`` kept), over a ``SOCK_SEQPACKET`` link: the
+    request and, attached, the starter's connection and streams. The Ray server forks the worker and
+    answers the starter itself, so a worker there skips Ray's import (0.15 CPU-s of each). When no Ray
+    server can take a request the root forks the worker itself, which then imports Ray after the fork.
+    """
+
+    def __init__(self, source: socket.socket, need_ray: list[str] | None) -> None:
+        self.source = source  # the root's listening socket, or a Ray server's link to the root
+        self.need_ray = need_ray  # the root: what its Ray servers preload besides Ray; None in one
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -193,9 +274,12 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ, self.accept)
+        handle = self.accept if need_ray is not None else self.take
+        self.selector.register(source, selectors.EVENT_READ, handle)
         self.selector.register(self.wake_r, selectors.EVENT_READ, self.reap)
         self.starters: dict[int, socket.socket | None] = {}  # worker pid -> its starter (None: gone)
+        self.ray_servers: dict[str, tuple[int, socket.socket]] = {}  # ray_key -> pid, link; oldest first
+        self.draining = False  # a Ray server whose root closed the link: exits when its workers have
 
     def run(self) -> None:
         try:
@@ -207,21 +291,17 @@ class _Server:
             for pid in self.starters:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            for pid, _link in self.ray_servers.values():  # each kills its workers as it exits
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
 
     def accept(self, _key: selectors.SelectorKey) -> None:
-        conn, _addr = self.listener.accept()
-        conn.settimeout(30)  # a starter stopped mid-request must not stall every other worker's start
-        fds: list[int] = []
-        try:
-            head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
-            head += _recv_exactly(conn, 8 - len(head))
-            request = json.loads(_recv_exactly(conn, struct.unpack(">Q", head)[0]))
-        except (OSError, ValueError, ConnectionError):  # socket.timeout is an OSError
-            for fd in fds:
-                os.close(fd)
-            conn.close()
+        """The root: a starter connected."""
+        conn, _addr = self.source.accept()
+        got = _read_request(conn)
+        if got is None:
             return
-        conn.settimeout(None)
+        request, fds = got
         try:
             if _startup_env(request["env"]) != _startup_env(os.environ):
                 # What the interpreter read at its start (its path, hash seed, preloaded libraries)
@@ -229,33 +309,118 @@ class _Server:
                 with contextlib.suppress(OSError):
                     conn.sendall(struct.pack(">i", 0))
                 conn.close()
-                return
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                self._become_worker(request, fds, conn)  # never returns
-        finally:  # the streams are the child's now (or nobody's)
+            elif self._hand_over(request, conn, fds):
+                conn.close()  # the Ray server's now
+            else:
+                self._fork_worker(request, conn, fds)
+        finally:  # the streams are the worker's or the Ray server's now (or nobody's)
             for fd in fds:
                 os.close(fd)
+
+    def take(self, _key: selectors.SelectorKey) -> None:
+        """A Ray server: the root handed over a request (the starter's connection and streams attached),
+        or closed the link (drain: exit once the workers are gone)."""
+        try:
+            body, fds, flags, _addr = socket.recv_fds(self.source, _REQUEST_MAX, 4)
+        except OSError:
+            body, fds, flags = b"", [], 0
+        if not body:
+            self.selector.unregister(self.source)
+            self.draining = True
+            self._exit_if_drained()
+            return
+        if len(fds) != 4 or flags & socket.MSG_TRUNC:
+            for fd in fds:
+                os.close(fd)
+            return
+        conn = socket.socket(fileno=fds[0])
+        try:
+            self._fork_worker(json.loads(body), conn, fds[1:])
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+
+    def _hand_over(self, request: dict, conn: socket.socket, fds: list[int]) -> bool:
+        """The root: pass the request to the Ray server of its ``RAY_*`` variables, started if need be;
+        False if none can take it."""
+        body = json.dumps(request).encode()
+        if len(body) > _REQUEST_MAX:
+            return False
+        key = ray_key(request["env"])
+        server = self.ray_servers.pop(key, None) or self._start_ray_server(request["env"], conn, fds)
+        try:
+            socket.send_fds(server[1], [body], [conn.fileno(), *fds])
+        except OSError:  # it died: the next request for these variables starts another
+            server[1].close()
+            return False
+        self.ray_servers[key] = server  # the most recently used, last
+        while len(self.ray_servers) > RAY_SERVERS:
+            _pid, link = self.ray_servers.pop(next(iter(self.ray_servers)))
+            link.close()  # it drains: serves its running workers, then exits
+        return True
+
+    def _start_ray_server(
+        self, env: dict[str, str], conn: socket.socket, fds: list[int]
+    ) -> tuple[int, socket.socket]:
+        """Fork a Ray server with ``env``; ``conn`` and ``fds``, the request being handed over, are
+        closed in it (it receives them as they come over the link)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self._close_in_child(ours, conn)
+                for fd in fds:
+                    os.close(fd)
+                os.environ.clear()
+                os.environ.update(env)
+                _preload_ray(self.need_ray or [])
+                server = _Server(theirs, None)
+                gc.collect()
+                gc.freeze()
+                server.run()
+            except SystemExit as exc:
+                code = _exit_status(exc.code)
+            except BaseException:  # noqa: BLE001 - said, then status 1; the root forks the next workers
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        return pid, ours
+
+    def _fork_worker(self, request: dict, conn: socket.socket, fds: list[int]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(request, fds, conn)  # never returns
         self.starters[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, self.starter_closed)
         with contextlib.suppress(OSError):  # a starter gone already is seen as its connection closing
             conn.sendall(struct.pack(">i", pid))
 
+    def _close_in_child(self, *also: socket.socket) -> None:
+        """In a forked child: drop the server's sockets and signal handlers."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.selector.close()
+        links = [link for _pid, link in self.ray_servers.values()]
+        for sock in (self.source, *also, *self.starters.values(), *links):
+            if sock is not None:
+                sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
     def _become_worker(self, request: dict, fds: list[int], conn: socket.socket) -> None:
-        """In the forked child: drop the server's sockets and signal handlers, run the worker, exit."""
+        """In the forked child: drop the server's state, run the worker, exit."""
         code = 1
         try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self.selector.close()
-            for sock in (self.listener, conn, *self.starters.values()):
-                if sock is not None:
-                    sock.close()
-            os.close(self.wake_r)
-            os.close(self.wake_w)
+            self._close_in_child(conn)
             code = _run_worker(request, fds)
         finally:
             try:
@@ -268,16 +433,28 @@ class _Server:
         with contextlib.suppress(BlockingIOError):
             while os.read(self.wake_r, 4096):
                 pass
-        while self.starters:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # no child left
+                break
             if pid == 0:
-                return
+                break
+            for key, (server_pid, link) in list(self.ray_servers.items()):
+                if server_pid == pid:  # a Ray server died: the next request starts another
+                    del self.ray_servers[key]
+                    link.close()
             conn = self.starters.pop(pid, None)
             if conn is not None:
                 self.selector.unregister(conn)
                 with contextlib.suppress(OSError):
                     conn.sendall(struct.pack(">i", os.waitstatus_to_exitcode(status)))
                 conn.close()
+        self._exit_if_drained()
+
+    def _exit_if_drained(self) -> None:
+        if self.draining and not self.starters:
+            sys.exit(0)
 
     def starter_closed(self, key: selectors.SelectorKey) -> None:
         """A starter's connection is readable: it sent nothing after its request, so it has closed,
@@ -299,8 +476,8 @@ def serve(path: str, modules: list[str] | None = None) -> None:
     listener.listen(128)
     print("ready", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe any more: never fill it
-    _preload(modules)
-    server = _Server(listener)
+    need_ray = _preload(modules)
+    server = _Server(listener, need_ray)
     gc.collect()
     gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
     server.run()

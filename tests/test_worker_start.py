@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from tests import _zygote
@@ -114,6 +115,35 @@ def test_a_forked_worker_runs_as_the_exec_would_and_its_status_comes_back(server
         assert int(parent) != starter.pid
         outs.append(draw)
     assert outs[0] != outs[1], "two workers drew the same numbers from numpy's global generator"
+
+
+_RAY_PROBE = """
+import os, ray._raylet
+with open(f"/proc/{os.getppid()}/maps") as maps:
+    print(os.getppid(), ray._raylet.Config.metrics_report_interval_ms(), "_raylet" in maps.read())
+"""
+
+
+def test_a_worker_shares_a_ray_server_only_with_workers_of_the_same_ray_variables(server, tmp_path) -> None:
+    """Ray's native library reads the ``RAY_*`` variables once, as it loads: a worker is forked from a
+    server that imported Ray with the same ones (its job, its raylet, its settings) or not at all."""
+    script = tmp_path / "probe.py"
+    script.write_text(_RAY_PROBE)
+    seen = []
+    for interval in ("1111", "2222", "1111"):
+        starter = _starter(server, script, cwd=tmp_path, RAY_metrics_report_interval_ms=interval)
+        out, _ = starter.communicate(timeout=120)
+        assert starter.returncode == 0, out
+        parent, value, parent_has_ray = out.split()
+        assert (value, parent_has_ray) == (interval, "True"), "a worker saw another's Ray settings"
+        seen.append(parent)
+    assert seen[0] == seen[2] != seen[1], f"Ray servers by settings: {seen}"
+    # Beyond RAY_SERVERS sets, the least recently used server exits (its workers are gone).
+    for n in range(_zygote.RAY_SERVERS + 1):
+        starter = _starter(server, script, cwd=tmp_path, RAY_metrics_report_interval_ms=str(3000 + n))
+        assert starter.wait(timeout=120) == 0
+    root = next(p for p in psutil.process_iter(["cmdline"]) if server in (p.info["cmdline"] or []))
+    wait_for(lambda: len(root.children()) <= _zygote.RAY_SERVERS, 60, "the oldest Ray servers to exit")
 
 
 def test_a_worker_dies_with_its_starter(server, tmp_path) -> None:
