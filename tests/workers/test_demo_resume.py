@@ -41,17 +41,22 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
 ) -> None:
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    first = subprocess.Popen(
-        _demo(ckpt, tmp_path / "first.json"),
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path / "first.log"  # what it printed, for the message if it ends early
+    with open(log, "wb") as out:
+        first = subprocess.Popen(
+            _demo(ckpt, tmp_path / "first.json"),
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(lambda: (ckpt / "latest").exists() or first.poll() is not None, 600, "the first checkpoint")
-        assert first.poll() is None, "the first run ended before it saved a checkpoint"
+        assert first.poll() is None, (
+            f"the first run ended ({first.returncode}) before it saved a checkpoint:\n"
+            + log.read_text(errors="replace")[-4000:]
+        )
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
