@@ -39,6 +39,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # about 12 CPU-seconds a session. The store's own metrics do not go through it (tests/dataplane/
 # _metrics_cluster.py, a cluster of its own, keeps Ray's default).
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+# Each cluster's log monitor globs its logs directory for new worker files every 0.1 s while the
+# directory holds under 1,000 files (Ray's threshold), and a session cluster's holds hundreds by the
+# end: 13-19 CPU-seconds a session. Once a second here; a worker's lines reach the driver all the same,
+# up to a second later.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "1")
 # Under pytest-xdist (``make test`` runs the suite on several workers) each worker runs its own Ray:
 # a temp dir of its own (sessions, sockets, the address `auto` finds; short, for Unix socket paths)
 # and ports of its own, so the workers' clusters never meet.
