@@ -24,11 +24,13 @@ global generator; Python's ``random`` reseeds itself), so no two workers draw th
 share the server's hash seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
 
 Protocol, over a Unix stream socket: the starter sends 8 bytes (the JSON's length, big-endian) with its
-stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd"}``; the server
-(whichever Ray server took the request) answers 4 bytes, the worker's pid (0: exec it yourself), then 4
-more when the worker is gone: its exit status as ``subprocess`` reports it (minus a signal's number).
-``argv`` is what would follow ``python``: a script, ``-c CODE`` or ``-m MODULE``, then the arguments.
-``run_python`` uses the same server for the tests' own subprocesses that join the session's cluster.
+stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd", "ray"}``; the
+server (whichever Ray server took the request) answers 4 bytes, the worker's pid (0: exec it yourself),
+then 4 more when the worker is gone: its exit status as ``subprocess`` reports it (minus a signal's
+number). ``argv`` is what would follow ``python``: a script, ``-c CODE`` or ``-m MODULE``, then the
+arguments. ``ray`` is true for Ray's worker, which a Ray server forks. ``run_python`` uses the same
+server for the tests' own subprocesses that join the session's cluster; the root forks those, so one
+may set ``RAY_*`` variables before it imports Ray, as in a new interpreter.
 """
 
 from __future__ import annotations
@@ -309,7 +311,7 @@ class _Server:
                 with contextlib.suppress(OSError):
                     conn.sendall(struct.pack(">i", 0))
                 conn.close()
-            elif self._hand_over(request, conn, fds):
+            elif request.get("ray") and self._hand_over(request, conn, fds):
                 conn.close()  # the Ray server's now
             else:
                 self._fork_worker(request, conn, fds)
@@ -484,14 +486,15 @@ def serve(path: str, modules: list[str] | None = None) -> None:
 
 
 def _request(
-    path: str, argv: list[str], env: dict, cwd: str, fds: list[int]
+    path: str, argv: list[str], env: dict, cwd: str, fds: list[int], ray_worker: bool = False
 ) -> tuple[socket.socket, int] | None:
-    """Ask the server at ``path`` to run ``python ARGV`` with these streams; its connection and the
-    new process's pid, or None when there is no server or it says to exec instead."""
+    """Ask the server at ``path`` to run ``python ARGV`` with these streams (``ray_worker``: Ray's
+    worker, forked by a Ray server); its connection and the new process's pid, or None when there is
+    no server or it says to exec instead."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "ray": ray_worker}).encode()
         socket.send_fds(conn, [struct.pack(">Q", len(body))], fds)
         conn.sendall(body)
         pid = struct.unpack(">i", _recv_exactly(conn, 4))[0]
@@ -517,7 +520,7 @@ def _status(conn: socket.socket) -> int:
 def request_worker(path: str, argv: list[str]) -> int | None:
     """In the starter: have the server run ``argv`` (Ray's worker) as this process would; its exit
     status (128 + a signal's number, as a shell reports it), or None if the caller is to exec it."""
-    started = _request(path, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
+    started = _request(path, argv, dict(os.environ), os.getcwd(), [0, 1, 2], ray_worker=True)
     if started is None:
         return None
     conn, pid = started

@@ -183,6 +183,10 @@ def test_run_python_forks_a_process_as_subprocess_run_would(server, tmp_path, mo
     assert (
         _zygote.run_python(["-m", "mod_here", "y"], timeout=60, cwd=str(tmp_path)).stdout == "MODULE ['y']\n"
     )
+    # Not forked with Ray loaded: Ray reads the RAY_* variables the process sets before importing it.
+    code = "import os; os.environ['RAY_metrics_report_interval_ms'] = '4321'; import ray._raylet as r; "
+    code += "print(r.Config.metrics_report_interval_ms())"
+    assert _zygote.run_python(["-c", code], timeout=60).stdout == "4321\n"
     killed = _zygote.run_python(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], timeout=60)
     assert killed.returncode == -9
     with pytest.raises(subprocess.TimeoutExpired):
