@@ -18,10 +18,11 @@ worker exits, and exits with its status; if the starter dies first, the worker i
 died with it). A worker whose interpreter settings differ from the server's (``PYTHON*`` or ``LD_*``
 variables, e.g. a runtime env's ``PYTHONPATH``) is exec'd as before.
 
-Each server is single-threaded (the only way a fork is safe; importing Ray starts no thread) and forks
-only from its main loop. After a fork the child reseeds what an import seeded in the server (numpy's
-global generator; Python's ``random`` reseeds itself), so no two workers draw the same numbers. They do
-share the server's hash seed (``PYTHONHASHSEED`` is read once, at the interpreter's start).
+Each server forks only from its main loop, on its one Python thread (what runs besides, numpy's and
+pyarrow's idle native pools, is not copied; importing Ray starts no thread). After a fork the child
+reseeds what an import seeded in the server (numpy's global generator; Python's ``random`` reseeds
+itself), so no two workers draw the same numbers. They do share the server's hash seed
+(``PYTHONHASHSEED`` is read once, at the interpreter's start).
 
 Protocol, over a Unix stream socket: the starter sends 8 bytes (the JSON's length, big-endian) with its
 stdin, stdout and stderr attached (SCM_RIGHTS), then the JSON ``{"argv", "env", "cwd", "ray"}``; the
@@ -258,12 +259,13 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]] | None:
 class _Server:
     """A fork server's state: where requests come from, and each running worker's starter connection.
 
-    The server at the socket (the root) has not imported Ray. It hands each request to a Ray server,
-    a child it forked that has set the requester's ``RAY_*`` variables and then imported Ray
-    (``ray_key``: one per set of them, ``RAY_SERVERS`` kept), over a ``SOCK_SEQPACKET`` link: the
+    The server at the socket (the root) has not imported Ray. It hands each Ray worker's request to a
+    Ray server, a child it forked that has set the requester's ``RAY_*`` variables and then imported
+    Ray (``ray_key``: one per set of them, ``RAY_SERVERS`` kept), over a ``SOCK_SEQPACKET`` link: the
     request and, attached, the starter's connection and streams. The Ray server forks the worker and
-    answers the starter itself, so a worker there skips Ray's import (0.15 CPU-s of each). When no Ray
-    server can take a request the root forks the worker itself, which then imports Ray after the fork.
+    answers the starter itself, so the worker skips Ray's import (0.3 CPU-s of each, with what Ray
+    imports once running). The tests' own processes (``run_python``), and a worker no Ray server could
+    take, the root forks itself; they import Ray after the fork.
     """
 
     def __init__(self, source: socket.socket, need_ray: list[str] | None) -> None:
@@ -349,7 +351,10 @@ class _Server:
         if len(body) > _REQUEST_MAX:
             return False
         key = ray_key(request["env"])
-        server = self.ray_servers.pop(key, None) or self._start_ray_server(request["env"], conn, fds)
+        try:
+            server = self.ray_servers.pop(key, None) or self._start_ray_server(request["env"], conn, fds)
+        except OSError:  # no fork now (EAGAIN, ENOMEM): the root tries one of its own
+            return False
         try:
             socket.send_fds(server[1], [body], [conn.fileno(), *fds])
         except OSError:  # it died: the next request for these variables starts another
