@@ -49,9 +49,12 @@ def test_the_session_clusters_workers_are_forked_from_the_server(ray_session) ->
     import ray
 
     # This module imports no torch, so a worker that has it without importing it was forked from the
-    # server (tests/_zygote.py), which preloads it.
-    has_torch = ray.remote(num_cpus=0.01)(lambda: "torch" in sys.modules)
-    assert ray.get(has_torch.remote(), timeout=120)
+    # server (tests/_zygote.py), which preloads it; from a Ray server, which has Ray's library mapped.
+    def probe() -> tuple[bool, bool]:
+        with open(f"/proc/{os.getppid()}/maps") as maps:
+            return "torch" in sys.modules, "_raylet" in maps.read()
+
+    assert ray.get(ray.remote(num_cpus=0.01)(probe).remote(), timeout=120) == (True, True)
 
 
 @pytest.mark.ray
