@@ -8,8 +8,9 @@ as a person runs them in a new terminal: a clean environment (PATH without the v
 from the repository's root.
 
 Everything a sandbox started is stopped at the end by process id: the processes whose command line
-names the sandbox's folder (``ray stop`` would stop every Ray on the machine). The session's
-``laptop`` (``tests/conftest.py``) is one such machine, whose head the first-hour tests share.
+or environment names the sandbox's folder, and their descendants (``ray stop`` would stop every Ray on
+the machine). The session's ``laptop`` (``tests/conftest.py``) is one such machine, whose head the
+first-hour tests share.
 """
 
 from __future__ import annotations
