@@ -7,6 +7,7 @@ docstring states its rule).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
 import types
@@ -29,8 +30,15 @@ ALLOWED = {
 PACKAGES = tuple(ALLOWED)
 
 
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    """A source file's syntax tree, parsed once per process (several tests here, and
+    tests/dataplane/test_ops.py, walk every module)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imported_top_levels(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -88,7 +96,7 @@ def test_each_public_name_is_written_once() -> None:
     """No ``__all__`` spells out a name it imports from a module whose ``__all__`` spells it too: a
     package front door adds its modules' ``__all__`` instead of typing their names again."""
     modules = _all_modules()
-    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in modules.items()}
+    trees = {name: _tree(path) for name, path in modules.items()}
     listed = {name: _literal_all(tree) for name, tree in trees.items()}
     offenders = []
     for name, tree in trees.items():
@@ -191,12 +199,18 @@ def import_graph() -> dict[str, set[str]]:
 
     ``from pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``.
     The parents a dotted import runs implicitly (``pkg/__init__``) are not counted: they are the
-    package's front door, not a dependency of the importing module.
+    package's front door, not a dependency of the importing module. A copy: the graph is built once
+    per process.
     """
+    return {module: set(deps) for module, deps in _import_graph().items()}
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
     modules = _all_modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = _tree(path)
         skip = _type_checking_nodes(tree)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
