@@ -243,8 +243,8 @@ def _run(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def test_an_embedded_store_serves_a_task_and_leaves_nothing_when_closed(ray_cluster):
     """A driver's ``dp.init()`` starts an embedded store (it owns it), a Ray task's ``dp.init()``
     attaches to it (not its owner), and the driver's close stops it: none of its named actors is left.
-    The same on a plain ``ray.init()`` of the machine's real cores is the first command of
-    examples/README.md (``tests/test_examples.py``), which this test ran on a Ray of its own before."""
+    On the session's cluster: the same on a plain ``ray.init()`` of the machine's real cores is the
+    first command of examples/README.md (``tests/test_examples.py``)."""
     name = "t-embedded-close"
     code = f"""
         import ray, torch, dataplane as dp
