@@ -286,6 +286,10 @@ class _Server:
         self.draining = False  # a Ray server whose root closed the link: exits when its workers have
 
     def run(self) -> None:
+        """Serve until SIGTERM (or, in a Ray server, until drained); what was imported before is frozen
+        first, so the forked children touch fewer of the server's pages (copy-on-write)."""
+        gc.collect()
+        gc.freeze()
         try:
             while True:
                 for key, _ in self.selector.select():
@@ -384,10 +388,7 @@ class _Server:
                 os.environ.clear()
                 os.environ.update(env)
                 _preload_ray(self.need_ray or [])
-                server = _Server(theirs, None)
-                gc.collect()
-                gc.freeze()
-                server.run()
+                _Server(theirs, None).run()
             except SystemExit as exc:
                 code = _exit_status(exc.code)
             except BaseException:  # noqa: BLE001 - said, then status 1; the root forks the next workers
@@ -484,10 +485,7 @@ def serve(path: str, modules: list[str] | None = None) -> None:
     print("ready", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe any more: never fill it
     need_ray = _preload(modules)
-    server = _Server(listener, need_ray)
-    gc.collect()
-    gc.freeze()  # the children touch fewer of the server's pages (copy-on-write)
-    server.run()
+    _Server(listener, need_ray).run()
 
 
 def _request(
