@@ -14,16 +14,14 @@ own script unchanged.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
 import sys
 
 try:  # run as a script (what a raylet does), this directory is first on sys.path
-    import _zygote
+    import _zygote_client
 except ImportError:  # imported as tests._worker_start
-    from tests import _zygote
+    from tests import _zygote_client
 
 CONTEXT = "--serialized-runtime-env-context"
 LANGUAGE = "--language"
@@ -56,15 +54,20 @@ def start(argv: list[str]) -> None:
         and not any(c.isspace() for c in exe)
     )
     if not plain:
+        import importlib.util
+
         ray_dir = importlib.util.find_spec("ray").submodule_search_locations[0]  # finds, does not import
         script = os.path.join(ray_dir, "_private", "workers", "setup_worker.py")
         os.execv(sys.executable, [sys.executable, script, *argv])
-    for key, value in (context.get("env_vars") or {}).items():
+    env_vars = context.get("env_vars") or {}
+    if env_vars:
+        import re  # only here: every worker of the test clusters starts through this script
+    for key, value in env_vars.items():
         # As Ray does: ${X} from this environment, and an unset one replaced by nothing.
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
-    zygote = os.environ.get(_zygote.ZYGOTE)
+    zygote = os.environ.get(_zygote_client.ZYGOTE)
     if zygote and os.path.realpath(exe) == os.path.realpath(sys.executable):
-        status = _zygote.request_worker(zygote, rest)
+        status = _zygote_client.request_worker(zygote, rest)
         if status is not None:
             sys.exit(status)
     os.execv(exe, [exe, *rest])

@@ -51,7 +51,10 @@ import sys
 import time
 from collections.abc import Iterator
 
-ZYGOTE = "RLT_ZYGOTE"  # the environment variable naming the session's server (tests/conftest.py)
+try:  # run as a script (the fork server itself), this directory is first on sys.path
+    from _zygote_client import ZYGOTE, recv_exactly, request, status
+except ImportError:  # imported as tests._zygote
+    from tests._zygote_client import ZYGOTE, recv_exactly, request, status
 
 # What the suite's actor classes import besides Ray (their modules are this repository's tests); what
 # needs Ray (controlplane, most of dataplane) the Ray servers import.
@@ -166,16 +169,6 @@ def _startup_env(env) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_")) and k not in _READ_LATER}
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the starter closed the connection")
-        data += chunk
-    return bytes(data)
-
-
 def _main(argv: list[str]):
     """What ``python ARGV...`` runs (``-c CODE``, ``-m MODULE`` or a script, then its arguments), with
     ``sys.argv`` and ``sys.path[0]`` set as that interpreter sets them."""
@@ -245,15 +238,15 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]] | None:
     fds: list[int] = []
     try:
         head, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
-        head += _recv_exactly(conn, 8 - len(head))
-        request = json.loads(_recv_exactly(conn, struct.unpack(">Q", head)[0]))
+        head += recv_exactly(conn, 8 - len(head))
+        body = json.loads(recv_exactly(conn, struct.unpack(">Q", head)[0]))
     except (OSError, ValueError, ConnectionError):  # socket.timeout is an OSError
         for fd in fds:
             os.close(fd)
         conn.close()
         return None
     conn.settimeout(None)
-    return request, fds
+    return body, fds
 
 
 class _Server:
@@ -488,53 +481,6 @@ def serve(path: str, modules: list[str] | None = None) -> None:
     _Server(listener, need_ray).run()
 
 
-def _request(
-    path: str, argv: list[str], env: dict, cwd: str, fds: list[int], ray_worker: bool = False
-) -> tuple[socket.socket, int] | None:
-    """Ask the server at ``path`` to run ``python ARGV`` with these streams (``ray_worker``: Ray's
-    worker, forked by a Ray server); its connection and the new process's pid, or None when there is
-    no server or it says to exec instead."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(path)
-        body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "ray": ray_worker}).encode()
-        socket.send_fds(conn, [struct.pack(">Q", len(body))], fds)
-        conn.sendall(body)
-        pid = struct.unpack(">i", _recv_exactly(conn, 4))[0]
-    except (OSError, ConnectionError):
-        conn.close()
-        return None
-    if pid == 0:
-        conn.close()
-        return None
-    return conn, pid
-
-
-def _status(conn: socket.socket) -> int:
-    """The process's exit status, sent when it is gone (1 if the server went first)."""
-    try:
-        return struct.unpack(">i", _recv_exactly(conn, 4))[0]
-    except (OSError, ConnectionError):
-        return 1
-    finally:
-        conn.close()
-
-
-def request_worker(path: str, argv: list[str]) -> int | None:
-    """In the starter: have the server run ``argv`` (Ray's worker) as this process would; its exit
-    status (128 + a signal's number, as a shell reports it), or None if the caller is to exec it."""
-    started = _request(path, argv, dict(os.environ), os.getcwd(), [0, 1, 2], ray_worker=True)
-    if started is None:
-        return None
-    conn, pid = started
-    # The streams are the worker's now; this process waits, passing on the signals a raylet sends the
-    # process it started.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
-    code = _status(conn)
-    return code if code >= 0 else 128 - code
-
-
 def run_python(
     args: list[str], timeout: float, env: dict[str, str] | None = None, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
@@ -566,14 +512,14 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
-            self.returncode = _status(self._conn)  # sent when the process is gone
+            self.returncode = status(self._conn)  # sent when the process is gone
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             if timeout is not None and not select.select([self._conn], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = _status(self._conn)
+            self.returncode = status(self._conn)
         for stream in (self.stdin, self.stdout, self.stderr):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -617,7 +563,7 @@ def start_python(
     # The child reads its stdin's pipe and writes the others; an end left out is this process's stream.
     theirs = [(pipe[0] if fd == 0 else pipe[1]) if pipe else fd for fd, pipe in enumerate(pipes)]
     ours = [(pipe[1] if fd == 0 else pipe[0]) if pipe else None for fd, pipe in enumerate(pipes)]
-    started = _request(path, args, env, cwd, theirs) if path else None
+    started = request(path, args, env, cwd, theirs) if path else None
     for fd, pipe in zip(theirs, pipes, strict=True):
         if pipe is not None:
             os.close(fd)

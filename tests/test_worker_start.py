@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from tests import _zygote
+from tests import _zygote, _zygote_client
 from tests._worker_start import split
 from tests.dataplane.conftest import process_exited, wait_for
 
@@ -81,7 +81,7 @@ sys.exit(int(sys.argv[1]))
 # A starter, as tests/_worker_start.py runs it: it hands its command line to the server and exits with
 # the worker's status.
 _STARTER = (
-    f"import sys; sys.path.insert(0, {TESTS!r}); from _zygote import request_worker as start; "
+    f"import sys; sys.path.insert(0, {TESTS!r}); from _zygote_client import request_worker as start; "
     "sys.exit(start(sys.argv[1], sys.argv[2:]))"
 )
 
@@ -162,7 +162,7 @@ def test_a_worker_dies_with_its_starter(server, tmp_path) -> None:
 
 
 def test_without_a_server_or_with_other_interpreter_settings_the_starter_execs(server, tmp_path) -> None:
-    assert _zygote.request_worker(str(tmp_path / "none.sock"), ["worker.py"]) is None
+    assert _zygote_client.request_worker(str(tmp_path / "none.sock"), ["worker.py"]) is None
     # A PYTHONPATH of its own (as a runtime env may give) is read at an interpreter's start: refused.
     script = tmp_path / "worker.py"
     script.write_text(_SCRIPT)
