@@ -40,12 +40,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # about 12 CPU-seconds a session. The store's own metrics do not go through it (tests/dataplane/
 # _metrics_cluster.py, a cluster of its own, keeps Ray's default).
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
-# Every Ray process sends its metrics to its node's agent, whose Python loop decodes them: under the
-# suite's load that was two thirds of the agent's CPU (0.05 CPU-seconds a second, some 25 a run for the
-# two session clusters). No test of a session cluster reads them: off here
-# (tests/dataplane/_metrics_cluster.py, a cluster of its own, turns them back on).
-os.environ.setdefault("RAY_enable_metrics_collection", "false")
-os.environ.setdefault("RAY_metrics_report_interval_ms", "60000")  # and whatever still ticks, once a minute
+# Every Ray process sends its metrics to its node's agent every 10 s by default; no test of a session
+# cluster reads them (tests/dataplane/_metrics_cluster.py sets its own), so once a minute.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "60000")
 # Each cluster's log monitor globs its logs directory for new worker files every 0.1 s while the
 # directory holds under 1,000 files (Ray's threshold), and a session cluster's holds hundreds by the
 # end: 13-19 CPU-seconds a session. Once a second here; a worker's lines reach the driver all the same,

@@ -21,7 +21,6 @@ from tests._fresh_ray import free_port
 os.environ["RAY_metrics_report_interval_ms"] = "500"  # read by every process of the cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.pop("REPORTER_UPDATE_INTERVAL_MS", None)  # set by tests/conftest.py: Ray's default here
-os.environ.pop("RAY_enable_metrics_collection", None)  # off in tests/conftest.py: Ray's default here
 
 STORE = "m"
 DEADLINE_S = 90.0
