@@ -40,6 +40,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # about 12 CPU-seconds a session. The store's own metrics do not go through it (tests/dataplane/
 # _metrics_cluster.py, a cluster of its own, keeps Ray's default).
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+# Each node's agent also opens every file of its events directory every 2 s by default, for the
+# dashboard: one file per worker process that ever ran there (all of them empty here), a few hundred
+# by the end of a session, and some 0.04 CPU-seconds a second for each session cluster's agent. Once a
+# minute here.
+os.environ.setdefault("SCAN_EVENT_DIR_INTERVAL_SECONDS", "60")
 # Every Ray process sends its metrics to its node's agent every 10 s by default; no test of a session
 # cluster reads them (tests/dataplane/_metrics_cluster.py sets its own), so once a minute.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "60000")
