@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 try:  # run as a script (what a raylet does), this directory is first on sys.path
@@ -54,15 +55,12 @@ def start(argv: list[str]) -> None:
         and not any(c.isspace() for c in exe)
     )
     if not plain:
-        import importlib.util
+        import importlib.util  # only here: every worker of the test clusters starts through this script
 
         ray_dir = importlib.util.find_spec("ray").submodule_search_locations[0]  # finds, does not import
         script = os.path.join(ray_dir, "_private", "workers", "setup_worker.py")
         os.execv(sys.executable, [sys.executable, script, *argv])
-    env_vars = context.get("env_vars") or {}
-    if env_vars:
-        import re  # only here: every worker of the test clusters starts through this script
-    for key, value in env_vars.items():
+    for key, value in (context.get("env_vars") or {}).items():
         # As Ray does: ${X} from this environment, and an unset one replaced by nothing.
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
     zygote = os.environ.get(_zygote_client.ZYGOTE)
