@@ -10,15 +10,18 @@ and mypy holds each handler to the reply its op's clients read. Both cores refus
 ``WireError``: an unknown op or a malformed body (``decode``, before any handler runs), and an op that
 only the service's server can answer because its reply waits on something else (``SERVER_OPS``).
 
-    >>> from dataplane.wire.protocol import SHARD_OPS, Ping, ShardPong
+    >>> class Ping(msgspec.Struct):
+    ...     pass
+    >>> class Pong(msgspec.Struct):
+    ...     shard: int
     >>> class Pings(Operations):
-    ...     OPS = {"ping": SHARD_OPS["ping"]}
-    ...     REPLIES = {"ping": ShardPong}
+    ...     OPS = {"ping": Ping}
+    ...     REPLIES = {"ping": Pong}
     ...     SERVICE = "the pinger"
-    ...     def op_ping(self, body: Ping, bufs: list[memoryview]) -> tuple[ShardPong, list[Any]]:
-    ...         return ShardPong(shard=7), []
+    ...     def op_ping(self, body: Ping, bufs: list[memoryview]) -> tuple[Pong, list[Any]]:
+    ...         return Pong(shard=7), []
     >>> Pings().handle("ping", msgspec.msgpack.encode({}), [])
-    (ShardPong(shard=7), [])
+    (Pong(shard=7), [])
     >>> Pings().handle("pong", msgspec.msgpack.encode({}), [])
     Traceback (most recent call last):
     ...

@@ -1,6 +1,6 @@
 """The index service's core: ``IndexCore``, the store's metadata bookkeeping (partitions, keys,
 per-key field production status, tags, per-task consumption, the shard registry), and its reads
-(``list``, ``resolve``, ``stats``, ``ping``).
+(``list``, ``resolve``, ``stats``).
 
 ``IndexCore`` joins the index's state (``index_records``) and its operations, one group per module:
 puts and clears (``index_puts``), streaming (``index_streaming``), checkpoints
@@ -32,7 +32,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
     ``IndexRecords`` (``server.index_records``); the operations come one group per module: puts and
     clears (``server.index_puts``), streaming (``server.index_streaming``), checkpoints
     (``server.index_checkpoint``), and here the reads that resolve metadata (``list``, ``resolve``,
-    ``stats``, ``ping``).
+    ``stats``).
 
     A put's prepare (``op_prepare``) stays open for ``prepare_ttl_s`` (the store's
     ``reservation_timeout_s``, as long as the shards keep the put's reservations), then expires as
@@ -78,9 +78,6 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
             partitions={p: len(m.keys) for p, m in self.partitions.items()},
             puts={"open": len(self.txns), **self.put_counts},
         )
-
-    def op_ping(self, body: _protocol.Ping) -> _protocol.Done:
-        return _protocol.Done()
 
 
 __all__ = ["IndexCore"]

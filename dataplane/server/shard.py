@@ -555,9 +555,6 @@ class ShardCore(Operations):
             self.pool.trim(everything=True)
         return self.stats(), []
 
-    def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[_protocol.ShardPong, list[Any]]:
-        return _protocol.ShardPong(self.shard_id), []
-
     def stats(self) -> _protocol.ShardStatsReply:
         """The shard's accounting (``dp.stats()``; ``clients`` is the server loop's to add)."""
         return _protocol.ShardStatsReply(

@@ -16,8 +16,8 @@ for ever). What types cannot say (sizes against capacity, frame lengths against 
 keys) the handlers check next, still before they change anything. A body travels as a msgpack map
 (field name -> value, defaults left out), so a peer may also send a plain dict of the same names.
 
-    >>> decode_body("ping", msgspec.msgpack.encode({}), SHARD_OPS)
-    Ping()
+    >>> decode_body("clear", msgspec.msgpack.encode({"pid": "p", "keys": ["a"]}), SHARD_OPS)
+    Clear(pid='p', keys=['a'])
 """
 
 from __future__ import annotations
@@ -113,10 +113,6 @@ class OnePartition(_Body):
 
 class Stats(_Body):
     trim: bool = False
-
-
-class Ping(_Body):
-    pass
 
 
 TxnId = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
@@ -288,7 +284,6 @@ SHARD_OPS: dict[str, type[msgspec.Struct]] = {
     "clear": Clear,
     "clear_partition": OnePartition,
     "stats": Stats,
-    "ping": Ping,
 }
 
 INDEX_OPS: dict[str, type[msgspec.Struct]] = {
@@ -301,7 +296,6 @@ INDEX_OPS: dict[str, type[msgspec.Struct]] = {
     "list": ListKeys,
     "resolve": Resolve,
     "stats": Stats,
-    "ping": Ping,
     "next": Next,
     "ready": Ready,
     "claim": Claim,
@@ -418,10 +412,6 @@ class ShardStatsReply(_Reply):
     partitions: dict[str, int]
     partition_bytes: dict[str, int]
     clients: int | None = None  # (added by the shard's server loop: its open connections)
-
-
-class ShardPong(_Reply):
-    shard: int
 
 
 class PrepareReply(_Reply):
@@ -555,7 +545,6 @@ SHARD_REPLIES: dict[str, type[msgspec.Struct]] = {
     "clear": RemovedReply,
     "clear_partition": RemovedReply,
     "stats": ShardStatsReply,
-    "ping": ShardPong,
 }
 
 INDEX_REPLIES: dict[str, type[msgspec.Struct]] = {
@@ -568,7 +557,6 @@ INDEX_REPLIES: dict[str, type[msgspec.Struct]] = {
     "list": ListReply,
     "resolve": ResolveReply,
     "stats": IndexStatsReply,
-    "ping": Done,
     "next": BatchReply,
     "ready": ReadyReply,
     "claim": BatchReply,

@@ -76,7 +76,7 @@ def refused_traffic(registry: dict) -> None:
     secure_client(good, Credentials.from_dict(registry["credentials"]), curve=False)
     good.connect(index["ipc"])
     requests = [
-        [msgspec.msgpack.encode([1, "ping", {}, frames.PROTOCOL_VERSION + 1])],  # another version
+        [msgspec.msgpack.encode([1, "stats", {}, frames.PROTOCOL_VERSION + 1])],  # another version
         [b"\xc1 is no msgpack"],
         frames.encode_request(2, "no-such-op", {}),
         frames.encode_request(3, "list", {"pid": 5}),  # a partition id must be a str

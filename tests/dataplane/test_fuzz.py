@@ -216,10 +216,6 @@ def _stats(rng: random.Random, core: Any) -> tuple[str, dict, list]:
     return "stats", {"trim": rng.random() < 0.2}, []
 
 
-def _ping(rng: random.Random, core: Any) -> tuple[str, dict, list]:
-    return "ping", {}, []
-
-
 SHARD_BUILDERS = [
     (_reserve, 30),
     (_commit, 22),
@@ -227,8 +223,7 @@ SHARD_BUILDERS = [
     (_get, 20),
     (_delete, 8),
     (_drop, 3),
-    (_stats, 4),
-    (_ping, 2),
+    (_stats, 6),
 ]
 
 
@@ -276,8 +271,7 @@ INDEX_BUILDERS = [
     (_drop, 4),
     (_list, 8),
     (_resolve, 8),
-    (_stats, 4),
-    (_ping, 2),
+    (_stats, 6),
 ]
 
 

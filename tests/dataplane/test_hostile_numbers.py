@@ -175,8 +175,8 @@ def _with(body: dict, path: tuple, value: Any) -> dict:
 
 def _still_serving(socks: dict) -> None:
     """Both services answer at once, and the index still parks a request and times it out."""
-    assert _ask(socks["shard"], "ping", {}).error is None
-    assert _ask(socks["index"], "ping", {}).error is None
+    assert _ask(socks["shard"], "stats", {}).error is None
+    assert _ask(socks["index"], "stats", {}).error is None
     rep = _ask(socks["index"], "next", {**NEXT, "pid": "never-written"})
     assert rep.error is not None and rep.error[0] == "PartitionNotFoundError", rep.error
 

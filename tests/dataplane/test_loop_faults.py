@@ -143,7 +143,7 @@ def _next(pid: str, timeout_s: float = WAIT_S) -> dict:
 
 def _index_serves(sock: zmq.Socket) -> None:
     """The index answers at once, parks a request and times it out, and hands out ready rows."""
-    assert _ask(sock, "ping", {}).error is None
+    assert _ask(sock, "stats", {}).error is None
     pid = f"p-{uuid.uuid4().hex[:6]}"
     assert _ask(sock, "commit", {"pid": pid, "keys": ["a"], "fields": ["x"]}).error is None
     rep = _ask(sock, "next", _next(pid))
@@ -205,7 +205,7 @@ def _put_ready(sock: zmq.Socket, pid: str, key: str) -> _wire.Reply:
 
 def _shard_serves(sock: zmq.Socket, index_sock: zmq.Socket) -> None:
     """The shard stores a one-round-trip put and the index makes it ready."""
-    assert _ask(sock, "ping", {}).error is None
+    assert _ask(sock, "stats", {}).error is None
     pid = f"p-{uuid.uuid4().hex[:6]}"
     rep = _put_ready(sock, pid, "k")
     assert rep.error is None and "index_error" not in rep.body, rep

@@ -17,7 +17,6 @@ import msgspec
 import pytest
 
 from dataplane.errors import ShardUnavailableError
-from dataplane.server.index import IndexCore
 from dataplane.server.router import RequestServer
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
@@ -25,6 +24,7 @@ from dataplane.wire.policy import DEAD, PROBE_S, TIMED_OUT, GiveUp, Probe, Reque
 from dataplane.wire.requests import Call
 from dataplane.wire.sockets import Endpoint
 from dataplane.wire.transport import AsyncTransport, SyncTransport
+from tests.dataplane._ping_core import PingIndex
 
 SHARD, OTHER = 0, 1
 
@@ -178,7 +178,7 @@ class _Silent(RequestServer):
 @pytest.fixture
 def silent() -> Iterator[tuple[_Silent, Credentials]]:
     creds = Credentials.new(encrypt=False)
-    server = _Silent(IndexCore(), "127.0.0.1", f"policy-{uuid.uuid4().hex[:6]}", creds).start()
+    server = _Silent(PingIndex(), "127.0.0.1", f"policy-{uuid.uuid4().hex[:6]}", creds).start()
     try:
         yield server, creds
     finally:

@@ -113,8 +113,6 @@ def _scenario(store: Recorder) -> None:
     store.drive(stream_ops.finish(PID))
     store.drive(ops.clear(route, keys[:2], PID))
     store.drive(ops.clear_partition(route, PID))
-    for target in (0, INDEX):  # (tests and tools ask it; no operation needs it)
-        store.serve([Call(target, "ping", _protocol.Ping())])
     full = Recorder(2)  # shard 1 refuses a reserve: the rest is aborted (shard 0 and the index)
     full.shards[1].capacity = 64
     with pytest.raises(StoreFullError):
@@ -189,6 +187,14 @@ def test_tags_are_encoded_once_and_sent_as_they_were_checked() -> None:
         next(ops.put(route, ["k"], PID, None, [{"n": 2**70}]))
 
 
+class _Ping(msgspec.Struct):
+    """A toy op of this test's own (the store has none such): the request of ``op_ping`` below."""
+
+
+class _Pong(msgspec.Struct):
+    shard: int
+
+
 def test_a_core_whose_handler_answers_another_reply_struct_is_refused_at_import() -> None:
     """The op tables tie each op to its reply struct: a handler annotated with another struct (or with
     none) is refused when its class is made, as a missing handler is."""
@@ -216,17 +222,17 @@ def test_a_core_whose_handler_answers_another_reply_struct_is_refused_at_import(
     with pytest.raises(TypeError, match=r"op_ping is annotated to answer no reply struct"):
 
         class Unannotated(Operations):
-            OPS = {"ping": _protocol.Ping}
-            REPLIES = {"ping": _protocol.ShardPong}
+            OPS = {"ping": _Ping}
+            REPLIES = {"ping": _Pong}
 
             def op_ping(self, body, bufs):  # type: ignore[no-untyped-def]
                 return {"shard": 0}, []
 
     class RightPing(Operations):  # the same op, annotated with its struct: accepted
-        OPS = {"ping": _protocol.Ping}
-        REPLIES = {"ping": _protocol.ShardPong}
+        OPS = {"ping": _Ping}
+        REPLIES = {"ping": _Pong}
 
-        def op_ping(self, body: _protocol.Ping, bufs: list[memoryview]) -> tuple[_protocol.ShardPong, list]:
-            return _protocol.ShardPong(0), []
+        def op_ping(self, body: _Ping, bufs: list[memoryview]) -> tuple[_Pong, list]:
+            return _Pong(0), []
 
-    assert RightPing().handle("ping", msgspec.msgpack.encode({}), []) == (_protocol.ShardPong(0), [])
+    assert RightPing().handle("ping", msgspec.msgpack.encode({}), []) == (_Pong(0), [])

@@ -81,7 +81,7 @@ def _reply(sock: zmq.Socket) -> _wire.Reply:
 
 
 def test_every_header_carries_the_version() -> None:
-    assert msgspec.msgpack.decode(_wire.encode_request(1, "ping", {})[0])[-1] == OURS
+    assert msgspec.msgpack.decode(_wire.encode_request(1, "stats", {})[0])[-1] == OURS
     assert msgspec.msgpack.decode(_wire.encode_reply(1, {})[0])[-1] == OURS
     assert msgspec.msgpack.decode(_wire.encode_error(1, ValueError("x"))[0])[-1] == OURS
 
@@ -90,7 +90,7 @@ def test_a_request_of_another_version_is_refused_by_name_and_others_are_served(s
     other = _dealer(ctx, creds, server.ipc)
     bystander = _dealer(ctx, creds, server.tcp)
     try:
-        other.send(_header(5, "ping", {}, OTHER))
+        other.send(_header(5, "stats", {}, OTHER))
         rep = _reply(other)
         assert rep.rid == 5 and rep.error is not None and rep.error[0] == "ProtocolVersionError", rep
         err = _wire.rebuild_error(rep.error)
@@ -98,9 +98,9 @@ def test_a_request_of_another_version_is_refused_by_name_and_others_are_served(s
         assert (err.client_version, err.service_version) == (OTHER, OURS)
         assert f"version {OTHER}" in str(err) and f"version {OURS}" in str(err) and server.name in str(err)
         # the server goes on: other peers, and the same peer once it speaks this version
-        bystander.send(_header(6, "ping", {}, OURS))
+        bystander.send(_header(6, "stats", {}, OURS))
         assert _reply(bystander).error is None
-        other.send(_header(7, "ping", {}, OURS))
+        other.send(_header(7, "stats", {}, OURS))
         rep = _reply(other)
         assert rep.rid == 7 and rep.error is None, rep
     finally:
@@ -123,7 +123,7 @@ def test_a_header_without_a_version_is_version_1(server, creds, ctx) -> None:
     """Peers from before the version was sent spoke version 1 (served while that is this version)."""
     sock = _dealer(ctx, creds, server.ipc)
     try:
-        sock.send(_header(9, "ping", {}, None))
+        sock.send(_header(9, "stats", {}, None))
         rep = _reply(sock)
         assert rep.rid == 9
         assert (rep.error is None) == (OURS == 1), rep.error

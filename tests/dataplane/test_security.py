@@ -143,7 +143,7 @@ def _endpoints(registry: dict) -> dict[str, str]:
 
 def _hostile_requests(pid: str, key: str) -> list[tuple[str, dict]]:
     return [
-        ("ping", {}),
+        ("stats", {}),
         ("list", {"pid": None}),
         ("get", {"pid": pid, "keys": [key]}),
         ("clear_partition", {"pid": pid}),
@@ -201,7 +201,7 @@ def test_authenticated_raw_peer_gets_replies(store, stored):
             else:
                 body = _ok(sock, "get", {"pid": pid, "keys": [keys[0]], "fields": ["x"]})
                 assert list(body["fields"]) == ["x"], where
-            assert _ask(sock, "ping", {}) is not None, where
+            assert _ask(sock, "stats", {}) is not None, where
         finally:
             sock.close(linger=0)
 
@@ -231,7 +231,7 @@ sent = 0
 for s in socks:
     for rid, (op, body) in enumerate(
         [
-            ("ping", {}),
+            ("stats", {}),
             ("list", {"pid": None}),
             ("get", {"pid": pid, "keys": [key]}),
             ("clear_partition", {"pid": pid}),
@@ -337,7 +337,7 @@ def test_encrypted_store_speaks_only_curve_over_tcp(ray_cluster):
             socks[f"{who}/tcp/none"] = _dealer(actor["tcp"])
             socks[f"{who}/tcp/stranger-curve"] = _dealer(actor["tcp"], stranger, curve=True)
         for s in socks.values():
-            s.send_multipart(_wire.encode_request(next(_rids), "ping", {}))
+            s.send_multipart(_wire.encode_request(next(_rids), "stats", {}))
             s.send_multipart(_wire.encode_request(next(_rids), "get", {"pid": "enc", "keys": keys}))
         got = _replies_within(socks, SILENCE_S)
         assert not any(got.values()), f"peers not speaking the store's CURVE over tcp got replies: {got}"
@@ -345,7 +345,7 @@ def test_encrypted_store_speaks_only_curve_over_tcp(ray_cluster):
             for endpoint, curve in ((actor["ipc"], False), (actor["tcp"], True)):
                 sock = _dealer(endpoint, creds, curve=curve)
                 try:
-                    assert _ask(sock, "ping", {}) is not None, f"{who} at {endpoint} (curve={curve})"
+                    assert _ask(sock, "stats", {}) is not None, f"{who} at {endpoint} (curve={curve})"
                 finally:
                     sock.close(linger=0)
         assert torch.equal(dp.kv_batch_get(keys, "enc")["x"], x)
@@ -432,7 +432,7 @@ def _refused(sock, op: str, body: dict, frames=(), expect=("WireError",), within
     after = _stats(sock)
     for k in ("bytes_used", "bytes_reserved", "partitions"):
         assert after[k] == before[k], f"{k} changed from {before[k]} to {after[k]}"
-    assert _ask(sock, "ping", {}) is not None, "the shard stopped answering"
+    assert _ask(sock, "stats", {}) is not None, "the shard stopped answering"
     assert took < within_s
     return rep.error[1]
 
@@ -563,7 +563,7 @@ MALFORMED = {
     "keys-not-a-list": ("reserve", {"pid": "p", "keys": 5, "fields": {}}, [], ("WireError",)),
     "get-keys-a-string": ("get", {"pid": "p", "keys": "abc"}, [], ("WireError",)),
     "pid-not-a-string": ("clear_partition", {"pid": 7}, [], ("WireError",)),
-    "unknown-body-field": ("ping", {"x": 1}, [], ("WireError",)),
+    "unknown-body-field": ("stats", {"x": 1}, [], ("WireError",)),
     "unknown-field-in-a-column": (
         "reserve",
         _reserve({"f": {"spec": BIN, "nbytes": 1, "extra": True}}),
@@ -641,7 +641,7 @@ def test_undecodable_header_and_too_many_frames_are_refused(shard_sock):
     assert shard_sock.poll(REPLY_MS), "no reply to an undecodable header"
     rep, _ = _wire.decode_reply(shard_sock.recv_multipart())
     assert rep.rid == -1 and rep.error[0] == "WireError", rep
-    _refused(shard_sock, "ping", {}, [b""] * (_wire.MAX_FRAMES + 1), ("WireError",))
+    _refused(shard_sock, "stats", {}, [b""] * (_wire.MAX_FRAMES + 1), ("WireError",))
     after = _stats(shard_sock)
     assert (after["bytes_used"], after["bytes_reserved"]) == (before["bytes_used"], before["bytes_reserved"])
 
@@ -737,7 +737,7 @@ def test_frame_over_max_message_bytes_is_dropped_and_the_server_lives(big_store)
             socks[f"{who}/{transport}"] = _dealer(actor[transport], creds)
     try:
         for s in socks.values():
-            assert _ask(s, "ping", {}) is not None  # connected and authenticated first
+            assert _ask(s, "stats", {}) is not None  # connected and authenticated first
             body = _reserve({"f": _inline(BIN, len(data), 1)})
             s.send_multipart(_wire.encode_request(next(_rids), "reserve", body, [data, _i64(0, len(data))]))
         got = _replies_within(socks, SILENCE_S)
@@ -748,7 +748,7 @@ def test_frame_over_max_message_bytes_is_dropped_and_the_server_lives(big_store)
     for who, actor in (("index", big_store["index"]), ("shard0", big_store["shards"][0])):
         fresh = _dealer(actor["ipc"], creds)
         try:
-            assert _ask(fresh, "ping", {}) is not None, f"{who} stopped serving after an oversized frame"
+            assert _ask(fresh, "stats", {}) is not None, f"{who} stopped serving after an oversized frame"
             if who == "shard0":
                 st = _ok(fresh, "stats", {})
                 assert st["bytes_reserved"] == 0 and st["bytes_used"] == 0, st

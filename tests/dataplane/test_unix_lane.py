@@ -31,7 +31,6 @@ import msgspec
 import pytest
 
 from dataplane.errors import ShardUnavailableError
-from dataplane.server.index import IndexCore
 from dataplane.server.index_actor import IndexServer
 from dataplane.server.router import RequestServer
 from dataplane.wire import frames as _wire
@@ -42,6 +41,7 @@ from dataplane.wire.requests import INDEX, Call
 from dataplane.wire.sockets import Endpoint
 from dataplane.wire.transport import SyncTransport
 
+from ._ping_core import PingIndex
 from .conftest import keys_on_shards, store_fixtures, wait_for
 
 DEADLINE_S = 10.0  # for every wait on a peer: a missing reply or close fails the test, never hangs it
@@ -220,8 +220,9 @@ class _BigReplies(RequestServer):
 
 @contextlib.contextmanager
 def _serving(cls: type[RequestServer], creds: Credentials, name: str) -> Iterator[Any]:
-    """A real server of ``cls`` (an ``IndexCore`` behind it) on its own thread, as its actor runs it."""
-    server = cls(IndexCore(), "127.0.0.1", f"{name}-{uuid.uuid4().hex[:6]}", creds).start()
+    """A real server of ``cls`` (an ``IndexCore`` behind it, with the toy op ``ping``) on its own thread, as
+    its actor runs it."""
+    server = cls(PingIndex(), "127.0.0.1", f"{name}-{uuid.uuid4().hex[:6]}", creds).start()
     try:
         yield server
     finally:
