@@ -163,8 +163,7 @@ def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Col
         if col.num_rows != len(keys):
             raise BatchSizeError(f"field {name!r} has {col.num_rows} rows for {len(keys)} keys")
     if not columns or not keys:
-        body = _protocol.IndexCommit(partition_id, keys, list(columns), wire_tags)
-        (res,) = yield [Call(INDEX, "commit", body)]
+        (res,) = yield [_index_commit(partition_id, keys, list(columns), wire_tags)]
         return _meta(keys, partition_id, _reply(res, _protocol.CommitReply))
     placement = route.placement
     groups = None
@@ -197,7 +196,7 @@ def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Col
     if errs:
         yield from _abort_put(route, aborts, txn, prepared)
         raise errs[0]
-    aborts.append(Call(INDEX, "abort", _protocol.IndexAbort(txn)))
+    aborts.append(_index_abort(txn))
     commits = []
     try:
         for s in shards:
@@ -219,13 +218,26 @@ def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Col
         raise _expired(keys, partition_id, took, route)
     results = yield commits
     if not all(_ok(r) for r in results):
-        yield [Call(INDEX, "abort", _protocol.IndexAbort(txn))]
+        yield [_index_abort(txn)]
         _raise_partial_put([*results, None], shards, groups, keys, partition_id)
-    body = _protocol.IndexCommit(partition_id, keys, list(columns), wire_tags, txn)
-    (res,) = yield [Call(INDEX, "commit", body)]
+    (res,) = yield [_index_commit(partition_id, keys, list(columns), wire_tags, txn)]
     _raise_partial_put([*results, res], shards, groups, keys, partition_id)
     _remember_schema(route, partition_id, columns)
     return _meta(keys, partition_id, _reply(res, _protocol.CommitReply))
+
+
+def _index_commit(
+    pid: str, keys: list[str], fields: list[str], tags: _protocol.Tags, txn: int | None = None
+) -> Call:
+    """The index's ``commit`` of a put: ``keys`` now hold ``fields`` and ``tags``; ``txn`` is the prepare
+    it completes (None: a put that prepared nothing, of tags only or of no keys). (The one place that
+    builds a client's index commit.)"""
+    return Call(INDEX, "commit", _protocol.IndexCommit(pid, keys, fields, tags, txn))
+
+
+def _index_abort(txn: int) -> Call:
+    """The index's ``abort`` of put ``txn``'s prepare. (The one place that builds one.)"""
+    return Call(INDEX, "abort", _protocol.IndexAbort(txn))
 
 
 ABORT_WAIT_S = 1.0  # most a failed put waits for an index that did not answer its prepare to take the abort
@@ -243,7 +255,7 @@ def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> 
     Unix lane it is in the kernel's buffer already). If it never does, the prepare expires with
     the reservations, after ``reservation_timeout_s``.
     """
-    index_abort = Call(INDEX, "abort", _protocol.IndexAbort(txn))
+    index_abort = _index_abort(txn)
     answered = _ok(prepared) or not isinstance(prepared, ShardUnavailableError)
     if answered:  # (even refused: the index is answering, so its abort goes with the shards')
         aborts = [*aborts, index_abort]
