@@ -209,7 +209,7 @@ class _Shards:
     """One Ray call on every shard actor (shard ``i`` gets ``args[i]``)."""
 
     method: str
-    args: list[tuple]
+    args: list[tuple[Any, ...]]
     path: str
 
 
@@ -267,6 +267,7 @@ class _Driver:
 def _run(make: Any, timeout_s: float) -> CheckpointInfo:
     d = _Driver(make, timeout_s)
     while d.step is not None:
+        outcome: tuple[Any, BaseException | None]
         try:
             outcome = (_do(d), None)
         except BaseException as exc:  # noqa: BLE001 - thrown into the flow, which cleans up and re-raises
@@ -374,10 +375,10 @@ def _save_flow(
         saved = yield _Index("checkpoint_save", _protocol.CheckpointSave(tmp, token))
         try:
             args = [(tmp, token, num, saved.file)] * num
-            results = yield _Shards("checkpoint_save", args, final)
+            results: list[_protocol.ShardSaveReply] = yield _Shards("checkpoint_save", args, final)
             missing: dict[str, list[str]] = {}
             for r in results:
-                for pid, keys in r["missing"].items():
+                for pid, keys in r.missing.items():
                     missing.setdefault(pid, []).extend(keys)
             done = yield _Index("checkpoint_finish", _protocol.CheckpointFinish(saved.save, missing))
         except BaseException:
@@ -386,8 +387,8 @@ def _save_flow(
         os.unlink(os.path.join(tmp, token))
         files = {INDEX_FILE: done.file}
         for r in results:
-            files.update(r["files"])
-        data_bytes = sum(r["bytes"] for r in results)
+            files.update(r.files)
+        data_bytes = sum(r.bytes for r in results)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -529,7 +530,7 @@ def _load_flow(checkpoint_dir: Any, overwrite: bool, num: int, timeout_s: float,
                 "nothing was loaded. Clear them first (dp.clear_partition), or pass overwrite=True",
             )
         args = [(final, load, num, files, manifest["num_shards"], timeout_s)] * num
-        results = yield _Shards("checkpoint_stage", args, final)
+        results: list[_protocol.ShardStageReply] = yield _Shards("checkpoint_stage", args, final)
         yield _Shards("checkpoint_commit", [(load,)] * num, final)
         try:
             yield _Index("checkpoint_install", _protocol.CheckpointInstall(load, overwrite))
@@ -543,7 +544,7 @@ def _load_flow(checkpoint_dir: Any, overwrite: bool, num: int, timeout_s: float,
         yield from _quietly(_Shards("checkpoint_finish", [(load, False)] * num, final))
         yield from _quietly(_Index("checkpoint_drop", _protocol.CheckpointDrop(load)))
         raise
-    data_bytes = sum(r["bytes"] for r in results)
+    data_bytes = sum(r.bytes for r in results)
     elapsed = time.monotonic() - started
     return CheckpointInfo(final, staged.partitions, data_bytes, count.bytes, manifest["metadata"], elapsed)
 
@@ -563,7 +564,7 @@ def _read_manifest(final: str, count: _Counter) -> dict[str, Any]:
         ) from None
     count.add(raw)
     try:
-        manifest = json.loads(raw)
+        manifest: dict[str, Any] = json.loads(raw)
         checksum = manifest.pop("checksum")
         intact = zlib.crc32(json.dumps(manifest, sort_keys=True).encode()) == checksum
     except (ValueError, KeyError, TypeError, AttributeError):

@@ -454,12 +454,12 @@ class ShardActor:
     # while the files are written or read; the actor runs one at a time.
     def checkpoint_save(
         self, path: str, token: str, num_shards: int, index_file: dict[str, int]
-    ) -> dict[str, Any]:
+    ) -> _protocol.ShardSaveReply:
         return self.checkpoints.save(path, token, num_shards, index_file)
 
     def checkpoint_stage(
         self, path: str, load: int, num_shards: int, files: _Files, saved_shards: int, timeout_s: float
-    ) -> dict[str, Any]:
+    ) -> _protocol.ShardStageReply:
         return self.checkpoints.stage(path, load, num_shards, files, saved_shards, timeout_s)
 
     def checkpoint_commit(self, load: int) -> bool:

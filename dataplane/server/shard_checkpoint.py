@@ -65,7 +65,7 @@ from dataplane.server.segments import ShmFile
 from dataplane.server.shard import Segment, ShardCore, _Partition
 from dataplane.wire.frames import column_from_wire, column_to_wire
 from dataplane.wire.placement import shard_of
-from dataplane.wire.protocol import WireColumn
+from dataplane.wire.protocol import FileEntry, ShardSaveReply, ShardStageReply, WireColumn
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ShardCheckpoints:
         return out
 
     # ---- save -----------------------------------------------------------------------------------
-    def save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> dict[str, Any]:
+    def save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> ShardSaveReply:
         """Write this shard's rows of the index's snapshot into ``path``; returns its files' manifest
         entries, rows saved per partition, and the keys it no longer held (``missing``)."""
         dir_fd = open_dir(path, token, self.who)
@@ -166,7 +166,7 @@ class ShardCheckpoints:
             os.close(dir_fd)
             raise
         try:
-            out = self._write(dir_fd, plan)
+            files, size = self._write(dir_fd, plan)
         except OSError as exc:
             raise CheckpointError(
                 path,
@@ -178,8 +178,8 @@ class ShardCheckpoints:
             with self.lock:
                 for seg in pinned:
                     self.core._unref(seg)
-        out["missing"] = missing
-        return out
+        rows = {pid: len(keys) for pid, keys, _ in plan}
+        return ShardSaveReply(files, rows, size, missing)
 
     def _pin(
         self, mine: dict[str, dict[str, list[str]]]
@@ -207,7 +207,9 @@ class ShardCheckpoints:
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
-    def _write(self, dir_fd: int, plan: list[_PartPlan]) -> dict[str, Any]:
+    def _write(self, dir_fd: int, plan: list[_PartPlan]) -> tuple[dict[str, FileEntry], int]:
+        """Write ``plan``'s rows into this shard's data file, then its manifest: their manifest
+        entries, and the data file's size."""
         man_name, bin_name = shard_files(self.core.shard_id)
         writer = DataWriter(bin_name, dir_fd)
         try:
@@ -231,11 +233,7 @@ class ShardCheckpoints:
             writer.abandon()
         manifest = {"version": VERSION, "shard": self.core.shard_id, "data": size, "partitions": parts}
         entry = write_small(man_name, msgspec.msgpack.encode(manifest), dir_fd)
-        return {
-            "files": {man_name: entry, bin_name: {"bytes": size}},
-            "rows": {pid: len(keys) for pid, keys, _ in plan},
-            "bytes": size,
-        }
+        return {man_name: entry, bin_name: {"bytes": size}}, size
 
     # ---- load -----------------------------------------------------------------------------------
     def stage(
@@ -246,7 +244,7 @@ class ShardCheckpoints:
         files: dict[str, Any],
         saved_shards: int,
         timeout_s: float,
-    ) -> dict[str, Any]:
+    ) -> ShardStageReply:
         """Read this shard's rows of the checkpoint at ``path`` (saved by a store of ``saved_shards``)
         into partitions built aside; ``CheckpointError`` naming the file when anything is wrong."""
         expect = self._mine(path, _entry(files, INDEX_FILE, path), num_shards)
@@ -283,7 +281,7 @@ class ShardCheckpoints:
             self._loads = {k: v for k, v in self._loads.items() if v.committed}
             self._loads[load] = staged
         rows = {pid: len(part.rows) for pid, part in staged.parts.items()}
-        return {"rows": rows, "bytes": sum(seg.nbytes for seg in staged.segs)}
+        return ShardStageReply(rows, sum(seg.nbytes for seg in staged.segs))
 
     def _reserve(self, need: int, path: str) -> None:
         try:

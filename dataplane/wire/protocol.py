@@ -536,6 +536,28 @@ class CheckpointStageReply(_Reply):
     existing: list[str]
 
 
+# What a shard answers the checkpoint's Ray calls (``ShardActor.checkpoint_save`` / ``checkpoint_stage``,
+# read by ``dataplane.checkpoint``): not wire ops (the shard's request loop keeps serving while a
+# checkpoint's files are written or read), but typed here all the same, so mypy checks both ends.
+
+
+class ShardSaveReply(_Reply):
+    """A shard's part of a save: its files' manifest entries, its rows saved per partition, the bytes
+    of its data file, and the keys of the index's snapshot it no longer held (cleared meanwhile)."""
+
+    files: dict[str, FileEntry]
+    rows: dict[str, int]
+    bytes: int
+    missing: dict[str, list[str]]
+
+
+class ShardStageReply(_Reply):
+    """A shard's part of a load, staged aside: its rows per partition and the bytes they take."""
+
+    rows: dict[str, int]
+    bytes: int
+
+
 SHARD_REPLIES: dict[str, type[msgspec.Struct]] = {
     "reserve": ReserveReply,
     "put_ready": PutReadyReply,
