@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -27,6 +27,7 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
 from dataplane.wire.liveness import Liveness
 from dataplane.wire.policy import DEAD, GiveUp
+from dataplane.wire.protocol import MAX_FRAMES
 from dataplane.wire.shm import fd_limit_error
 
 # Plain ints: pyzmq's flag enums cost microseconds per operation, and a small request pays several.
@@ -35,8 +36,11 @@ NOBLOCK = int(zmq.NOBLOCK)
 EVENTS = int(zmq.EVENTS)
 _SNDMORE = int(zmq.SNDMORE)
 
+S = TypeVar("S", bound=zmq.Socket[Any])  # a context's sockets: blocking, or ``zmq.asyncio``'s
+Connection = zmq.Socket[Any] | _unix.Conn  # a caller's connection to a target (``Endpoints.connect``)
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
     """Receive one multipart message as zero-copy ``Frame`` s.
 
     ``Socket.recv_multipart`` asks the socket (``RCVMORE``) after every frame; a received frame
@@ -51,7 +55,7 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     return frames
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+def send_frames(sock: zmq.Socket[Any], frames: list[Any], flags: int = 0) -> None:
     """Send a multipart message on a blocking (not ``zmq.asyncio``) socket: copied when small, zero-copy
     when large (``wire.frames.zero_copy``).
 
@@ -69,7 +73,7 @@ def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
 _send = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket.send
 
 
-def close_socket(sock: Any) -> None:
+def close_socket(sock: Connection) -> None:
     """Close a DEALER (dropping what it still queues) or a Unix-lane connection."""
     if type(sock) is _unix.Conn:
         sock.close()
@@ -101,7 +105,7 @@ class Endpoints:
     max_message_bytes: int = -1
     lane: bool = field(default=False, kw_only=True)
 
-    def connect(self, ctx: zmq.Context, target: int, timeout: float = 0.0) -> Any:
+    def connect(self, ctx: zmq.Context[Any], target: int, timeout: float = 0.0) -> Any:
         """A connection to ``target``: over the Unix lane when this caller uses it and the target has
         one (``ConnectionError`` when it cannot be made within ``timeout`` seconds; 0: at once, for a
         server's loop, which must never block), else a DEALER socket of ``ctx``."""
@@ -109,8 +113,9 @@ class Endpoints:
             return self.unix_conn(target, timeout)
         return self.dealer(ctx, target)
 
-    def dealer(self, ctx: zmq.Context, target: int) -> zmq.Socket:
-        """An authenticated DEALER socket of ``ctx`` connected to ``target``."""
+    def dealer(self, ctx: zmq.Context[S], target: int) -> S:
+        """An authenticated DEALER socket of ``ctx`` (of its kind: blocking or asyncio) connected to
+        ``target``."""
         ep = self.endpoints[target]
         try:
             sock = ctx.socket(zmq.DEALER)
@@ -133,7 +138,7 @@ class Endpoints:
             return _unix.connect(
                 ep.unix,
                 self.creds.secret,
-                max_frames=_wire.MAX_FRAMES + 1,
+                max_frames=MAX_FRAMES + 1,
                 max_bytes=self.max_message_bytes,
                 timeout=timeout,
             )

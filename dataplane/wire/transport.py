@@ -37,7 +37,16 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import unix as _unix
 from dataplane.wire.policy import DEAD, GiveUp, Probe, RequestPolicy, poll_ms
 from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
-from dataplane.wire.sockets import EVENTS, NOBLOCK, POLLIN, Endpoints, close_socket, recv_frames, send_frames
+from dataplane.wire.sockets import (
+    EVENTS,
+    NOBLOCK,
+    POLLIN,
+    Connection,
+    Endpoints,
+    close_socket,
+    recv_frames,
+    send_frames,
+)
 
 _forks = [0]  # bumped in a forked child: the sockets it inherited are its parent's, never to be used
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
@@ -51,13 +60,13 @@ class SyncTransport(Endpoints):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, lane=True, **kwargs)
-        self._ctx = zmq.Context.instance()
-        self._idle: list[dict[int, zmq.Socket]] = []
+        self._ctx: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
+        self._idle: list[dict[int, Connection]] = []
         self._lock = threading.Lock()
         self._closed = False
         self._forks = _forks[0]
 
-    def _checkout(self) -> dict[int, zmq.Socket]:
+    def _checkout(self) -> dict[int, Connection]:
         with self._lock:
             if self._forks != _forks[0]:  # a forked child: its parent's connections stay its parent's
                 for socks in self._idle:  # (closing a copy of a Unix-lane socket leaves the parent's
@@ -67,7 +76,7 @@ class SyncTransport(Endpoints):
                 self._forks, self._idle = _forks[0], []
             return self._idle.pop() if self._idle else {}
 
-    def _checkin(self, socks: dict[int, zmq.Socket]) -> None:
+    def _checkin(self, socks: dict[int, Connection]) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < MAX_IDLE_SETS:
                 self._idle.append(socks)
@@ -207,7 +216,7 @@ class SyncTransport(Endpoints):
                         results[at[rid]] = result
         return results  # type: ignore[return-value]
 
-    def _call_one(self, socks: dict[int, zmq.Socket], c: Call, timeout: float) -> Result:
+    def _call_one(self, socks: dict[int, Connection], c: Call, timeout: float) -> Result:
         """``_call_many`` of one call (most operations' every step), with no poller object: one socket
         polled directly, and no socket query at all once the reply is in."""
         policy = RequestPolicy(self.liveness.known)
@@ -263,10 +272,10 @@ class SyncTransport(Endpoints):
     @staticmethod
     def _forget(
         poller: zmq.Poller,
-        targets: dict,
+        targets: dict[Any, int],
         policy: RequestPolicy,
         at: dict[int, int],
-        results: list,
+        results: list[Result | None],
         target: int,
         exc: Any,
     ) -> None:
@@ -282,7 +291,7 @@ class SyncTransport(Endpoints):
                 results[at[rid]] = exc
 
     @staticmethod
-    def _drop(socks: dict, poller: zmq.Poller | None, target: int) -> None:
+    def _drop(socks: dict[int, Connection], poller: zmq.Poller | None, target: int) -> None:
         sock = socks.pop(target, None)
         if sock is not None:
             if poller is not None:
@@ -309,7 +318,7 @@ def _handle(sock: Any) -> Any:
 class _AsyncChannel:
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self.sock = sock
-        self.futures: dict[int, asyncio.Future] = {}
+        self.futures: dict[int, asyncio.Future[Result | None]] = {}  # None: the channel was closed
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
@@ -334,7 +343,9 @@ class AsyncTransport(Endpoints):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ctx = zmq.asyncio.Context.instance()
-        self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _AsyncChannel]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _channel(self, target: int) -> _AsyncChannel:
         loop = asyncio.get_running_loop()
@@ -390,7 +401,7 @@ class AsyncTransport(Endpoints):
     ) -> Result:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        fut = loop.create_future()
+        fut: asyncio.Future[Result | None] = loop.create_future()
         ch.futures[rid] = fut  # the channel's reader drops a reply to a request no longer here (late)
         try:
             frames = _wire.encode_request(rid, c.op, c.body, c.bufs)
