@@ -94,7 +94,7 @@ def test_error_crosses_the_wire_as_itself(cls: type) -> None:
     declared = set(cls.wire_attrs)
     public = {k for k in err.__dict__ if not k.startswith("_")}
     assert public == declared, f"{cls.__qualname__} sets {sorted(public)} but declares {sorted(declared)}"
-    rep, _ = _wire.decode_reply(_wire.encode_error(3, err))
+    rep, _ = _wire.decode_raw_reply(_wire.encode_error(3, err))
     back = _wire.rebuild_error(rep.error)
     assert type(back) is cls and str(back) == str(err)
     assert {a: getattr(back, a) for a in cls.wire_attrs} == {a: getattr(err, a) for a in cls.wire_attrs}

@@ -260,7 +260,7 @@ class ShardServer(RequestServer):
             why = WireError(f"the shard failed to read the index's answer to this put ({exc!r})")
             self._not_ready([f for f in items if not f.answered], why)
 
-    def _settle(self, items: list[_Forward], rep: _wire.Reply | _wire.RawReply) -> None:
+    def _settle(self, items: list[_Forward], rep: _wire.RawReply) -> None:
         """Answer the writers of one ``commits`` request from the index's reply."""
         if rep.error is not None:  # the whole request was refused: the index recorded none of it
             self._refuse(items, _rebuild(rep.error))

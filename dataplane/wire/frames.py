@@ -1,10 +1,10 @@
 """The wire format: one msgpack header frame plus N raw buffer frames (sent with ``copy=False``).
 
 A request is ``[header, buf0, buf1, ...]`` where the header is a ``Request`` struct (request id,
-operation name, a plain-typed body, protocol version); a reply is ``[header, buf0, ...]`` with a
-``Reply`` struct that echoes the request id, so a reply is matched to its request by id, never by
-arrival order. Column buffers are referenced from the body by frame index, so tensor bytes never
-pass through msgpack and never through pickle.
+operation name, a plain-typed body, protocol version); a reply is ``[header, buf0, ...]`` whose
+header (``RawReply`` as a client reads it) echoes the request id, so a reply is matched to its request
+by id, never by arrival order. Column buffers are referenced from the body by frame index, so tensor
+bytes never pass through msgpack and never through pickle.
 
 Versions: every header ends with ``PROTOCOL_VERSION``. The envelope (``[rid, op, body, version]``
 and ``[rid, body, error, version]``) is the one part every version keeps, so a peer of any version
@@ -64,16 +64,6 @@ class _RawRequest(msgspec.Struct, array_like=True):
     version: int = 1  # absent: a peer from before the version was sent
 
 
-class Reply(msgspec.Struct, array_like=True, gc=False):
-    """Header frame of a reply as ``decode_reply`` reads it (the body a plain dict); ``error`` is
-    ``[class name, message, attrs]`` or None."""
-
-    rid: int
-    body: dict[str, Any]
-    error: list[Any] | None = None
-    version: int = 1  # absent: a peer from before the version was sent (encoders pass PROTOCOL_VERSION)
-
-
 class _OutReply(msgspec.Struct, array_like=True, gc=False):
     """Header frame of a reply as a server encodes it: the body is the op's reply struct, which msgpack
     carries as a map of its fields (those at their default left out, as the client's struct reads them
@@ -87,12 +77,13 @@ class _OutReply(msgspec.Struct, array_like=True, gc=False):
 
 class RawReply(msgspec.Struct, array_like=True, gc=False):
     """A reply header as a client decodes it (``decode_raw_reply``): the body stays raw until the
-    operation that asked reads it as its op's reply struct (``wire.requests.reply``)."""
+    operation that asked reads it as its op's reply struct (``wire.requests.reply``); ``error`` is
+    ``[class name, message, attrs]`` or None."""
 
     rid: int
     body: msgspec.Raw
     error: list[Any] | None = None
-    version: int = 1
+    version: int = 1  # absent: a peer from before the version was sent (encoders pass PROTOCOL_VERSION)
 
 
 class _ReplyEnvelope(msgspec.Struct, array_like=True):
@@ -106,7 +97,6 @@ class _ReplyEnvelope(msgspec.Struct, array_like=True):
 
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = decoder(_RawRequest)
-_rep_dec = decoder(Reply)
 _raw_rep_dec = decoder(RawReply)
 _envelope_dec = decoder(_ReplyEnvelope)
 
@@ -189,25 +179,20 @@ def _version_error(client: int, service: int, who: str) -> ProtocolVersionError:
     )
 
 
-def decode_reply(frames: list[Any]) -> tuple[Reply, list[memoryview]]:
-    """Parse a reply's frames (its body as a plain dict); does not raise for a remote error (see
-    ``rebuild_error``).
+_EMPTY_BODY = msgspec.Raw(msgspec.msgpack.encode({}))
+
+
+def decode_raw_reply(frames: list[Any]) -> tuple[RawReply, list[memoryview]]:
+    """Parse a reply's frames: its header, the body left raw for the caller to read as its op's reply
+    struct (``wire.requests.reply``), and zero-copy views of its buffers. Does not raise for a remote
+    error (see ``rebuild_error``).
 
     A reply of another protocol version is not read past its envelope: it comes back as a
-    ``ProtocolVersionError`` reply to the same request id, so the call fails at once.
+    ``ProtocolVersionError`` reply to the same request id (an empty body, no buffers), so the call
+    fails at once.
     """
-    return _decode_reply(frames, _rep_dec)
-
-
-def decode_raw_reply(frames: list[Any]) -> tuple[Reply | RawReply, list[memoryview]]:
-    """``decode_reply`` with the body left raw (``RawReply``), for the caller to read as its op's
-    reply struct."""
-    return _decode_reply(frames, _raw_rep_dec)
-
-
-def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder[Any]) -> tuple[Any, list[memoryview]]:
     try:
-        rep, bufs = _decode(frames, decoder, "empty reply", "reply")
+        rep, bufs = _decode(frames, _raw_rep_dec, "empty reply", "reply")
     except WireError:
         # Only on this error path: the envelope of a reply whose body another version laid out.
         try:
@@ -218,7 +203,7 @@ def _decode_reply(frames: list[Any], decoder: msgspec.msgpack.Decoder[Any]) -> t
             raise
     if rep.version != PROTOCOL_VERSION:
         err = _version_error(PROTOCOL_VERSION, rep.version, "the service")
-        return Reply(rep.rid, {}, error_fields(err), PROTOCOL_VERSION), []
+        return RawReply(rep.rid, _EMPTY_BODY, error_fields(err), PROTOCOL_VERSION), []
     return rep, bufs
 
 
@@ -377,14 +362,12 @@ __all__ = [
     "Handler",
     "answer",
     "RawReply",
-    "Reply",
     "Request",
     "array_from_wire",
     "array_to_wire",
     "column_from_wire",
     "column_to_wire",
     "decode_raw_reply",
-    "decode_reply",
     "decode_request",
     "encode_error",
     "encode_reply",

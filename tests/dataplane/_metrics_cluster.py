@@ -84,7 +84,7 @@ def refused_traffic(registry: dict) -> None:
     for req in requests:
         good.send_multipart(req)
         assert good.poll(30_000), "the index did not answer a refused request"
-        reply, _ = frames.decode_reply(good.recv_multipart())
+        reply, _ = frames.decode_raw_reply(good.recv_multipart())
         assert reply.error is not None, reply
     good.close()
 

@@ -197,10 +197,11 @@ def raw_unix_socket(registry: dict, target: str = "index") -> UnixDealer:
 
 
 def request(sock, op: str, body: dict, frames=(), rid: int = 7, timeout_ms: int = 10_000):
-    """Send one request on a raw socket; the decoded reply header and frames, or None if no reply came."""
+    """Send one request on a raw socket; the reply header (its body raw, read by ``wire.requests.reply``)
+    and frames, or None if no reply came."""
     from dataplane.wire import frames as _wire
 
     sock.send_multipart(_wire.encode_request(rid, op, body, list(frames)))
     if not sock.poll(timeout_ms):
         return None
-    return _wire.decode_reply(sock.recv_multipart())
+    return _wire.decode_raw_reply(sock.recv_multipart())

@@ -5,7 +5,8 @@ every message it receives (``RequestServer``),
 so driving it with hostile frames checks what any authenticated peer can do to a shard or the index:
 random bytes, and valid requests (the bodies the client sends) whose header, body or frames are
 mutated. For every case: ``answer`` returns (never raises) reply frames that decode, echoing the
-request id whenever the header decoded; every error reply names a typed ``dataplane.errors`` class
+request id whenever the header decoded; every other reply reads back as its op's reply struct, as a
+client reads it (``wire.requests.reply``); every error reply names a typed ``dataplane.errors`` class
 (an untyped internal exception leaking through as a bare ``DataplaneError`` is a failure); an error
 reply changes nothing (except that a failed commit gives its reservation back); and the core's
 bookkeeping stays exact (``_check_shard`` / ``_check_index``).
@@ -37,6 +38,7 @@ from dataplane.server.index import IndexCore
 from dataplane.server.shard import ShardCore
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
+from dataplane.wire.requests import reply
 
 SEED = 20250117
 BUDGET_S = 3.0
@@ -641,22 +643,24 @@ def _internal(error: list) -> bool:
     return error[0] == "DataplaneError"
 
 
-def _check_reply(frames: list[bytes], rid: int, out: list) -> Any:
+def _check_reply(core: Any, frames: list[bytes], rid: int, out: list) -> Any:
     try:
-        expect = _wire.decode_request(frames)[0].rid
+        req = _wire.decode_request(frames)[0]
+        expect, op = req.rid, req.op
     except errors.DataplaneError:
-        expect = -1
-    rep, bufs = _wire.decode_reply(out)
+        expect, op = -1, None
+    rep, bufs = _wire.decode_raw_reply(out)
     assert rid == expect and rep.rid == expect, f"reply rid {rid}/{rep.rid}, request rid {expect}"
     if rep.error is not None:
         name = rep.error[0]
         cls = getattr(errors, name, None) if type(name) is str else None
         assert isinstance(cls, type) and issubclass(cls, errors.DataplaneError), f"error class {name!r}"
         assert len(rep.error) == 3 and isinstance(rep.error[1], str), rep.error
-    else:
-        for entry in rep.body.get("fields", {}).values() if isinstance(rep.body.get("fields"), dict) else ():
-            if entry["t"] == "z":  # a gathered column: must be a valid one
-                _wire.column_from_wire(entry["col"], bufs).check("<reply>")
+        return rep
+    typed = reply(rep.body, core.REPLIES[op])  # an answer reads back as its op's reply struct
+    for rows in typed.fields.values() if isinstance(typed, _protocol.GetReply) else ():
+        if isinstance(rows, _protocol.InlineRows):  # a gathered column: must be a valid one
+            _wire.column_from_wire(rows.col, bufs).check("<reply>")
     return rep
 
 
@@ -690,7 +694,7 @@ def _fuzz(
             except BaseException as exc:
                 pytest.fail(f"case {cases} ({kind}): answer raised {exc!r} for frames {frames!r:.600}")
             try:
-                rep = _check_reply(frames, rid, out)
+                rep = _check_reply(core, frames, rid, out)
             except AssertionError as exc:
                 pytest.fail(f"case {cases} ({kind}): bad reply: {exc}; frames {frames!r:.600}")
             kinds[kind + (" err" if rep.error else " ok")] += 1
@@ -706,7 +710,7 @@ def _fuzz(
             if problems:
                 pytest.fail(
                     f"case {cases} ({kind}, seed {seed}): {problems}; reply "
-                    f"{rep.error or rep.body!r:.300}; frames {frames!r:.600}"
+                    f"{rep.error or bytes(rep.body)!r:.300}; frames {frames!r:.600}"
                 )
     finally:
         if isinstance(core, ShardCore):
@@ -753,7 +757,12 @@ def test_fuzz_index():
 
 def _call(core: Any, op: str, body: dict, frames: list | None = None, max_frames: int = _wire.MAX_FRAMES):
     _, out = _answer(core, _wire.encode_request(1, op, body, frames or []), max_frames)
-    return _wire.decode_reply(out)[0]
+    return _wire.decode_raw_reply(out)[0]
+
+
+def _resv(rep: Any) -> int:
+    """The reservation a successful ``reserve`` reply names."""
+    return reply(rep.body, _protocol.ReserveReply).resv
 
 
 def test_regression_zero_key_commit_leaks():
@@ -774,7 +783,7 @@ def test_regression_zero_key_commit_leaks():
         }
         rep = _call(core, "reserve", {"pid": "p", "keys": [], "fields": fields}, [b"", _offsets([])])
         if rep.error is None:  # refused outright is a fix too
-            _call(core, "commit", {"resv": rep.body["resv"]})
+            _call(core, "commit", {"resv": _resv(rep)})
         _call(core, "clear_partition", {"pid": "p"})
         st = core.stats()
         assert not _check_shard(core), _check_shard(core)
@@ -794,7 +803,7 @@ def test_regression_get_of_no_keys_with_fields():
         col = {"spec": ["dense", "uint8", [1]], "rows": 1, "data": 0}
         fields = {"x": {"spec": ["dense", "uint8", [1]], "nbytes": 1, "col": col}}
         rep = _call(core, "reserve", {"pid": "p", "keys": ["a"], "fields": fields}, [b"z"])
-        assert _call(core, "commit", {"resv": rep.body["resv"]}).error is None
+        assert _call(core, "commit", {"resv": _resv(rep)}).error is None
         for shm in (False, True):
             rep = _call(core, "get", {"pid": "p", "keys": [], "fields": ["x"], "shm": shm})
             assert rep.error is None or not _internal(rep.error), rep.error
@@ -813,7 +822,8 @@ def test_regression_index_commit_with_a_txn_of_another_partition():
     """
     core = IndexCore()
     spec = {"x": ["dense", "float32", []]}
-    txn = _call(core, "prepare", {"pid": "a", "specs": spec, "txn": 1}, max_frames=0).body["txn"]
+    prepared = _call(core, "prepare", {"pid": "a", "specs": spec, "txn": 1}, max_frames=0)
+    txn = reply(prepared.body, _protocol.PrepareReply).txn
     _call(core, "commit", {"pid": "b", "keys": ["k"], "fields": ["x"], "txn": txn}, max_frames=0)
     assert not _check_index(core), _check_index(core)
 
@@ -841,7 +851,7 @@ def test_regression_huge_jagged_row_overflows():
             core, "reserve", {"pid": "p", "keys": ["a"], "fields": {"j": {"spec": spec, "nbytes": 8}}}
         )
         if rep.error is None:
-            rep = _call(core, "commit", {"resv": rep.body["resv"], "offsets": {"j": 0}}, [_offsets([8])])
+            rep = _call(core, "commit", {"resv": _resv(rep), "offsets": {"j": 0}}, [_offsets([8])])
         if rep.error is None or _internal(rep.error):
             problems.append(f"shared-memory commit: {rep.error}")
         if core.stats().bytes_reserved:
@@ -855,18 +865,18 @@ def test_regression_invalid_utf8_is_untyped():
     """msgspec raises ``UnicodeDecodeError`` (not ``msgspec.DecodeError``) for a msgpack str that is
     not UTF-8. Neither ``wire.frames._decode`` nor ``wire.protocol.decode_body`` catches it, so the peer
     gets a bare ``DataplaneError("UnicodeDecodeError: ...")`` instead of a ``WireError`` (and a client
-    decoding such a reply would get a raw UnicodeDecodeError out of ``wire.frames.decode_reply``).
+    decoding such a reply would get a raw UnicodeDecodeError out of ``wire.frames``' reply decoding).
     """
     core = ShardCore(0, capacity_bytes=CAPACITY)
     try:
         bad_header = b"\x93\x07\xa4pi\xf4g\x80"  # [7, <invalid utf-8>, {}]
         _, out = _answer(core, [bad_header])
-        rep = _wire.decode_reply(out)[0]
+        rep = _wire.decode_raw_reply(out)[0]
         assert rep.error[0] == "WireError", rep.error
         # [7, "clear_partition", {"pid": <invalid utf-8>}, version]
         bad_body = b"\x94\x07\xafclear_partition\x81\xa3pid\xa2\xf4g" + bytes([_wire.PROTOCOL_VERSION])
         _, out = _answer(core, [bad_body])
-        rep = _wire.decode_reply(out)[0]
+        rep = _wire.decode_raw_reply(out)[0]
         assert rep.rid == 7 and rep.error[0] == "WireError", rep.error
     finally:
         core.close()

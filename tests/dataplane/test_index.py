@@ -176,12 +176,12 @@ def test_wire_frames_are_zero_copy_and_errors_round_trip():
     back = _wire.column_from_wire(msgspec.msgpack.decode(req.body)["x"], got)
     assert np.shares_memory(np.frombuffer(back.data, np.uint8), x.numpy())
     err = KeyNotFoundError("k", "p")
-    rep, _ = _wire.decode_reply(_wire.encode_error(9, err))
+    rep, _ = _wire.decode_raw_reply(_wire.encode_error(9, err))
     again = _wire.rebuild_error(rep.error)
     assert isinstance(again, KeyNotFoundError) and again.key == "k" and again.partition_id == "p"
-    rep, _ = _wire.decode_reply(_wire.encode_error(9, ShardUnavailableError("s-1", "gone")))
+    rep, _ = _wire.decode_raw_reply(_wire.encode_error(9, ShardUnavailableError("s-1", "gone")))
     assert _wire.rebuild_error(rep.error).shard == "s-1"
-    rep, _ = _wire.decode_reply(_wire.encode_error(9, RuntimeError("boom")))
+    rep, _ = _wire.decode_raw_reply(_wire.encode_error(9, RuntimeError("boom")))
     assert "RuntimeError: boom" in str(_wire.rebuild_error(rep.error))
     with pytest.raises(_wire.WireError):
         _wire.decode_request([b"\xff\x00garbage"])

@@ -28,8 +28,10 @@ from dataplane.server.index_actor import IndexServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 from dataplane.wire.auth import Credentials, secure_client
 from dataplane.wire.liveness import process_start
+from dataplane.wire.requests import reply
 from dataplane.wire.shm import boot_id
 
 from .conftest import wait_for
@@ -103,13 +105,14 @@ def _dealer(ctx: zmq.Context, creds: Credentials, server: Any) -> zmq.Socket:
     return sock
 
 
-def _ask(sock: zmq.Socket, op: str, body: dict, frames: list | None = None) -> _wire.Reply:
-    """One request; its reply (a reply to an earlier request is skipped), within the deadline."""
+def _ask(sock: zmq.Socket, op: str, body: dict, frames: list | None = None) -> _wire.RawReply:
+    """One request; its reply header, the body raw as a client receives it (a reply to an earlier
+    request is skipped), within the deadline."""
     rid = next(_rids)
     sock.send_multipart(_wire.encode_request(rid, op, body, frames or []))
     while True:
         assert sock.poll(REPLY_MS), f"no reply to {op!r} within {REPLY_MS} ms: the server stopped serving"
-        rep = _wire.decode_reply(sock.recv_multipart())[0]
+        rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
         if rep.rid == rid:
             return rep
 
@@ -150,7 +153,7 @@ def _index_serves(sock: zmq.Socket) -> None:
     assert rep.error is not None and rep.error[0] == "BatchTimeoutError", rep
     assert _ask(sock, "commit", {"pid": pid, "keys": ["b"], "fields": ["x"]}).error is None
     rep = _ask(sock, "next", _next(pid))
-    assert rep.error is None and sorted(rep.body["keys"]) == ["a", "b"], rep
+    assert rep.error is None and sorted(reply(rep.body, _protocol.BatchReply).keys) == ["a", "b"], rep
 
 
 def test_an_index_handler_that_raises_gets_its_request_a_typed_error(index, ctx, creds, monkeypatch):
@@ -196,7 +199,7 @@ def test_a_deadline_that_fails_to_expire_is_answered_with_the_error(index, ctx, 
 # ---- a shard and its link to the index --------------------------------------------------------
 
 
-def _put_ready(sock: zmq.Socket, pid: str, key: str) -> _wire.Reply:
+def _put_ready(sock: zmq.Socket, pid: str, key: str) -> _wire.RawReply:
     spec = ["dense", "float32", [2]]
     col = {"spec": spec, "rows": 1, "data": 0}
     body = {"pid": pid, "keys": [key], "fields": {"x": {"spec": spec, "nbytes": 8, "col": col}}, "tags": None}
@@ -208,12 +211,21 @@ def _shard_serves(sock: zmq.Socket, index_sock: zmq.Socket) -> None:
     assert _ask(sock, "stats", {}).error is None
     pid = f"p-{uuid.uuid4().hex[:6]}"
     rep = _put_ready(sock, pid, "k")
-    assert rep.error is None and "index_error" not in rep.body, rep
-    assert _ask(index_sock, "list", {"pid": pid}).body["list"] == {pid: {"k": {}}}
+    assert rep.error is None and _index_error(rep) is None, rep
+    assert _listed(index_sock, pid) == {pid: {"k": {}}}
 
 
 def _used(sock: zmq.Socket) -> int:
-    return _ask(sock, "stats", {}).body["bytes_used"]
+    return reply(_ask(sock, "stats", {}).body, _protocol.ShardStatsReply).bytes_used
+
+
+def _listed(index_sock: zmq.Socket, pid: str) -> dict[str, dict[str, Any]]:
+    return reply(_ask(index_sock, "list", {"pid": pid}).body, _protocol.ListReply).list
+
+
+def _index_error(rep: _wire.RawReply) -> list[Any] | None:
+    """Why a ``put_ready`` stored its rows without knowing whether the index recorded them (None: it did)."""
+    return reply(rep.body, _protocol.PutReadyReply).index_error
 
 
 def test_a_shard_handler_or_tick_that_raises_does_not_stop_the_shard(shard, index, ctx, creds, monkeypatch):
@@ -236,7 +248,7 @@ def test_a_commit_that_fails_to_reach_the_index_is_refused_and_taken_back(
     rep = _put_ready(sock, "refused", "k")
     assert rep.error is not None and "injected" in rep.error[1], rep
     assert _used(sock) == used, "a put the index never saw kept its rows"
-    assert _ask(index_sock, "list", {"pid": "refused"}).body["list"] == {}
+    assert _listed(index_sock, "refused") == {}
     _shard_serves(sock, index_sock)
 
 
@@ -248,8 +260,8 @@ def test_a_failure_with_a_commit_in_flight_answers_its_writer(shard, index, ctx,
     left = _fault(monkeypatch, shard, step)
     rep = _put_ready(sock, "in-flight", "k")
     assert left == [0], f"{step} was not reached"
-    assert rep.error is None and "index_error" in rep.body, rep
-    assert "injected" in rep.body["index_error"][1], rep.body
+    assert rep.error is None and _index_error(rep) is not None, rep
+    assert "injected" in _index_error(rep)[1], rep
     _shard_serves(sock, index_sock)
 
 
@@ -261,6 +273,6 @@ def test_a_link_whose_reply_cannot_be_read_answers_its_writer(creds, index, ctx,
         left = _fault(monkeypatch, shard_actor, "recv_frames")
         rep = _put_ready(sock, "unread", "k")
         assert left == [0]
-        assert rep.error is None and "index_error" in rep.body, rep
-        assert "injected" in rep.body["index_error"][1], rep.body
+        assert rep.error is None and _index_error(rep) is not None, rep
+        assert "injected" in _index_error(rep)[1], rep
         _shard_serves(sock, index_sock)

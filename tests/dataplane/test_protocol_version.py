@@ -23,8 +23,10 @@ from dataplane.server.router import RequestServer
 from dataplane.server.shard import ShardCore
 from dataplane.server.shard_actor import ShardServer
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 from dataplane.wire.auth import Credentials, secure_client
 from dataplane.wire.liveness import process_start
+from dataplane.wire.requests import decode_result, reply
 from dataplane.wire.shm import boot_id
 
 OURS = _wire.PROTOCOL_VERSION
@@ -75,9 +77,9 @@ def _header(rid: int, op: str, body: dict, version: int | None) -> bytes:
     return msgspec.msgpack.encode([rid, op, body] + ([] if version is None else [version]))
 
 
-def _reply(sock: zmq.Socket) -> _wire.Reply:
+def _reply(sock: zmq.Socket) -> _wire.RawReply:
     assert sock.poll(REPLY_MS), "no reply within the deadline"
-    return _wire.decode_reply(sock.recv_multipart())[0]
+    return _wire.decode_raw_reply(sock.recv_multipart())[0]
 
 
 def test_every_header_carries_the_version() -> None:
@@ -134,13 +136,14 @@ def test_a_header_without_a_version_is_version_1(server, creds, ctx) -> None:
 @pytest.mark.parametrize("body", [{"fields": "of another layout"}, ["a", "body", "this version cannot read"]])
 def test_a_reply_of_another_version_becomes_the_error_of_its_request(body: Any) -> None:
     frames = [msgspec.msgpack.encode([11, body, None, OTHER]), b"a buffer"]
-    rep, bufs = _wire.decode_reply(frames)
-    assert rep.rid == 11 and rep.body == {} and bufs == []
-    err = _wire.rebuild_error(rep.error)
-    assert isinstance(err, ProtocolVersionError)
+    rid, err = decode_result(frames)  # as the client reads a reply
+    assert rid == 11 and isinstance(err, ProtocolVersionError), err
     assert (err.client_version, err.service_version) == (OURS, OTHER)
-    with pytest.raises(WireError, match="undecodable reply header"):  # this version: malformed is malformed
-        _wire.decode_reply([msgspec.msgpack.encode([11, ["not", "a", "dict"], None, OURS])])
+    # this version: malformed is malformed, refused by the operation that reads it as its reply struct
+    rid, result = decode_result([msgspec.msgpack.encode([11, ["not", "a", "dict"], None, OURS])])
+    assert rid == 11 and not isinstance(result, BaseException), result
+    with pytest.raises(WireError, match="a malformed reply: not a CommitReply"):
+        reply(result[0], _protocol.CommitReply)
 
 
 class _IndexOfAnotherVersion(RequestServer):
@@ -148,8 +151,8 @@ class _IndexOfAnotherVersion(RequestServer):
 
     def _serve_one(self, sock: zmq.Socket, msg: list[Any]) -> None:
         rid = msgspec.msgpack.decode(msg[1])[0]
-        reply = msgspec.msgpack.encode([rid, {"results": [{"ok": {"fields": [], "tags": []}}]}, None, OTHER])
-        self.deliver(sock, msg[0], [reply])
+        header = msgspec.msgpack.encode([rid, {"results": [{"ok": {"fields": [], "tags": []}}]}, None, OTHER])
+        self.deliver(sock, msg[0], [header])
 
 
 def test_a_shard_refuses_a_put_its_index_answered_in_another_version(creds, ctx) -> None:
@@ -178,8 +181,8 @@ def test_a_shard_refuses_a_put_its_index_answered_in_another_version(creds, ctx)
         assert rep.rid == 12 and rep.error is not None and rep.error[0] == "ProtocolVersionError", rep
         assert f"version {OTHER}" in rep.error[1] and f"version {OURS}" in rep.error[1]
         writer.send(_header(13, "stats", {}, OURS))
-        stats = _reply(writer).body
-        assert stats["bytes_used"] == 0 and not stats["partitions"].get("p"), stats
+        stats = reply(_reply(writer).body, _protocol.ShardStatsReply)
+        assert stats.bytes_used == 0 and not stats.partitions.get("p"), stats
     finally:
         writer.close()
         shard.stop()

@@ -30,7 +30,9 @@ import zmq
 import dataplane as dp
 from dataplane.client.sharding import HashPlacement
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 from dataplane.wire.auth import Credentials, secure_client
+from dataplane.wire.requests import R, reply
 
 from .conftest import keys_on_shards, raw_socket, raw_unix_socket, start_store
 
@@ -94,24 +96,27 @@ def _dealer(endpoint: str, creds: Credentials | None = None, password: str | Non
 
 
 def _ask(sock, op: str, body: dict, frames=(), timeout_ms: int = REPLY_MS):
-    """One request with a fresh id; its reply ``(header, frames)``, or None when none came in time."""
+    """One request with a fresh id; its reply ``(header, frames)`` (the body raw, as a client receives
+    it), or None when none came in time."""
     rid = next(_rids)
     sock.send_multipart(_wire.encode_request(rid, op, body, list(frames)), copy=False)
     deadline = time.monotonic() + timeout_ms / 1000
     while (left := deadline - time.monotonic()) > 0:
         if not sock.poll(max(1, int(left * 1000))):
             break
-        rep, bufs = _wire.decode_reply(sock.recv_multipart())
+        rep, bufs = _wire.decode_raw_reply(sock.recv_multipart())
         if rep.rid == rid:  # else: a late reply to an earlier request
             return rep, bufs
     return None
 
 
-def _ok(sock, op: str, body: dict, frames=()) -> dict:
+def _ok(sock, op: str, body: dict, cls: type[R], frames=()) -> R:
+    """One request that must succeed: its reply read as ``cls``, the op's reply struct, as the client
+    reads it."""
     got = _ask(sock, op, body, frames)
     assert got is not None, f"no reply to {op!r} within {REPLY_MS} ms"
     assert got[0].error is None, got[0].error
-    return got[0].body
+    return reply(got[0].body, cls)
 
 
 def _replies_within(socks: dict[str, zmq.Socket], seconds: float) -> dict[str, int]:
@@ -197,10 +202,11 @@ def test_authenticated_raw_peer_gets_replies(store, stored):
         sock = _dealer(endpoint, creds)
         try:
             if where.startswith("index"):
-                assert _ok(sock, "list", {"pid": pid})["list"][pid].keys() == set(keys), where
+                listed = _ok(sock, "list", {"pid": pid}, _protocol.ListReply)
+                assert listed.list[pid].keys() == set(keys), where
             else:
-                body = _ok(sock, "get", {"pid": pid, "keys": [keys[0]], "fields": ["x"]})
-                assert list(body["fields"]) == ["x"], where
+                got = _ok(sock, "get", {"pid": pid, "keys": [keys[0]], "fields": ["x"]}, _protocol.GetReply)
+                assert list(got.fields) == ["x"], where
             assert _ask(sock, "stats", {}) is not None, where
         finally:
             sock.close(linger=0)
@@ -385,9 +391,9 @@ def test_reader_never_unpickles_a_peer_written_object_column(attached, pid, tmp_
     sock = raw_socket(attached, shard)
     index = raw_socket(attached, "index")
     try:
-        resv = _ok(sock, "reserve", body, [blob, offsets])["resv"]
-        _ok(sock, "commit", {"resv": resv})
-        _ok(index, "commit", {"pid": pid, "keys": [key], "fields": ["obj"]})
+        resv = _ok(sock, "reserve", body, _protocol.ReserveReply, [blob, offsets]).resv
+        _ok(sock, "commit", {"resv": resv}, _protocol.Done)
+        _ok(index, "commit", {"pid": pid, "keys": [key], "fields": ["obj"]}, _protocol.CommitReply)
         with pytest.raises(dp.SerializationError, match="obj"):
             dp.kv_batch_get([key], pid)
         with pytest.raises(dp.SerializationError):
@@ -413,9 +419,9 @@ def shard_sock(store, request):
     sock.close(linger=0)
 
 
-def _stats(sock) -> dict:
-    st = _ok(sock, "stats", {})
-    assert st["bytes_used"] >= 0 and st["bytes_reserved"] >= 0, st
+def _stats(sock) -> _protocol.ShardStatsReply:
+    st = _ok(sock, "stats", {}, _protocol.ShardStatsReply)
+    assert st.bytes_used >= 0 and st.bytes_reserved >= 0, st
     return st
 
 
@@ -427,11 +433,12 @@ def _refused(sock, op: str, body: dict, frames=(), expect=("WireError",), within
     took = time.monotonic() - t0
     assert got is not None, f"no reply to a malformed {op!r} within {within_s}s"
     rep = got[0]
-    assert rep.error is not None, f"a malformed {op!r} was accepted: {rep.body}"
+    assert rep.error is not None, f"a malformed {op!r} was accepted: {bytes(rep.body)!r}"
     assert rep.error[0] in expect, f"expected {expect}, got {rep.error[:2]}"
     after = _stats(sock)
     for k in ("bytes_used", "bytes_reserved", "partitions"):
-        assert after[k] == before[k], f"{k} changed from {before[k]} to {after[k]}"
+        was, now = getattr(before, k), getattr(after, k)
+        assert now == was, f"{k} changed from {was} to {now}"
     assert _ask(sock, "stats", {}) is not None, "the shard stopped answering"
     assert took < within_s
     return rep.error[1]
@@ -639,11 +646,11 @@ def test_undecodable_header_and_too_many_frames_are_refused(shard_sock):
     before = _stats(shard_sock)
     shard_sock.send_multipart([b"\xc1 not msgpack"])
     assert shard_sock.poll(REPLY_MS), "no reply to an undecodable header"
-    rep, _ = _wire.decode_reply(shard_sock.recv_multipart())
+    rep, _ = _wire.decode_raw_reply(shard_sock.recv_multipart())
     assert rep.rid == -1 and rep.error[0] == "WireError", rep
     _refused(shard_sock, "stats", {}, [b""] * (_wire.MAX_FRAMES + 1), ("WireError",))
     after = _stats(shard_sock)
-    assert (after["bytes_used"], after["bytes_reserved"]) == (before["bytes_used"], before["bytes_reserved"])
+    assert (after.bytes_used, after.bytes_reserved) == (before.bytes_used, before.bytes_reserved)
 
 
 @pytest.mark.parametrize(
@@ -659,9 +666,9 @@ def test_undecodable_header_and_too_many_frames_are_refused(shard_sock):
 def test_bad_commit_of_a_shared_memory_reservation_gives_it_back(shard_sock, bad, expect):
     before = _stats(shard_sock)
     body = _reserve({"s": {"spec": STR, "nbytes": 10}}, keys=("a", "b"), pid="shm-commit")
-    resv = _ok(shard_sock, "reserve", body)["resv"]
+    resv = _ok(shard_sock, "reserve", body, _protocol.ReserveReply).resv
     held = _stats(shard_sock)
-    assert held["bytes_reserved"] == before["bytes_reserved"] + 10 + 8 * 3
+    assert held.bytes_reserved == before.bytes_reserved + 10 + 8 * 3
     offsets, frames = {"s": 0}, [_i64(0, 4, 10)]  # the valid commit, then broken
     if bad == "missing":
         offsets, frames = {}, []
@@ -677,8 +684,8 @@ def test_bad_commit_of_a_shared_memory_reservation_gives_it_back(shard_sock, bad
     assert got is not None and got[0].error is not None, got
     assert got[0].error[0] == expect, got[0].error
     after = _stats(shard_sock)
-    assert after["bytes_reserved"] == before["bytes_reserved"], "the bad commit kept its reservation"
-    assert after["bytes_used"] == before["bytes_used"] and after["partitions"] == before["partitions"]
+    assert after.bytes_reserved == before.bytes_reserved, "the bad commit kept its reservation"
+    assert after.bytes_used == before.bytes_used and after.partitions == before.partitions
     _refused(
         shard_sock,
         "commit",
@@ -691,7 +698,7 @@ def test_bad_commit_of_a_shared_memory_reservation_gives_it_back(shard_sock, bad
 def test_index_refuses_malformed_metadata(store):
     sock = raw_socket(store, "index")
     try:
-        before = _ok(sock, "stats", {})
+        before = _ok(sock, "stats", {}, _protocol.IndexStatsReply)
         cases = [
             ("prepare", {"pid": "m", "specs": {"f": ["mystery", "x", []]}, "txn": 1}, ("SchemaError",)),
             (
@@ -710,7 +717,7 @@ def test_index_refuses_malformed_metadata(store):
         for op, body, expect in cases:
             got = _ask(sock, op, body)
             assert got is not None and got[0].error is not None and got[0].error[0] in expect, (op, body, got)
-        assert _ok(sock, "stats", {}) == before
+        assert _ok(sock, "stats", {}, _protocol.IndexStatsReply) == before
     finally:
         sock.close(linger=0)
 
@@ -750,8 +757,8 @@ def test_frame_over_max_message_bytes_is_dropped_and_the_server_lives(big_store)
         try:
             assert _ask(fresh, "stats", {}) is not None, f"{who} stopped serving after an oversized frame"
             if who == "shard0":
-                st = _ok(fresh, "stats", {})
-                assert st["bytes_reserved"] == 0 and st["bytes_used"] == 0, st
+                st = _ok(fresh, "stats", {}, _protocol.ShardStatsReply)
+                assert st.bytes_reserved == 0 and st.bytes_used == 0, st
         finally:
             fresh.close(linger=0)
 

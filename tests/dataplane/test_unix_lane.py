@@ -34,10 +34,11 @@ from dataplane.errors import ShardUnavailableError
 from dataplane.server.index_actor import IndexServer
 from dataplane.server.router import RequestServer
 from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
 from dataplane.wire import unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
-from dataplane.wire.requests import INDEX, Call
+from dataplane.wire.requests import INDEX, Call, reply
 from dataplane.wire.sockets import Endpoint
 from dataplane.wire.transport import SyncTransport
 
@@ -145,13 +146,14 @@ def _request(rid: int, op: str = "ping", body: dict | None = None, bufs: list[by
     return _wire_bytes([bytes(f) for f in _wire.encode_request(rid, op, body or {}, bufs or [])])
 
 
-def _replies(conn: unix.Conn, n: int) -> list[tuple[_wire.Reply, list[memoryview]]]:
-    """The next ``n`` replies on ``conn``, decoded, within the deadline."""
+def _replies(conn: unix.Conn, n: int) -> list[tuple[_wire.RawReply, list[memoryview]]]:
+    """The next ``n`` replies on ``conn``, decoded (the bodies raw, as a client receives them), within
+    the deadline."""
     got: list = []
     deadline = time.monotonic() + DEADLINE_S
     while len(got) < n:
         assert _readable(conn.sock, deadline), f"{len(got)} of {n} replies within the deadline"
-        got += [_wire.decode_reply(m) for m in conn.read()]
+        got += [_wire.decode_raw_reply(m) for m in conn.read()]
     assert len(got) == n, got
     return got
 
@@ -534,7 +536,8 @@ def test_a_hello_and_requests_in_one_send_are_all_served(index, creds) -> None:
         sock.sendall(_hello(creds.secret) + _request(11) + _request(12, "stats") + _request(13, "list", long))
         replies = [rep for rep, _ in _replies(conn, 3)]
         assert [(r.rid, r.error) for r in replies] == [(11, None), (12, None), (13, None)], replies
-        assert replies[1].body["partitions"] == {} and replies[2].body == {"list": {}}
+        assert reply(replies[1].body, _protocol.IndexStatsReply).partitions == {}
+        assert reply(replies[2].body, _protocol.ListReply).list == {}
         assert index.ran == ["ping", "stats", "list"]
     finally:
         conn.close()
