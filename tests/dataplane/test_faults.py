@@ -19,6 +19,8 @@ import torch
 import dataplane as dp
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
+from dataplane.wire import protocol as _protocol
+from dataplane.wire.requests import reply as read_reply
 from tests._zygote import run_python, start_python
 
 from .conftest import (
@@ -207,7 +209,7 @@ def _stopped(pid: int):
         os.kill(pid, signal.SIGCONT)
 
 
-def _index_stats(registry: dict) -> dict:
+def _index_stats(registry: dict) -> _protocol.IndexStatsReply:
     """The index's own ``stats`` (a raw request: no shard is asked, so a stopped shard does not matter)."""
     sock = raw_unix_socket(registry, "index")
     try:
@@ -215,7 +217,7 @@ def _index_stats(registry: dict) -> dict:
     finally:
         sock.close()
     assert reply is not None and reply[0].error is None, reply
-    return reply[0].body
+    return read_reply(reply[0].body, _protocol.IndexStatsReply)
 
 
 def _put_once_accepted(pid: str, what: str) -> None:
@@ -245,7 +247,7 @@ def test_a_put_that_failed_on_a_stalled_index_decides_no_schema(ray_cluster, pid
         assert err.value.shard == cfg.index_name()
         _put_once_accepted(pid, "the failed put's prepare to let go of field f")
         assert dp.kv_list(pid) == {pid: {"late": {}}}  # the failed put recorded nothing
-        puts = _index_stats(registry)["puts"]
+        puts = _index_stats(registry).puts
         assert puts["open"] == 0 and puts["expired"] == 0, puts
 
 
@@ -274,14 +276,14 @@ def test_a_writer_killed_between_prepare_and_commit_decides_no_schema(ray_cluste
             with _stopped(registry["shards"][0]["pid"]):
                 writer.stdin.write("go\n")
                 writer.stdin.flush()
-                wait_for(lambda: _index_stats(registry)["puts"]["open"] == 1, 60, "the writer's prepare")
+                wait_for(lambda: _index_stats(registry).puts["open"] == 1, 60, "the writer's prepare")
                 _sigkill(writer.pid)
         finally:
             if writer.poll() is None:
                 writer.kill()
             writer.wait(timeout=60)
         _put_once_accepted(pid, "the dead writer's prepare to expire")
-        puts = _index_stats(registry)["puts"]
+        puts = _index_stats(registry).puts
         assert puts["open"] == 0 and puts["expired"] == 1, puts
         wait_for(
             lambda: dp.stats()["shards"][0]["reservations_expired"] == 1,
