@@ -100,7 +100,11 @@ def next_batch(
     ``dp_rank`` and ``batch_index``, every caller with the same ``(task_name, dp_rank, batch_index)``
     gets the same keys (the TP/PP peers of one data-parallel rank); different ``dp_rank`` s get
     different keys. After ``finish_partition``, a call gets what is left (a short batch) and then an
-    empty meta (``size == 0``) at once.
+    empty meta (``size == 0``) at once. While rows of the partition are leased by other calls of the
+    task (``lease_s``) no more rows may still come (a lease that runs out gives its rows back), so the
+    short last batch and the empty meta wait for those leases to be acknowledged or to run out (up to
+    ``timeout_s``), and the rows of a lease that ran out are handed out first. A loop that stops at
+    ``size == 0`` has seen every row at least once.
 
     Delivery: rows are taken only by a call that returns them. A call that ends any other way
     (cancelled, interrupted by a signal, failed after the index answered) gives back what the index
@@ -208,8 +212,10 @@ def _raise_late(meta: KVBatchMeta, task: str, late: list[str]) -> None:
 
 
 def release(meta: KVBatchMeta) -> int:
-    """Give the rows of leased ``meta`` back to its task now (they are delivered again, first in line);
-    rows already acknowledged stay taken. Returns how many went back.
+    """Give the rows of leased ``meta`` back to its task now (they are delivered again, first in line).
+    Only rows still leased under this take go back: rows already acknowledged stay taken, and rows
+    whose lease ran out went back already (and may be another consumer's now), so ``ack`` then
+    ``release`` in a ``finally`` gives back nothing. Returns how many went back.
 
     Example:
         >>> meta = dp.next_batch("step0", "train", 64, ["advantages"], lease_s=600)
@@ -228,7 +234,8 @@ async def async_release(meta: KVBatchMeta) -> int:
 
 
 def finish_partition(partition_id: str) -> None:
-    """Producers are done with ``partition_id``: consumers drain it, then get empty metas at once."""
+    """Producers are done with ``partition_id``: consumers drain it, then get empty metas at once
+    (a task drains once none of its rows is ready or leased)."""
     current_client().run(_stream_ops.finish(partition_id))
 
 
@@ -247,8 +254,10 @@ async def async_reset_consumption(partition_id: str, task_name: str | None = Non
 
 def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> dict[str, Any]:
     """Progress of ``task_name`` over ``partition_id``: ``{"total", "produced", "ready", "consumed",
-    "finished", "fields"}``. ``produced`` counts rows holding every field in ``fields`` (default: the
-    fields the task last asked for); ``ready`` = produced and not yet taken.
+    "leased", "finished", "fields", "drained"}``. ``produced`` counts rows holding every field in
+    ``fields`` (default: the fields the task last asked for); ``ready`` = produced and not yet taken;
+    ``leased`` = taken under a lease and not acknowledged (they come back if it runs out);
+    ``drained`` = finished with nothing ready and nothing leased (``next_batch`` answers empty).
 
     Example:
         >>> dp.consumption("step0", "reward")["ready"]

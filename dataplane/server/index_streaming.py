@@ -91,11 +91,12 @@ class IndexStreaming(IndexRecords):
             return _protocol.ReadyReply(
                 cached=True, finished=got.finished, keys=got.keys, tags=got.tags, fields=got.fields
             )
-        _, stream = part.streams.stream(body.task, fields)
-        if len(stream.ready) < body.min_rows and not part.streams.finished:
+        task, stream = part.streams.stream(body.task, fields)
+        drained = part.streams.drained(task, fields)
+        if len(stream.ready) < body.min_rows and not drained:
             return None
         rows = [(k, part.keys[k].tag) for k in itertools.islice(stream.ready, body.limit)]
-        return _protocol.ReadyReply(rows=rows, finished=part.streams.finished)
+        return _protocol.ReadyReply(rows=rows, finished=drained)
 
     def op_claim(self, body: _protocol.Claim) -> _protocol.BatchReply:
         self._check_take(body.take)
@@ -166,9 +167,10 @@ class IndexStreaming(IndexRecords):
         part = self.partitions.get(body.pid)
         if part is None:
             raise self.missing(body.pid)
-        return _protocol.AckReply(
-            part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))
-        )
+        late = part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))
+        if part.streams.finished:  # a consumer draining the partition may wait for these rows only
+            self.changed.add(body.pid)
+        return _protocol.AckReply(late)
 
     def next_lease_due(self) -> float:
         return self.lease_due[0][0] if self.lease_due else math.inf
@@ -188,7 +190,8 @@ class IndexStreaming(IndexRecords):
                 (p, name, take)
                 for p, part in self.partitions.items()
                 for name, t in part.streams.tasks.items()
-                for take in t.leases
+                for take, lease in t.leases.items()
+                if lease.keys  # (one acknowledged in full has nothing left to give back)
             }
             self.lease_due = [e for e in self.lease_due if e[2:] in live]
             heapq.heapify(self.lease_due)
@@ -206,6 +209,11 @@ class IndexStreaming(IndexRecords):
         never = [f for f in sorted(fields) if not any(f in m.fields for m in part.keys.values())]
         written = {f for m in part.keys.values() for f in m.fields}
         hint = f"; no row holds {never} (no put wrote them yet)" if never else ""
+        if part.streams.finished and counts.leased:
+            hint += (
+                f"; the partition is finished but {counts.leased} row(s) are leased by other takes of "
+                "this task: they come back here if their lease runs out unacknowledged"
+            )
         hint += "".join(did_you_mean(f, written) for f in never)
         return BatchTimeoutError(
             body.pid,
@@ -215,7 +223,8 @@ class IndexStreaming(IndexRecords):
         )
 
     def op_finish(self, body: _protocol.OnePartition) -> _protocol.Done:
-        """Producers are done: consumers get what is left, then empty batches at once."""
+        """Producers are done: consumers get what is left, then empty batches at once (a task whose
+        rows are leased waits for their ack or their lease to run out, ``PartitionStreams.drained``)."""
         part = self.partitions.get(body.pid)
         if part is None:  # (a misspelt name must not create an empty, finished partition)
             raise self.missing(

@@ -137,10 +137,11 @@ class PartitionStreams:
         if dp_rank is not None and batch_index is not None and slot in task.cache:
             keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
             return keys, next((t for t in map(task.leased.get, keys[:1]) if t is not None), None)
+        final = self.drained(task, fields)
         choice = sampler.sample(
-            self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=self.finished
+            self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
         )
-        if choice is None or (not choice and not self.finished):
+        if choice is None or (not choice and not final):
             return None
         parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
         chosen = [k for part in parts.values() for k in part]
@@ -185,7 +186,10 @@ class PartitionStreams:
             return None
         task.takes[take] = keys
         while len(task.takes) > TAKE_MEMORY:
-            task.takes.popitem(last=False)
+            old, _ = task.takes.popitem(last=False)
+            lease = task.leases.get(old)
+            if lease is not None and not lease.keys:
+                del task.leases[old]
         if lease_deadline is None or not keys:
             return None
         task.leases[take] = Lease(dict.fromkeys(keys), lease_deadline)
@@ -193,11 +197,20 @@ class PartitionStreams:
             task.leased[key] = take
         return take
 
+    def drained(self, task: Task, fields: frozenset[str]) -> bool:
+        """No more rows will come for ``task`` reading ``fields``: the partition is finished and no row
+        that would be ready for them is leased (a lease that runs out gives its rows back)."""
+        if not self.finished:
+            return False
+        return not any(fields <= self.keys[k].fields for k in task.leased if k in self.keys)
+
     # ---- giving back and acknowledging ------------------------------------------------------------
     def release(self, task_name: str, take: str) -> int | None:
         """Give back what ``take`` got and has not acknowledged: its consumer gave up on the call, or
-        lets the lease go. Returns how many keys went back (those a rank-aware slot holds stay with
-        it), or None when the task holds no such take."""
+        lets the lease go. A leased take gives back only the keys still leased under it: acknowledged
+        ones stay taken, and ones whose lease ran out went back already (and may be another take's
+        now). Returns how many keys went back (those a rank-aware slot holds stay with it), or None
+        when the task holds no such take."""
         task = self.tasks.get(task_name)
         if task is None:
             return None
@@ -226,8 +239,8 @@ class PartitionStreams:
                 del lease.keys[key]  # type: ignore[union-attr]
             elif key not in got or key not in task.consumed or key in task.leased:
                 late.append(key)  # (else: this take acknowledged it before)
-        if lease is not None and not lease.keys:
-            del task.leases[take]
+        # A lease acknowledged in full stays filed (empty) until it is released, runs out or its take is
+        # forgotten: a release after the ack then finds it and gives back nothing.
         return late
 
     def expire(self, task_name: str, take: str, now: float) -> int:
@@ -236,6 +249,9 @@ class PartitionStreams:
         task = self.tasks.get(task_name)
         lease = None if task is None else task.leases.get(take)
         if task is None or lease is None or lease.deadline > now:
+            return 0
+        if not lease.keys:  # acknowledged in full: nothing goes back, and the take stays filed
+            del task.leases[take]
             return 0
         keys = set(lease.keys)
         for slot in [s for s, held in task.cache.items() if keys.intersection(held)]:
@@ -398,14 +414,16 @@ class PartitionStreams:
         else:
             produced = sum(1 for meta in self.keys.values() if fields <= meta.fields)
             done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k].fields)
+        ready = produced - done
         return ConsumptionReply(
             total=len(self.keys),
             produced=produced,
             consumed=len(consumed),
-            ready=produced - done,
+            ready=ready,
             leased=0 if task is None else len(task.leased),
             finished=self.finished,
             fields=sorted(fields),
+            drained=self.finished and not ready and (task is None or self.drained(task, fields)),
         )
 
 

@@ -476,6 +476,7 @@ class ConsumptionReply(_Reply):
     leased: int
     finished: bool
     fields: list[str]
+    drained: bool = False  # finished, nothing ready and nothing leased: ``next_batch`` answers empty at once
 
 
 class ConsumedReply(_Reply):

@@ -61,7 +61,11 @@ class Taker:
         return os.getpid()
 
     def take(self, pid: str, task: str, n: int, lease_s: float) -> list[str]:
-        return list(dp.next_batch(pid, task, n, ["x"], timeout_s=30, lease_s=lease_s).keys)
+        self.meta = dp.next_batch(pid, task, n, ["x"], timeout_s=30, lease_s=lease_s)
+        return list(self.meta.keys)
+
+    def ack(self) -> None:
+        dp.ack(self.meta)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +187,60 @@ def test_a_leased_batch_of_a_killed_consumer_is_delivered_again(attached, pid):
     c = dp.consumption(pid, "t")
     assert (c["consumed"], c["ready"], c["leased"]) == (6, 0, 0), c
     ray.kill(victim)
+
+
+def test_a_finished_partition_is_drained_only_once_a_live_holder_acknowledges(attached, pid):
+    """Another process holds the last rows under a lease: a consumer draining the finished partition
+    waits (an empty batch would end its loop before rows that may come back), and the holder's ack
+    ends the wait with the empty batch."""
+    keys = _put(pid, 6)
+    dp.finish_partition(pid)
+    holder = Taker.remote(NAME)
+    assert ray.get(holder.take.remote(pid, "t", 4, 60.0), timeout=120) == keys[:4]
+    assert dp.next_batch(pid, "t", 2, ["x"], timeout_s=10).keys == keys[4:]
+    with pytest.raises(dp.BatchTimeoutError, match="4 row.s. are leased by other takes"):
+        dp.next_batch(pid, "t", 4, ["x"], timeout_s=0.5)
+    c = dp.consumption(pid, "t")
+    assert (c["finished"], c["ready"], c["leased"], c["drained"]) == (True, 0, 4, False), c
+    outcome: dict = {}
+    waiter = threading.Thread(
+        target=lambda: outcome.update(meta=dp.next_batch(pid, "t", 4, ["x"], timeout_s=60))
+    )
+    waiter.start()
+    ray.get(holder.ack.remote(), timeout=60)
+    waiter.join(90)
+    assert outcome["meta"].size == 0
+    c = dp.consumption(pid, "t")
+    assert (c["consumed"], c["leased"], c["drained"]) == (6, 0, True), c
+    ray.kill(holder)
+
+
+def test_a_killed_holders_rows_reach_the_consumer_draining_a_finished_partition(attached, pid):
+    """The holder of the last leased rows is SIGKILLed: the draining consumer's next call waits for the
+    lease to run out and gets exactly those rows, then the empty batch."""
+    keys = _put(pid, 6)
+    dp.finish_partition(pid)
+    victim = Taker.remote(NAME)
+    victim_pid = ray.get(victim.os_pid.remote(), timeout=120)
+    held = ray.get(victim.take.remote(pid, "t", 4, 2.0), timeout=60)
+    os.kill(victim_pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{victim_pid}"), 30, "the killed consumer to exit")
+    got = []
+    while (meta := dp.next_batch(pid, "t", 4, ["x"], timeout_s=30)).size:
+        got.extend(meta.keys)
+    assert sorted(got) == sorted(keys[4:] + held) and len(got) == 6
+    assert dp.consumption(pid, "t")["drained"] is True
+    ray.kill(victim)
+
+
+def test_a_release_after_the_ack_gives_back_nothing(attached, pid):
+    """``try: ...; dp.ack(meta) finally: dp.release(meta)`` trains on each row once."""
+    _put(pid, 2)
+    meta = dp.next_batch(pid, "t", 2, ["x"], timeout_s=10, lease_s=30)
+    dp.ack(meta)
+    assert dp.release(meta) == 0
+    c = dp.consumption(pid, "t")
+    assert (c["consumed"], c["ready"], c["leased"]) == (2, 0, 0), c
 
 
 def test_acknowledged_rows_stay_taken_and_a_late_ack_names_the_rows_it_lost(attached, pid):

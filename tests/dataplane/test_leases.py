@@ -129,3 +129,91 @@ def test_bad_sampler_arguments_are_refused_before_the_partition_exists():
     grouped = {**bad, "dp_rank": 0, "sampler": {"name": "group", "group_tag": "uid", "group_size": 4}}
     with pytest.raises(WireError, match="not a multiple of group_size 4"):
         call(core, "next", grouped)
+
+
+def _release(core: IndexCore, take_id: str) -> int:
+    return call(core, "release", {"pid": "p", "task": "t", "take": take_id}).released
+
+
+def _ack(core: IndexCore, take_id: str, keys: list[str]) -> list[str]:
+    return call(core, "ack", {"pid": "p", "task": "t", "take": take_id, "keys": keys}).late
+
+
+def test_a_release_after_the_ack_gives_back_nothing():
+    """``try: ...; ack() finally: release()``: the acknowledged rows stay taken."""
+    core = IndexCore()
+    put(core, "p", ["a", "b", "c"], ["x"])
+    assert take(core, "p", 2, "L1", lease_s=30) == ["a", "b"]
+    assert _ack(core, "L1", ["a", "b"]) == []
+    assert _release(core, "L1") == 0
+    assert counts(core) == (2, 1, 0)
+    assert take(core, "p", 1, "T2") == ["c"]  # nothing acknowledged is delivered again
+    assert take(core, "p", 1, "T3") is None
+
+
+def test_a_release_after_a_partial_ack_gives_back_only_the_rest():
+    core = IndexCore()
+    put(core, "p", ["a", "b", "c"], ["x"])
+    assert take(core, "p", 3, "L1", lease_s=30) == ["a", "b", "c"]
+    assert _ack(core, "L1", ["b"]) == []
+    assert _release(core, "L1") == 2
+    assert counts(core) == (1, 2, 0)
+    assert take(core, "p", 2, "T2") == ["a", "c"]
+    assert _release(core, "L1") == 0  # twice: nothing more
+
+
+def test_a_release_after_the_lease_ran_out_leaves_the_rows_with_their_new_taker():
+    core = IndexCore()
+    put(core, "p", ["a", "b"], ["x"])
+    assert take(core, "p", 2, "L1", lease_s=5) == ["a", "b"]
+    later(core, 10)  # the lease runs out: the rows go back ...
+    assert take(core, "p", 2, "L2", lease_s=30) == ["a", "b"]  # ... and another take gets them
+    assert _release(core, "L1") == 0
+    assert counts(core) == (2, 0, 2)  # still L2's
+    assert _ack(core, "L2", ["a", "b"]) == []
+
+
+def test_acknowledged_leases_are_forgotten_with_their_takes(monkeypatch):
+    """A lease acknowledged in full is kept (empty) so a release finds it, but no longer than its take."""
+    from dataplane.server import streams
+
+    monkeypatch.setattr(streams, "TAKE_MEMORY", 4)
+    core = IndexCore()
+    put(core, "p", [f"k{i}" for i in range(10)], ["x"])
+    for i in range(10):
+        take(core, "p", 1, f"L{i}", lease_s=600)
+        assert _ack(core, f"L{i}", [f"k{i}"]) == []
+    leases = core.partitions["p"].streams.tasks["t"].leases
+    assert sorted(leases) == ["L6", "L7", "L8", "L9"] and not any(lease.keys for lease in leases.values())
+
+
+def test_a_finished_partition_is_not_drained_while_rows_of_it_are_leased():
+    """The last rows are leased: a draining take waits (None: parked) instead of answering empty, and
+    is woken by the ack (then empty) or by the lease running out (then those rows). "Finished" tells a
+    sampler that no more rows will come, so a short last batch waits for the leases to settle too."""
+    core = IndexCore()
+    put(core, "p", ["a", "b", "c", "d", "e"], ["x"])
+    assert take(core, "p", 2, "L1", lease_s=5) == ["a", "b"]
+    call(core, "finish", {"pid": "p"})
+    assert take(core, "p", 2, "T2") == ["c", "d"]
+    assert take(core, "p", 4, "T3") is None  # "e" is ready, "a", "b" leased: not the last batch yet
+    c = call(core, "consumption", {"pid": "p", "task": "t"})
+    assert (c.finished, c.ready, c.leased, c.drained) == (True, 1, 2, False)
+    ready = call(core, "ready", {"pid": "p", "task": "t", "fields": ["x"], "min_rows": 2})
+    assert ready == PENDING  # a sampler of the client's own waits too
+    later(core, 10)  # the holder died: the rows come back to the draining consumer
+    assert take(core, "p", 4, "T3") == ["a", "b", "e"]
+    assert take(core, "p", 4, "T4") == []
+    assert call(core, "consumption", {"pid": "p", "task": "t"}).drained is True
+
+    put(core, "q", ["a", "b"], ["x"])
+    body = {"pid": "q", "task": "t", "batch_size": 2, "fields": ["x"], "take": "M1", "lease_s": 60}
+    assert call(core, "next", body).keys == ["a", "b"]
+    call(core, "finish", {"pid": "q"})
+    core.changed.clear()
+    assert call(core, "next", {**body, "take": "M2", "lease_s": None}) == PENDING
+    call(core, "ack", {"pid": "q", "task": "t", "take": "M1", "keys": ["a", "b"]})
+    assert "q" in core.changed  # the ack wakes the parked take: now drained, it answers empty
+    assert call(core, "next", {**body, "take": "M2", "lease_s": None}).keys == []
+    ready = call(core, "ready", {"pid": "q", "task": "t", "fields": ["x"], "min_rows": 1})
+    assert ready.finished is True and ready.rows == []
