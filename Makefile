@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: demo test lint typecheck bench bench-quick compat install clean
+.PHONY: demo test test-envs lint typecheck bench bench-quick compat install clean
 
 # The editable install puts the repository's root on sys.path (setuptools' "compat" mode) instead of
 # its default import hook, whose module and imports cost each new interpreter some 30 ms at startup:
@@ -41,6 +41,11 @@ TEST_WORKERS ?= 2
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# A quick subset under RAY_TMPDIR, RAY_ADDRESS with another Ray running, the fork server off
+# (RLT_FORK_SERVER=0) and a user that is not root (scripts/test_envs.sh; some 4-5 minutes).
+test-envs: $(STAMP)
+	scripts/test_envs.sh
 
 # Benchmarks need the `bench` extra (matplotlib, transferqueue==0.1.11 for side-by-side runs).
 $(BENCH_STAMP): $(STAMP)

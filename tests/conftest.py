@@ -7,7 +7,8 @@ same cluster with ``ray_cluster.add_node(...)`` instead of starting a second Ray
 Tests that need Ray take the ``ray_cluster`` fixture (or ``ray_session`` when they only
 need ``ray`` initialised). Pure tests take neither and never start Ray. ``fork_server`` is the
 process the session's Ray workers and the tests' own second processes are forked from
-(``tests/_zygote.py``); ``laptop`` is the newcomer's machine the first-hour tests share.
+(``tests/forkserver``, ``RLT_FORK_SERVER=0`` switches it off); ``laptop`` is the newcomer's machine
+the first-hour tests share.
 ``make test`` runs the suite on pytest-xdist workers: each is a pytest session of its own, so each
 has its own cluster.
 """
@@ -54,13 +55,15 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "60000")
 # up to a second later.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "1")
-# Under pytest-xdist (``make test`` runs the suite on several workers) each worker runs its own Ray:
-# a temp dir of its own (sessions, sockets, the address `auto` finds; short, for Unix socket paths)
-# and ports of its own, so the workers' clusters never meet.
+# Each pytest session (under pytest-xdist, ``make test``, each worker is one) runs its own Ray with a
+# temp dir of its own (sessions, sockets, the address `auto` finds, the fork server's socket; short,
+# for Unix socket paths) and ports of its own, so the sessions' clusters never meet each other nor a
+# Ray the user runs. A RAY_TMPDIR the user set (a cluster whose /tmp is small) is where those dirs go.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-_OWN_TMP = None
-if WORKER and "RAY_TMPDIR" not in os.environ:
-    _OWN_TMP = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"rlt-{WORKER}-", dir="/tmp")
+_OWN_TMP: str | None = None
+# The suite starts Rays of its own and names their addresses; a RAY_ADDRESS the user set (their own
+# cluster) must not send a test's `ray.init()` or a process it starts there.
+os.environ.pop("RAY_ADDRESS", None)
 
 
 # What the suite's processes import from this repository. Each Ray worker and subprocess imports some
@@ -70,7 +73,17 @@ if WORKER and "RAY_TMPDIR" not in os.environ:
 SOURCES = ("dataplane", "controlplane", "workers", "bench", "rlplane", "examples", "tests")
 
 
+def _xdist_controller(config) -> bool:
+    """This process hands the tests to xdist workers and runs none itself (``-n N``, N > 0)."""
+    return WORKER is None and config.getoption("numprocesses", default=None) not in (None, 0)
+
+
 def pytest_configure(config) -> None:
+    global _OWN_TMP
+    if not _xdist_controller(config):  # a session that runs tests: a Ray temp dir of its own
+        _OWN_TMP = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(
+            prefix=f"rlt-{WORKER or 'main'}-", dir=os.environ.get("RAY_TMPDIR") or "/tmp"
+        )
     if WORKER is None:  # the run's first process: before any xdist worker or Ray starts
         import compileall
         import pathlib
@@ -172,25 +185,29 @@ def pytest_runtest_teardown(item, nextitem) -> None:
 
 
 RAY_NUM_CPUS = 8
-WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_start.py")
+WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver", "worker_start.py")
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
 @pytest.fixture(scope="session")
 def fork_server():
-    """The session's fork server (``tests/_zygote.py``), named by ``RLT_ZYGOTE`` in this process's
+    """The session's fork server (``tests/forkserver``), named by ``RLT_ZYGOTE`` in this process's
     environment, which the session cluster's nodes inherit: their workers, and the processes tests
     start with ``run_python`` / ``start_python``, are forked from it. Yields its socket's path, or None
-    when it did not start (slower, not wrong: tests/test_worker_start.py names the loss)."""
-    from tests import _zygote
+    when it is switched off (``RLT_FORK_SERVER=0``) or did not start (slower, not wrong:
+    tests/test_worker_start.py names the loss)."""
+    from tests import forkserver
+    from tests.forkserver.forkserver_client import ZYGOTE
 
+    if not forkserver.enabled():
+        yield None
+        return
     with contextlib.ExitStack() as stack:
-        directory = os.environ.get("RAY_TMPDIR") or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="rlz-")
-        )
+        # A directory of this session's own (RAY_TMPDIR is one, under xdist): one server per session.
+        directory = _OWN_TMP or stack.enter_context(tempfile.TemporaryDirectory(prefix="rlz-"))
         try:
-            path = os.environ[_zygote.ZYGOTE] = stack.enter_context(_zygote.running(directory))
-            stack.callback(os.environ.pop, _zygote.ZYGOTE, None)
+            path = os.environ[ZYGOTE] = stack.enter_context(forkserver.running(directory))
+            stack.callback(os.environ.pop, ZYGOTE, None)
         except RuntimeError as exc:
             warnings.warn(f"{exc}: the session's processes start as new interpreters", stacklevel=1)
             path = None
@@ -208,8 +225,10 @@ def ray_cluster(fork_server):
 
     class _Cluster(Cluster):
         def add_node(self, wait: bool = True, **node_args):
-            # Each node of the session starts its workers without an extra import (tests/_worker_start.py).
-            node_args.setdefault("setup_worker_path", WORKER_START)
+            # Each node of the session starts its workers without an extra import
+            # (tests/forkserver/worker_start.py), unless the fork server is switched off: then Ray's own.
+            if fork_server is not None:
+                node_args.setdefault("setup_worker_path", WORKER_START)
             return super().add_node(wait, **node_args)
 
     with contextlib.ExitStack() as stack:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from controlplane import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from tests._zygote import run_python
 from tests.controlplane._group_workers import EnvWorker
+from tests.forkserver import run_python
 
 pytestmark = pytest.mark.ray
 

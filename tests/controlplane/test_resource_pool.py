@@ -17,7 +17,7 @@ from controlplane import (
     split_resource_pool,
 )
 from controlplane._placement_groups import ip_sort_key
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

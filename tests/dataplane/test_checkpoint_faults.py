@@ -14,7 +14,7 @@ import ray
 import torch
 
 import dataplane as dp
-from tests._zygote import start_python
+from tests.forkserver import start_python
 
 from .conftest import store_fixtures, wait_for
 from .test_checkpoint import capture, clear_all

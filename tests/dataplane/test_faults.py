@@ -21,7 +21,7 @@ from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.service import launch as _service
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import reply as read_reply
-from tests._zygote import run_python, start_python
+from tests.forkserver import run_python, start_python
 
 from .conftest import (
     keys_on_shards,

@@ -26,7 +26,7 @@ import dataplane as dp
 from dataplane.wire import unix
 from dataplane.wire.requests import INDEX, Call
 from dataplane.wire.transport import SyncTransport
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 from .conftest import store_fixtures, wait_for
 

@@ -25,7 +25,7 @@ import torch
 
 import dataplane as dp
 from dataplane.config import NAMESPACE
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 from .conftest import keys_on_shards, own_store, store_fixtures, wait_for
 

@@ -15,7 +15,7 @@ import pytest
 
 from dataplane.client.sharding import HashPlacement
 from dataplane.telemetry.catalog import exported_names
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M = {"store": "m"}

@@ -13,7 +13,7 @@ import torch
 
 import dataplane as dp
 from dataplane.config import NAMESPACE
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 from .conftest import raw_socket, request, start_store, wait_for
 

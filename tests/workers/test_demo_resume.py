@@ -6,7 +6,7 @@ Each run is its own process. The first starts a local Ray of its own (as ``make 
 process group of its own so that the kill takes its Ray along; the kill waits for a natural point (the
 first complete checkpoint on disk), never for a time. The second joins the session's cluster
 (``--address``): a checkpoint taken on one Ray resumes on another, and the suite pays one Ray start.
-It is forked by the session's fork server (``tests/_zygote.run_python``), as the session's workers are.
+It is forked by the session's fork server (``tests.forkserver.run_python``), as the session's workers are.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from tests._zygote import run_python
 from tests.dataplane.conftest import wait_for
+from tests.forkserver import run_python
 from tests.workers.conftest import SUMMARY_ROWS
 from workers.checkpoints import check_ledger
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tests._fresh_ray import free_port
-from tests._zygote import start_python
+from tests.forkserver import start_python
 from workers.engine import (
     EOS,
     PAD,

@@ -5,7 +5,7 @@ Ray (about half a CPU-second), applies the worker's runtime-env context (its env
 its interpreter) and execs ``python default_worker.py ...``, which imports Ray again. The suite starts
 some 300 workers on 2 cores, so the session clusters use this script instead (``tests/conftest.py``
 passes it as the node's ``setup_worker_path``): the same context applied with the standard library,
-then the same worker: forked by the session's fork server (``tests/_zygote.py``, named by
+then the same worker: forked by the session's fork server (``server.py``, named by
 ``RLT_ZYGOTE``), which has imported what workers import, or else exec'd. The worker that runs is
 Ray's own, with the same arguments and environment. A context this script does not handle (a command
 prefix, another entry point, another language, an interpreter given as a command line) goes to Ray's
@@ -20,9 +20,9 @@ import re
 import sys
 
 try:  # run as a script (what a raylet does), this directory is first on sys.path
-    import _zygote_client
-except ImportError:  # imported as tests._worker_start
-    from tests import _zygote_client
+    import forkserver_client as _zygote_client
+except ImportError:  # imported as tests.forkserver.worker_start
+    from tests.forkserver import forkserver_client as _zygote_client
 
 CONTEXT = "--serialized-runtime-env-context"
 LANGUAGE = "--language"

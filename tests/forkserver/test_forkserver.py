@@ -1,5 +1,6 @@
-"""The session clusters' worker launcher (``tests/_worker_start.py``) starts workers as Ray's own does,
-forked from the suite's fork server (``tests/_zygote.py``)."""
+"""The session clusters' worker launcher (``worker_start.py``) starts workers as Ray's own does,
+forked from the suite's fork server (``server.py``); with the server switched off (``RLT_FORK_SERVER=0``)
+the session's workers start the stock way."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import sys
 import psutil
 import pytest
 
-from tests import _zygote, _zygote_client
-from tests._worker_start import split
+from tests import forkserver
 from tests.dataplane.conftest import process_exited, wait_for
+from tests.forkserver import forkserver_client as _zygote_client
+from tests.forkserver import server as _zygote
+from tests.forkserver.worker_start import split
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,12 +47,33 @@ def test_env_vars_expand_as_ray_expands_them_and_other_contexts_go_to_rays_scrip
     assert ray.get(probe.options(runtime_env=command).remote(), timeout=120)[2] == 1
 
 
+_ON = pytest.mark.skipif(not forkserver.enabled(), reason="the fork server is off (RLT_FORK_SERVER=0)")
+
+
+@pytest.mark.ray
+def test_with_the_server_off_the_session_clusters_workers_start_the_stock_way(ray_session) -> None:
+    """A worker is forked from the server when it runs, else it is Ray's own ``setup_worker.py``'s exec."""
+    import ray
+
+    def probe() -> tuple[bool, str]:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().replace(b"\0", b" ").decode()
+        return "torch" in sys.modules, parent
+
+    preloaded, parent = ray.get(ray.remote(num_cpus=0.01)(probe).remote(), timeout=120)
+    if forkserver.enabled():
+        assert preloaded and "forkserver" in parent, parent
+    else:
+        assert not preloaded and "forkserver" not in parent and "raylet" in parent, parent
+
+
+@_ON
 @pytest.mark.ray
 def test_the_session_clusters_workers_are_forked_from_the_server(ray_session) -> None:
     import ray
 
     # This module imports no torch, so a worker that has it without importing it was forked from the
-    # server (tests/_zygote.py), which preloads it; from a Ray server, which has Ray's library mapped.
+    # server (server.py), which preloads it; from a Ray server, which has Ray's library mapped.
     def probe() -> tuple[bool, bool]:
         with open(f"/proc/{os.getppid()}/maps") as maps:
             return "torch" in sys.modules, "_raylet" in maps.read()
@@ -57,6 +81,7 @@ def test_the_session_clusters_workers_are_forked_from_the_server(ray_session) ->
     assert ray.get(ray.remote(num_cpus=0.01)(probe).remote(), timeout=120) == (True, True)
 
 
+@_ON
 @pytest.mark.ray
 def test_run_python_forks_in_a_test_process_that_has_joined_ray(ray_session) -> None:
     # ray.init() sets PYTHONBREAKPOINT in this process after the session's server started; a variable
@@ -78,10 +103,10 @@ if sys.argv[1] == "wait":
     signal.pause()
 sys.exit(int(sys.argv[1]))
 """
-# A starter, as tests/_worker_start.py runs it: it hands its command line to the server and exits with
+# A starter, as worker_start.py runs it: it hands its command line to the server and exits with
 # the worker's status.
 _STARTER = (
-    f"import sys; sys.path.insert(0, {TESTS!r}); from _zygote_client import request_worker as start; "
+    f"import sys; sys.path.insert(0, {TESTS!r}); from forkserver_client import request_worker as start; "
     "sys.exit(start(sys.argv[1], sys.argv[2:]))"
 )
 

@@ -1,6 +1,6 @@
-"""The requesting side of the fork server's protocol (``tests/_zygote.py`` describes it): what a
+"""The requesting side of the fork server's protocol (``server.py`` describes it): what a
 process that wants a worker forked does. Kept to a few standard-library imports because every Ray
-worker of the test clusters starts by running it (``tests/_worker_start.py``), in a new interpreter
+worker of the test clusters starts by running it (``worker_start.py``), in a new interpreter
 each time: some 300 a run."""
 
 from __future__ import annotations

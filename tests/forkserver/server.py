@@ -10,7 +10,7 @@ imports everything but Ray, and forks one Ray server per set of ``RAY_*`` variab
 with them; it forks the workers that have those variables (``_Server``, ``ray_key``).
 
 ``tests/conftest.py`` starts this server once per test session, before the cluster, and each node's
-worker start (``tests/_worker_start.py``) hands it the worker's command line, environment, working
+worker start (``worker_start.py``) hands it the worker's command line, environment, working
 directory and standard streams. The server (its Ray server) forks; the child runs Ray's own
 ``default_worker.py`` with them, as the exec would have, and exits as an interpreter does (non-daemon
 threads joined, atexit functions run). The starter stays, as the process the raylet started, until the
@@ -52,9 +52,9 @@ import time
 from collections.abc import Iterator
 
 try:  # run as a script (the fork server itself), this directory is first on sys.path
-    from _zygote_client import ZYGOTE, recv_exactly, request, status
-except ImportError:  # imported as tests._zygote
-    from tests._zygote_client import ZYGOTE, recv_exactly, request, status
+    from forkserver_client import ZYGOTE, recv_exactly, request, status
+except ImportError:  # imported as tests.forkserver.server
+    from tests.forkserver.forkserver_client import ZYGOTE, recv_exactly, request, status
 
 # What the suite's actor classes import besides Ray (their modules are this repository's tests); what
 # needs Ray (controlplane, most of dataplane) the Ray servers import.
