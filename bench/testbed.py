@@ -1,0 +1,302 @@
+"""Hosts on one machine: a test bed for the store across hosts, built from Linux namespaces (root only).
+
+Each *host* is a network namespace joined to the others by a veth link to a bridge (its own address in
+``10.77.0.0/24``, reachable from the other hosts only: nothing in the machine's own namespace has an
+address on that bridge), with its own pid and mount namespaces (``/proc`` shows only its processes,
+and ``/tmp`` and ``/dev/shm`` are its own tmpfs), as two containers or pods on one node are. A Ray
+node runs in each, started the way a user starts one on a cluster node: ``ray start --head`` on the
+first, ``ray start --address=HEAD_IP:6379`` on the others, with one auth token shared by all (as
+Ray's docs say to do across nodes). A process runs *on* a host with ``Host.popen`` / ``Host.run``
+(its ``/tmp`` is the host's own: give it scripts from elsewhere, or ``-c``);
+killing a host's first process (``Host.kill``) ends every process in it, as a lost machine does.
+
+    from bench.testbed import Testbed
+
+    with Testbed(hosts=2) as bed:                  # builds, starts Ray on each, tears down at exit
+        bed.hosts[0].run(["python", "script.py"])  # a driver on the first host
+
+    python -m bench.testbed up --hosts 2           # the same from a shell: prints each host's
+    python -m bench.testbed exec h2 -- ray status  # address; `exec` runs a command on one
+    python -m bench.testbed down
+
+The veth default route gives Ray's address discovery (a UDP ``connect``, which sends nothing) the
+host's own address; the machine forwards nothing (``ip_forward`` is left as it is, off here), so
+traffic stays between the hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.77.0"  # hosts are .1, .2, ...; a private range, used inside the test bed's namespaces only
+RAY_PORT = 6379
+STATE = Path(tempfile.gettempdir()) / "rlplane-testbed.json"  # what `python -m bench.testbed` built
+# Variables of the calling process that must not reach a host: they name this namespace's Ray, its
+# temp dir, its fork server, or pin Ray's node address to 127.0.0.1 (the test suite's loopback switch).
+_LOCAL_VARS = ("RAY_ADDRESS", "RAY_TMPDIR", "RLT_ZYGOTE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+# A host's first process: mounts its own /tmp and /dev/shm, then reaps orphans until it is killed
+# (its death ends every process of the host: the kernel kills a pid namespace with its init).
+_INIT = (
+    "import os, signal\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\n"
+    "print('up', flush=True)\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.wait()\n"
+    "    except ChildProcessError:\n"
+    "        signal.pause()\n"
+)
+
+
+class TestbedError(RuntimeError):
+    """The test bed could not be built or used (not root, no ``ip``, a host that did not come up)."""
+
+
+def missing() -> str | None:
+    """Why a test bed cannot be built here (None when it can): tests skip with this reason."""
+    if os.geteuid() != 0:
+        return "building hosts from network namespaces needs root (CI runs as root)"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"building hosts needs `{tool}` (iproute2 / util-linux)"
+    return None
+
+
+def _sh(*args: str) -> None:
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise TestbedError(f"`{' '.join(args)}` failed: {done.stderr.strip()}")
+
+
+@dataclass
+class Host:
+    """One host of the bed: its name (``h1``), address, network namespace and first process (as the
+    machine's namespace sees its pid)."""
+
+    name: str
+    ip: str
+    netns: str
+    init_pid: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run on this host (its network, pid and mount namespaces)."""
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", "--", *argv]
+
+    def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+        """Start ``argv`` on this host, with the host's environment (plus ``env``)."""
+        return subprocess.Popen(self.command(argv), env={**self.env, **(env or {})}, **kw)  # type: ignore[call-overload]
+
+    def run(
+        self, argv: Sequence[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        """Run ``argv`` on this host and wait (``timeout`` seconds at most); its output captured."""
+        done = subprocess.run(
+            self.command(argv),
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and done.returncode != 0:
+            said = f"{done.stdout[-2000:]}{done.stderr[-4000:]}"
+            raise TestbedError(f"{' '.join(argv)} on {self.name} exited {done.returncode}:\n{said}")
+        return done
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.init_pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """Lose this host: every process in it dies at once (SIGKILL to its pid namespace's init)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.init_pid, signal.SIGKILL)
+
+
+class Testbed:
+    """``hosts`` hosts joined by a bridge, a Ray node on each (``ray=False``: none). A context manager:
+    built on entry, torn down on exit (every process of every host, the namespaces, the links)."""
+
+    def __init__(self, hosts: int = 2, ray: bool = True, num_cpus: int = 4, tag: str | None = None) -> None:
+        if not 1 <= hosts <= 8:
+            raise ValueError(f"hosts must be 1..8, got {hosts}")
+        self.n, self.ray, self.num_cpus = hosts, ray, num_cpus
+        self.tag = tag or f"{os.getpid() % 0xFFFF:04x}"  # interface names stay under 15 characters
+        self.bridge = f"rlt{self.tag}br"
+        self.hosts: list[Host] = []
+        self._inits: list[subprocess.Popen] = []
+
+    # ---- building ---------------------------------------------------------------------------------
+    def __enter__(self) -> Testbed:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        why = missing()
+        if why:
+            raise TestbedError(why)
+        try:
+            _sh("ip", "link", "add", self.bridge, "type", "bridge")
+            _sh("ip", "link", "set", self.bridge, "up")
+            env = {k: v for k, v in os.environ.items() if k not in _LOCAL_VARS}
+            env.update(
+                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(32).hex(), RAY_USAGE_STATS_ENABLED="0"
+            )
+            env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+            for i in range(1, self.n + 1):
+                self.hosts.append(self._host(i, env))
+            if self.ray:
+                self._start_ray()
+        except BaseException:
+            self.down()
+            raise
+
+    def _host(self, i: int, env: dict[str, str]) -> Host:
+        name, ip = f"h{i}", f"{SUBNET}.{i}"
+        netns, veth = f"rlt-{self.tag}-{name}", f"rlt{self.tag}{name}"
+        _sh("ip", "netns", "add", netns)
+        _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", netns, "link", "set", "lo", "up")
+        _sh("ip", "-n", netns, "route", "add", "default", "dev", "eth0")
+        mounts = "mount -t tmpfs -o size=2g tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp"
+        init = subprocess.Popen(
+            [
+                "ip", "netns", "exec", netns,
+                "unshare", "--pid", "--mount", "--fork", "--mount-proc", "--propagation", "private",
+                "sh", "-c", f'{mounts} && exec "$0" -c "$1"', sys.executable, _INIT,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # (unshare's complaint when the host is killed)
+            env=env,
+        )  # fmt: skip
+        self._inits.append(init)
+        if init.stdout is None or init.stdout.readline().strip() != b"up":
+            raise TestbedError(f"host {name} did not come up (its first process exited {init.poll()})")
+        init.stdout.close()
+        return Host(name, ip, netns, _ns_init_pid(netns), env)
+
+    def _start_ray(self) -> None:
+        common = [
+            "--num-cpus",
+            str(self.num_cpus),
+            "--disable-usage-stats",
+            "--object-store-memory",
+            "300000000",
+        ]
+        head = self.hosts[0]
+        head.run(
+            ["ray", "start", "--head", f"--node-ip-address={head.ip}", f"--port={RAY_PORT}",
+             "--include-dashboard=false", *common],
+        )  # fmt: skip
+        for host in self.hosts[1:]:
+            host.run(["ray", "start", f"--address={self.address}", f"--node-ip-address={host.ip}", *common])
+        deadline = time.monotonic() + 120
+        check = f"import ray; ray.init(address={self.address!r}); print(sum(n['Alive'] for n in ray.nodes()))"
+        while True:
+            done = head.run(["python", "-c", check], check=False, timeout=120)
+            if done.returncode == 0 and done.stdout.strip().endswith(str(self.n)):
+                return
+            if time.monotonic() > deadline:
+                raise TestbedError(
+                    f"the Ray nodes did not all join within 120 s: {done.stdout}{done.stderr[-2000:]}"
+                )
+
+    @property
+    def address(self) -> str:
+        """The head's address, as ``ray start --address`` and ``ray.init(address=...)`` take it."""
+        return f"{self.hosts[0].ip}:{RAY_PORT}"
+
+    # ---- tearing down ---------------------------------------------------------------------------
+    def down(self) -> None:
+        for host in self.hosts:
+            host.kill()
+        for init in self._inits:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                init.wait(timeout=30)
+        for host in self.hosts:
+            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        self.hosts.clear()
+
+
+def _ns_init_pid(netns: str, timeout_s: float = 30.0) -> int:
+    """The machine-side pid of the first process of the pid namespace started in ``netns``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+                ns_pids = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+                if ns_pids[-1:] == ["1"] and len(ns_pids) > 1:
+                    return int(pid)
+        time.sleep(0.05)
+    raise TestbedError(f"no process of {netns} became its pid namespace's first process within {timeout_s}s")
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.testbed", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="build the hosts and start Ray on each")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--no-ray", action="store_true")
+    ex = sub.add_parser("exec", help="run a command on one host")
+    ex.add_argument("host")
+    ex.add_argument("argv", nargs=argparse.REMAINDER)
+    sub.add_parser("down", help="tear the hosts down")
+    args = parser.parse_args(argv)
+    if args.cmd == "up":
+        if STATE.exists():
+            parser.error(f"a test bed is up already ({STATE}); `python -m bench.testbed down` first")
+        bed = Testbed(args.hosts, ray=not args.no_ray)
+        bed.up()
+        for init in bed._inits:
+            init.returncode = 0  # (its hosts outlive this command)
+        state = {"tag": bed.tag, "hosts": [vars(h) for h in bed.hosts]}
+        STATE.write_text(json.dumps(state))
+        for host in bed.hosts:
+            print(f"{host.name} {host.ip} (netns {host.netns})")
+        if bed.ray:
+            print(f"ray: {bed.address}")
+        return 0
+    if not STATE.exists():
+        print("no test bed is up", file=sys.stderr)
+        return 1
+    state = json.loads(STATE.read_text())
+    hosts = {h["name"]: Host(**h) for h in state["hosts"]}
+    if args.cmd == "exec":
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if args.host not in hosts or not argv:
+            parser.error(f"exec HOST -- COMMAND, HOST one of {sorted(hosts)}")
+        return subprocess.run(hosts[args.host].command(argv), env=hosts[args.host].env).returncode
+    bed = Testbed(len(hosts), tag=state["tag"])
+    bed.hosts = list(hosts.values())
+    bed.down()
+    STATE.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

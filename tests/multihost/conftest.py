@@ -1,0 +1,23 @@
+"""Hosts built on this machine from namespaces (``bench.testbed``): needs root, which CI has; without
+it every test here is skipped with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import testbed
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    why = testbed.missing()
+    if why:
+        for item in items:
+            if "tests/multihost/" in item.nodeid:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(scope="module")
+def bare_hosts():
+    """Two hosts with no Ray on them."""
+    with testbed.Testbed(hosts=2, ray=False) as bed:
+        yield bed
