@@ -149,6 +149,13 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
             help=f"the Ray cluster the store runs on: {AUTO_FORM}; {HOST_FORM} (local, a new Ray, holds no "
             "store)",
         )
+    for p in (start, status, stop):
+        p.add_argument(
+            "--name",
+            default="dataplane",
+            help="the store's name: several stores of other names can run on one cluster; a process "
+            "attaches to this one with dp.init(name=NAME)",
+        )
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

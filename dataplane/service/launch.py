@@ -22,12 +22,14 @@ store whatever state it is in, and ``dp.init()`` clears such remnants before sta
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import SchedulingError, StoreNotInitializedError
+from dataplane.service.connect import command
 from dataplane.wire.auth import Credentials
 
 logger = logging.getLogger(__name__)
@@ -194,6 +196,24 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
         time.sleep(0.05)
 
 
+def no_store_message(cfg: StoreConfig) -> str:
+    """Why an attach found nothing, and the two fixes: a store that outlives its starter
+    (``rlplane store start``, naming the store when it is not the default one), or an embedded one.
+
+    Example:
+        >>> print(no_store_message(StoreConfig(name="exp1")))  # doctest: +ELLIPSIS
+        no store 'exp1' runs in Ray namespace 'rlplane' of this Ray cluster; start one with ...
+    """
+    rlplane = command("rlplane")
+    named = "" if cfg.name == StoreConfig.name else f" --name {shlex.quote(cfg.name)}"
+    init_args = "" if cfg.name == StoreConfig.name else f"name={cfg.name!r}"
+    return (
+        f"no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r} of this Ray cluster; start one with "
+        f"`{rlplane} store start{named}` (a service: it outlives the command), or call dp.init({init_args}) "
+        "without attach_only=True to start an embedded one (it lives as long as the process that calls it)"
+    )
+
+
 def _being_created(name: str) -> bool:
     """Whether an actor named ``name`` is registered and not dead (starting, alive or restarting).
 
@@ -328,6 +348,7 @@ def stop_named(cfg: StoreConfig) -> bool:
 __all__ = [
     "ServiceHandle",
     "find_service",
+    "no_store_message",
     "release_dead_names",
     "start_service",
     "stop_named",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import textwrap
 from fractions import Fraction
 
 import pytest
@@ -9,6 +12,9 @@ import torch
 from tensordict import TensorDict
 
 import dataplane as dp
+from dataplane.config import StoreConfig
+from dataplane.service.launch import no_store_message
+from tests._zygote import run_python
 
 from .conftest import start_store
 
@@ -201,3 +207,59 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(store, pid,
     finally:
         dp.close()
         dp.init(name=NAME)
+
+
+# ---- errors before work: dp.init --------------------------------------------------------------------
+
+
+def test_init_refuses_a_misspelt_option_before_it_starts_ray(fork_server):
+    """In a fresh process (this one has joined the session's Ray): the typo is named, with the option
+    it meant, at once, and Ray was neither started nor joined."""
+    code = textwrap.dedent(
+        """
+        import time
+        import ray
+        import dataplane as dp
+        start = time.monotonic()
+        try:
+            dp.init(capcity="1G")
+        except dp.ArgumentTypeError as err:
+            print("ERR", repr(err.argument), isinstance(err, TypeError), err)
+        print("RAY", ray.is_initialized(), "S", round(time.monotonic() - start, 3))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = run_python(["-c", code], timeout=120, env=env)
+    out = proc.stdout
+    assert "ERR 'capcity' True unknown store option 'capcity'" in out, out + proc.stderr
+    assert "did you mean 'capacity_bytes'?" in out, out
+    assert "RAY False" in out, out + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "names"),
+    [
+        ({"capacity_bytes": "1G"}, dp.ArgumentTypeError, "1 << 30"),
+        ({"num_shards": 0}, dp.InvalidArgumentError, "num_shards"),
+        ({"rpc_timeout_s": float("nan")}, dp.InvalidArgumentError, "rpc_timeout_s"),
+        ({"transport": "shmm"}, dp.InvalidArgumentError, "did you mean 'shm'"),
+        ({"encrypt": 1}, dp.ArgumentTypeError, "encrypt"),
+        ({"name": ""}, dp.ArgumentTypeError, "name"),
+        ({"address": "nohost"}, dp.InvalidArgumentError, "HOST:PORT"),
+    ],
+)
+def test_init_checks_every_option_before_anything_else(ray_cluster, options, error, names):
+    """Checked before the attach too: an init that would have returned the existing client refuses."""
+    with pytest.raises(error, match=re.escape(names)):
+        dp.init(**options)
+
+
+def test_an_attach_that_finds_no_store_names_the_fix(ray_cluster):
+    dp.close()
+    with pytest.raises(dp.StoreNotInitializedError) as err:
+        dp.init(name="t-err-none", attach_only=True)
+    text = str(err.value)
+    assert "no store 't-err-none'" in text and "store start --name t-err-none`" in text, text
+    assert "dp.init(name='t-err-none') without attach_only=True" in text, text
+    default = no_store_message(StoreConfig())
+    assert "rlplane store start`" in default and "dp.init() without attach_only=True" in default, default
