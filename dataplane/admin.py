@@ -21,7 +21,8 @@ What the commands print:
   ``--json``, one JSON line per refresh).
 - ``stop``: whether a store was stopped.
 
-Exit status: 0 done, 1 the store or the cluster refused (the printed line says why), 2 a bad argument.
+Exit status: 0 done, 1 the store or the cluster refused (the printed line says why), 2 a bad argument
+(and 141 from ``rlplane.cli`` when what reads the output went away: the work is done all the same).
 """
 
 from __future__ import annotations
