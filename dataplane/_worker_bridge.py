@@ -50,12 +50,20 @@ from tensordict import TensorDict, TensorDictBase
 
 from dataplane import api
 from dataplane import stream as _stream
-from dataplane.errors import FieldNotFoundError, KeyNotFoundError, PartitionNotFoundError, StaleMetaError
+from dataplane.errors import (
+    ArgumentTypeError,
+    DataplaneError,
+    FieldNotFoundError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    PartitionNotFoundError,
+    StaleMetaError,
+)
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest, StreamResult
 
 
-class BridgeError(ValueError):
+class BridgeError(DataplaneError, ValueError):
     """A bridged method returned a TensorDict whose batch size is not the meta's.
 
     Raised on the worker (and re-raised on the driver by Ray). Not recoverable by retrying:
@@ -129,8 +137,9 @@ def _first_request(args: tuple, kwargs: dict) -> StreamRequest | None:
     if not found:
         return None
     if len(found) > 1 or _first_meta(args, kwargs) is not None:
-        raise TypeError(
-            "a bridged call takes one StreamRequest and no KVBatchMeta beside it (the method gets one batch)"
+        raise ArgumentTypeError(
+            "args",
+            "a bridged call takes one StreamRequest and no KVBatchMeta beside it (the method gets one batch)",
         )
     return found[0]
 
@@ -138,9 +147,10 @@ def _first_request(args: tuple, kwargs: dict) -> StreamRequest | None:
 def _with_extra(td: TensorDictBase, meta: KVBatchMeta) -> TensorDictBase:
     for key, value in meta.extra_info.items():
         if key in td.keys():
-            raise ValueError(
+            raise InvalidArgumentError(
+                "extra_info",
                 f"extra_info[{key!r}] has the name of a stored field of partition {meta.partition_id!r}; "
-                "rename the extra_info entry (it would hide the field)"
+                "rename the extra_info entry (it would hide the field)",
             )
         td.set_non_tensor(key, value)
     return td

@@ -21,7 +21,8 @@ What the commands print:
   ``--json``, one JSON line per refresh).
 - ``stop``: whether a store was stopped.
 
-Exit status: 0 done, 1 the store or the cluster refused (the printed line says why), 2 a bad argument.
+Exit status: 0 done, 1 the store or the cluster refused (the printed line says why), 2 a bad argument
+(and 141 from ``rlplane.cli`` when what reads the output went away: the work is done all the same).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -145,7 +147,11 @@ def describe(registry: dict[str, Any]) -> str:
 
 
 def attach_lines(
-    address: str, token_auth: bool = False, rlplane: str = "rlplane", ray_command: str = "ray"
+    address: str,
+    token_auth: bool = False,
+    rlplane: str = "rlplane",
+    ray_command: str = "ray",
+    name: str = StoreConfig.name,
 ) -> list[str]:
     """How another process attaches to the store of the cluster at ``address``; each line works as
     printed, in a fresh shell on this machine (``tests/workers/test_printed_steps.py`` runs them).
@@ -153,7 +159,8 @@ def attach_lines(
     With Ray's token authentication on (``token_auth``), a process on this machine presents the
     machine's token to this cluster by itself (``dataplane.service.connect``); one on another machine
     needs the token, which ``ray get-auth-token`` prints here. ``rlplane`` and ``ray_command`` are
-    how to call the two commands (``command``).
+    how to call the two commands (``command``); ``name`` the store's, named in both lines unless it
+    is the default one.
 
     Example:
         >>> attach_lines("10.0.0.5:6379")[0]
@@ -162,9 +169,10 @@ def attach_lines(
         from another machine (Ray's token authentication is on): run `ray get-auth-token` here, and
         there `export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<what it printed>` before the lines above
     """
+    named = "" if name == StoreConfig.name else f", name={name!r}"
     lines = [
-        f'attach from Python: dp.init(address="{address}")   (import dataplane as dp)',
-        f"see it:             {rlplane} store status --address {address}",
+        f'attach from Python: dp.init(address="{address}"{named})   (import dataplane as dp)',
+        f"see it:             {rlplane} store status --address {address}{_name_flag(name)}",
     ]
     if token_auth:
         lines.append(
@@ -175,7 +183,12 @@ def attach_lines(
     return lines
 
 
-def _attach_lines(address: str) -> list[str]:
+def _name_flag(name: str) -> str:
+    """`` --name NAME`` for a store that is not the default one (what the commands must be told)."""
+    return "" if name == StoreConfig.name else f" --name {shlex.quote(name)}"
+
+
+def _attach_lines(address: str, name: str) -> list[str]:
     """``attach_lines`` for the cluster this process joined."""
     try:
         from ray._raylet import AuthenticationMode, get_authentication_mode
@@ -183,7 +196,7 @@ def _attach_lines(address: str) -> list[str]:
         token_auth = get_authentication_mode() == AuthenticationMode.TOKEN
     except ImportError:  # a Ray without token authentication
         token_auth = False
-    return attach_lines(address, token_auth, _connect.command("rlplane"), _connect.command("ray"))
+    return attach_lines(address, token_auth, _connect.command("rlplane"), _connect.command("ray"), name)
 
 
 def option_differences(registry: dict[str, Any], asked: dict[str, Any]) -> list[str]:
@@ -272,6 +285,7 @@ def format_status(stats: dict[str, Any], clients: list[int | None], address: str
 
 def _config(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig.from_options(
+        name=getattr(args, "name", None) or StoreConfig.name,
         num_shards=getattr(args, "shards", None),
         capacity_bytes=getattr(args, "capacity", None),
         encrypt=bool(getattr(args, "encrypt", False)),
@@ -291,17 +305,18 @@ def _start(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
         if differ:
             _say(
                 f"rlplane store start: store {cfg.name!r} is already running, with other options than "
-                f"asked: {'; '.join(differ)}. Stop it first (`{rlplane} store stop --address {address}`) to "
+                f"asked: {'; '.join(differ)}. Stop it first (`{rlplane} store stop --address {address}"
+                f"{_name_flag(cfg.name)}`) to "
                 "start it with these, or use it as it is:"
             )
-            _say("\n".join([describe(registry), *_attach_lines(address)]))
+            _say("\n".join([describe(registry), *_attach_lines(address, cfg.name)]))
             return 1
         _say(f"already running, with the options asked for (not started again): {describe(registry)}")
-        _say("\n".join(_attach_lines(address)))
+        _say("\n".join(_attach_lines(address, cfg.name)))
         return 0
     registry, _ = start_service(cfg)
     _say(f"started {describe(registry)}, in Ray namespace {NAMESPACE!r}")
-    _say("\n".join(_attach_lines(address)))
+    _say("\n".join(_attach_lines(address, cfg.name)))
     return 0
 
 
@@ -342,7 +357,8 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
     if found is None:
         _say(
             f"rlplane store status: no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r} (Ray cluster "
-            f"at {address}); start one with `{_connect.command('rlplane')} store start --address {address}`"
+            f"at {address}); start one with `{_connect.command('rlplane')} store start --address {address}"
+            f"{_name_flag(cfg.name)}`"
         )
         return 1
     client = StoreClient(found[0])

@@ -32,7 +32,7 @@ from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
 from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.service import connect as _connect
-from dataplane.service.launch import ServiceHandle, find_service, start_service, stop_named
+from dataplane.service.launch import ServiceHandle, find_service, no_store_message, start_service, stop_named
 from dataplane.telemetry import export
 from dataplane.wire.protocol import IndexStatsReply, ShardStatsReply
 
@@ -99,17 +99,25 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
         ``StoreInfo`` describing the service and this client's data path.
 
     Raises:
+        ArgumentTypeError: an option that is no ``StoreConfig`` field (the message names the one it
+            may mean), or of the wrong type; raised before Ray is started or joined.
+        InvalidArgumentError: an option out of range, or ``address`` of none of the forms above
+            (before Ray is started or joined), or naming another cluster than the one this process
+            has joined.
+        StoreNotInitializedError: ``attach_only`` and no store of that name runs; the message says
+            how to start one.
         SchedulingError: Ray could not place the store's actors within ``schedule_timeout_s``.
         ClusterConnectError: no Ray cluster answers at ``address``.
         ClusterAuthError: the cluster at ``address`` refused this process's authentication token.
-        ValueError: ``address`` has none of the forms above, or names another cluster than the one
-            this process has joined.
 
     Example:
         >>> info = dp.init(num_shards=2)
         >>> info.num_shards
         2
     """
+    # Arguments first: a typo must not wait for Ray to start (seconds) or leave one started behind.
+    cfg = StoreConfig.from_options(**options)
+    _connect.parse_address(address)
     with _state.lock:
         import ray
 
@@ -123,7 +131,6 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
         # The codec (torch, tensordict: some 4.5 CPU-seconds) is imported by the first put or get, not
         # here: a process that handles metadata only (the TransferQueue controller, the CLI, a
         # metadata-only driver) never pays for it.
-        cfg = StoreConfig.from_options(**options)
         try:
             found = find_service(cfg)
         except StoreNotInitializedError:  # a broken store (its index died): clear it, then start afresh
@@ -134,7 +141,7 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
             found = None
         handle = None
         if found is None and attach_only:
-            raise StoreNotInitializedError(f"no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r}")
+            raise StoreNotInitializedError(no_store_message(cfg))
         if found is None:
             try:
                 registry, handle = start_service(cfg)

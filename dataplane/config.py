@@ -38,6 +38,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dataplane.errors import ArgumentTypeError, InvalidArgumentError, did_you_mean
+
 NAMESPACE = "rlplane"
 """Ray namespace of the store's named actors (embedded or started by ``rlplane store start``)."""
 
@@ -53,23 +55,24 @@ def check_number(
     name: str, value: Any, low: float, high: float, *, integer: bool = False, above: bool = False
 ) -> None:
     """Refuse ``value`` for the argument ``name`` unless it is a finite number in ``[low, high]``
-    (``(low, high]`` with ``above``; an ``int`` with ``integer``): ``TypeError`` for another type (a
-    bool included), ``ValueError`` for ``nan``, ``inf`` or a value out of range. Both name the argument.
+    (``(low, high]`` with ``above``; an ``int`` with ``integer``): ``ArgumentTypeError`` (a
+    ``TypeError``) for another type (a bool included), ``InvalidArgumentError`` (a ``ValueError``) for
+    ``nan``, ``inf`` or a value out of range. Both name the argument.
 
         >>> check_number("rpc_timeout_s", float("inf"), 0, MAX_TIMEOUT_S, above=True)
         Traceback (most recent call last):
         ...
-        ValueError: rpc_timeout_s=inf must be a finite number in (0, 1000000000.0]
+        dataplane.errors.InvalidArgumentError: rpc_timeout_s=inf must be a finite number in (0, 1000000000.0]
     """
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         what = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {what}, not {type(value).__name__} ({value!r})")
+        raise ArgumentTypeError(name, f"{name} must be {what}, not {type(value).__name__} ({value!r})")
     inside = (low < value if above else low <= value) and value <= high
     if not inside or (type(value) is not int and not math.isfinite(value)):
         bounds = f"{'(' if above else '['}{low!r}, {high!r}]"
         what = "an int" if integer else "a finite number"
-        raise ValueError(f"{name}={value!r} must be {what} in {bounds}")
+        raise InvalidArgumentError(name, f"{name}={value!r} must be {what} in {bounds}")
 
 
 TRANSPORTS = ("auto", "shm", "zmq", "tcp")
@@ -226,8 +229,26 @@ class StoreConfig:
     metrics_partitions: int = 20
 
     def __post_init__(self) -> None:
+        if type(self.name) is not str or not self.name:  # it prefixes the actors' names
+            raise ArgumentTypeError("name", f"name must be a non-empty str, not {self.name!r}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+            maybe = did_you_mean(str(self.transport), TRANSPORTS)
+            raise InvalidArgumentError(
+                "transport", f"transport={self.transport!r} is not one of {TRANSPORTS}{maybe}"
+            )
+        for flag in _FLAGS:
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ArgumentTypeError(
+                    flag, f"{flag} must be True or False, not {type(value).__name__} ({value!r})"
+                )
+        for name in ("capacity_bytes", "warm_retain_bytes", "max_message_bytes", "shm_min_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # "1G", as `rlplane store start --capacity` takes it
+                raise ArgumentTypeError(
+                    name,
+                    f"{name} must be an int number of bytes, not the str {value!r}; e.g. 1 << 30 for 1 GiB",
+                )
         # Every number is checked here, where it enters (``dp.init``, ``rlplane store start``, an
         # attaching client's copy): finite and in range, so nothing computed from it overflows later.
         for name, low, high, integer, above in _NUMBERS:
@@ -237,11 +258,28 @@ class StoreConfig:
 
     @classmethod
     def from_options(cls, **options: Any) -> StoreConfig:
-        """Defaults, then ``DATAPLANE_*`` variables, then ``options`` (unknown names raise TypeError)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        """Defaults, then ``DATAPLANE_*`` variables, then ``options``.
+
+        Raises:
+            ArgumentTypeError: an option that is no field (naming it, and the field it may mean), or
+                a value of the wrong type.
+            InvalidArgumentError: a value out of range.
+
+        Example:
+            >>> StoreConfig.from_options(capcity=1 << 30)
+            Traceback (most recent call last):
+            ...
+            dataplane.errors.ArgumentTypeError: unknown store option 'capcity' (did you mean ...
+        """
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise TypeError(f"unknown store option(s) {unknown}; known options: {sorted(known)}")
+            name = unknown[0]
+            raise ArgumentTypeError(
+                name,
+                f"unknown store option {name!r}{did_you_mean(name, known)}; the options are StoreConfig's "
+                f"fields: {', '.join(known)}",
+            )
         base: dict[str, Any] = {
             "transport": client_transport_override() or "auto",
             "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
@@ -287,6 +325,7 @@ _NUMBERS = (
     ("metrics_partitions", -1, 2**31 - 1, True, False),  # -1: every partition
 )
 _OPTIONAL = frozenset({"num_shards", "capacity_bytes"})  # None: one shard per node / unbounded
+_FLAGS = ("allow_pickle", "encrypt", "detached", "metrics")
 
 
 def client_transport_override() -> str | None:

@@ -81,6 +81,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from tensordict import TensorDict
@@ -88,7 +89,13 @@ from torch.utils.data import IterableDataset
 
 from dataplane import api as _api
 from dataplane import stream as _stream
-from dataplane.errors import BatchTimeoutError, PartitionNotFoundError, StoreNotInitializedError
+from dataplane.errors import (
+    ArgumentTypeError,
+    BatchTimeoutError,
+    InvalidArgumentError,
+    PartitionNotFoundError,
+    StoreNotInitializedError,
+)
 from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.samplers import Sampler
 
@@ -286,31 +293,43 @@ class StreamingDataset(IterableDataset):
         super().__init__()
         check_partition(partition_id, "StreamingDataset")
         if not isinstance(task_name, str):
-            raise TypeError(f"StreamingDataset: task_name must be a str, not {type(task_name).__name__}")
-        fields = [fields] if isinstance(fields, str) else list(fields)
-        if not fields or not all(isinstance(f, str) for f in fields):
-            raise TypeError(f"StreamingDataset: fields must be a non-empty list of str, got {fields!r}")
+            raise ArgumentTypeError(
+                "task_name", f"StreamingDataset: task_name must be a str, not {type(task_name).__name__}"
+            )
+        fields = (
+            [fields] if isinstance(fields, str) else list(fields) if isinstance(fields, Iterable) else fields
+        )
+        if not isinstance(fields, list) or not fields or not all(isinstance(f, str) for f in fields):
+            raise ArgumentTypeError(
+                "fields", f"StreamingDataset: fields must be a non-empty list of str, got {fields!r}"
+            )
         if self.meta_key in fields:
-            raise ValueError(
+            raise InvalidArgumentError(
+                "fields",
                 f"StreamingDataset: a field is named {self.meta_key!r}, the entry that carries each "
-                "TensorDict's KVBatchMeta; subclass StreamingDataset with another meta_key"
+                "TensorDict's KVBatchMeta; subclass StreamingDataset with another meta_key",
             )
         _check_int("batch_size", batch_size, 1)
         _check_int("dp_size", dp_size, 1)
         _check_int("dp_rank", dp_rank, 0)
         if dp_rank >= dp_size:
-            raise ValueError(f"StreamingDataset: dp_rank {dp_rank} is not below dp_size {dp_size}")
+            raise InvalidArgumentError(
+                "dp_rank", f"StreamingDataset: dp_rank {dp_rank} is not below dp_size {dp_size}"
+            )
         if micro_batch_size is not None:
             _check_int("micro_batch_size", micro_batch_size, 1)
         _check_int("prefetch", prefetch, 0)
         if timeout_s is not None and (
-            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s
         ):
-            raise ValueError(f"StreamingDataset: timeout_s must be None or a number >= 0, got {timeout_s!r}")
+            raise InvalidArgumentError(
+                "timeout_s", f"StreamingDataset: timeout_s must be None or a number >= 0, got {timeout_s!r}"
+            )
         if sampler is not None:
             if not isinstance(sampler, Sampler):
-                raise TypeError(
-                    f"StreamingDataset: sampler must be a dataplane Sampler, not {type(sampler).__name__}"
+                raise ArgumentTypeError(
+                    "sampler",
+                    f"StreamingDataset: sampler must be a dataplane Sampler, not {type(sampler).__name__}",
                 )
             sampler.check(batch_size, dp_rank, dp_size, 0)
         self.partition_id = partition_id
@@ -457,9 +476,9 @@ class StreamingDataset(IterableDataset):
 
 def _check_int(what: str, value: Any, low: int) -> None:
     if type(value) is not int:
-        raise TypeError(f"StreamingDataset: {what} must be an int, not {type(value).__name__}")
+        raise ArgumentTypeError(what, f"StreamingDataset: {what} must be an int, not {type(value).__name__}")
     if value < low:
-        raise ValueError(f"StreamingDataset: {what} must be >= {low}, got {value}")
+        raise InvalidArgumentError(what, f"StreamingDataset: {what} must be >= {low}, got {value}")
 
 
 class _StreamIterator:

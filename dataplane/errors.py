@@ -127,6 +127,30 @@ class BatchSizeError(DataplaneError, ValueError):
     """The number of keys and the batch size of the fields (or tags) differ."""
 
 
+class InvalidArgumentError(DataplaneError, ValueError):
+    """An argument of a call (or a ``dp.init`` option) is out of range or malformed: ``batch_size=0``,
+    ``timeout_s=nan``, ``dp_rank`` not below ``dp_size``, a meta that holds no lease. Attribute:
+    ``argument``, its name. Raised before anything is sent or started: nothing changed."""
+
+    wire_attrs: ClassVar[tuple[str, ...]] = ("argument",)
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(message)
+
+
+class ArgumentTypeError(DataplaneError, TypeError):
+    """An argument of a call has the wrong type (``partition_id=7``, ``fields=[1]``), or ``dp.init``
+    got an option it does not know (the message says which it may have meant). Attribute:
+    ``argument``, its name. Raised before anything is sent or started: nothing changed."""
+
+    wire_attrs: ClassVar[tuple[str, ...]] = ("argument",)
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(message)
+
+
 class SerializationError(DataplaneError, TypeError):
     """A value cannot be stored without pickle, and pickle was not allowed for it."""
 
@@ -278,6 +302,7 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 
 __all__ = [
+    "ArgumentTypeError",
     "BatchSizeError",
     "BatchTimeoutError",
     "CheckpointError",
@@ -286,6 +311,7 @@ __all__ = [
     "ClusterConnectError",
     "DataplaneError",
     "FieldNotFoundError",
+    "InvalidArgumentError",
     "KeyNotFoundError",
     "LeaseExpiredError",
     "PartitionNotFoundError",

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, SupportsIndex, cast
 
 from dataplane.codec.plain import plain_value as _plain
-from dataplane.errors import KeyNotFoundError
+from dataplane.errors import ArgumentTypeError, KeyNotFoundError
 
 
 def check_partition(partition_id: Any, caller: str | None = None) -> str:
-    """``partition_id`` if it is a str, else ``TypeError`` naming ``caller`` and the type given.
+    """``partition_id`` if it is a str, else ``ArgumentTypeError`` (a ``TypeError``) naming ``caller``
+    and the type given.
 
     The one check of a partition name (``KVBatchMeta``, ``StreamingDataset.step`` and the client's
     operations all call it). A str subclass is refused too: msgpack, which carries the name to the
@@ -31,11 +32,13 @@ def check_partition(partition_id: Any, caller: str | None = None) -> str:
         >>> check_partition(7, "StreamingDataset.step")
         Traceback (most recent call last):
         ...
-        TypeError: StreamingDataset.step: partition_id must be a str, not int
+        dataplane.errors.ArgumentTypeError: StreamingDataset.step: partition_id must be a str, not int
     """
     if type(partition_id) is not str:
         where = f"{caller}: " if caller else ""
-        raise TypeError(f"{where}partition_id must be a str, not {type(partition_id).__name__}")
+        raise ArgumentTypeError(
+            "partition_id", f"{where}partition_id must be a str, not {type(partition_id).__name__}"
+        )
     return partition_id
 
 

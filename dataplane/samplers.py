@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dataplane.errors import BatchSizeError
+from dataplane.errors import BatchSizeError, InvalidArgumentError
 
 Choice = list[str] | dict[int, list[str]] | None
 
@@ -122,7 +122,9 @@ class GroupSampler(Sampler):
 
     def __init__(self, group_tag: str = "uid", group_size: int = 1) -> None:
         if type(group_size) is not int or group_size < 1:
-            raise ValueError(f"GroupSampler: group_size must be an int >= 1, got {group_size!r}")
+            raise InvalidArgumentError(
+                "group_size", f"GroupSampler: group_size must be an int >= 1, got {group_size!r}"
+            )
         self.group_tag = group_tag
         self.group_size = group_size
 
@@ -197,7 +199,9 @@ class SeqlenBalancedSampler(Sampler):
     ) -> None:
         for what, value in (("dp_size", dp_size), ("group_size", group_size)):
             if type(value) is not int or value < 1:
-                raise ValueError(f"SeqlenBalancedSampler: {what} must be an int >= 1, got {value!r}")
+                raise InvalidArgumentError(
+                    what, f"SeqlenBalancedSampler: {what} must be an int >= 1, got {value!r}"
+                )
         self.length_tag = length_tag
         self.dp_size = dp_size
         self.group_tag = group_tag
@@ -215,10 +219,15 @@ class SeqlenBalancedSampler(Sampler):
         self, batch_size: int, dp_rank: int | None, dp_size: int | None, batch_index: int | None
     ) -> None:
         if dp_rank is None or batch_index is None:
-            raise ValueError("SeqlenBalancedSampler: every call passes dp_rank and batch_index")
+            missing = "dp_rank" if dp_rank is None else "batch_index"
+            raise InvalidArgumentError(
+                missing, "SeqlenBalancedSampler: every call passes dp_rank and batch_index"
+            )
         if not 0 <= dp_rank < self.dp_size or (dp_size is not None and dp_size != self.dp_size):
-            raise ValueError(
-                f"SeqlenBalancedSampler: dp_rank {dp_rank} / dp_size {dp_size} vs {self.dp_size}"
+            raise InvalidArgumentError(
+                "dp_rank",
+                f"SeqlenBalancedSampler: dp_rank {dp_rank} / dp_size {dp_size} vs the sampler's dp_size "
+                f"{self.dp_size}",
             )
         if batch_size % self.group_size:
             raise BatchSizeError(
@@ -252,7 +261,9 @@ class SeqlenBalancedSampler(Sampler):
 def _length(tag: dict[Any, Any], length_tag: str) -> float:
     value = tag.get(length_tag)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"SeqlenBalancedSampler: a row has no numeric tag {length_tag!r} (got {value!r})")
+        raise InvalidArgumentError(
+            "sampler", f"SeqlenBalancedSampler: a row has no numeric tag {length_tag!r} (got {value!r})"
+        )
     return float(value)
 
 
@@ -311,11 +322,13 @@ def from_spec(spec: dict[str, Any] | None) -> Sampler:
     params = dict(spec)
     cls = BUILTINS.get(params.pop("name", None))
     if cls is None:
-        raise ValueError(f"unknown sampler {spec.get('name')!r}; built-in: {sorted(BUILTINS)}")
+        raise InvalidArgumentError(
+            "sampler", f"unknown sampler {spec.get('name')!r}; built-in: {sorted(BUILTINS)}"
+        )
     try:
         return cls(**params)
     except TypeError as exc:
-        raise ValueError(f"sampler {spec.get('name')!r}: {exc}") from exc
+        raise InvalidArgumentError("sampler", f"sampler {spec.get('name')!r}: {exc}") from exc
 
 
 __all__ = ["GroupSampler", "Sampler", "SeqlenBalancedSampler", "SequentialSampler"]

@@ -32,7 +32,7 @@ import msgspec
 
 from dataplane.api import current_client
 from dataplane.client import stream_ops as _stream_ops
-from dataplane.errors import LeaseExpiredError
+from dataplane.errors import ArgumentTypeError, InvalidArgumentError, LeaseExpiredError
 from dataplane.meta import KVBatchMeta
 from dataplane.samplers import Sampler
 
@@ -118,8 +118,10 @@ def next_batch(
         BatchTimeoutError: fewer rows became ready within ``timeout_s`` (None: wait as long as it
             takes); says how many were ready, and names fields no put has written.
         PartitionNotFoundError: ``timeout_s`` passed and no put created the partition.
-        BatchSizeError / TypeError / ValueError: bad arguments (``batch_size < 1``, a group size that
-            does not divide ``batch_size``, ...), before anything is sent.
+        BatchSizeError / InvalidArgumentError / ArgumentTypeError: bad arguments (``batch_size < 1``,
+            a group size that does not divide ``batch_size``, ``timeout_s=-1``, ``fields=[1]``, ...),
+            before anything is sent. Each is a ``DataplaneError`` and the built-in a caller would
+            catch (``ValueError``, ``TypeError``), and names the argument.
 
     Example:
         >>> meta = dp.next_batch("step0", "reward", 64, ["responses"], timeout_s=30)
@@ -167,12 +169,15 @@ async def async_next_batch(
         raise
 
 
-def _lease_of(meta: KVBatchMeta) -> tuple[str, str]:
-    lease = meta._extra.get("lease") if isinstance(meta, KVBatchMeta) else None
+def _lease_of(meta: KVBatchMeta, caller: str) -> tuple[str, str]:
+    if not isinstance(meta, KVBatchMeta):
+        raise ArgumentTypeError("meta", f"{caller}: meta must be a KVBatchMeta, not {type(meta).__name__}")
+    lease = meta._extra.get("lease")
     if not isinstance(lease, dict) or not isinstance(lease.get("task"), str):
-        raise ValueError(
-            "this meta holds no lease: pass a meta that next_batch(..., lease_s=...) returned (or a "
-            "chunk of one)"
+        raise InvalidArgumentError(
+            "meta",
+            f"{caller}: this meta (partition {meta._pid!r}, {meta.size} row(s)) holds no lease: pass a meta "
+            "that next_batch(..., lease_s=...) returned (or a chunk of one)",
         )
     return lease["task"], lease["take"]
 
@@ -184,18 +189,19 @@ def ack(meta: KVBatchMeta) -> None:
     Raises:
         LeaseExpiredError: some rows' lease had run out first; they went back to the task and may
             have been delivered again (it names them). The other rows are acknowledged.
+        InvalidArgumentError: ``meta`` holds no lease (also a ``ValueError``); nothing was sent.
 
     Example:
         >>> meta = dp.next_batch("step0", "train", 64, ["advantages"], lease_s=600)
         >>> dp.ack(meta)
     """
-    task, take = _lease_of(meta)
+    task, take = _lease_of(meta, "dp.ack")
     late = current_client().run(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
     _raise_late(meta, task, late)
 
 
 async def async_ack(meta: KVBatchMeta) -> None:
-    task, take = _lease_of(meta)
+    task, take = _lease_of(meta, "dp.async_ack")
     late = await current_client().arun(_stream_ops.ack(meta._pid, task, take, list(meta.keys)))
     _raise_late(meta, task, late)
 
@@ -222,13 +228,13 @@ def release(meta: KVBatchMeta) -> int:
         >>> dp.release(meta)  # this consumer cannot use them after all
         64
     """
-    task, take = _lease_of(meta)
+    task, take = _lease_of(meta, "dp.release")
     back: int = current_client().run(_stream_ops.release(meta._pid, task, take))
     return back
 
 
 async def async_release(meta: KVBatchMeta) -> int:
-    task, take = _lease_of(meta)
+    task, take = _lease_of(meta, "dp.async_release")
     back: int = await current_client().arun(_stream_ops.release(meta._pid, task, take))
     return back
 

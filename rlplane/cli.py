@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
+import sys
 
 import rlplane
 
@@ -23,7 +26,9 @@ AUTO_FORM = "auto = the running cluster (RAY_ADDRESS, else the one `ray start` s
 HOST_FORM = "HOST:PORT = the cluster whose head listens there"
 LOCAL_FORM = "local = a new Ray of this command's own"
 STORE_EPILOG = (
-    "exit status: 0 done; 1 the cluster or the store refused (the printed line says why); 2 bad arguments"
+    "exit status: 0 done; 1 the cluster or the store refused (the printed line says why); 2 bad arguments; "
+    "141 what reads the output went away (`| head -1`): the command's work was done all the same (a store "
+    "it started keeps running), only the output was cut short"
 )
 DEMO_EPILOG = (
     "exit status: 0 the mean reward of the last 10% of steps is above that of the first 10% (with "
@@ -149,6 +154,13 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
             help=f"the Ray cluster the store runs on: {AUTO_FORM}; {HOST_FORM} (local, a new Ray, holds no "
             "store)",
         )
+    for p in (start, status, stop):
+        p.add_argument(
+            "--name",
+            default="dataplane",
+            help="the store's name: several stores of other names can run on one cluster; a process "
+            "attaches to this one with dp.init(name=NAME)",
+        )
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -272,8 +284,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The exit status of a command whose reader went away (`rlplane store status | head -1`): what a
+# process killed by SIGPIPE reports in a shell (128 + 13), as `yes | head -1` does. Not 1 ("refused")
+# nor 2 ("bad arguments"): the work was done (a store started keeps running), only output was cut.
+EXIT_OUTPUT_CLOSED = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names (default: the process's arguments); returns the exit status."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        if not _stdout_closed():  # a socket of the command's own: a real failure, with its traceback
+            raise
+        # Python ignores SIGPIPE, so the write raised instead; the interpreter's last flush of what
+        # is still buffered would raise again ("Exception ignored ..."): give it nowhere to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OUTPUT_CLOSED
+
+
+def _stdout_closed() -> bool:
+    """Whether nothing reads this process's stdout any more (a pipe whose reader exited): Linux
+    reports the write end of such a pipe (or a socket whose peer is gone) as an error when polled."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # no file behind stdout (replaced, or closed)
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.command == "store":

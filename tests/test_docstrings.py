@@ -66,6 +66,8 @@ RUNNABLE = [
     "dataplane.samplers.balanced_partition",
     "dataplane.stream.StreamRequest",
     "dataplane.service.connect",
+    "dataplane.service.launch.no_store_message",
+    "dataplane.service.launch.store_command",
     "dataplane.tq.metadata",
     "dataplane.tq.sampler.base",
     "dataplane.tq.sampler.grpo_group_n_sampler",

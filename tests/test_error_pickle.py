@@ -31,6 +31,8 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "PartitionNotFoundError": lambda c: c(CULPRIT),
     "StaleMetaError": lambda c: c(CULPRIT, "p0", "Scorer.score"),
     "SchemaError": lambda c: c("f0", f"field {CULPRIT} has the wrong dtype"),
+    "InvalidArgumentError": lambda c: c("batch_size", f"batch_size={CULPRIT} must be an int"),
+    "ArgumentTypeError": lambda c: c("capcity", f"unknown store option {CULPRIT!r}"),
     "ShardUnavailableError": lambda c: c("shard-0", f"shard {CULPRIT} is dead"),
     "BatchTimeoutError": lambda c: c("p0", f"waited for {CULPRIT}"),
     "LeaseExpiredError": lambda c: c("p0", f"the lease of {CULPRIT} ran out", keys=["k0"]),

@@ -18,7 +18,14 @@ import msgspec
 
 from dataplane.client.ops import Op, Route, _reply
 from dataplane.config import INT64_MAX, MAX_TIMEOUT_S, check_number
-from dataplane.errors import BatchSizeError, DataplaneError, ShardUnavailableError, WireError
+from dataplane.errors import (
+    ArgumentTypeError,
+    BatchSizeError,
+    DataplaneError,
+    InvalidArgumentError,
+    ShardUnavailableError,
+    WireError,
+)
 from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
@@ -52,16 +59,39 @@ class Take:
 
 def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, fields: Any) -> list[str]:
     check_partition(partition_id, "next_batch")
-    if not isinstance(task_name, str) or not task_name:
-        raise TypeError(f"task_name must be a non-empty str, not {task_name!r}")
+    _check_task(task_name, "next_batch")
     if type(batch_size) is not int or not 1 <= batch_size <= MAX_COUNT:
         raise BatchSizeError(f"batch_size must be an int in [1, 2**31 - 1], got {batch_size!r}")
     if isinstance(fields, str):
         fields = [fields]
-    names: list[str] = list(fields) if fields is not None else []
+    try:
+        names: list[str] = list(fields) if fields is not None else []
+    except TypeError:  # not iterable: named below, as any other bad value
+        names = [fields]
     if not names or any(type(f) is not str for f in names):
-        raise TypeError(f"fields must name at least one field (a list of str), got {names!r}")
+        raise ArgumentTypeError(
+            "fields", f"fields must name at least one field (a list of str), got {names!r}"
+        )
     return names
+
+
+def _check_task(task_name: Any, caller: str) -> str:
+    """``task_name`` as sent: a non-empty str, else named before anything is sent (msgpack would
+    refuse another type on the way, or the index on arrival, with neither's names)."""
+    if type(task_name) is str and task_name:
+        return task_name
+    raise ArgumentTypeError("task_name", f"{caller}: task_name must be a non-empty str, not {task_name!r}")
+
+
+def _check_fields(fields: Any, caller: str) -> list[str] | None:
+    """``fields`` as sent: None, or a list of str (one str is a list of one)."""
+    if fields is None:
+        return None
+    if isinstance(fields, str):
+        return [fields]
+    if isinstance(fields, (list, tuple)) and all(type(f) is str for f in fields):
+        return list(fields)
+    raise ArgumentTypeError("fields", f"{caller}: fields must be None or a list of str, got {fields!r}")
 
 
 def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
@@ -73,7 +103,9 @@ def _check_ranks(dp_rank: Any, dp_size: Any, batch_index: Any) -> None:
         if value is not None:
             check_number(name, value, low, high, integer=True)
     if dp_rank is not None and dp_size is not None and dp_rank >= dp_size:
-        raise ValueError(f"dp_rank must be below dp_size: got dp_rank={dp_rank}, dp_size={dp_size}")
+        raise InvalidArgumentError(
+            "dp_rank", f"dp_rank must be below dp_size: got dp_rank={dp_rank}, dp_size={dp_size}"
+        )
 
 
 def _check_timeout(timeout_s: Any) -> float | None:
@@ -113,7 +145,9 @@ def next_batch(
     if lease_s is not None:
         check_number("lease_s", lease_s, 0, MAX_LEASE_S, above=True)
     if sampler is not None and not isinstance(sampler, Sampler):
-        raise TypeError(f"sampler must be a dataplane Sampler, not {type(sampler).__name__}")
+        raise ArgumentTypeError(
+            "sampler", f"sampler must be a dataplane Sampler, not {type(sampler).__name__}"
+        )
     if sampler is not None:
         sampler.check(batch_size, dp_rank, dp_size, batch_index)
     spec = None if sampler is None else sampler.spec()
@@ -192,9 +226,10 @@ def _next_client_side(
             min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
             continue
         if isinstance(choice, dict):
-            raise NotImplementedError(
-                f"{name}.sample returned a split by rank; a sampler of your own returns "
-                "the caller's keys (a list)"
+            raise InvalidArgumentError(
+                "sampler",
+                f"{name}.sample returned a split by rank; a sampler of your own returns the caller's keys "
+                "(a list)",
             )
         keys = list(choice)
         if len(keys) > batch_size:
@@ -252,14 +287,18 @@ def finish(partition_id: str) -> Op:
 
 def reset(partition_id: str, task_name: str | None) -> Op:
     """``task_name`` (None: every task) reads ``partition_id`` again (``dp.reset_consumption``)."""
-    yield from index_call(
-        "reset", _protocol.Reset(check_partition(partition_id, "reset_consumption"), task_name)
-    )
+    pid = check_partition(partition_id, "reset_consumption")
+    task = None if task_name is None else _check_task(task_name, "reset_consumption")  # None: every task
+    yield from index_call("reset", _protocol.Reset(pid, task))
 
 
 def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> Op:
     """``task_name``'s progress on ``partition_id``: a ``ConsumptionReply``."""
-    body = _protocol.Consumption(check_partition(partition_id, "consumption"), task_name, fields)
+    body = _protocol.Consumption(
+        check_partition(partition_id, "consumption"),
+        _check_task(task_name, "consumption"),
+        _check_fields(fields, "consumption"),
+    )
     got: _protocol.ConsumptionReply = yield from index_call("consumption", body)
     return got
 

@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from dataplane.errors import ClusterAuthError, ClusterConnectError
+from dataplane.errors import ClusterAuthError, ClusterConnectError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def parse_address(address: str | None) -> tuple[str, int] | None:
     """``(host, port)`` for ``HOST:PORT``; ``None`` for ``None``, ``"local"`` and ``"auto"``.
 
     Raises:
-        ValueError: anything else, naming the value and the forms that work.
+        InvalidArgumentError: anything else (a ``ValueError``), naming the value and the forms that work.
 
     Example:
         >>> parse_address("10.0.0.5:6379"), parse_address("auto")
@@ -94,9 +94,10 @@ def parse_address(address: str | None) -> tuple[str, int] | None:
     host, sep, port = str(address).rpartition(":")
     if sep and host and port.isdigit() and 0 < int(port) < 65536 and "/" not in host:
         return host.strip("[]"), int(port)
-    raise ValueError(
+    raise InvalidArgumentError(
+        "address",
         f"address {address!r} is not 'local' (a new Ray of this process's own), 'auto' (the running "
-        "cluster) or HOST:PORT (the head of a cluster, e.g. 10.0.0.5:6379)"
+        "cluster) or HOST:PORT (the head of a cluster, e.g. 10.0.0.5:6379)",
     )
 
 
@@ -297,7 +298,8 @@ def check_joined(address: str | None) -> None:
     """With Ray already initialised here, an explicit ``HOST:PORT`` must name the cluster joined.
 
     Raises:
-        ValueError: it names another cluster; says which one this process is in.
+        InvalidArgumentError: it names another cluster (a ``ValueError``); says which one this
+            process is in.
     """
     import ray
 
@@ -309,9 +311,10 @@ def check_joined(address: str | None) -> None:
     host, port = wanted
     same_host = host in (here_host, "localhost", "127.0.0.1") or _ip(host) == here_host
     if here_port != str(port) or not same_host:
-        raise ValueError(
+        raise InvalidArgumentError(
+            "address",
             f"dp.init(address={address!r}): this process already joined the Ray cluster at {here}; "
-            "call ray.shutdown() first to join another, or leave address out"
+            "call ray.shutdown() first to join another, or leave address out",
         )
 
 
@@ -328,7 +331,7 @@ def connect(address: str | None, **ray_options: Any) -> Any:
     ``ray_options`` go to ``ray.init`` (``namespace``, ``num_cpus``, ``logging_level``, ...).
 
     Raises:
-        ValueError: ``address`` has none of the forms above.
+        InvalidArgumentError: ``address`` has none of the forms above (a ``ValueError``).
         ClusterConnectError: no cluster answers at ``address`` (or none runs, for ``"auto"``).
         ClusterAuthError: the cluster refused this process's authentication token.
 

@@ -22,12 +22,14 @@ store whatever state it is in, and ``dp.init()`` clears such remnants before sta
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import SchedulingError, StoreNotInitializedError
+from dataplane.service.connect import command
 from dataplane.wire.auth import Credentials
 
 logger = logging.getLogger(__name__)
@@ -189,9 +191,37 @@ def find_service(cfg: StoreConfig, timeout: float | None = None) -> tuple[dict[s
             raise SchedulingError(
                 f"the store {cfg.name!r} exists (actor {cfg.index_name()!r}) but did not finish starting "
                 f"within "
-                f"{cfg.schedule_timeout_s:.0f}s; stop it with `rlplane store stop` and start again"
+                f"{cfg.schedule_timeout_s:.0f}s; stop it with `{store_command(cfg, 'stop')}` and start again"
             )
         time.sleep(0.05)
+
+
+def store_command(cfg: StoreConfig, action: str) -> str:
+    """The ``rlplane store ACTION`` line for the store ``cfg`` names, as a shell runs it (``--name``
+    only for a store not named the default).
+
+    Example:
+        >>> store_command(StoreConfig(name="exp 1"), "stop").split(" store ")[1]
+        "stop --name 'exp 1'"
+    """
+    named = "" if cfg.name == StoreConfig.name else f" --name {shlex.quote(cfg.name)}"
+    return f"{command('rlplane')} store {action}{named}"
+
+
+def no_store_message(cfg: StoreConfig) -> str:
+    """Why an attach found nothing, and the two fixes: a store that outlives its starter
+    (``rlplane store start``, naming the store when it is not the default one), or an embedded one.
+
+    Example:
+        >>> print(no_store_message(StoreConfig(name="exp1")))  # doctest: +ELLIPSIS
+        no store 'exp1' runs in Ray namespace 'rlplane' of this Ray cluster; start one with ...
+    """
+    init_args = "" if cfg.name == StoreConfig.name else f"name={cfg.name!r}"
+    return (
+        f"no store {cfg.name!r} runs in Ray namespace {NAMESPACE!r} of this Ray cluster; start one with "
+        f"`{store_command(cfg, 'start')}` (a service: it outlives the command), or call dp.init({init_args}) "
+        "without attach_only=True to start an embedded one (it lives as long as the process that calls it)"
+    )
 
 
 def _being_created(name: str) -> bool:
@@ -214,7 +244,7 @@ def _being_created(name: str) -> bool:
 def _broken(cfg: StoreConfig, names: list[str]) -> str:
     return (
         f"the store {cfg.name!r} is broken: its index is dead but {names} still run. Stop what is left "
-        f"with `rlplane store stop` (or dataplane.service.launch.stop_named) and start a new store"
+        f"with `{store_command(cfg, 'stop')}` (or dataplane.service.launch.stop_named) and start a new store"
     )
 
 
@@ -328,6 +358,8 @@ def stop_named(cfg: StoreConfig) -> bool:
 __all__ = [
     "ServiceHandle",
     "find_service",
+    "no_store_message",
+    "store_command",
     "release_dead_names",
     "start_service",
     "stop_named",

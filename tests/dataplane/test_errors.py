@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import pickle
+import re
+import textwrap
 from fractions import Fraction
 
 import pytest
@@ -9,6 +14,9 @@ import torch
 from tensordict import TensorDict
 
 import dataplane as dp
+from dataplane.config import StoreConfig
+from dataplane.service.launch import no_store_message
+from tests._zygote import run_python
 
 from .conftest import start_store
 
@@ -201,3 +209,159 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_is_sent(store, pid,
     finally:
         dp.close()
         dp.init(name=NAME)
+
+
+# ---- errors before work: every bad call of the stream API is typed, named, and sends nothing -------
+
+
+def _bad_stream_calls(pid: str, plain: dp.KVBatchMeta) -> list[tuple[str, tuple, dict, type, str]]:
+    """(function, args, kwargs, the built-in its error also is, the argument it names). Each function
+    has an ``async_`` form taking the same arguments."""
+    row = (pid, "t", 1, ["x"])
+    return [
+        ("next_batch", (7, "t", 1, ["x"]), {}, TypeError, "partition_id"),
+        ("next_batch", (pid, "", 1, ["x"]), {}, TypeError, "task_name"),
+        ("next_batch", (pid, "t", 0, ["x"]), {}, ValueError, "batch_size"),
+        ("next_batch", (pid, "t", 1, []), {}, TypeError, "fields"),
+        ("next_batch", (pid, "t", 1, 5), {}, TypeError, "fields"),
+        ("next_batch", row, {"timeout_s": -1}, ValueError, "timeout_s"),
+        ("next_batch", row, {"timeout_s": "1"}, TypeError, "timeout_s"),
+        ("next_batch", row, {"dp_rank": 2, "dp_size": 2}, ValueError, "dp_rank"),
+        ("next_batch", row, {"batch_index": -1}, ValueError, "batch_index"),
+        ("next_batch", row, {"lease_s": 0}, ValueError, "lease_s"),
+        ("next_batch", row, {"sampler": object()}, TypeError, "sampler"),
+        (
+            "next_batch",
+            (pid, "t", 3, ["x"]),
+            {"sampler": dp.GroupSampler(group_size=2)},
+            ValueError,
+            "batch_size",
+        ),
+        ("next_batch", row, {"sampler": dp.SeqlenBalancedSampler(dp_size=2)}, ValueError, "dp_rank"),
+        ("ack", (plain,), {}, ValueError, "lease"),
+        ("ack", (None,), {}, TypeError, "meta"),
+        ("release", (plain,), {}, ValueError, "lease"),
+        ("release", ("k0",), {}, TypeError, "meta"),
+        ("finish_partition", (7,), {}, TypeError, "partition_id"),
+        ("reset_consumption", (7,), {}, TypeError, "partition_id"),
+        ("reset_consumption", (pid, 5), {}, TypeError, "task_name"),
+        ("reset_consumption", (pid, object()), {}, TypeError, "task_name"),
+        ("consumption", (7, "t"), {}, TypeError, "partition_id"),
+        ("consumption", (pid, object()), {}, TypeError, "task_name"),
+        ("consumption", (pid, "t"), {"fields": [1]}, TypeError, "fields"),
+    ]
+
+
+def test_every_bad_stream_call_raises_a_dataplane_error_that_is_also_the_builtin(store, pid):
+    """Code catching ``ValueError`` / ``TypeError`` keeps working; code catching ``dp.DataplaneError``
+    catches all of them; the message names the argument; nothing is sent, so nothing is taken."""
+    dp.kv_batch_put(["a", "b"], pid, {"x": torch.zeros(2)})
+    plain = dp.next_batch(pid, "plain", 1, ["x"], timeout_s=30)  # taken for good: it holds no lease
+    calls = _bad_stream_calls(pid, plain)
+
+    def check(where: str, err: BaseException, builtin: type, names: str) -> None:
+        assert isinstance(err, dp.DataplaneError) and isinstance(err, builtin), f"{where}: {err!r}"
+        assert names in str(err), f"{where} does not name {names!r}: {err}"
+
+    for name, args, kwargs, builtin, names in calls:
+        with pytest.raises(Exception) as err:  # noqa: PT011 - the class is what is checked
+            getattr(dp, name)(*args, **kwargs)
+        check(f"dp.{name}{args}", err.value, builtin, names)
+
+    async def async_forms() -> None:
+        for name, args, kwargs, builtin, names in calls:
+            with pytest.raises(Exception) as err:  # noqa: PT011
+                await getattr(dp, f"async_{name}")(*args, **kwargs)
+            check(f"dp.async_{name}{args}", err.value, builtin, names)
+
+    asyncio.run(async_forms())
+    assert dp.consumption(pid, "t", ["x"])["consumed"] == 0 and dp.consumption(pid, "t", ["x"])["ready"] == 2
+
+
+def test_a_bad_streaming_dataset_raises_a_dataplane_error_that_is_also_the_builtin(pid):
+    good = {"partition_id": pid, "task_name": "t", "batch_size": 2, "fields": ["x"]}
+    bad: list[tuple[dict, type, str]] = [
+        ({"partition_id": 7}, TypeError, "partition_id"),
+        ({"task_name": 5}, TypeError, "task_name"),
+        ({"fields": []}, TypeError, "fields"),
+        ({"fields": 5}, TypeError, "fields"),
+        ({"fields": ["meta"]}, ValueError, "meta"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"batch_size": "2"}, TypeError, "batch_size"),
+        ({"dp_rank": 1, "dp_size": 1}, ValueError, "dp_rank"),
+        ({"timeout_s": -1}, ValueError, "timeout_s"),
+        ({"sampler": object()}, TypeError, "sampler"),
+    ]
+    for change, builtin, names in bad:
+        with pytest.raises(builtin, match=names) as err:
+            dp.StreamingDataset(**{**good, **change})
+        assert isinstance(err.value, dp.DataplaneError), f"{change}: {err.value!r}"
+    with pytest.raises(dp.ArgumentTypeError, match="partition_id"):
+        dp.StreamingDataset(**good).step(7)
+
+
+def test_the_bridges_refusals_are_dataplane_errors():
+    from dataplane._worker_bridge import BridgeError, _first_request
+
+    req = dp.StreamRequest("p", "t", 1, ["x"])
+    with pytest.raises(dp.ArgumentTypeError, match="one StreamRequest"):
+        _first_request((req, req), {})
+    err = BridgeError("W.f", 3, 4)
+    assert isinstance(err, dp.DataplaneError) and isinstance(err, ValueError)
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+# ---- errors before work: dp.init --------------------------------------------------------------------
+
+
+def test_init_refuses_a_misspelt_option_before_it_starts_ray(fork_server):
+    """In a fresh process (this one has joined the session's Ray): the typo is named, with the option
+    it meant, at once, and Ray was neither started nor joined."""
+    code = textwrap.dedent(
+        """
+        import time
+        import ray
+        import dataplane as dp
+        start = time.monotonic()
+        try:
+            dp.init(capcity="1G")
+        except dp.ArgumentTypeError as err:
+            print("ERR", repr(err.argument), isinstance(err, TypeError), err)
+        print("RAY", ray.is_initialized(), "S", round(time.monotonic() - start, 3))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = run_python(["-c", code], timeout=120, env=env)
+    out = proc.stdout
+    assert "ERR 'capcity' True unknown store option 'capcity'" in out, out + proc.stderr
+    assert "did you mean 'capacity_bytes'?" in out, out
+    assert "RAY False" in out, out + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "names"),
+    [
+        ({"capacity_bytes": "1G"}, dp.ArgumentTypeError, "1 << 30"),
+        ({"num_shards": 0}, dp.InvalidArgumentError, "num_shards"),
+        ({"rpc_timeout_s": float("nan")}, dp.InvalidArgumentError, "rpc_timeout_s"),
+        ({"transport": "shmm"}, dp.InvalidArgumentError, "did you mean 'shm'"),
+        ({"encrypt": 1}, dp.ArgumentTypeError, "encrypt"),
+        ({"name": ""}, dp.ArgumentTypeError, "name"),
+        ({"address": "nohost"}, dp.InvalidArgumentError, "HOST:PORT"),
+    ],
+)
+def test_init_checks_every_option_before_anything_else(ray_cluster, options, error, names):
+    """Checked before the attach too: an init that would have returned the existing client refuses."""
+    with pytest.raises(error, match=re.escape(names)):
+        dp.init(**options)
+
+
+def test_an_attach_that_finds_no_store_names_the_fix(ray_cluster):
+    dp.close()
+    with pytest.raises(dp.StoreNotInitializedError) as err:
+        dp.init(name="t-err-none", attach_only=True)
+    text = str(err.value)
+    assert "no store 't-err-none'" in text and "store start --name t-err-none`" in text, text
+    assert "dp.init(name='t-err-none') without attach_only=True" in text, text
+    default = no_store_message(StoreConfig())
+    assert "rlplane store start`" in default and "dp.init() without attach_only=True" in default, default

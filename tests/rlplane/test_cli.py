@@ -415,3 +415,45 @@ def test_a_store_server_counts_its_open_connections() -> None:
             sock.close()
         server.stop()
         ctx.term()
+
+
+def test_output_into_a_closed_pipe_ends_quietly(ray_cluster) -> None:
+    """`rlplane store status --watch | head -1`: the reader takes one line and goes; the command's next
+    write finds no reader, and it ends with the status of a process cut off by SIGPIPE (141), with no
+    traceback. A watch writes (and flushes) a line per refresh, so a write after the reader left is
+    certain, whatever the timing."""
+    import select
+    import time
+
+    from tests._zygote import start_python
+    from tests.dataplane.conftest import start_store
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    name = "t-cli-pipe"
+    _, _, handle = start_store(name=name, num_shards=1)
+    try:
+        argv = ["store", "status", "--watch", "--json", "--interval", "0.1", "--count", "3000"]
+        proc = start_python(
+            ["-m", "rlplane", *argv, "--name", name, "--address", ray_cluster.address],
+            stdout=True,
+            stderr=True,
+            cwd=root,
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()  # as `head -1` exits
+        deadline, said = time.monotonic() + 120, b""
+        while select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(proc.stderr.fileno(), 1 << 16)
+            if not chunk:
+                break
+            said += chunk
+        else:
+            proc.kill()
+            pytest.fail(f"the command went on writing into the closed pipe: {said.decode()}")
+        code = proc.wait(timeout=60)
+    finally:
+        handle.stop()
+    text = said.decode(errors="replace")
+    assert json.loads(first)["store"] == name, first
+    assert "Traceback" not in text and "BrokenPipeError" not in text, text
+    assert code == 141, (code, text)
