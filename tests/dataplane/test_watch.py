@@ -145,7 +145,8 @@ def test_watch_shows_shards_partitions_and_tasks_live_on_a_terminal(store) -> No
         )
         shards = [line.split() for line in first if re.match(r"^[01]\s", line)]
         assert [s[0] for s in shards] == ["0", "1"] and all(s[-1] == "yes" for s in shards), first
-        assert _line(first, "wp1")[:3] == ["wp1", "8", "256"] and _line(first, "wp1")[-2:] == ["x,", "y"]
+        wp1 = _line(first, "wp1")
+        assert wp1[:2] == ["wp1", "8"] and wp1[3] == "256" and wp1[-2:] == ["x,", "y"]  # (2: PUT/S)
         assert _line(first, "wp2")[:2] == ["wp2", "3"]
         assert _line(first, "wp1 / reward")[3:6] == ["4", "4", "0"]  # taken, ready, leased
         # traffic while it watches: a take, a leased take by another task, a finish
@@ -161,7 +162,7 @@ def test_watch_shows_shards_partitions_and_tasks_live_on_a_terminal(store) -> No
         )
         assert float(_line(moved, "wp1 / reward")[6]) > 0, moved  # rows per second over that refresh
         now = wait_for(lambda: (s := term.screen()) and _line(s, "wp2 / train") and s, 60, "the second task")
-        assert _line(now, "wp2 / train")[3:6] == ["3", "0", "3"] and _line(now, "wp2")[4] == "yes"
+        assert _line(now, "wp2 / train")[3:6] == ["3", "0", "3"] and _line(now, "wp2")[5] == "yes"
         assert all(len(line) <= COLUMNS for line in now), [line for line in now if len(line) > COLUMNS]
         assert len(now) <= LINES
     finally:
@@ -242,18 +243,33 @@ def _partition(name: str, tasks: int) -> dict:
 
 def test_a_big_store_fits_80_by_24_and_says_what_it_left_out() -> None:
     parts = [_partition(f"step-{i:05d}-" + "p" * 30, 3) for i in range(24)]
-    before = Snapshot(0.0, [_shard(i) for i in range(6)] + [_shard(6, alive=False)], parts, 10_000)
-    now = Snapshot(2.0, before.shards, json.loads(json.dumps(parts)), 10_000)
+    rows = {f"other-{i}": 10 for i in range(10_000 - len(parts))} | {p["partition"]: p["rows"] for p in parts}
+    shards = [_shard(i) for i in range(6)] + [_shard(6, alive=False)]
+    before = Snapshot(
+        0.0, shards, parts, 10_000, rows, frozenset(list(rows)[:30]), frozenset(list(rows)[:20])
+    )
+    now = Snapshot(
+        2.0, shards, json.loads(json.dumps(parts)), 10_000, dict(rows), before.finished, before.drained, 2.0
+    )
     now.partitions[0]["tasks"][0]["taken"] += 500
-    add_rates(now, before)
+    now.rows[parts[0]["partition"]] += 300
+    add_rates(now, [before])
     lines = render(now, "dataplane", "10.0.0.5:6379", 1.0, COLUMNS, LINES)
     assert len(lines) <= LINES and all(len(line) <= COLUMNS for line in lines), lines
     assert "6/7 shards up" in lines[1] and "6,000,000 rows in 10,000 partitions" in lines[1]
-    assert any(line.endswith("more partitions") for line in lines), lines
+    rest = next(line for line in lines if line.startswith("... and ") and "partitions" in line)
+    shown = [line.split()[0] for line in lines if line.startswith("step-") and "/" not in line]
+    hidden_rows = 10 * (10_000 - 24) + 1_234_567 * (24 - len(shown))  # (+ none of the 300 put: shown)
+    assert (
+        rest
+        == f"... and {10_000 - len(shown):,} more partitions: {hidden_rows:,} rows, 30 finished, 20 drained"
+    )
     assert any(line.endswith("more consumer tasks") for line in lines), lines
     assert any(line.endswith("…") for line in lines)  # long names are cut, visibly
     rate = next(line for line in lines if line.startswith("step-00000-") and "/" in line).split()[-1]
     assert rate == "250.0"  # 500 rows in 2 s
+    put = next(line for line in lines if line.startswith("step-00000-") and "/" not in line).split()[2]
+    assert put == "150.0"  # 300 rows in 2 s
     assert render(now, "s", "a", 1.0, 200, 200)[0].startswith("store 's' at a")  # a big terminal
     dead = next(line for line in render(before, "s", "a", 1.0, 80, 60) if line.startswith("6 "))
     assert dead.split()[-1] == "NO" and "deadbeef" in dead
