@@ -7,19 +7,28 @@ terminal, readable at 80 columns):
 
 * **shards**: node, bytes used, memory held (freed segments kept warm included), capacity, open
   connections (this command's not counted), and whether it answered;
-* **partitions** (the largest by rows first): rows, bytes on all shards, finished or not, fields;
-* **consumer tasks** of those partitions: rows taken, ready and not taken (the lag), leased and not
-  acknowledged, and the rate at which it took rows since the last refresh.
+* **partitions**, the most recently active first (by the last put, take or ack the index saw; those
+  active within the last refresh interval in natural order, ``step9`` before ``step10``): rows, rows
+  put per second, bytes on all shards, finished or not, fields; the rest summed in one line (how
+  many, their rows, how many finished, how many drained by every consumer task);
+* **consumer tasks** of those partitions, the most recently active first: rows taken, ready and not
+  taken (the lag), leased and not acknowledged, and rows taken per second.
+
+Rates are counters' differences over the monotonic time between refreshes, over the last
+``RATE_WINDOW_S`` seconds (at least one refresh): a consumer that takes a batch now and then shows
+its average, not a burst one refresh and ``0.0`` the next. The first refresh has none (``-``).
 
 ``--json`` prints one JSON object per refresh instead (``as_json``: every shard, the
-``JSON_PARTITIONS`` largest partitions with their tasks, and how many partitions there are), for
-scripts. Ctrl-C ends it (exit 0), as does ``--count N`` after N refreshes.
+``JSON_PARTITIONS`` most recently active partitions with their tasks, how many partitions there are
+and the rows, finished and drained ones of all), for scripts. Ctrl-C ends it (exit 0), as does
+``--count N`` after N refreshes.
 
     >>> shard = {"shard": 0, "node": "10.0.0.5 (ab12cd34)", "alive": True, "bytes_used": 3 << 20,
     ...          "bytes_resident": 4 << 20, "capacity_bytes": None, "clients": 2, "rows": 8}
     >>> part = {"partition": "step0", "rows": 8, "bytes": 3 << 20, "finished": False, "fields": ["x"],
-    ...         "tasks": [{"task": "reward", "taken": 6, "ready": 2, "leased": 0, "rate": 3.0}]}
-    >>> snap = Snapshot(0.0, [shard], [part], 1)
+    ...         "put_rate": 2.0, "tasks": [{"task": "reward", "taken": 6, "ready": 2, "leased": 0,
+    ...                                     "rate": 3.0}]}
+    >>> snap = Snapshot(0.0, [shard], [part], 1, rows={"step0": 8})
     >>> lines = render(snap, "dataplane", "10.0.0.5:6379", 1.0, 80, 24)
     >>> for line in lines[1:]:
     ...     print(line)
@@ -28,23 +37,26 @@ scripts. Ctrl-C ends it (exit 0), as does ``--count N`` after N refreshes.
     SHARD  NODE                    USED       RESIDENT   CAPACITY   CLIENTS  ALIVE
     0      10.0.0.5 (ab12cd34)     3.0 MiB    4.0 MiB    unlimited        2  yes
     <BLANKLINE>
-    PARTITION                     ROWS      BYTES  FIN  FIELDS
-    step0                            8    3.0 MiB  no   x
+    PARTITION                     ROWS     PUT/S      BYTES  FIN  FIELDS
+    step0                            8       2.0    3.0 MiB  no   x
     <BLANKLINE>
-    PARTITION / TASK                     TAKEN       READY     LEASED     RATE/S
+    PARTITION / TASK                     TAKEN       READY     LEASED     TAKE/S
     step0 / reward                           6           2          0        3.0
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import msgspec
@@ -55,8 +67,9 @@ from dataplane.errors import DataplaneError
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call
 
-JSON_PARTITIONS = 100  # the largest partitions a --json refresh describes (with their tasks)
+JSON_PARTITIONS = 100  # the most recently active partitions a --json refresh describes (with their tasks)
 MIN_WIDTH = 40
+RATE_WINDOW_S = 3.0  # rates are over the refreshes of about this many seconds
 
 # Escape sequences of a refresh in place: the alternate screen (what was on the terminal comes back
 # afterwards), the cursor hidden, each frame drawn from the top left, each line and the rest of the
@@ -67,25 +80,58 @@ _HOME, _EOL, _EOS = "\x1b[H", "\x1b[K", "\x1b[J"
 
 @dataclass
 class Snapshot:
-    """The store at one moment: a dict per shard, per partition shown (largest by rows first, each
-    with its ``tasks``), and how many partitions there are in all."""
+    """The store at one moment: a dict per shard, per partition shown (the most recently active
+    first, each with its ``tasks``), how many partitions there are in all, and of every partition its
+    rows and whether it is finished or drained. ``time`` is the wall clock (shown), ``clock`` the
+    monotonic one (rates are over it)."""
 
     time: float
     shards: list[dict[str, Any]]
     partitions: list[dict[str, Any]]
     partitions_total: int
+    rows: dict[str, int] = field(default_factory=dict)
+    finished: frozenset[str] = frozenset()
+    drained: frozenset[str] = frozenset()
+    clock: float = 0.0
 
 
-def snapshot(nodes: list[str], limit: int, timeout_s: float) -> Op:
+_NUMBERS = re.compile(r"([0-9]+)")
+
+
+def natural(name: str) -> tuple[tuple[str | int, ...], str]:
+    """The sort key that puts ``step9`` before ``step10``: the name's runs of digits compared as numbers.
+
+    Example:
+        >>> sorted(["step10", "step9", "step1", "a"], key=natural)
+        ['a', 'step1', 'step9', 'step10']
+    """
+    # (split with a group alternates text and digits, text first: equal positions hold equal types)
+    parts = _NUMBERS.split(name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
+
+
+def recency(idle_s: float | None, tie_s: float) -> float:
+    """The sort key of how long ago something last happened: what was active within the last ``tie_s``
+    seconds (the refresh interval) ties, so two busy partitions do not swap places every refresh;
+    the rest go by their idle time."""
+    if idle_s is None:
+        return math.inf
+    return 0.0 if idle_s < tie_s else idle_s
+
+
+def snapshot(nodes: list[str], limit: int, timeout_s: float, tie_s: float = 0.0) -> Op:
     """Ask every shard for its stats and the index for its partitions, then the index for the tasks of
-    the ``limit`` largest partitions; returns a ``Snapshot`` (rates not filled in). A shard that does
-    not answer within ``timeout_s`` is shown as not alive; the index must answer."""
+    the ``limit`` most recently active partitions (``recency``, ``tie_s`` the refresh interval, then
+    ``natural`` order); returns a ``Snapshot`` (rates not filled in). A shard that does not answer within
+    ``timeout_s`` is shown as not alive; the index must answer."""
     ask = _protocol.Stats()
     calls = [Call(s, "stats", ask, timeout=timeout_s) for s in range(len(nodes))]
     results = yield [*calls, Call(INDEX, "stats", ask, timeout=timeout_s)]
-    rows = _reply(results[-1], _protocol.IndexStatsReply).partitions
+    clock, wall = time.monotonic(), time.time()
+    index = _reply(results[-1], _protocol.IndexStatsReply)
+    rows, idle, drained = index.partitions, index.idle, frozenset(index.drained)
     shards = [_shard(i, node, res) for i, (node, res) in enumerate(zip(nodes, results[:-1], strict=True))]
-    shown = sorted(rows, key=lambda pid: (-rows[pid], pid))[:limit]
+    shown = sorted(rows, key=lambda pid: (recency(idle.get(pid), tie_s), natural(pid)))[:limit]
     asks = [Call(INDEX, "tasks", _protocol.Tasks(pid), timeout=timeout_s) for pid in shown]
     answers = (yield asks) if shown else []
     partitions = []
@@ -93,20 +139,20 @@ def snapshot(nodes: list[str], limit: int, timeout_s: float) -> Op:
         if isinstance(res, BaseException):  # cleared since the index listed it
             continue
         body = _reply(res, _protocol.TasksReply)
-        tasks = [
-            {"task": name, **msgspec.structs.asdict(counts)} for name, counts in sorted(body.tasks.items())
-        ]
+        tasks = [{"task": name, **msgspec.structs.asdict(counts)} for name, counts in body.tasks.items()]
         partitions.append(
             {
                 "partition": pid,
                 "rows": body.rows,
                 "bytes": sum(s.get("partition_bytes", {}).get(pid, 0) for s in shards if s["alive"]),
                 "finished": body.finished,
+                "drained": pid in drained,
+                "idle_s": idle.get(pid),
                 "fields": body.fields,
                 "tasks": tasks,
             }
         )
-    return Snapshot(time.time(), shards, partitions, len(rows))
+    return Snapshot(wall, shards, partitions, len(rows), rows, frozenset(index.finished), drained, clock)
 
 
 def _shard(i: int, node: str, res: Any) -> dict[str, Any]:
@@ -129,17 +175,31 @@ def _shard(i: int, node: str, res: Any) -> dict[str, Any]:
     }
 
 
-def add_rates(snap: Snapshot, before: Snapshot | None) -> None:
-    """Each task's ``rate``: rows taken per second since ``before`` (None on the first refresh, or for a
-    task that was not shown then)."""
-    taken: dict[tuple[str, str], int] = {}
-    if before is not None:
-        taken = {(p["partition"], t["task"]): t["taken"] for p in before.partitions for t in p["tasks"]}
-    dt = None if before is None else snap.time - before.time
+def add_rates(snap: Snapshot, before: Sequence[Snapshot]) -> None:
+    """Each shown partition's ``put_rate`` (rows put per second) and each task's ``rate`` (rows taken
+    per second), over the monotonic time since the oldest snapshot of ``before`` (oldest first) that
+    knows its count; None where none does (the first refresh).
+
+    A snapshot knows every partition's rows (one it does not list had none yet), and its tasks' counts
+    for the partitions it showed or did not list (no task had taken anything of those yet). A count
+    that went down (rows cleared, rows given back) counts as no progress."""
+    known = [
+        (b.clock, b.rows, {p["partition"]: p for p in b.partitions}) for b in before if b.clock < snap.clock
+    ]
     for part in snap.partitions:
+        pid = part["partition"]
+        part["put_rate"] = None
+        if known:
+            then, rows, _ = known[0]
+            put = snap.rows.get(pid, part["rows"]) - rows.get(pid, 0)
+            part["put_rate"] = max(0, put) / (snap.clock - then)
+        # The oldest snapshot that showed the partition's tasks, or had no such partition yet.
+        since = next(((t, shown.get(pid)) for t, r, shown in known if pid in shown or pid not in r), None)
+        was = {} if since is None or since[1] is None else {t["task"]: t["taken"] for t in since[1]["tasks"]}
         for task in part["tasks"]:
-            was = taken.get((part["partition"], task["task"]))
-            task["rate"] = None if was is None or not dt else max(0.0, (task["taken"] - was) / dt)
+            task["rate"] = None
+            if since is not None:
+                task["rate"] = max(0, task["taken"] - was.get(task["task"], 0)) / (snap.clock - since[0])
 
 
 # ---- the screen ----------------------------------------------------------------------------------
@@ -171,8 +231,12 @@ def _count(n: int | None) -> str:
 
 
 _SHARD_COLS = (["SHARD", "NODE", "USED", "RESIDENT", "CAPACITY", "CLIENTS", "ALIVE"], [5, 22, 9, 9, 9, 7, 5])
-_PART_COLS = (["PARTITION", "ROWS", "BYTES", "FIN", "FIELDS"], [22, 10, 9, 3, 26])
-_TASK_COLS = (["PARTITION / TASK", "TAKEN", "READY", "LEASED", "RATE/S"], [30, 10, 10, 9, 9])
+_PART_COLS = (["PARTITION", "ROWS", "PUT/S", "BYTES", "FIN", "FIELDS"], [22, 10, 8, 9, 3, 17])
+_TASK_COLS = (["PARTITION / TASK", "TAKEN", "READY", "LEASED", "TAKE/S"], [30, 10, 10, 9, 9])
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:,.1f}" if rate < 1000 else f"{rate:,.0f}"
 
 
 def _section(items: list[Any], room: int, what: str) -> tuple[list[Any], str | None]:
@@ -183,6 +247,16 @@ def _section(items: list[Any], room: int, what: str) -> tuple[list[Any], str | N
     return shown, f"... and {len(items) - len(shown)} more {what}"
 
 
+def _rest(snap: Snapshot, shown: set[str]) -> str:
+    """The line that sums up the partitions not shown: how many, their rows, finished, drained."""
+    rest = [pid for pid in snap.rows if pid not in shown]
+    n = snap.partitions_total - len(shown)
+    rows = sum(snap.rows[pid] for pid in rest)
+    finished = sum(pid in snap.finished for pid in rest)
+    drained = sum(pid in snap.drained for pid in rest)
+    return f"... and {n:,} more partitions: {rows:,} rows, {finished:,} finished, {drained:,} drained"
+
+
 def render(snap: Snapshot, store: str, address: str, interval: float, width: int, height: int) -> list[str]:
     """The screen for ``snap``: at most ``height`` lines of at most ``width`` columns (a section cut
     short says how much it left out)."""
@@ -191,7 +265,10 @@ def render(snap: Snapshot, store: str, address: str, interval: float, width: int
     alive = [s for s in shards if s["alive"]]
     caps = [s.get("capacity_bytes") for s in alive]
     capacity = None if not alive or any(c is None for c in caps) else sum(caps)
-    tasks = [(p["partition"], t) for p in parts for t in p["tasks"]]
+    tasks = sorted(
+        ((p["partition"], t) for p in parts for t in p["tasks"]),
+        key=lambda pt: (recency(pt[1].get("idle_s"), interval), natural(pt[0]), natural(pt[1]["task"])),
+    )
     clock = time.strftime("%H:%M:%S", time.localtime(snap.time))
     lines = [
         f"store {store!r} at {address}  {clock}  every {interval:g}s (Ctrl-C quits)",
@@ -204,9 +281,9 @@ def render(snap: Snapshot, store: str, address: str, interval: float, width: int
     room -= len(shard_rows) + (more_shards is not None)
     part_room = max(1, room // 2) if tasks else room
     part_rows, more_parts = parts, None
-    if snap.partitions_total > min(len(parts), part_room):  # (a snapshot holds the largest few only)
+    if snap.partitions_total > min(len(parts), part_room):  # (a snapshot holds the most active few only)
         part_rows = parts[: min(len(parts), part_room - 1)]
-        more_parts = f"... and {snap.partitions_total - len(part_rows)} more partitions"
+        more_parts = _rest(snap, {p["partition"] for p in part_rows})
     room -= len(part_rows) + (more_parts is not None)
     task_rows, more_tasks = _section(tasks, max(1, room), "consumer tasks")
 
@@ -226,25 +303,25 @@ def render(snap: Snapshot, store: str, address: str, interval: float, width: int
         ]
         lines.append(_row(values, _SHARD_COLS[1], {5}))
     lines += [more_shards] if more_shards else []
-    lines += ["", _row(*_PART_COLS, {1, 2})]
+    lines += ["", _row(*_PART_COLS, {1, 2, 3})]
     for p in part_rows:
         values = [
             p["partition"],
             f"{p['rows']:,}",
+            _rate(p.get("put_rate")),
             format_bytes(p["bytes"]),
             "yes" if p["finished"] else "no",
         ]
-        lines.append(_row([*values, ", ".join(p["fields"])], _PART_COLS[1], {1, 2}))
+        lines.append(_row([*values, ", ".join(p["fields"])], _PART_COLS[1], {1, 2, 3}))
     lines += [more_parts] if more_parts else []
     lines += ["", _row(*_TASK_COLS, {1, 2, 3, 4})]
     for pid, t in task_rows:
-        rate = "-" if t.get("rate") is None else f"{t['rate']:.1f}"
         values = [
             _pair(pid, t["task"], _TASK_COLS[1][0]),
             f"{t['taken']:,}",
             f"{t['ready']:,}",
             f"{t['leased']:,}",
-            rate,
+            _rate(t.get("rate")),
         ]
         lines.append(_row(values, _TASK_COLS[1], {1, 2, 3, 4}))
     lines += [more_tasks] if more_tasks else []
@@ -254,7 +331,7 @@ def render(snap: Snapshot, store: str, address: str, interval: float, width: int
 
 
 def as_json(snap: Snapshot, store: str, address: str) -> str:
-    """One refresh for scripts: one line of JSON (bytes as integers; ``rate`` null on the first)."""
+    """One refresh for scripts: one line of JSON (bytes as integers; rates null on the first)."""
     shards = [{k: v for k, v in s.items() if k != "partition_bytes"} for s in snap.shards]
     out = {
         "time": snap.time,
@@ -263,6 +340,11 @@ def as_json(snap: Snapshot, store: str, address: str) -> str:
         "shards": shards,
         "partitions": snap.partitions,
         "partitions_total": snap.partitions_total,
+        "totals": {
+            "rows": sum(snap.rows.values()),
+            "finished": len(snap.finished),
+            "drained": len(snap.drained),
+        },
     }
     return json.dumps(out)
 
@@ -271,15 +353,18 @@ def as_json(snap: Snapshot, store: str, address: str) -> str:
 
 
 def frames(client: Any, nodes: list[str], interval: float, limit: int) -> Iterator[Snapshot]:
-    """Snapshots ``interval`` seconds apart, each with its rates since the one before."""
-    before = None
+    """Snapshots ``interval`` seconds apart, each with its rates over about ``RATE_WINDOW_S``."""
+    before: deque[Snapshot] = deque()
     timeout = max(1.0, interval)
     while True:
         started = time.monotonic()
-        snap: Snapshot = client.run(snapshot(nodes, limit, timeout))
+        snap: Snapshot = client.run(snapshot(nodes, limit, timeout, interval))
+        # Keep the newest snapshot at least the window old, and those after it.
+        while len(before) > 1 and snap.clock - before[1].clock >= RATE_WINDOW_S:
+            before.popleft()
         add_rates(snap, before)
         yield snap
-        before = snap
+        before.append(snap)
         time.sleep(max(0.0, interval - (time.monotonic() - started)))  # the refresh rate, not a wait on state
 
 
@@ -332,4 +417,15 @@ def run(
     return 0
 
 
-__all__ = ["JSON_PARTITIONS", "Snapshot", "add_rates", "as_json", "render", "run", "snapshot"]
+__all__ = [
+    "JSON_PARTITIONS",
+    "RATE_WINDOW_S",
+    "Snapshot",
+    "add_rates",
+    "as_json",
+    "natural",
+    "recency",
+    "render",
+    "run",
+    "snapshot",
+]

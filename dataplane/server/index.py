@@ -14,6 +14,7 @@ classifying a missing key).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dataplane.server.dispatch import Operations, OpReply
@@ -72,11 +73,17 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
 
     def op_stats(self, body: _protocol.Stats) -> _protocol.IndexStatsReply:
         """Keys per partition, and the prepared puts: open now, and how many were aborted, expired,
-        or refused (their abort had come first)."""
+        or refused (their abort had come first); each partition's idle seconds, the finished ones and
+        the drained ones. O(partitions + tasks)."""
         self.expire()
+        now = time.monotonic()
+        parts = self.partitions
         return _protocol.IndexStatsReply(
-            partitions={p: len(m.keys) for p, m in self.partitions.items()},
+            partitions={p: len(m.keys) for p, m in parts.items()},
             puts={"open": len(self.txns), **self.put_counts},
+            idle={p: max(0.0, now - m.active) for p, m in parts.items()},
+            finished=[p for p, m in parts.items() if m.streams.finished],
+            drained=[p for p, m in parts.items() if m.streams.drained_by_all()],
         )
 
 

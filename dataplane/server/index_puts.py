@@ -10,6 +10,7 @@ changed nothing. Mixed into ``IndexCore`` (``server.index``); runs on the index'
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -196,6 +197,7 @@ class IndexPuts(IndexRecords):
         part = self.partitions.get(pid)
         if part is None:  # (not setdefault: a PartMeta is not free to build, and commits are many)
             part = self.partitions[pid] = PartMeta()
+        part.active = time.monotonic()
         union: dict[str, None] = {}
         out_tags: list[dict[str, Any]] = []
         for i, key in enumerate(keys):

@@ -34,7 +34,8 @@ class KeyMeta:
 
 @dataclass
 class PartMeta:
-    """A partition: its keys (in the order they came), the keys cleared lately, its consumers' streams."""
+    """A partition: its keys (in the order they came), the keys cleared lately, its consumers' streams,
+    and when something last happened to it (a put, a take, an ack: ``time.monotonic()``)."""
 
     keys: dict[str, KeyMeta] = field(default_factory=dict)
     # The last CLEARED_KEYS_KEPT keys cleared from it, oldest first: a get of one says "cleared".
@@ -42,6 +43,7 @@ class PartMeta:
     streams: PartitionStreams = field(init=False)
     # Which partition of this name it is: a consumer waiting on one never gets rows of a successor.
     incarnation: int = field(default_factory=itertools.count(1).__next__)
+    active: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.streams = PartitionStreams(self.keys)

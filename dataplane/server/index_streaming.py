@@ -134,8 +134,11 @@ class IndexStreaming(IndexRecords):
     def _batch_of(self, part: PartMeta, body: Any, got: tuple[list[str], str | None]) -> _protocol.BatchReply:
         """The reply to a take; a lease it made is queued for expiry."""
         keys, lease = got
+        task = part.streams.tasks[body.task]
+        if keys:
+            part.active = task.active = time.monotonic()
         if lease is not None:
-            self.queue_lease(part.streams.tasks[body.task].leases[lease].deadline, body.pid, body.task, lease)
+            self.queue_lease(task.leases[lease].deadline, body.pid, body.task, lease)
         return self._batch(part, keys, body.fields, lease)
 
     def queue_lease(self, deadline: float, pid: str, task: str, take: str) -> None:
@@ -168,6 +171,9 @@ class IndexStreaming(IndexRecords):
         if part is None:
             raise self.missing(body.pid)
         late = part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))
+        task = part.streams.tasks.get(body.task)
+        if task is not None:
+            part.active = task.active = time.monotonic()
         if part.streams.finished:  # a consumer draining the partition may wait for these rows only
             self.changed.add(body.pid)
         return _protocol.AckReply(late)
@@ -267,7 +273,7 @@ class IndexStreaming(IndexRecords):
             rows=len(part.keys),
             fields=list(self.schemas.get(body.pid, {})),
             finished=part.streams.finished,
-            tasks=part.streams.overview(),
+            tasks=part.streams.overview(time.monotonic()),
         )
 
 

@@ -14,6 +14,7 @@ waiting (``server.index_actor``).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class Task:
     takes: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
     leases: dict[str, Lease] = field(default_factory=dict)
     leased: dict[str, str] = field(default_factory=dict)
+    # When it last took or acknowledged rows here, or first asked for some (time.monotonic()).
+    active: float = field(default_factory=time.monotonic)
 
 
 class PartitionStreams:
@@ -389,12 +392,31 @@ class PartitionStreams:
             ready = 0 if stream is None else len(stream.ready)
             yield name, len(task.consumed), ready, len(task.leased), stream
 
-    def overview(self) -> dict[str, TaskProgress]:
-        """``progress`` by task, with the fields each waits for (the ``tasks`` reply's)."""
+    def overview(self, now: float) -> dict[str, TaskProgress]:
+        """``progress`` by task, with the fields each waits for and how long before ``now`` it last took
+        or acknowledged rows (or first asked), the ``tasks`` reply's."""
         return {
-            name: TaskProgress(taken, ready, leased, [] if stream is None else sorted(stream.fields))
+            name: TaskProgress(
+                taken,
+                ready,
+                leased,
+                [] if stream is None else sorted(stream.fields),
+                max(0.0, now - self.tasks[name].active),
+            )
             for name, taken, ready, leased, stream in self.progress()
         }
+
+    def drained_by_all(self) -> bool:
+        """Finished, consumed by at least one task, and every task has taken every row it reads with
+        none still leased: nothing more will happen here (``rlplane store status --watch``)."""
+        return (
+            self.finished
+            and bool(self.tasks)
+            and all(
+                not task.leased and not any(s.ready for s in task.streams.values())
+                for task in self.tasks.values()
+            )
+        )
 
     def counts(self, task_name: str, fields: frozenset[str] | None) -> ConsumptionReply:
         """``task_name``'s progress on this partition for ``fields`` (the ``consumption`` reply)."""

@@ -488,6 +488,7 @@ class TaskProgress(_Reply):
     ready: int
     leased: int
     fields: list[str]
+    idle_s: float | None = None  # seconds since it last took or acknowledged rows here (or first asked)
 
 
 class TasksReply(_Reply):
@@ -513,8 +514,15 @@ class ResolveReply(_Reply):
 
 
 class IndexStatsReply(_Reply):
+    """Rows per partition and the prepared puts' counts; per partition also the seconds since its last
+    put, take or ack (``idle``), and which are finished and which drained by every consumer task
+    (``rlplane store status --watch`` orders and sums partitions by them)."""
+
     partitions: dict[str, int]
     puts: dict[str, int]
+    idle: dict[str, float] = {}
+    finished: list[str] = []
+    drained: list[str] = []
 
 
 FileEntry = dict[str, Any]  # a checkpoint file's manifest entry (``server.checkpoint_files``)

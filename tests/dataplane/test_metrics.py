@@ -193,6 +193,9 @@ def test_the_index_lists_the_consumer_tasks_of_a_partition() -> None:
     core.op_finish(_protocol.OnePartition(pid="p"))
     raw = msgspec.msgpack.encode({"pid": "p"})
     got = core.operation("tasks")(core.decode("tasks", raw))
+    idle = {name: t.idle_s for name, t in got.tasks.items()}
+    assert idle["reward"] is not None and idle["train"] is not None and 0 <= idle["train"] < idle["reward"]
+    got.tasks = {name: msgspec.structs.replace(t, idle_s=None) for name, t in got.tasks.items()}
     assert got == _protocol.TasksReply(
         rows=10,
         fields=[],  # commits without prepare or specs decide no schema
@@ -206,6 +209,50 @@ def test_the_index_lists_the_consumer_tasks_of_a_partition() -> None:
         core.operation("tasks")(core.decode("tasks", msgspec.msgpack.encode({"pid": "nope"})))
     with pytest.raises(WireError, match="malformed 'tasks' request"):
         core.decode("tasks", msgspec.msgpack.encode({"pid": 3}))
+
+
+def test_the_index_says_how_long_each_partition_and_task_has_been_idle() -> None:
+    """A put, a take and an ack make a partition (and the task) the most recent; reads and an empty take
+    do not. ``stats`` also names the finished partitions and those every task drained."""
+    core = IndexCore()
+
+    def idle() -> dict[str, float]:
+        return core.op_stats(_protocol.Stats()).idle
+
+    def recent() -> list[str]:
+        got = idle()
+        return sorted(got, key=got.__getitem__)
+
+    _commit(core, "old", ["a", "b"])
+    _commit(core, "new", ["a", "b"])
+    assert recent() == ["new", "old"]
+    assert _next(core, "old", "train", 2) == ["a", "b"]  # a take
+    assert recent() == ["old", "new"]
+    leased = _protocol.Next(pid="new", task="train", batch_size=2, fields=["x"], take="t1", lease_s=60)
+    assert core.op_next(leased) is not None
+    assert recent() == ["new", "old"]
+    _commit(core, "old", ["c"])  # a put
+    assert recent() == ["old", "new"]
+    core.op_ack(_protocol.Ack(pid="new", task="train", take="t1", keys=["a", "b"]))  # an ack
+    assert recent() == ["new", "old"]
+    core.op_finish(_protocol.OnePartition(pid="old"))
+    before = idle()
+    assert _next(core, "new", "train", 1) == []  # nothing to take: no activity
+    core.op_tasks(_protocol.Tasks(pid="old"))
+    core.op_consumption(_protocol.Consumption(pid="old", task="train"))
+    assert recent() == ["new", "old"] and all(idle()[p] >= before[p] for p in before)
+    tasks = core.op_tasks(_protocol.Tasks(pid="new")).tasks
+    assert tasks["train"].idle_s is not None and tasks["train"].idle_s <= idle()["new"] + 1e-3
+
+    stats = core.op_stats(_protocol.Stats())
+    assert stats.finished == ["old"] and stats.drained == []  # "old": row c not taken yet
+    assert _next(core, "old", "train", 2) == ["c"]
+    assert core.op_stats(_protocol.Stats()).drained == ["old"]
+    core.op_finish(_protocol.OnePartition(pid="new"))
+    stats = core.op_stats(_protocol.Stats())
+    assert stats.finished == ["old", "new"] and stats.drained == ["old", "new"]
+    _next(core, "new", "reward", 1)  # a second task, with a row left to take
+    assert core.op_stats(_protocol.Stats()).drained == ["old"]
 
 
 def _put(core: ShardCore, pid: str, keys: list[str], rows: np.ndarray) -> None:
