@@ -195,7 +195,7 @@ def fork_server():
     environment, which the session cluster's nodes inherit: their workers, and the processes tests
     start with ``run_python`` / ``start_python``, are forked from it. Yields its socket's path, or None
     when it is switched off (``RLT_FORK_SERVER=0``) or did not start (slower, not wrong:
-    tests/test_worker_start.py names the loss)."""
+    tests/forkserver/test_forkserver.py names the loss)."""
     from tests import forkserver
     from tests.forkserver.forkserver_client import ZYGOTE
 

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import dataplane as dp
 from dataplane.config import StoreConfig
 from dataplane.service.launch import no_store_message
-from tests._zygote import run_python
+from tests.forkserver import run_python
 
 from .conftest import start_store
 

@@ -425,8 +425,8 @@ def test_output_into_a_closed_pipe_ends_quietly(ray_cluster) -> None:
     import select
     import time
 
-    from tests._zygote import start_python
     from tests.dataplane.conftest import start_store
+    from tests.forkserver import start_python
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     name = "t-cli-pipe"
