@@ -34,8 +34,9 @@ from typing import Any
 import dataplane as dp
 from dataplane._units import format_bytes
 from workers import timeline
+from workers.config import TrainerConfig, from_demo_args
 from workers.task_runner import run_in_actor
-from workers.trainer import MODES, GRPOTrainer, TrainerConfig
+from workers.trainer import GRPOTrainer
 from workers.wiring import Groups
 
 logger = logging.getLogger(__name__)
@@ -194,18 +195,12 @@ def cli(args: argparse.Namespace) -> int:
     """
     import ray
 
-    mode = getattr(args, "mode", "sync") or "sync"
-    modes = list(MODES) if mode == "both" else [mode]
-    extra: dict[str, Any] = {}
-    names = ("steps", "dp", "max_staleness", "stream_chunks", "rollout_chunks", "colocate", "checkpoint_dir")
-    for name in (*names, "checkpoint_every", "resume"):
-        if getattr(args, name, None) is not None:
-            extra[name] = getattr(args, name)
-    try:
-        configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
+    try:  # before Ray starts: flags that do not fit, or a checkpoint that is not there, cost nothing
+        configs = from_demo_args(args)
     except ValueError as exc:
         sys.stdout.write(f"rlplane demo: {exc}\n")
         return 2
+    modes = list(configs)
     t0 = time.perf_counter()
     try:
         started_ray = _join_ray(getattr(args, "address", None) or "local")

@@ -29,8 +29,9 @@ STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
 
 
 def _demo(ckpt, summary, *extra: str) -> list[str]:
+    # No --mode: the checkpoint flags select stream mode (the only one that has checkpoints).
     return [
-        sys.executable, "-m", "rlplane", "demo", "--mode", "stream", "--steps", str(STEPS),
+        sys.executable, "-m", "rlplane", "demo", "--steps", str(STEPS),
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--summary", str(summary), *extra,
     ]  # fmt: skip
 
