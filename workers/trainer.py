@@ -460,15 +460,26 @@ class GRPOTrainer:
     def fit(self, progress: bool = False) -> dict[str, Any]:
         """Run ``cfg.steps`` steps in ``cfg.mode``; return the summary (``workers.demo.format_summary``).
 
+        ``steps`` is the whole training's, ``steps_this_run`` those this call trained: fewer after a
+        resume, which trains from step ``resumed_from`` on (the earlier runs trained the ones before).
         ``reward_first`` / ``reward_last`` are the mean of the per-step mean rewards over the first /
-        last ``reward_window`` steps (10% of the steps, at least one); ``seconds`` is training only.
+        last ``reward_window`` steps of the whole training (10% of the steps, at least one);
+        ``seconds`` is this run's training only, and ``steps_per_s`` is ``steps_this_run / seconds``.
         """
+        first = self.resumed_from or 0  # the steps before it were trained by earlier runs
         bar = None
         if progress:
             from tqdm import tqdm
 
-            desc = f"GRPO {self.cfg.mode}"
-            bar = tqdm(total=self.cfg.steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+            # From the resumed step on: the bar of a resumed run ends full, and its rate is this run's.
+            bar = tqdm(
+                total=self.cfg.steps,
+                initial=first,
+                desc=f"GRPO {self.cfg.mode}",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
         def report(index: int, m: dict[str, float], launched: int | None = None) -> None:
             logger.info("step %d: %s", index, m)
@@ -496,9 +507,11 @@ class GRPOTrainer:
         rewards = [m["reward/mean"] for m in self.history[-self.cfg.steps :]]
         k = max(1, len(rewards) // 10)  # the first and last 10% of the steps, at least one each
         spans = self.timeline[spans0:]
+        trained = self.cfg.steps - first
         summary = {
             "mode": self.cfg.mode,
             "steps": self.cfg.steps,
+            "steps_this_run": trained,
             "samples_per_step": self.cfg.prompts_per_step * self.cfg.n,
             "dp": self.cfg.dp,
             "seed": self.cfg.seed,
@@ -510,7 +523,7 @@ class GRPOTrainer:
             "reward_history": rewards,
             "loss_last": self.history[-1]["actor/pg_loss"],
             "seconds": elapsed,
-            "steps_per_s": self.cfg.steps / elapsed if elapsed > 0 else float("inf"),
+            "steps_per_s": trained / elapsed if elapsed > 0 else float("inf"),
             "driver_bytes": self.driver_bytes - driver0,
             "store_bytes": self.store_bytes() - store0,
             "timeline_t0": wall0,
@@ -534,8 +547,11 @@ class GRPOTrainer:
     def timeline_run(self, summary: dict[str, Any]) -> dict[str, Any]:
         """This run's timeline entry (see :func:`workers.timeline.write`)."""
         spans = [s for s in self.timeline if s["end"] >= summary["timeline_t0"]]
-        keys = ("mode", "steps", "seconds", "steps_per_s")
-        return {**{k: summary[k] for k in keys}, "t0": summary["timeline_t0"], "spans": spans}
+        keys = ("mode", "seconds", "steps_per_s")
+        run = {k: summary[k] for k in keys}
+        # The steps drawn: this run's (a resumed run trained the last ones only).
+        run.update(steps=summary["steps_this_run"], first_step=summary["steps"] - summary["steps_this_run"])
+        return {**run, "t0": summary["timeline_t0"], "spans": spans}
 
     def close(self) -> None:
         """Stop the workers, free their placement groups, and stop the store if this trainer started it.

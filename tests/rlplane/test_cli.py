@@ -383,6 +383,28 @@ def test_demo_summary_says_what_it_shows() -> None:
     assert rows["bytes via store"] == "5,000  (4.9 KiB)"
 
 
+def test_a_resumed_demo_summary_says_which_steps_this_run_trained() -> None:
+    summary = {
+        **_summary(40, 0.1, 0.7),
+        "mode": "stream",
+        "max_staleness": 1,
+        "stream_chunks": 2,
+        "steps_this_run": 22,
+        "steps_per_s": 22 / 5.5,
+        "seconds": 5.5,
+        "resumed_from": 18,
+        "run": 2,
+    }
+    table = format_summary(summary)
+    rows = {
+        line.split("|")[0].strip(): line.split("|")[1].strip() for line in table.splitlines() if "|" in line
+    }
+    assert rows["steps"] == "40  (8 samples/step; this run trained 22: steps 19-40)"
+    assert rows["steps/s (training)"] == "4.00  (22 steps, this run)"
+    assert rows["resumed"] == "run 2, from the checkpoint after step 18 (steps 1-18 trained by earlier runs)"
+    assert rows["mean reward, last 10% of steps"] == "0.700  (steps 37-40)"  # the whole training's
+
+
 def test_init_says_what_it_did(ray_session, caplog) -> None:
     from dataplane import api
     from dataplane.meta import StoreInfo
