@@ -74,6 +74,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def whole_number(text: str) -> int:
+    """argparse type: a whole number >= 0.
+
+    Example:
+        >>> whole_number("0")
+        0
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def size(text: str) -> int:
     """argparse type: a byte size such as ``1073741824``, ``512M``, ``1G`` or ``2GiB`` (``_units``)."""
     from dataplane._units import parse_size  # only when the option is given: `--help` stays instant
@@ -191,13 +207,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--mode",
         choices=["sync", "stream", "both"],
-        default="sync",
+        default=None,  # sync, or stream with a checkpoint flag (workers.config.from_demo_args)
         help="sync: one blocking call per stage; stream: stages pull ready rows and overlap; "
-        "both: sync then stream on the same seed, compared",
+        "both: sync then stream on the same seed, compared (default: sync; stream with --resume, "
+        "--checkpoint-dir or --checkpoint-every, which only stream mode has)",
     )
     demo.add_argument(
         "--max-staleness",
-        type=int,
+        type=whole_number,
         default=None,
         help="stream mode: steps the rollout may run ahead of the update (default: 1)",
     )
@@ -244,7 +261,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--resume",
         default=None,
         metavar="DIR",
-        help="stream mode: resume from the newest complete checkpoint in DIR (a --checkpoint-dir)",
+        help="stream mode: resume from the newest complete checkpoint in DIR (a --checkpoint-dir), with "
+        "the settings it was saved with; checked before anything starts",
     )
 
 
@@ -322,6 +340,15 @@ def _run(argv: list[str] | None) -> int:
 
         return admin.cli(args)
     if args.command == "demo":
+        # The flags and --resume's checkpoint first, with no torch or Ray loaded (workers.config reads
+        # files only): a mistake is answered at once, not after Ray and the workers have started.
+        from workers.config import from_demo_args
+
+        try:
+            from_demo_args(args)
+        except ValueError as exc:
+            sys.stdout.write(f"rlplane demo: {exc}\n")
+            return 2
         from workers import demo
 
         return demo.cli(args)

@@ -81,6 +81,7 @@ RUNNABLE = [
     "dataplane.watch",
     "workers",
     "workers.checkpoints",
+    "workers.config",
     "workers.demo",
     "workers.driver_guard.check_metadata",
     "workers.engine",

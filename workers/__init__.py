@@ -12,13 +12,36 @@ Example:
     ...     def score(self, batch): ...
 """
 
-from workers import bridge as _bridge
-from workers import driver_guard as _driver_guard
+import importlib as _importlib
+import importlib.util as _importlib_util
+import typing as _typing
 
-# Each public name is written once, in the ``__all__`` of the module that defines it.
-from workers.bridge import *  # noqa: F403
-from workers.driver_guard import *  # noqa: F403
+# Each public name is written once, in the ``__all__`` of the module that defines it; this front door
+# hands out those modules' names. They are imported on first use, so that a light module of this
+# package (``workers.config``, ``workers.checkpoints``: what ``rlplane demo`` checks its flags and
+# ``--resume`` with) loads neither torch nor Ray. A type checker sees plain imports instead.
+_MODULES = ("workers.bridge", "workers.driver_guard")
 
-__all__: list[str] = []
-__all__ += _bridge.__all__
-__all__ += _driver_guard.__all__
+if _typing.TYPE_CHECKING:
+    from workers.bridge import *  # noqa: F403
+    from workers.driver_guard import *  # noqa: F403
+
+    __all__: list[str]
+else:
+
+    def __getattr__(name: str) -> _typing.Any:
+        if name.startswith("__") and name != "__all__":  # probes (__wrapped__, ...): nothing to load
+            raise AttributeError(f"module 'workers' has no attribute {name!r}")
+        if _importlib_util.find_spec(f"workers.{name}") is not None:
+            # `from workers import checkpoints` asks for the attribute first: a submodule loads alone
+            return _importlib.import_module(f"workers.{name}")
+        modules = [_importlib.import_module(m) for m in _MODULES]
+        if name == "__all__":
+            return [n for module in modules for n in module.__all__]
+        for module in modules:
+            if name in module.__all__:
+                return getattr(module, name)
+        raise AttributeError(f"module 'workers' has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__getattr__("__all__")})

@@ -29,12 +29,17 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from workers.bridge import StreamReport
+if TYPE_CHECKING:  # imported where used: `rlplane demo --resume` checks a checkpoint without torch or Ray
+    from workers.bridge import StreamReport
 
 STATE_VERSION = 1
 LATEST = "latest"
+# What a complete checkpoint holds besides trainer.json (the store's manifest is written last, by a
+# rename: dataplane.checkpoint).
+PARTS = ("actor.pt", "store/manifest.json")
 # Settings a resumed run must share with the run it resumes (the rest, e.g. steps, may change).
 SAME_SETTINGS = (
     "prompts_per_step", "n", "dp", "seed", "task", "model", "actor", "max_staleness", "stream_chunks",
@@ -69,28 +74,56 @@ def mark_latest(root: str | os.PathLike[str], step: int) -> None:
     _write_atomic(pathlib.Path(root) / LATEST, f"step-{step}\n")
 
 
+class ResumeError(ValueError):
+    """The checkpoint to resume from cannot be: none there, one incomplete or unreadable, or one of a run
+    with other settings. The message names the directory and what is wrong."""
+
+
 def latest(root: str | os.PathLike[str]) -> tuple[pathlib.Path, dict[str, Any]]:
-    """The newest complete checkpoint under ``root`` and its trainer state.
+    """The newest complete checkpoint under ``root`` and its trainer state (files only: no torch, no Ray).
 
     Raises:
-        FileNotFoundError: ``root`` holds no complete checkpoint (names what is missing).
+        ResumeError: ``root`` is not a directory, holds no complete checkpoint, or the one ``latest``
+            names lacks a part or is unreadable (the message names what).
     """
-    pointer = pathlib.Path(root) / LATEST
+    where = pathlib.Path(root)
+    if not where.is_dir():
+        raise ResumeError(f"{root}: {'not a directory' if where.exists() else 'no such directory'}")
+    pointer = where / LATEST
     if not pointer.is_file():
-        raise FileNotFoundError(f"{root} holds no complete trainer checkpoint (no {pointer})")
-    step = pointer.parent / pointer.read_text().strip()
-    state = json.loads((step / "trainer.json").read_text())
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(f"{step / 'trainer.json'}: version {state.get('version')!r}, not {STATE_VERSION}")
+        raise ResumeError(f"{root}: no complete trainer checkpoint in it (no {LATEST} file)")
+    step = where / pointer.read_text().strip()
+    # Each message begins with root, the directory the caller named (the CLI puts --resume before it).
+    newest = f"{root}: the newest checkpoint, {step.name},"
+    try:
+        state = json.loads((step / "trainer.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"{newest} has no readable trainer.json ({exc})") from None
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        raise ResumeError(f"{newest} is of version {version!r}, not {STATE_VERSION}")
+    missing = [part for part in PARTS if not (step / part).exists()]
+    if missing:
+        raise ResumeError(f"{newest} is incomplete: {' and '.join(missing)} missing")
     return step, state
 
 
-def check_settings(saved: dict[str, Any], current: dict[str, Any], where: pathlib.Path) -> None:
-    """Raise ``ValueError`` naming the settings that differ from those of the checkpointed run."""
+def _plain(name: str, value: Any) -> str:
+    return f"{name}={value!r}"
+
+
+def check_settings(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    where: pathlib.Path,
+    said: Callable[[str, Any], str] = _plain,
+) -> None:
+    """Raise ``ResumeError`` naming the settings that differ from those of the checkpointed run
+    (``said(name, value)`` writes one: ``dp=3`` by default; ``rlplane demo`` writes its flags)."""
     differ = [name for name in SAME_SETTINGS if saved.get(name) != current.get(name)]
     if differ:
-        pairs = ", ".join(f"{n}={current.get(n)!r} (checkpoint: {saved.get(n)!r})" for n in differ)
-        raise ValueError(f"cannot resume from {where}: {pairs}; run with the checkpointed settings")
+        pairs = ", ".join(f"{said(n, current.get(n))} (checkpoint: {saved.get(n)!r})" for n in differ)
+        raise ResumeError(f"cannot resume from {where}: {pairs}; run with the checkpointed settings")
 
 
 def report_to_json(report: StreamReport) -> dict[str, Any]:
@@ -98,6 +131,8 @@ def report_to_json(report: StreamReport) -> dict[str, Any]:
 
 
 def report_from_json(data: dict[str, Any]) -> StreamReport:
+    from workers.bridge import StreamReport
+
     return StreamReport(**data)
 
 
@@ -141,6 +176,7 @@ def check_ledger(ledger: list[dict[str, Any]], steps: int, prompts_per_step: int
 
 __all__ = [
     "Done",
+    "ResumeError",
     "check_ledger",
     "check_settings",
     "latest",

@@ -8,7 +8,9 @@ The table says what each figure is: the mean reward over the first and the last 
 (at least one step each; a step's reward is the mean over its samples), the range of those per-step
 means, the seconds spent setting up (Ray, the store, the workers and their model) apart from the
 seconds spent training, steps per second of training, and the bytes that passed through the driver
-against the bytes the workers moved through the store.
+against the bytes the workers moved through the store. A resumed run (``--resume``) reports its own
+training: the steps it trained (``steps_this_run``: those from ``resumed_from`` on), its seconds and
+steps/s over them; the rewards are the whole training's.
 
 Exit status (``cli``'s return value): 0 when the mean reward of the last 10% of steps is above that
 of the first 10% in every mode run; 1 when it is not (a line says so). With one step the two windows
@@ -34,8 +36,9 @@ from typing import Any
 import dataplane as dp
 from dataplane._units import format_bytes
 from workers import timeline
+from workers.config import TrainerConfig, from_demo_args
 from workers.task_runner import run_in_actor
-from workers.trainer import MODES, GRPOTrainer, TrainerConfig
+from workers.trainer import GRPOTrainer
 from workers.wiring import Groups
 
 logger = logging.getLogger(__name__)
@@ -90,9 +93,12 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     history = summary.get("reward_history") or [summary["reward_first"], summary["reward_last"]]
     first = "step 1" if k == 1 else f"steps 1-{k}"
     last = f"step {steps}" if k == 1 else f"steps {steps - k + 1}-{steps}"
+    this_run = summary.get("steps_this_run", steps)  # fewer than steps after a resume
+    resumed = this_run < steps
+    trained = f"; this run trained {this_run}: steps {steps - this_run + 1}-{steps}" if resumed else ""
     rows = [
         ("mode", mode),
-        ("steps", f"{steps}  ({summary['samples_per_step']} samples/step)"),
+        ("steps", f"{steps}  ({summary['samples_per_step']} samples/step{trained})"),
         ("mean reward, first 10% of steps", f"{summary['reward_first']:.3f}  ({first})"),
         ("mean reward, last 10% of steps", f"{summary['reward_last']:.3f}  ({last})"),
         ("reward range (per-step means)", f"{min(history):.3f} .. {max(history):.3f}"),
@@ -106,13 +112,21 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if "seconds" in summary:
         rows.append(("training, s", f"{summary['seconds']:.1f}"))
     rows += [
-        ("steps/s (training)", f"{summary['steps_per_s']:.2f}"),
+        (
+            "steps/s (training)",
+            f"{summary['steps_per_s']:.2f}" + (f"  ({this_run} steps, this run)" if resumed else ""),
+        ),
         ("bytes via driver", _bytes(summary["driver_bytes"])),
         ("bytes via store", _bytes(summary["store_bytes"])),
     ]
     if summary.get("resumed_from") is not None:
+        done = summary["resumed_from"]
         rows.append(
-            ("resumed", f"from the checkpoint before step {summary['resumed_from']} (run {summary['run']})")
+            (
+                "resumed",
+                f"run {summary['run']}, from the checkpoint after step {done} (steps 1-{done} trained by "
+                "earlier runs)",
+            )
         )
     if "overlap_s" in summary and "seconds" in summary:
         rows.append(("tasks overlapping", f"{summary['overlap_s']:.2f} s of {summary['seconds']:.2f} s"))
@@ -194,18 +208,12 @@ def cli(args: argparse.Namespace) -> int:
     """
     import ray
 
-    mode = getattr(args, "mode", "sync") or "sync"
-    modes = list(MODES) if mode == "both" else [mode]
-    extra: dict[str, Any] = {}
-    names = ("steps", "dp", "max_staleness", "stream_chunks", "rollout_chunks", "colocate", "checkpoint_dir")
-    for name in (*names, "checkpoint_every", "resume"):
-        if getattr(args, name, None) is not None:
-            extra[name] = getattr(args, name)
-    try:
-        configs = {m: TrainerConfig(seed=args.seed, mode=m, **extra) for m in modes}
+    try:  # before Ray starts: flags that do not fit, or a checkpoint that is not there, cost nothing
+        configs = from_demo_args(args)
     except ValueError as exc:
         sys.stdout.write(f"rlplane demo: {exc}\n")
         return 2
+    modes = list(configs)
     t0 = time.perf_counter()
     try:
         started_ray = _join_ray(getattr(args, "address", None) or "local")

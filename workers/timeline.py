@@ -20,10 +20,37 @@ import json
 import pathlib
 from typing import Any
 
-__all__ = ["TASK_ORDER", "overlap", "plot", "timeline_path", "write"]
+__all__ = [
+    "STEP_COLORS",
+    "TASK_ORDER",
+    "WAIT_COLOR",
+    "overlap",
+    "plot",
+    "step_color",
+    "timeline_path",
+    "write",
+]
 
 # Lanes top to bottom, in pipeline order; tasks not listed follow, sorted.
 TASK_ORDER = ["prompts", "rollout", "reward", "reward_metrics", "advantage", "ref", "old_log_prob", "update"]
+# Bars are coloured by step from matplotlib's tab10 less its grey (#7f7f7f): grey read as "waiting",
+# and every tenth step was drawn in it. Waiting is a black dotted line, a colour and a style no bar has.
+STEP_COLORS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+)  # fmt: skip
+WAIT_COLOR = "#000000"
+WAIT_STYLE = {"color": WAIT_COLOR, "linestyle": ":", "linewidth": 1.4}
+WAIT_LABEL = "dotted black: waiting for rows"
+
+
+def step_color(step: int) -> str:
+    """The colour of step ``step``'s bars (``STEP_COLORS`` in turn; never ``WAIT_COLOR``).
+
+    Example:
+        >>> step_color(0) == step_color(len(STEP_COLORS)), step_color(7)
+        (True, '#bcbd22')
+    """
+    return STEP_COLORS[step % len(STEP_COLORS)]
 
 
 def timeline_path(summary_path: str | pathlib.Path) -> pathlib.Path:
@@ -79,8 +106,9 @@ def _lanes(spans: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def plot(runs: list[dict[str, Any]], path: str | pathlib.Path) -> tuple[pathlib.Path | None, str]:
-    """A Gantt chart per run: one lane per (task, rank), a bar per batch, coloured by step; the
-    wait before a batch (``called`` -> ``start``) as a thin grey line. Left: the whole run; right:
+    """A Gantt chart per run: one lane per (task, rank), a bar per batch, coloured by step
+    (:func:`step_color`); the wait before a batch (``called`` -> ``start``) as a black dotted line
+    (``WAIT_STYLE``, named in the title). Left: the whole run; right:
     three steps from the middle of it, where the overlap can be seen. Returns ``(path, "")``, or
     ``(None, note)`` when matplotlib is not installed."""
     try:
@@ -107,12 +135,15 @@ def plot(runs: list[dict[str, Any]], path: str | pathlib.Path) -> tuple[pathlib.
         middle = seconds / 2 - 1.5 * per_step
         _draw(zoom, run, (max(0.0, middle), max(0.0, middle) + 3 * per_step))
         stats = overlap(run["spans"])
+        first = int(run.get("first_step") or 0)  # a resumed run trained steps first+1 .. first+steps
+        which = f"steps {first + 1}-{first + steps}, resumed" if first else ""
         full.set_title(
-            f"{run['mode']}: {steps} steps in {seconds:.2f} s ({run.get('steps_per_s', 0):.2f} steps/s), "
-            f"two or more tasks at work {stats['overlap_s']:.2f} s; bar colour = step",
+            f"{run['mode']}: {steps} steps{f' ({which})' if which else ''} in {seconds:.2f} s "
+            f"({run.get('steps_per_s', 0):.2f} steps/s), two or more tasks at work "
+            f"{stats['overlap_s']:.2f} s; bar colour = step",
             fontsize=10,
         )
-        zoom.set_title(f"{run['mode']}: three steps from the middle (grey: waiting for rows)", fontsize=10)
+        zoom.set_title(f"{run['mode']}: three steps from the middle ({WAIT_LABEL})", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -120,9 +151,6 @@ def plot(runs: list[dict[str, Any]], path: str | pathlib.Path) -> tuple[pathlib.
 
 
 def _draw(ax: Any, run: dict[str, Any], window: tuple[float, float] | None) -> None:
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10").colors
     spans, t0 = run["spans"], run["t0"]
     lanes = _lanes(spans)
     row = {lane: i for i, lane in enumerate(lanes)}
@@ -132,11 +160,11 @@ def _draw(ax: Any, run: dict[str, Any], window: tuple[float, float] | None) -> N
             continue
         y = row[(span["task"], span.get("rank"))]
         if start > called:
-            ax.plot([called, start], [y, y], color="0.7", linewidth=1.2, zorder=1)
-        color = colors[int(span.get("step", 0)) % len(colors)]
+            ax.plot([called, start], [y, y], **WAIT_STYLE, zorder=1)
+        color = step_color(int(span.get("step", 0)))
         ax.barh(y, max(end - start, 1e-4), left=start, height=0.7, color=color, edgecolor="none", zorder=2)
         if window is not None and span["task"] in ("rollout", "update", "reward", "advantage"):
-            label = str(span.get("step", ""))
+            label = str(int(span["step"]) + 1) if "step" in span else ""  # counted from 1, as in the title
             ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([t if r in (None, "all") else f"{t} r{r}" for t, r in lanes], fontsize=8)

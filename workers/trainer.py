@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import pathlib
 import sys
 import time
 from typing import Any
@@ -79,12 +80,16 @@ import dataplane as dp
 from controlplane import RayClassWithInitArgs
 from workers import checkpoints, timeline
 from workers.bridge import StreamReport
+
+# The settings live in workers.config (no torch there: the CLI checks its flags before loading any).
+from workers.config import MODES as MODES
+from workers.config import TrainerConfig as TrainerConfig
 from workers.driver_guard import MetadataOnlyGroup, PendingCall
 from workers.wiring import ROLE_WORKERS, Groups, Role, build_groups, pool_manager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODES", "TrainerConfig", "GRPOTrainer"]
+__all__ = ["GRPOTrainer"]
 
 # The fields each call reads; the driver asks for no more than that.
 _GEN = ["prompts"]
@@ -93,109 +98,8 @@ _ADV = ["rewards", "uid", "response_mask"]
 _UPDATE = ["prompts", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_probs"]
 _METRICS = ["rewards", "response_mask"]
 
-MODES = ("sync", "stream")
 # Stream mode's consumer tasks, in pipeline order (every one takes every row of a step once).
 STREAM_TASKS = ("rollout", "reward", "reward_metrics", "advantage", "ref", "old_log_prob", "update")
-
-
-@dataclasses.dataclass
-class TrainerConfig:
-    """What the trainer runs.
-
-    Attributes:
-        steps: training steps.
-        prompts_per_step: distinct prompts per step; each is sampled ``n`` times.
-        n: responses per prompt (the GRPO group size).
-        dp: data-parallel actor workers.
-        seed: weights, prompts and sampling streams.
-        task: ``CountingTask`` fields.
-        model: ``ModelConfig`` fields (besides vocabulary and length, which come from the task).
-        actor: ``ActorConfig`` fields.
-        num_shards: store shards when the trainer starts the store itself.
-        use_gpu: one GPU per actor worker (model on CUDA, NCCL); default CPU with gloo.
-        mode: ``"sync"`` (one blocking call per stage, in order) or ``"stream"`` (stages pull
-            ready rows and overlap; see the module docstring).
-        max_staleness: stream mode: how many steps the rollout may run ahead of the update
-            (0: on-policy, stages still overlap within a step).
-        stream_chunks: stream mode: batches the reward and advantage stages split a step into
-            (whole groups each; more: earlier hand-offs, more calls).
-        rollout_chunks: stream mode: rollout calls per actor rank and step. Each call decodes its
-            rows token by token, so two calls of 32 rows cost far more than one of 64 here; with 1
-            the reward stage still starts on the rows of the first rank to finish.
-        stream_timeout_s: stream mode: how long a stage waits for its rows (``next_batch``) and
-            the driver for a result before giving up.
-        colocate: run the reward role in the actor's processes (verl's single global pool:
-            ``create_colocated_worker_cls`` and ``spawn``) instead of a process of its own.
-        checkpoint_dir: stream mode: where to save checkpoints (``workers.checkpoints``: the policy,
-            the store and the trainer together).
-        checkpoint_every: stream mode: save one before every ``checkpoint_every``-th step (0: never).
-        resume: stream mode: a ``checkpoint_dir`` to resume from (its newest complete checkpoint).
-    """
-
-    steps: int = 40
-    prompts_per_step: int = 16
-    n: int = 8
-    dp: int = 2
-    seed: int = 0
-    task: dict = dataclasses.field(
-        default_factory=lambda: {"vocab_size": 16, "prompt_len": 4, "response_len": 8}
-    )
-    model: dict = dataclasses.field(default_factory=dict)
-    actor: dict = dataclasses.field(default_factory=dict)
-    num_shards: int = 2
-    use_gpu: bool = False
-    mode: str = "sync"
-    max_staleness: int = 1
-    stream_chunks: int = 2
-    rollout_chunks: int = 1
-    stream_timeout_s: float = 120.0
-    colocate: bool = False
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "n", "dp", "num_shards", "stream_chunks", "rollout_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainerConfig.{name} must be a positive int, got {value!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"TrainerConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"TrainerConfig.max_staleness must be an int >= 0, got {self.max_staleness!r}")
-        if not self.stream_timeout_s > 0:
-            raise ValueError(f"TrainerConfig.stream_timeout_s must be > 0, got {self.stream_timeout_s!r}")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(
-                f"TrainerConfig.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}"
-            )
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("TrainerConfig.checkpoint_every needs a checkpoint_dir to save into")
-        if (self.checkpoint_dir or self.resume) and self.mode != "stream":
-            raise ValueError("checkpoints (checkpoint_dir, resume) are for stream mode (mode='stream')")
-        if self.mode == "stream":
-            # Every stream batch is exact (a short one would wait for rows that never come).
-            rows = self.prompts_per_step * self.n
-            if self.prompts_per_step % self.stream_chunks:
-                raise ValueError(
-                    f"stream mode: prompts_per_step={self.prompts_per_step} must divide into "
-                    f"stream_chunks={self.stream_chunks} chunks of whole groups"
-                )
-            if rows % (self.rollout_chunks * self.dp):
-                raise ValueError(
-                    f"stream mode: the {rows} rows of a step must divide into rollout_chunks="
-                    f"{self.rollout_chunks} calls on each of dp={self.dp} ranks"
-                )
-            if self.colocate and (rows // self.stream_chunks) % self.dp:
-                raise ValueError(
-                    f"stream mode with colocate: the {rows // self.stream_chunks} rows of a reward batch "
-                    f"must divide over the dp={self.dp} ranks that score them"
-                )
-            if self.prompts_per_step % self.dp:
-                raise ValueError(
-                    f"stream mode: prompts_per_step={self.prompts_per_step} must divide over dp={self.dp} "
-                    "ranks (each rank updates on whole groups)"
-                )
 
 
 # What the workers are started with, apart from the seed (a new run on them takes its own).
@@ -242,12 +146,16 @@ class GRPOTrainer:
 
     Raises:
         ValueError: ``groups`` are closed, or were built for other workers (the settings named).
+        checkpoints.ResumeError: ``cfg.resume`` holds no complete checkpoint of these settings
+            (before any worker starts).
     """
 
     def __init__(self, cfg: TrainerConfig, groups: Groups | None = None) -> None:
         self.cfg = cfg
         if groups is not None:
             _check_groups(groups, cfg)
+        # Checked before the store or a worker starts: a missing checkpoint costs nothing.
+        resume = cfg.check_resume() if cfg.resume else None
         self._owns_store = not dp.is_initialized()
         dp.init(num_shards=cfg.num_shards)
         self.history: list[dict[str, float]] = []
@@ -271,8 +179,8 @@ class GRPOTrainer:
                 self.actor.init_model(cfg.seed)
                 self.reward.reseed(cfg.seed)
                 self._store0 = self.store_bytes()
-            if cfg.resume:
-                self._resume(cfg.resume)
+            if resume is not None:
+                self._resume(*resume)
         except BaseException:
             self.close()  # leave no actors, placement groups or owned store behind
             raise
@@ -532,11 +440,9 @@ class GRPOTrainer:
         checkpoints.mark_latest(root, index)
         logger.info("checkpoint before step %d saved in %s", index, path)
 
-    def _resume(self, root: str) -> None:
-        """Continue from the newest checkpoint under ``root``: the policy, the store (the steps in
-        flight, with what each stage took), the metrics and the ledger so far."""
-        path, state = checkpoints.latest(root)
-        checkpoints.check_settings(state["settings"], self._settings(), path)
+    def _resume(self, path: pathlib.Path, state: dict[str, Any]) -> None:
+        """Continue from the checkpoint in ``path`` (``TrainerConfig.check_resume``): the policy, the
+        store (the steps in flight, with what each stage took), the metrics and the ledger so far."""
         self.actor.load_state(str(path / "actor.pt"))
         dp.load_checkpoint(path / "store", overwrite=True)
         self.history = list(state["history"])
@@ -554,15 +460,26 @@ class GRPOTrainer:
     def fit(self, progress: bool = False) -> dict[str, Any]:
         """Run ``cfg.steps`` steps in ``cfg.mode``; return the summary (``workers.demo.format_summary``).
 
+        ``steps`` is the whole training's, ``steps_this_run`` those this call trained: fewer after a
+        resume, which trains from step ``resumed_from`` on (the earlier runs trained the ones before).
         ``reward_first`` / ``reward_last`` are the mean of the per-step mean rewards over the first /
-        last ``reward_window`` steps (10% of the steps, at least one); ``seconds`` is training only.
+        last ``reward_window`` steps of the whole training (10% of the steps, at least one);
+        ``seconds`` is this run's training only, and ``steps_per_s`` is ``steps_this_run / seconds``.
         """
+        first = self.resumed_from or 0  # the steps before it were trained by earlier runs
         bar = None
         if progress:
             from tqdm import tqdm
 
-            desc = f"GRPO {self.cfg.mode}"
-            bar = tqdm(total=self.cfg.steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+            # From the resumed step on: the bar of a resumed run ends full, and its rate is this run's.
+            bar = tqdm(
+                total=self.cfg.steps,
+                initial=first,
+                desc=f"GRPO {self.cfg.mode}",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
         def report(index: int, m: dict[str, float], launched: int | None = None) -> None:
             logger.info("step %d: %s", index, m)
@@ -590,9 +507,11 @@ class GRPOTrainer:
         rewards = [m["reward/mean"] for m in self.history[-self.cfg.steps :]]
         k = max(1, len(rewards) // 10)  # the first and last 10% of the steps, at least one each
         spans = self.timeline[spans0:]
+        trained = self.cfg.steps - first
         summary = {
             "mode": self.cfg.mode,
             "steps": self.cfg.steps,
+            "steps_this_run": trained,
             "samples_per_step": self.cfg.prompts_per_step * self.cfg.n,
             "dp": self.cfg.dp,
             "seed": self.cfg.seed,
@@ -604,7 +523,7 @@ class GRPOTrainer:
             "reward_history": rewards,
             "loss_last": self.history[-1]["actor/pg_loss"],
             "seconds": elapsed,
-            "steps_per_s": self.cfg.steps / elapsed if elapsed > 0 else float("inf"),
+            "steps_per_s": trained / elapsed if elapsed > 0 else float("inf"),
             "driver_bytes": self.driver_bytes - driver0,
             "store_bytes": self.store_bytes() - store0,
             "timeline_t0": wall0,
@@ -628,8 +547,11 @@ class GRPOTrainer:
     def timeline_run(self, summary: dict[str, Any]) -> dict[str, Any]:
         """This run's timeline entry (see :func:`workers.timeline.write`)."""
         spans = [s for s in self.timeline if s["end"] >= summary["timeline_t0"]]
-        keys = ("mode", "steps", "seconds", "steps_per_s")
-        return {**{k: summary[k] for k in keys}, "t0": summary["timeline_t0"], "spans": spans}
+        keys = ("mode", "seconds", "steps_per_s")
+        run = {k: summary[k] for k in keys}
+        # The steps drawn: this run's (a resumed run trained the last ones only).
+        run.update(steps=summary["steps_this_run"], first_step=summary["steps"] - summary["steps_this_run"])
+        return {**run, "t0": summary["timeline_t0"], "spans": spans}
 
     def close(self) -> None:
         """Stop the workers, free their placement groups, and stop the store if this trainer started it.

@@ -128,6 +128,55 @@ def test_version_and_help_load_neither_torch_nor_ray() -> None:
     assert json.loads(proc.stdout.splitlines()[-1]) == [], proc.stdout
 
 
+def test_demo_refuses_what_it_cannot_run_before_loading_torch_or_ray(tmp_path) -> None:
+    """A --resume with no checkpoint, or flags that do not fit, answered through ``rlplane.cli.main`` in
+    one fresh interpreter: exit 2 and one line naming the flag (and the directory), with neither torch
+    nor Ray loaded, so no Ray, store or worker was started (before, a missing checkpoint was found
+    after some 40 s of starting them, and reported by a traceback)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {
+        f"--resume {tmp_path / 'nope'}: no such directory": ["--resume", str(tmp_path / "nope")],
+        f"--resume {empty}: no complete trainer checkpoint in it": ["--resume", str(empty)],
+        "--resume is for stream mode, not --mode sync": ["--mode", "sync", "--resume", str(empty)],
+        "--checkpoint-every needs --checkpoint-dir": ["--checkpoint-every", "2"],
+    }
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from rlplane.cli import main\n"
+        "said = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        status = main(['demo', '--summary', sys.argv[2], *argv])\n"
+        "    said.append([status, out.getvalue()])\n"
+        f"heavy = sorted(m for m in {(*HEAVY, 'workers.trainer')!r} if m in sys.modules)\n"
+        "print(json.dumps({'said': said, 'heavy': heavy}))\n"
+    )
+    summary = str(tmp_path / "summary.json")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(cases.values())), summary],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for expected, (status, printed) in zip(cases, result["said"], strict=True):
+        assert status == 2 and printed.startswith(f"rlplane demo: {expected}"), printed
+        assert printed.count("\n") == 1, printed  # one line, no traceback
+    assert result["heavy"] == [], result
+    assert "Traceback" not in proc.stderr and not os.path.exists(summary)
+
+
+def test_max_staleness_must_be_zero_or_more(capsys) -> None:
+    assert build_parser().parse_args(["demo", "--max-staleness", "0"]).max_staleness == 0
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["demo", "--max-staleness", "-1"])
+    assert done.value.code == 2
+    assert "argument --max-staleness: must be 0 or more, got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [
@@ -332,6 +381,28 @@ def test_demo_summary_says_what_it_shows() -> None:
     assert rows["setup, s"] == "3.5  (Ray and store 1.5, workers and model 2.0)"
     assert rows["training, s"] == "3.0" and rows["steps/s (training)"] == "2.00"
     assert rows["bytes via store"] == "5,000  (4.9 KiB)"
+
+
+def test_a_resumed_demo_summary_says_which_steps_this_run_trained() -> None:
+    summary = {
+        **_summary(40, 0.1, 0.7),
+        "mode": "stream",
+        "max_staleness": 1,
+        "stream_chunks": 2,
+        "steps_this_run": 22,
+        "steps_per_s": 22 / 5.5,
+        "seconds": 5.5,
+        "resumed_from": 18,
+        "run": 2,
+    }
+    table = format_summary(summary)
+    rows = {
+        line.split("|")[0].strip(): line.split("|")[1].strip() for line in table.splitlines() if "|" in line
+    }
+    assert rows["steps"] == "40  (8 samples/step; this run trained 22: steps 19-40)"
+    assert rows["steps/s (training)"] == "4.00  (22 steps, this run)"
+    assert rows["resumed"] == "run 2, from the checkpoint after step 18 (steps 1-18 trained by earlier runs)"
+    assert rows["mean reward, last 10% of steps"] == "0.700  (steps 37-40)"  # the whole training's
 
 
 def test_init_says_what_it_did(ray_session, caplog) -> None:

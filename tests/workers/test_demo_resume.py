@@ -1,6 +1,8 @@
 """The stream demo survives a crash: killed with SIGKILL once it has saved a checkpoint, then started
 again with ``--resume``, it continues from that checkpoint and trains every prompt of every step
-exactly once across the two runs.
+exactly once across the two runs; the resumed run reports its own training (the steps it trained, its
+steps/s over them, a progress bar from the resumed step to the end). Neither run names ``--mode``: the
+checkpoint flags select stream mode.
 
 Each run is its own process. The first starts a local Ray of its own (as ``make demo`` runs), in a
 process group of its own so that the kill takes its Ray along; the kill waits for a natural point (the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +32,9 @@ STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
 
 
 def _demo(ckpt, summary, *extra: str) -> list[str]:
+    # No --mode: the checkpoint flags select stream mode (the only one that has checkpoints).
     return [
-        sys.executable, "-m", "rlplane", "demo", "--mode", "stream", "--steps", str(STEPS),
+        sys.executable, "-m", "rlplane", "demo", "--steps", str(STEPS),
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--summary", str(summary), *extra,
     ]  # fmt: skip
 
@@ -72,7 +76,18 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
     )
     assert second.returncode == 0, second.stdout + second.stderr  # the reward rose, the ledger holds
     summary = json.loads((tmp_path / "second.json").read_text())
-    assert summary["resumed_from"] >= killed_at and summary["run"] == 2
+    assert summary["mode"] == "stream" and summary["resumed_from"] >= killed_at and summary["run"] == 2
+    # This run's figures are this run's: the steps it trained, its speed over them, its bar from the
+    # resumed step to the end (tqdm's "k/STEPS" counts), its timeline's steps.
+    resumed = summary["resumed_from"]
+    assert summary["steps"] == STEPS and summary["steps_this_run"] == STEPS - resumed
+    assert summary["steps_per_s"] == pytest.approx(summary["steps_this_run"] / summary["seconds"])
+    counts = [int(k) for k in re.findall(rf"\b(\d+)/{STEPS} \[", second.stderr)]
+    assert counts and counts[0] == resumed and counts[-1] == STEPS, second.stderr[-3000:]
+    assert f"this run trained {STEPS - resumed}: steps {resumed + 1}-{STEPS}" in second.stdout, second.stdout
+    (run,) = json.loads((tmp_path / "second-timeline.json").read_text())["runs"]
+    assert (run["steps"], run["first_step"]) == (STEPS - resumed, resumed)
+    assert {s["step"] for s in run["spans"] if s["task"] == "update"} == set(range(resumed, STEPS))
     ok, line = check_ledger(summary["ledger"], STEPS, PROMPTS, N)
     assert ok and summary["ledger_ok"], line
     runs = {entry["step"]: entry["run"] for entry in summary["ledger"]}
