@@ -27,13 +27,6 @@ def pickled_bytes(obj: Any) -> int:
     return len(head) + sum(memoryview(b).nbytes for b in buffers)
 
 
-def per_rank_bytes(batch: Any, world_size: int) -> int:
-    """Pickled bytes of ``batch`` chunked over ``world_size`` ranks as ``DP_COMPUTE_PROTO`` chunks it."""
-    from controlplane.batch import chunk
-
-    return sum(pickled_bytes(p) for p in chunk(batch, world_size))
-
-
 def _status_bytes(name: str) -> int:
     with open("/proc/self/status") as status:
         match = re.search(rf"^{name}:\s+(\d+) kB", status.read(), re.MULTILINE)

@@ -86,15 +86,6 @@ class Reader:
 
         return summarize_fields(tq.kv_batch_get(keys, partition_id), probe=probe)
 
-    def close_tq(self) -> None:
-        import transfer_queue.interface as tqi
-
-        # Drop only this process's client: tq.close() from a non-owner would kill the controller.
-        client = getattr(tqi, "_TQ_CLIENT", None)
-        if client is not None:
-            client.close()
-            tqi._TQ_CLIENT = None
-
     def attach_store(self, transport: str = "auto") -> None:
         import dataplane as dp
 
@@ -107,8 +98,3 @@ class Reader:
 
         kwargs = {} if copy is None else {"copy": copy}
         return summarize_fields(dp.kv_batch_get(keys, partition_id, **kwargs), probe=probe)
-
-    def close_store(self) -> None:
-        import dataplane as dp
-
-        dp.close()

@@ -193,7 +193,7 @@ def plot(results: dict[str, Any], path: str) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The same report as Markdown tables (what bench/README.md records)."""
+    """The same report as Markdown tables (what bench/RESULTS.md records)."""
     m = results["machine"]
     out = [
         f"Run {m['date_utc']}, load average {m.get('load_avg_1m')} on {m['cpu_count']} cores; "

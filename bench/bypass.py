@@ -101,7 +101,7 @@ class BypassConfig:
             (``StoreConfig.warm_idle_s``). 60 s: longer than a round, so that the slower paths
             run in between do not make the store's segments go cold, as running its steps back to
             back would not. None: the store's default (2 s), with which, at 256 MiB and more, each
-            put maps fresh pages (bench/README.md has both figures). A store the run attaches to
+            put maps fresh pages (bench/RESULTS.md, 2026-12-02, has both figures). A store the run attaches to
             keeps its own setting.
     """
 

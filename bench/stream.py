@@ -1,6 +1,6 @@
 """Streaming benchmark: ``next_batch`` against TransferQueue 0.1.11's ``get_meta``, same run.
 
-Three figures per system:
+Four figures, the first three for both systems:
 
 1. **next_batch of 256 keys** from a partition holding ``--rows`` ready rows (100,000), next to
    ``--others`` other partitions of as many rows (10): p50 / p90 of ``--calls`` calls from the

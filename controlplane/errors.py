@@ -32,8 +32,8 @@ class MeshConflictError(ControlPlaneError, ValueError, AssertionError):
     """A mesh name is registered twice on one worker; the message names the mesh, the worker and
     both registrations.
 
-    Also a ``ValueError`` (what this package raised before) and an ``AssertionError`` (what verl's
-    ``Worker.set_dispatch_collect`` raises), so code written for either keeps catching it.
+    Also a ``ValueError`` (a bad argument) and an ``AssertionError`` (what verl's
+    ``Worker.set_dispatch_collect`` raises), so code that catches either catches it.
     """
 
     def __init__(self, message: str, *, mesh_name: str | None = None) -> None:

@@ -59,8 +59,8 @@ class DispatchCollectInfo(dict[str, dict[str, Any]]):
     """``Worker.get_dispatch_collect``'s result, in verl's format.
 
     ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``: a plain
-    ``dict`` for ``**`` and pickling. The keys ``"dispatch"`` / ``"collect"`` (this package's
-    earlier format) are read as aliases but never listed, so ``**info`` stays valid.
+    ``dict`` for ``**`` and pickling. The short keys ``"dispatch"`` / ``"collect"`` are read too, as
+    aliases of those two, but never listed, so ``**info`` stays valid.
     """
 
     _ALIASES = {"dispatch": "dispatch_dp_rank", "collect": "collect_dp_rank"}

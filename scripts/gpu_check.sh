@@ -2,7 +2,7 @@
 # The GPU check, for the day a GPU machine is at hand (about 2 minutes on an H200; every step has a
 # timeout, the whole stays under 8): the `gpu`-marked tests, then `bench.gpu`: a CUDA tensor put by one
 # process and read onto the GPU by another, against a plain device-to-host-to-device copy of the same
-# bytes (ratio printed). Record its output in bench/README.md ("GPU round trip").
+# bytes (ratio printed). Record its output in bench/RESULTS.md, the latest figures in bench/README.md.
 #
 # Needs the project's venv with a CUDA build of torch==2.13.0 (`make install`, then the CUDA wheel for
 # the machine), or PYTHON naming an interpreter that imports the project: on a machine whose image has

@@ -2,8 +2,8 @@
 
 Engine workers on a small torch model, a GRPO trainer whose driver handles metadata only,
 and the bridge: a ``@register`` method called with a ``dataplane.KVBatchMeta`` receives its
-shard's rows and writes its per-row outputs back (``workers.bridge`` explains it and keeps the
-``tqbridge`` / ``bridged_register`` decorators as aliases).
+shard's rows and writes its per-row outputs back (``workers.bridge`` explains it; its ``tqbridge``
+and ``bridged_register`` decorators add the bridge's ``call_on_empty`` option).
 
 Example:
     >>> from controlplane import Dispatch, Worker, register

@@ -18,10 +18,10 @@ collect ranks of a mesh, rank 0 under ``ONE_TO_ALL``, every rank otherwise. Batc
 makes each rank pull its own ready batch and return a :class:`StreamReport`. The full contract is
 in ``dataplane._worker_bridge``; the protocol in ``controlplane.bridge``.
 
-``tqbridge(dispatch_mode)`` and ``bridged_register(dispatch_mode)`` are kept as aliases:
-``tqbridge`` alone bridges a method that is not registered (a local object), and under
-``@register`` it only contributes its ``call_on_empty`` option; the collect ranks always come from
-``register``'s dispatch mode, so the two can never disagree.
+Two more decorators: ``tqbridge(dispatch_mode)`` alone bridges a method that is not registered (a
+local object), and under ``@register`` it only contributes its ``call_on_empty`` option;
+``bridged_register(dispatch_mode)`` is ``register`` with that option in one decorator. The collect
+ranks always come from ``register``'s dispatch mode, so the two can never disagree.
 """
 
 from __future__ import annotations

@@ -44,20 +44,15 @@ state are saved together (``workers.checkpoints``). A run killed at any point re
 one: it trains the steps in flight from the rows the store kept, and its summary's prompt ledger
 shows every prompt of every step trained exactly once across the runs.
 
-Why stream mode is only a little faster on the 2-core machine this was built on (seed 0, 40
-steps of 128 samples; ``rlplane demo``: 10.4-10.9 steps/s, ``--mode stream``: 10.9-11.2; warm
-trainers without a progress bar, median of 3: 10.7 vs 11.4, 1.07x): a step costs about 137 ms of
-CPU over all processes (the two actor processes 91 ms, the reward worker 12, the driver 12, the
-shards 11, Ray 6, the index 3), so 2 cores cannot go below ~68 ms a step, and sync mode already
-keeps them 74% busy. Stream mode takes the reward worker's turn (~15 ms) and the driver's nine
-round trips off the critical path, but what it overlaps them with runs on the same two cores,
-already taken by the actors' rollout and update; it also adds a ``next_batch`` round trip per
-batch (the index's CPU doubles, 3 -> 6 ms a step) and the reports' bookkeeping. It fills the idle
-quarter (81% busy), no more. Splitting the rollout into more calls costs more than it overlaps
-(each call decodes token by token at a fixed cost per token: ``rollout_chunks=2`` gives 10.1
-steps/s), hence one rollout call per rank and two reward/advantage batches per step by default:
-the reward stage starts on the first rank's rows while the other rank still decodes. With a core
-per process the reward side and the driver's round trips leave the critical path entirely.
+Why stream mode is only a little faster on 2 cores (figures: bench/README.md, "Stream-mode
+training"): the actor processes' rollout and update take most of a step's CPU, and sync mode
+already keeps both cores busy most of the time. Stream mode takes the reward worker's turn and the
+driver's round trips off the critical path, but what it overlaps them with runs on the same two
+cores; it also adds a ``next_batch`` round trip per batch and the reports' bookkeeping. Splitting
+the rollout into more calls costs more than it overlaps (each call decodes token by token at a
+fixed cost per token), hence one rollout call per rank and two reward/advantage batches per step by
+default: the reward stage starts on the first rank's rows while the other rank still decodes. With
+a core per process the reward side and the driver's round trips leave the critical path entirely.
 
 Example:
     >>> trainer = GRPOTrainer(TrainerConfig(steps=3))

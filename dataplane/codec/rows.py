@@ -134,8 +134,8 @@ def _byte_offsets(col: Column) -> np.ndarray:
 
 
 # Below this average run length (bytes) variable rows are copied by one vectorised take, above it
-# by one slice copy per run. Measured on the 2-core CI machine: a Python-level slice copy costs
-# ~2 us per run, a take ~16 ns per byte (its int64 index included): break-even near 150 bytes.
+# by one slice copy per run: a Python-level slice copy has a fixed cost per run, a take a cost per
+# byte (its int64 index included); the measured break-even (bench/RESULTS.md) is a little below this.
 _RUN_LOOP_MIN_BYTES = 256
 
 

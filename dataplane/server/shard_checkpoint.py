@@ -17,7 +17,8 @@ serving meanwhile):
 
 A chunk is a column exactly as the wire describes one (``column_to_wire``: spec, rows, buffers),
 so every kind (dense, jagged, ragged tensors, arrow strings and lists, JSON-like values, pickled
-objects as opaque bytes) keeps its exact dtype and shapes, and a get after a load answers as before.
+objects as opaque bytes) keeps its exact dtype and shapes, and a get after a load answers as it did
+at the save.
 
 **Load** is two-phase, so that a load is all or nothing across the shards and the index:
 

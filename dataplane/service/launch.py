@@ -126,7 +126,7 @@ def release_dead_names(cfg: StoreConfig) -> list[str]:
         from ray._private import state as ray_state
 
         dead = ray_state.actors(actor_state_name="DEAD")
-    except Exception as exc:  # noqa: BLE001 - another Ray: the start fails as before, with Ray's error
+    except Exception as exc:  # noqa: BLE001 - another Ray: nothing freed, so the start raises Ray's error
         logger.warning("store %r: cannot read Ray's table of dead actors (%s)", cfg.name, exc)
         return []
     dead_ids = {str(aid) for aid in dead}
@@ -230,13 +230,13 @@ def _being_created(name: str) -> bool:
     A store is broken only when its index is dead: a call to an index that is alive but does not
     answer Ray for a while (``ActorUnavailableError``, a ``RayActorError``, on a busy node) must not
     get a live store stopped by the next ``dp.init``. Read from the GCS's actor table; unreadable
-    (another Ray): False, the store is judged by its live names alone, as before.
+    (another Ray): False, the store is judged by its live names alone.
     """
     try:
         from ray._private import state as ray_state
 
         table = ray_state.actors()
-    except Exception:  # noqa: BLE001 - no table: as before this check
+    except Exception:  # noqa: BLE001 - no table: judged by live names alone
         return False
     return any(a.get("Name") == name and a.get("State") != "DEAD" for a in table.values())
 

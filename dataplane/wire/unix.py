@@ -1,9 +1,9 @@
 """The same-host lane: framed messages over a Unix stream socket, with no zmq in between.
 
 A zmq message between two processes wakes four threads (each side's application thread and zmq I/O
-thread); on a small VM that costs ~50 us of CPU per message on each side, more than a small put's own
-work. Here a message is one ``sendmsg`` and one ``recv_into`` on each side: about a fifth of the CPU
-and a seventh of the latency (bench/README.md). The blocking client (``SyncTransport``) and a shard's
+thread); on a small VM that costs more CPU per message than a small put's own work. Here a message
+is one ``sendmsg`` and one ``recv_into`` on each side: a fraction of zmq's CPU and latency
+(bench/RESULTS.md, 2026-12-02). The blocking client (``SyncTransport``) and a shard's
 link to its index use it for every peer on their host; ``zmq.asyncio`` clients and other hosts keep
 zmq. Every service listens on both.
 

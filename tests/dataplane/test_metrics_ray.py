@@ -83,7 +83,7 @@ def test_metrics_reach_prometheus_by_the_exact_amounts(tmp_path, fork_server) ->
     path = tmp_path / "expected.json"
     path.write_text(json.dumps(expected))
     # The driver is forked by the session's server (it has imported what the driver imports); the Ray
-    # it starts is its own, as before.
+    # it starts is its own, as it would be without the server.
     proc = run_python(["-m", "tests.dataplane._metrics_cluster", str(path)], timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

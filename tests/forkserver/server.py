@@ -16,7 +16,7 @@ directory and standard streams. The server (its Ray server) forks; the child run
 threads joined, atexit functions run). The starter stays, as the process the raylet started, until the
 worker exits, and exits with its status; if the starter dies first, the worker is killed (it would have
 died with it). A worker whose interpreter settings differ from the server's (``PYTHON*`` or ``LD_*``
-variables, e.g. a runtime env's ``PYTHONPATH``) is exec'd as before.
+variables, e.g. a runtime env's ``PYTHONPATH``) is exec'd, as Ray does without the fork server.
 
 Each server forks only from its main loop, on its one Python thread (what runs besides, numpy's and
 pyarrow's idle native pools, is not copied; importing Ray starts no thread). After a fork the child
