@@ -30,8 +30,8 @@ from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target
+from dataplane.wire.locality import Locality
 from dataplane.wire.requests import INDEX
-from dataplane.wire.shm import boot_id
 from dataplane.wire.sockets import Endpoint
 from dataplane.wire.transport import AsyncTransport, SyncTransport
 
@@ -79,11 +79,13 @@ class StoreClient:
         # This process's own choice, never the service's: what a reader unpickles is up to the reader.
         self.allow_pickle = allow_pickle
         mode = transport or self.config.transport
-        here = boot_id()
+        here = Locality.here()
         shards = registry["shards"]
+        # Each same-host shortcut only where the namespace it needs is shared (``wire.locality``):
+        # shared memory is mapped through /proc/<pid> (the pid namespace), then probed for real.
         self.shm = [
             mode not in ("zmq", "tcp")
-            and s["boot_id"] == here
+            and here.shares_pids(Locality.from_dict(s.get("locality")))
             and probe(s["pid"], s["generations"], s["boot_id"])
             for s in shards
         ]
@@ -98,17 +100,19 @@ class StoreClient:
         targets: dict[int, Target] = {}
         for i, actor in [*enumerate(shards), (INDEX, registry["index"])]:
             name = self.config.index_name() if i == INDEX else self.config.shard_name(i)
-            local = actor["boot_id"] == here
-            ipc = local and mode != "tcp"
-            unix = actor.get("unix") if ipc and unix_lane else None
+            there = Locality.from_dict(actor.get("locality"))
+            ipc = mode != "tcp" and here.shares_files(there)
+            lane = mode != "tcp" and unix_lane and here.shares_network(there)
             endpoints[i] = Endpoint(
                 actor["ipc"] if ipc else actor["tcp"],
                 name,
                 curve and not ipc,
-                unix,
+                actor.get("unix") if lane else None,
                 max_frame=actor.get("max_message_bytes", -1),  # what the service takes (-1: unknown)
             )
-            targets[i] = Target(name, actor.get("pid", -1), actor.get("pid_start", ""), local)
+            targets[i] = Target(
+                name, actor.get("pid", -1), actor.get("pid_start", ""), here.shares_pids(there)
+            )
         timeout = self.config.rpc_timeout_s
         # Recording only where the store asks for it and the process can export (it is on Ray).
         self.metrics = ClientMetrics(self.config.name) if self.config.metrics and export.start() else None

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from dataplane.errors import StoreFullError
+from dataplane.wire.locality import Locality
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +97,19 @@ class HostMemory:
             return None
         return [os.getpid(), self._fd, os.fstat(self._fd).st_ino]
 
-    def share(self, peers: list[dict[str, Any]], boot_id: str) -> None:
+    def share(self, peers: list[dict[str, Any]], here: Locality) -> None:
         """Use the ledger of the first of ``peers`` (the store's shards, as ``ShardActor.info``
-        describes them) on this host: its own when that is this shard."""
-        here = [p for p in peers if p.get("boot_id") == boot_id and p.get("host_ledger")]
-        if self._fd < 0 or not here:
+        describes them) on this host: its own when that is this shard. A peer's ledger is opened
+        through ``/proc/<pid>``, so only peers in this pid namespace count (shards in another
+        container on the same kernel admit against the memory they see, alone)."""
+        mine = [
+            p
+            for p in peers
+            if p.get("host_ledger") and here.shares_pids(Locality.from_dict(p.get("locality")))
+        ]
+        if self._fd < 0 or not mine:
             return
-        first = min(here, key=lambda p: p["shard"])["host_ledger"]
+        first = min(mine, key=lambda p: p["shard"])["host_ledger"]
         if list(first) == self.ref():  # this shard is the host's first
             return
         pid, fd, inode = first

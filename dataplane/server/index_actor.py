@@ -270,6 +270,7 @@ class IndexActor:
         import ray
 
         from dataplane.wire.liveness import process_start
+        from dataplane.wire.locality import Locality
         from dataplane.wire.shm import boot_id
 
         if not self._creds.secret:
@@ -295,6 +296,7 @@ class IndexActor:
             "unix": self.server.unix,
             "max_message_bytes": self._max_message_bytes,  # clients refuse a bigger frame themselves
             "boot_id": boot_id(),
+            "locality": Locality.here().to_dict(),
             "pid": pid,
             "pid_start": process_start(pid),
         }

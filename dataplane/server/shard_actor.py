@@ -49,6 +49,7 @@ from dataplane.wire import protocol as _protocol
 from dataplane.wire import unix as _unix
 from dataplane.wire.auth import Credentials
 from dataplane.wire.liveness import Liveness, Target, process_start
+from dataplane.wire.locality import Locality
 from dataplane.wire.policy import Probe, RequestPolicy
 from dataplane.wire.requests import INDEX, next_rid, reply
 from dataplane.wire.shm import boot_id
@@ -116,13 +117,16 @@ class ShardServer(RequestServer):
 
     def link(self, index: dict[str, Any]) -> None:
         """Where the index listens (its registry entry), so this shard can commit puts there."""
-        local = index["boot_id"] == boot_id()
+        here, there = Locality.here(), Locality.from_dict(index.get("locality"))
         creds = self._creds.for_clients()
-        address = index["ipc"] if local else index["tcp"]
-        unix = index.get("unix") if local and env_unix_lane() else None
+        ipc = here.shares_files(there)  # each shortcut only where the namespace it needs is shared
+        address = index["ipc"] if ipc else index["tcp"]
+        unix = index.get("unix") if here.shares_network(there) and env_unix_lane() else None
         limit = index.get("max_message_bytes", -1)
-        endpoint = Endpoint(address, index["name"], creds.encrypt and not local, unix, max_frame=limit)
-        target = Target(index["name"], index.get("pid", -1), index.get("pid_start", ""), local)
+        endpoint = Endpoint(address, index["name"], creds.encrypt and not ipc, unix, max_frame=limit)
+        target = Target(
+            index["name"], index.get("pid", -1), index.get("pid_start", ""), here.shares_pids(there)
+        )
         on_dead = None if self._peer_metrics is None else self._peer_metrics.peer_dead
         liveness = Liveness({INDEX: target}, on_dead=on_dead)
         self._link = Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness, lane=True)
@@ -420,6 +424,7 @@ class ShardActor:
             "pid_start": process_start(os.getpid()),
             "node_id": self._node_id,
             "boot_id": boot_id(),
+            "locality": Locality.here().to_dict(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
@@ -435,7 +440,7 @@ class ShardActor:
         self.server.link(index)
         if peers:
             with self._lock:
-                self.core.host.share(peers, boot_id())
+                self.core.host.share(peers, Locality.here())
         return True
 
     def ping(self) -> bool:

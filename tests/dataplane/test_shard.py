@@ -288,15 +288,16 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     """
     from dataplane.server import host_memory
     from dataplane.server.host_memory import HostMemory
-    from dataplane.wire.shm import boot_id
+    from dataplane.wire.locality import Locality
 
     mib = 1 << 20
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * mib)
     a = ShardCore(0, name="t-host-a", host=HostMemory.for_shard("t-host", 0))
     b = ShardCore(1, name="t-host-b", host=HostMemory.for_shard("t-host", 1))
-    peers = [{"shard": c.shard_id, "boot_id": boot_id(), "host_ledger": c.host.ref()} for c in (a, b)]
+    here = Locality.here()
+    peers = [{"shard": c.shard_id, "locality": here.to_dict(), "host_ledger": c.host.ref()} for c in (a, b)]
     for c in (a, b):  # what the store's starter tells each shard (``ShardActor.link_index``)
-        c.host.share(peers, boot_id())
+        c.host.share(peers, here)
     theirs, mine = a.host.ref(), b.host.ref()
     assert theirs is not None and mine is not None and mine[2] == theirs[2], "b does not use a's ledger"
 

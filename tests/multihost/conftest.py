@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 @pytest.fixture(scope="module")
-def bare_hosts():
-    """Two hosts with no Ray on them."""
-    with testbed.Testbed(hosts=2, ray=False) as bed:
+def hosts():
+    """Two hosts with a Ray node on each (the head on h1)."""
+    with testbed.Testbed(hosts=2) as bed:
         yield bed

@@ -1,0 +1,109 @@
+"""A driver run on host h1 of the test bed (``python tests/multihost/_across.py MODE``): a store with
+a shard on each host, a peer process on h2, and what each saw, printed as one JSON line.
+
+MODE: ``auto`` (the default transport: each same-host shortcut where its namespace is shared) or
+``tcp-encrypted`` (every byte over tcp, CURVE-encrypted between hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import dataplane as dp
+
+
+def facts() -> dict:
+    """Per shard (in shard order): its host's address, and whether this process maps its memory and
+    reaches it over the Unix lane or an ipc:// socket."""
+    client = dp.current_client()
+    out = []
+    for i, shard in enumerate(client.registry["shards"]):
+        endpoint = client.sync.endpoints[i]
+        out.append(
+            {
+                "host": shard["tcp"].split("//")[1].rsplit(":", 1)[0],
+                "shm": client.shm[i],
+                "lane": endpoint.unix is not None,
+                "ipc": endpoint.address.startswith("ipc://"),
+            }
+        )
+    return {"shards": out, "transport": client.transport}
+
+
+@ray.remote(num_cpus=0.1)
+class Peer:
+    def __init__(self, transport: str | None) -> None:
+        dp.init(transport=transport) if transport else dp.init()
+
+    def facts(self) -> dict:
+        return facts()
+
+    def put(self, keys: list[str], partition: str, start: int) -> None:
+        n = len(keys)
+        dp.kv_batch_put(
+            keys,
+            partition,
+            {
+                "x": torch.arange(start, start + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096),
+                "ids": [torch.arange(i % 7 + 1) for i in range(start, start + n)],
+                "text": [f"row {i}" for i in range(start, start + n)],
+            },
+        )
+
+    def take(self, partition: str, n: int) -> list[str]:
+        return list(dp.next_batch(partition, "train", n, ["x"], timeout_s=60).keys)
+
+
+def check_rows(partition: str, keys: list[str], start: int) -> None:
+    got = dp.kv_batch_get(keys, partition)
+    n = len(keys)
+    want = torch.arange(start, start + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096)
+    assert torch.equal(got["x"], want), "tensor column differs"
+    assert [t.tolist() for t in got["ids"]] == [list(range(i % 7 + 1)) for i in range(start, start + n)]
+    assert list(got["text"]) == [f"row {i}" for i in range(start, start + n)]
+
+
+def main(mode: str) -> None:
+    ray.init(address="auto")
+    transport, encrypt = ("tcp", True) if mode == "tcp-encrypted" else (None, False)
+    kw = {"transport": transport} if transport else {}
+    dp.init(num_shards=2, encrypt=encrypt, **kw)
+    other = next(
+        n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] != ray.util.get_node_ip_address()
+    )
+    peer = Peer.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(other["NodeID"], soft=False)
+    ).remote(transport)
+    report = {"driver": facts(), "peer": ray.get(peer.facts.remote(), timeout=120)}
+    # Written on h2, read on h1; written on h1, read on h2 (rows land on both shards, so on both hosts).
+    far = [f"far-{i}" for i in range(64)]
+    ray.get(peer.put.remote(far, "p", 0), timeout=120)
+    check_rows("p", far, 0)
+    near = [f"near-{i}" for i in range(64)]
+    n = len(near)
+    dp.kv_batch_put(
+        near,
+        "p",
+        {
+            "x": torch.arange(64, 64 + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096),
+            "ids": [torch.arange(i % 7 + 1) for i in range(64, 64 + n)],
+            "text": [f"row {i}" for i in range(64, 64 + n)],
+        },
+    )
+    dp.finish_partition("p")
+    taken = []
+    while keys := ray.get(peer.take.remote("p", 48), timeout=120):
+        taken.extend(keys)
+    report["streamed"] = sorted(taken) == sorted(far + near)
+    report["consumption"] = dp.consumption("p", "train")
+    print(json.dumps(report))
+    dp.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
