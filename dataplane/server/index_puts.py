@@ -90,10 +90,10 @@ class IndexPuts(IndexRecords):
             if self._early_aborts.get(txn) == until:
                 del self._early_aborts[txn]
 
-    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list[Any]]:
+    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list[str | int]]:
         """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
         schema = self.schemas.get(pid, {})
-        families = {}
+        families: dict[str, list[str | int]] = {}
         for name, spec in specs.items():
             new_s = _wire.spec_from_wire(spec)
             new_s.check(name)

@@ -56,7 +56,7 @@ class FieldSchema:
     (transaction ids) that rely on it, and the last of them to abort or expire takes it back.
     """
 
-    family: list[Any]
+    family: list[str | int]
     confirmed: bool = False
     pending: set[int] = field(default_factory=set)
     wire: Any = None  # the wire spec a put without prepare last declared, found of this family
