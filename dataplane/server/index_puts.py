@@ -90,7 +90,7 @@ class IndexPuts(IndexRecords):
             if self._early_aborts.get(txn) == until:
                 del self._early_aborts[txn]
 
-    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list[str | int]]:
+    def _families(self, pid: str, specs: dict[str, _protocol.WireSpec]) -> dict[str, list[str | int]]:
         """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
         schema = self.schemas.get(pid, {})
         families: dict[str, list[str | int]] = {}
@@ -116,7 +116,7 @@ class IndexPuts(IndexRecords):
                 )
         return families
 
-    def _decide(self, pid: str, specs: dict[str, Any]) -> None:
+    def _decide(self, pid: str, specs: dict[str, _protocol.WireSpec]) -> None:
         """Check ``specs`` against the partition's schema and record new fields as confirmed; all
         checked before anything is recorded."""
         schema = self.schemas.get(pid)
