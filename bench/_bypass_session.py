@@ -8,6 +8,7 @@ attached to, or a TransferQueue controller someone else runs are left as they we
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import statistics
@@ -246,7 +247,8 @@ class _Background:
     """Run ``fn`` in a thread; ``join`` waits with a deadline and re-raises what it raised."""
 
     def __init__(self, fn: Any, what: str) -> None:
-        self.what, self.error = what, None
+        self.what = what
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(fn,), name=f"bypass: {what}", daemon=True)
         self.thread.start()
 
@@ -325,9 +327,10 @@ def _rounds(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             progress.at(point, name)
             if name == RAW:
+                assert raw is not None  # (RAW is among the paths only with its pair)
                 grew, took = None, raw.transfer()
             else:  # the first round checks every path's whole output (untimed: a warm-up round)
-                grew, took = peak_rss_growth(lambda p=paths[name], r=r: _timed(p, r, check=r == 0))
+                grew, took = peak_rss_growth(functools.partial(_timed, paths[name], r, check=r == 0))
             if r >= cfg.warmup:
                 seconds[name].append(took)
                 if grew is not None:
@@ -403,7 +406,8 @@ def _records(
     """One record per path, with overheads over the floor and the ratios the table prints."""
     out: dict[str, dict[str, Any]] = {}
     for name, secs in seconds.items():
-        sent, recv = sizes.get(name, (None, None))
+        pair = sizes.get(name)
+        sent, recv = pair if pair is not None else (None, None)
         out[name] = {
             "path": name,
             **base,
@@ -412,7 +416,7 @@ def _records(
             "seconds": [round(s, 6) for s in secs],
             "driver_sent_bytes": sent,
             "driver_recv_bytes": recv,
-            "driver_bytes": None if sent is None else sent + recv,
+            "driver_bytes": None if pair is None else sum(pair),
             "driver_peak_rss": max(rss[name]) if rss[name] else None,
             "store_bytes": store_bytes if name == "store" else (wire_bytes if name == RAW else None),
         }
@@ -426,9 +430,10 @@ def _records(
         else:
             rec["overhead_s"] = rec["best_overhead_s"] = None
     store = out.get("store")
+    store_overhead = None if store is None else store["overhead_s"]
     for name in ("classic", "tq"):
         if name in out:
-            out[name]["overhead_vs_store"] = _ratio(out[name]["overhead_s"], store and store["overhead_s"])
+            out[name]["overhead_vs_store"] = _ratio(out[name]["overhead_s"], store_overhead)
     if store is not None and RAW in out:
         # >= 1: the store moved its bytes at least as fast as one bare zmq stream moves them.
         store["vs_pyzmq"] = _ratio(out[RAW]["step_s"], store["overhead_s"])

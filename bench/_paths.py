@@ -198,7 +198,7 @@ class StorePath(BenchPath):
         super().close()
         if getattr(self, "dp", None) is not None:
             self.dp.close()
-            self.dp = None
+            del self.dp
 
 
 PATHS: dict[str, type[BenchPath]] = {p.name: p for p in (MemcpyPath, RayPath, TQPath, StorePath)}

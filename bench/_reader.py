@@ -96,5 +96,5 @@ class Reader:
     ) -> dict[str, Any]:
         import dataplane as dp
 
-        kwargs = {} if copy is None else {"copy": copy}
+        kwargs: dict[str, Any] = {} if copy is None else {"copy": copy}
         return summarize_fields(dp.kv_batch_get(keys, partition_id, **kwargs), probe=probe)

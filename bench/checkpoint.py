@@ -109,7 +109,7 @@ class Disk:
         t0 = time.perf_counter()
         out = np.empty(len(data), dtype=np.uint8)  # fresh memory, as a load must allocate it
         with open(path, "rb", buffering=0) as f:
-            view, got = memoryview(out), 0
+            view, got = out.data, 0
             while got < len(data):
                 got += f.readinto(view[got : got + (64 << 20)])
         self.reads.append(time.perf_counter() - t0)

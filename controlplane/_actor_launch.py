@@ -49,7 +49,7 @@ def slot_node_ids(slots: Sequence[BundleSlot]) -> list[str]:
     """The node id each slot's bundle was placed on (placement groups must be ready)."""
     import ray.util
 
-    tables: dict[Any, dict] = {}
+    tables: dict[Any, dict[int, str]] = {}
     nodes = []
     for slot in slots:
         pg = slot.placement_group
@@ -91,14 +91,14 @@ def master_addr_port(slot: BundleSlot) -> tuple[str, int]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    @ray.remote(num_cpus=0)
     def _probe() -> tuple[str, int]:
         return get_node_ip(), get_free_port()
 
+    probe = ray.remote(num_cpus=0)(_probe)
     strategy = PlacementGroupSchedulingStrategy(
         placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
     )
-    return ray.get(_probe.options(scheduling_strategy=strategy).remote(), timeout=120)
+    return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=120)
 
 
 def check_worker_env(worker_env: dict[str, str] | None) -> None:
@@ -224,7 +224,7 @@ def launch_group(
     name_prefix: str,
     bin_pack: bool,
     detached: bool,
-    master: tuple[str | None, int | None],
+    master: tuple[str, int] | None,
     use_gpu: bool | None,
     worker_env: dict[str, str] | None,
     num_cpus: float,
@@ -234,8 +234,8 @@ def launch_group(
     """Start one actor per slot of ``pool`` (placing the pool first if needed), without waiting.
 
     Args:
-        master: ``(addr, port)`` given by the caller, or ``(None, None)`` for a free port on
-            the node of rank 0.
+        master: ``(addr, port)`` given by the caller, or ``None`` for a free port on the node of
+            rank 0.
         use_gpu: None takes the pool's setting.
 
     Raises:
@@ -251,7 +251,7 @@ def launch_group(
     check_worker_env(worker_env)  # before placement: a typo must not cost a placement wait
     slots = pool.bundle_slots(strategy="STRICT_PACK" if bin_pack else "PACK", device_name=device_name)
     places = places_for(slots)
-    addr, port = master if master[0] is not None else master_addr_port(slots[0])
+    addr, port = master if master is not None else master_addr_port(slots[0])
     workers, names = launch_workers(
         ray_cls_with_init,
         places,

@@ -8,7 +8,7 @@ resolves to the *same* singleton by name, so ``mode is Dispatch.ONE_TO_ALL`` kee
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Self
+from typing import Any, Self, cast
 
 
 def _member_by_name(enum_cls: type[DynamicEnum], name: str) -> DynamicEnum:
@@ -22,6 +22,9 @@ def _member_by_name(enum_cls: type[DynamicEnum], name: str) -> DynamicEnum:
 
 
 class _DynamicEnumMeta(type):
+    # Every class of this metaclass is a DynamicEnum, which sets its own ``_members``.
+    _members: dict[str, DynamicEnum]
+
     def __iter__(cls) -> Iterator[DynamicEnum]:
         return iter(cls._members.values())
 
@@ -31,9 +34,9 @@ class _DynamicEnumMeta(type):
         return isinstance(item, cls) and cls._members.get(item.name) is item
 
     def __getitem__(cls, name: str) -> DynamicEnum:
-        member = cls.from_name(name)
+        member = cast("type[DynamicEnum]", cls).from_name(name)
         if member is None:
-            raise KeyError(f"{cls.__name__} has no member {name!r}; known: {cls.names()}")
+            raise KeyError(f"{cls.__name__} has no member {name!r}; known: {list(cls._members)}")
         return member
 
     def __len__(cls) -> int:
@@ -101,7 +104,8 @@ class DynamicEnum(metaclass=_DynamicEnumMeta):
     @classmethod
     def from_name(cls, name: str) -> Self | None:
         """The member called ``name`` (case-insensitive), or ``None``."""
-        return cls._members.get(name.upper()) if isinstance(name, str) else None
+        # A class's members are instances of that class (``__init_subclass__`` gives each its own dict).
+        return cast("Self | None", cls._members.get(name.upper()) if isinstance(name, str) else None)
 
     @classmethod
     def names(cls) -> list[str]:

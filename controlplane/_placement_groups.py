@@ -218,7 +218,7 @@ def holders(exclude: Sequence[Any] = ()) -> list[str]:
     return out
 
 
-def ip_sort_key(ip: str) -> tuple:
+def ip_sort_key(ip: str) -> tuple[int, int, int | str]:
     """Numeric order for IPv4/IPv6 addresses (``10.0.0.9`` before ``10.0.0.10``).
 
     Example:
@@ -236,8 +236,8 @@ def _node_ip_of(pg: Any, ip_by_node: dict[str, str]) -> str:
     import ray.util
 
     table = ray.util.placement_group_table(pg)
-    node_id = (table.get("bundles_to_node_id") or {}).get(0)
-    return ip_by_node.get(node_id, "")
+    node_id: str | None = (table.get("bundles_to_node_id") or {}).get(0)
+    return "" if node_id is None else ip_by_node.get(node_id, "")
 
 
 def sort_by_node_ip(pgs: Sequence[Any]) -> list[Any]:

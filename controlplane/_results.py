@@ -64,8 +64,8 @@ def get_results(
         raise first
     dead = [(rank, exc) for rank, exc in failures.items() if _is_actor_death(exc)]
     if dead:
-        rank, exc = dead[0]
-        raise died(rank, exc) from exc
+        rank, death = dead[0]
+        raise died(rank, death) from death
     ranks = sorted(failures)
     # Chained without its driver-side frames (Ray's get internals): what remains is the worker's
     # traceback, printed once above the one-line report.
@@ -74,7 +74,7 @@ def get_results(
         method,
         ranks,
         _user_cause(first),
-        errors={rank: _user_cause(exc) for rank, exc in failures.items()},
+        errors={rank: _user_cause(err) for rank, err in failures.items()},
         world_size=world_size,
         remote_traceback=str(first),
     )

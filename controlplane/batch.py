@@ -43,7 +43,7 @@ AUTO_PADDING_ATTR = "_controlplane_auto_padding"
 VERL_AUTO_PADDING_KEY = "_verl_auto_padding"
 
 
-class AutoPadList(list):
+class AutoPadList(list[Any]):
     """A ``list`` marked for auto padding; returned by ``enable_auto_padding`` for lists and tuples."""
 
     _controlplane_auto_padding = True
@@ -121,13 +121,17 @@ def is_batch(x: Any) -> bool:
 def length(x: Any) -> int | None:
     """Number of samples in ``x``; ``None`` when not known yet (an unresolved future)."""
     if is_tensordict(x):
-        if not x.batch_size:
-            raise TypeError("a TensorDict with an empty batch_size has no samples to count")
-        return int(x.batch_size[0])
+        return _tensordict_length(x)
     try:
         return len(x)
     except TypeError:
         return None
+
+
+def _tensordict_length(td: Any) -> int:
+    if not td.batch_size:
+        raise TypeError("a TensorDict with an empty batch_size has no samples to count")
+    return int(td.batch_size[0])
 
 
 def allows_uneven(x: Any) -> bool:
@@ -254,7 +258,7 @@ def pad(x: Any, k: int, *, name: str = "batch") -> Any:
     if is_tensordict(x):
         import torch
 
-        size = length(x)
+        size = _tensordict_length(x)
         if size == 0:
             raise ValueError(f"cannot pad {name}: it has no samples to repeat")
         index = torch.cat([torch.arange(size), torch.full((k,), size - 1, dtype=torch.long)])
@@ -279,6 +283,8 @@ def _pad_in_place_on_copy(x: Any, k: int, name: str) -> Any:
     """verl's ``DataProto.padding(k)`` pads in place by rebinding its fields; doing it on a shallow
     copy leaves the caller's batch as it was (checked: a class that mutates shared state fails)."""
     before = length(x)
+    if before is None:
+        raise TypeError(f"cannot pad {name}: a {type(x).__name__} of unknown length")
     padded = copy.copy(x)
     padded.padding(k)
     if length(x) != before:

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from controlplane.modes import Dispatch
 
@@ -52,15 +52,23 @@ class BridgedCall:
     """
 
     func: Callable[..., Any]
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     collect: bool
     replicated: bool
     call_on_empty: bool
     name: str
 
 
-def find_bridge(args: tuple, kwargs: dict) -> Any:
+class WorkerBridge(Protocol):
+    """What a class's ``__worker_bridge__`` is: it takes over a call of a bridged method."""
+
+    def run(self, call: BridgedCall) -> Any: ...
+
+    async def arun(self, call: BridgedCall) -> Any: ...
+
+
+def find_bridge(args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerBridge | None:
     """The bridge of the first argument whose class implements the protocol, else ``None``."""
     for value in (*args, *kwargs.values()):
         bridge = getattr(type(value), BRIDGE_ATTR, None)
@@ -122,7 +130,7 @@ def bridged(
     replicated = _replicated(dispatch_mode)
     name = getattr(func, "__qualname__", repr(func))
 
-    def make_call(args: tuple, kwargs: dict) -> BridgedCall:
+    def make_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BridgedCall:
         collect = is_collect(args[0]) if args else True
         return BridgedCall(func, args, kwargs, collect, replicated, call_on_empty, name)
 

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import ray
 
@@ -50,6 +50,22 @@ class Split(NamedTuple):
     future_maker: FutureMaker | None
 
 
+class Group(Protocol):
+    """What a dispatch or collect function reads of the worker group it serves (``RayWorkerGroup``,
+    or verl's ``WorkerGroup`` for a function written for verl)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class MeshGroup(Group, Protocol):
+    """A group whose ranks report their place on a device mesh (``make_nd_compute_dispatch_fn``)."""
+
+    def _get_dispatch_info(self, mesh_name: str) -> list[int]: ...
+
+    def _get_collect_info(self, mesh_name: str) -> list[bool]: ...
+
+
 # What a dispatch function returns: the positional and keyword arguments, each a list with one
 # entry per rank.
 Dispatched = tuple[tuple[Any, ...], dict[str, Any]]
@@ -60,13 +76,13 @@ def _arg_name(key: int | str) -> str:
 
 
 # ------------------------------------------------------------------ simple modes
-def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+def dispatch_one_to_all(worker_group: Group, *args: Any, **kwargs: Any) -> Dispatched:
     """Every rank gets every argument as is."""
     n = worker_group.world_size
     return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
 
 
-def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+def dispatch_all_to_all(worker_group: Group, *args: Any, **kwargs: Any) -> Dispatched:
     """Scatter when *every* argument is a list of ``world_size`` entries, else replicate all.
 
     With a ``PerRank`` / ``Broadcast`` argument nothing is guessed: the arguments are replicated,
@@ -81,7 +97,7 @@ def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatc
     return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
-def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+def dispatch_dp_compute(worker_group: Group, *args: Any, **kwargs: Any) -> Dispatched:
     """Each argument must already be a list (or tuple) with one entry per rank; it is scattered."""
     n = worker_group.world_size
     items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
@@ -99,24 +115,24 @@ def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatc
     return tuple(list(a) for a in args), {k: list(v) for k, v in kwargs.items()}
 
 
-def dispatch_rank_zero(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+def dispatch_rank_zero(worker_group: Group, *args: Any, **kwargs: Any) -> Dispatched:
     """Arguments go to rank 0 unchanged (the group's rank-zero execution takes entry 0)."""
     return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
-def collect_all(worker_group: Any, outputs: list[Any]) -> list[Any]:
+def collect_all(worker_group: Group, outputs: list[Any]) -> list[Any]:
     """The per-rank outputs as a list in rank order (``ObjectRef``s when not blocking)."""
     return list(outputs)
 
 
-def collect_dp_compute(worker_group: Any, outputs: list[Any]) -> list[Any]:
+def collect_dp_compute(worker_group: Group, outputs: list[Any]) -> list[Any]:
     """The per-rank outputs as a list; checks there is one per rank."""
     if len(outputs) != worker_group.world_size:
         raise ValueError(f"expected {worker_group.world_size} outputs (one per rank), got {len(outputs)}")
     return list(outputs)
 
 
-def collect_rank_zero(worker_group: Any, output: Any) -> Any:
+def collect_rank_zero(worker_group: Group, output: Any) -> Any:
     """Rank 0's single output, unchanged."""
     return output
 
@@ -214,7 +230,7 @@ def _piece_sizes(pieces: list[Any]) -> list[int] | None:
 
 
 def _proto(mode: str, replicate_first: bool = False) -> Callable[..., Dispatched]:
-    def dispatch(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+    def dispatch(worker_group: Group, *args: Any, **kwargs: Any) -> Dispatched:
         if replicate_first and (not args or not callable(args[0])):
             raise TypeError(f"Dispatch.{mode} needs a callable as the first argument")
         n = worker_group.world_size
@@ -248,13 +264,13 @@ def concat_outputs(outputs: Sequence[Any], ranks: Sequence[int]) -> Any:
     return batch.concat(outputs)
 
 
-def collect_dp_compute_proto(worker_group: Any, outputs: list[Any]) -> Any:
+def collect_dp_compute_proto(worker_group: Group, outputs: list[Any]) -> Any:
     """Concatenate every rank's output in rank order (a ``BatchFuture`` when not blocking)."""
     collect_dp_compute(worker_group, outputs)
     return concat_outputs(outputs, range(len(outputs)))
 
 
-def collect_dp_compute_metric(worker_group: Any, outputs: list[Any]) -> list[Any]:
+def collect_dp_compute_metric(worker_group: Group, outputs: list[Any]) -> list[Any]:
     """One output per rank, not concatenated (metrics)."""
     return collect_dp_compute(worker_group, outputs)
 
@@ -292,7 +308,7 @@ def unpad_result(collect_fn: Callable[..., Any], result: Any, pad: int, sizes: l
 
 
 # ------------------------------------------------------------------ nd mesh
-def _mesh_layout(worker_group: Any, mesh_name: str) -> list[int]:
+def _mesh_layout(worker_group: MeshGroup, mesh_name: str) -> list[int]:
     """The dp rank of every global rank for ``mesh_name`` (queried lazily, cached by the group)."""
     mapping = list(worker_group._get_dispatch_info(mesh_name))
     n = worker_group.world_size
@@ -317,7 +333,7 @@ class NdComputeDispatch:
     def __repr__(self) -> str:
         return f"NdComputeDispatch({self.mesh_name!r})"
 
-    def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> Dispatched:
+    def __call__(self, worker_group: MeshGroup, *args: Any, **kwargs: Any) -> Dispatched:
         dp_of_rank = _mesh_layout(worker_group, self.mesh_name)
         dp_size = max(dp_of_rank) + 1
         args_chunks, kwargs_chunks, pad, sizes, uneven, maker = split_batches(
@@ -348,7 +364,7 @@ class NdComputeCollect:
     def __repr__(self) -> str:
         return f"NdComputeCollect({self.mesh_name!r})"
 
-    def __call__(self, worker_group: Any, outputs: list[Any]) -> Any:
+    def __call__(self, worker_group: MeshGroup, outputs: list[Any]) -> Any:
         dp_of_rank = _mesh_layout(worker_group, self.mesh_name)
         mask = list(worker_group._get_collect_info(self.mesh_name))
         if len(mask) != len(dp_of_rank) or len(outputs) != len(dp_of_rank):

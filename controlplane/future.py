@@ -25,9 +25,10 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import ray
 
 from controlplane import _config, batch
@@ -39,7 +40,10 @@ logger = logging.getLogger(__name__)
 #   ("pad", k)           append k copies of the last row
 #   ("window", a, b)     keep rows a:b
 #   ("frac", i, n)       keep the i-th of n chunks (used when the length is not known yet)
-_Op = tuple
+_Op: TypeAlias = (
+    tuple[Literal["trim", "pad"], int] | tuple[Literal["window"], int, int] | tuple[Literal["frac"], int, int]
+)
+_Index: TypeAlias = npt.NDArray[np.int64]
 
 
 class BatchFuture:
@@ -128,9 +132,8 @@ class BatchFuture:
             raise ValueError("cannot concatenate an empty list of BatchFutures")
         if any(f.ops for f in futures):
             raise NotImplementedError("cannot concatenate chunked/padded BatchFutures; call .get()")
-        sizes = None
-        if all(f.part_sizes is not None for f in futures):
-            sizes = [s for f in futures for s in f.part_sizes]
+        known = [f.part_sizes for f in futures if f.part_sizes is not None]
+        sizes = [s for part in known for s in part] if len(known) == len(futures) else None
         refs = [r for f in futures for r in f.refs]
         return cls(refs, sizes, allows_uneven_chunks=all(f.allows_uneven_chunks for f in futures))
 
@@ -186,7 +189,7 @@ class BatchFuture:
 
     def _build_from(self, which: list[int], fetched: list[Any], trust_sizes: bool = True) -> Any:
         actual = [batch.length(p) for p in fetched]
-        if trust_sizes:
+        if trust_sizes and self.part_sizes is not None:  # (``which`` then came from ``_needed``)
             expected = [self.part_sizes[i] for i in which]
             if actual != expected:
                 logger.warning(
@@ -199,7 +202,7 @@ class BatchFuture:
             offset = sum(self.part_sizes[: which[0]])
             index = _row_index(sum(self.part_sizes), self.ops, self.allows_uneven_chunks) - offset
         else:
-            index = _row_index(sum(actual), self.ops, self.allows_uneven_chunks)
+            index = _row_index(sum(_known(n) for n in actual), self.ops, self.allows_uneven_chunks)
         return _select(batch.concat(fetched), index)
 
     def _fetch(self, which: list[int], timeout: float) -> list[Any]:
@@ -225,34 +228,40 @@ def _apply_ops_len(total: int, ops: Sequence[_Op], uneven: bool) -> int:
     return len(_row_index(total, ops, uneven))
 
 
-def _row_index(total: int, ops: Sequence[_Op], uneven: bool) -> np.ndarray:
+def _known(size: int | None) -> int:
+    """A fetched part's length (a fetched part is never a future, so its length is known)."""
+    if size is None:
+        raise TypeError("a BatchFuture part has no length")
+    return size
+
+
+def _row_index(total: int, ops: Sequence[_Op], uneven: bool) -> _Index:
     """Indices into the concatenated parts of the rows this future stands for, in order."""
     index = np.arange(total, dtype=np.int64)
     for op in ops:
-        kind = op[0]
-        if kind == "trim":
-            if op[1] > len(index):
-                raise ValueError(f"cannot trim {op[1]} samples from a batch of {len(index)}")
-            index = index[: len(index) - op[1]]
-        elif kind == "pad":
-            if len(index) == 0:
-                raise ValueError("cannot pad an empty batch")
-            index = np.concatenate([index, np.full(op[1], index[-1], dtype=np.int64)])
-        elif kind == "window":
-            index = index[op[1] : op[2]]
-        elif kind == "frac":
-            i, n = op[1], op[2]
-            if len(index) % n and not uneven:
-                raise ValueError(f"BatchFuture has {len(index)} samples, not divisible into {n} chunks")
-            sizes = batch.chunk_sizes(len(index), n)
-            start = sum(sizes[:i])
-            index = index[start : start + sizes[i]]
-        else:  # pragma: no cover - ops are built only by this module
-            raise AssertionError(f"unknown BatchFuture op {op!r}")
+        match op:
+            case ("trim", k):
+                if k > len(index):
+                    raise ValueError(f"cannot trim {k} samples from a batch of {len(index)}")
+                index = index[: len(index) - k]
+            case ("pad", k):
+                if len(index) == 0:
+                    raise ValueError("cannot pad an empty batch")
+                index = np.concatenate([index, np.full(k, index[-1], dtype=np.int64)])
+            case ("window", a, b):
+                index = index[a:b]
+            case ("frac", i, n):
+                if len(index) % n and not uneven:
+                    raise ValueError(f"BatchFuture has {len(index)} samples, not divisible into {n} chunks")
+                sizes = batch.chunk_sizes(len(index), n)
+                start = sum(sizes[:i])
+                index = index[start : start + sizes[i]]
+            case _:  # pragma: no cover - ops are built only by this module
+                raise AssertionError(f"unknown BatchFuture op {op!r}")
     return index
 
 
-def _needed_parts(index: np.ndarray, sizes: Sequence[int]) -> tuple[int, int]:
+def _needed_parts(index: _Index, sizes: Sequence[int]) -> tuple[int, int]:
     """First and last part (inclusive) holding the rows in ``index``."""
     bounds = np.cumsum(sizes)
     if len(index) == 0:
@@ -262,7 +271,7 @@ def _needed_parts(index: np.ndarray, sizes: Sequence[int]) -> tuple[int, int]:
     return first, last
 
 
-def _select(local: Any, index: np.ndarray) -> Any:
+def _select(local: Any, index: _Index) -> Any:
     """Rows ``index`` of ``local``; a slice when the rows are contiguous."""
     n = len(index)
     if n == 0:
@@ -285,7 +294,7 @@ def _select(local: Any, index: np.ndarray) -> Any:
 # ---------------------------------------------------------------- foreign future types
 # A function that wraps per-rank results: ``maker(refs, collect_fn) -> future``, where
 # ``collect_fn(list of fetched parts) -> batch``.
-FutureMaker = Callable[[list, Callable[[list], Any]], Any]
+FutureMaker: TypeAlias = Callable[[list[ray.ObjectRef], Callable[[list[Any]], Any]], Any]
 
 # Argument types that are never futures: checked first, since every worker call checks every argument.
 _PLAIN = (list, tuple, dict, str, bytes, int, float, bool)
@@ -358,7 +367,7 @@ def _sibling_future_type(cls: type) -> type | None:
     return None
 
 
-def _construct_future(ftype: type, refs: list, collect_fn: Callable[[list], Any]) -> Any:
+def _construct_future(ftype: type, refs: list[ray.ObjectRef], collect_fn: Callable[[list[Any]], Any]) -> Any:
     return ftype(collect_fn=collect_fn, futures=refs)
 
 

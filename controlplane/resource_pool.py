@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from controlplane._placement_groups import check_fits, create_placement_groups, remove_placement_groups
 
@@ -392,13 +392,17 @@ def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> SubRayRes
     return merged
 
 
+RoleT = TypeVar("RoleT", bound=Hashable)
+
+
 @dataclass
-class ResourcePoolManager:
+class ResourcePoolManager(Generic[RoleT]):
     """Role -> pool mapping, with a check that the cluster can hold every pool.
 
     Args:
         resource_pool_spec: pool name -> processes per node, e.g. ``{"global": [4]}``.
-        mapping: role -> pool name, e.g. ``{"actor": "global", "critic": "global"}``.
+        mapping: role -> pool name, e.g. ``{"actor": "global", "critic": "global"}`` (a role is any
+            hashable: a str, or an enum member as verl's ``Role``).
         max_colocate_count: passed to every pool.
         use_gpu: passed to every pool.
 
@@ -409,7 +413,7 @@ class ResourcePoolManager:
     """
 
     resource_pool_spec: dict[str, list[int]]
-    mapping: dict[str, str]
+    mapping: dict[RoleT, str]
     max_colocate_count: int = 3
     use_gpu: bool = True
     resource_pool_dict: dict[str, RayResourcePool] = field(default_factory=dict)
@@ -428,9 +432,10 @@ class ResourcePoolManager:
             )
         self._check_resource_available()
 
-    def get_resource_pool(self, role: str) -> RayResourcePool:
+    def get_resource_pool(self, role: RoleT) -> RayResourcePool:
         if role not in self.mapping:
-            raise KeyError(f"no pool is mapped to role {role!r}; known roles: {sorted(self.mapping)}")
+            known = sorted(self.mapping, key=str)
+            raise KeyError(f"no pool is mapped to role {role!r}; known roles: {known}")
         return self.resource_pool_dict[self.mapping[role]]
 
     def get_n_gpus(self) -> int:

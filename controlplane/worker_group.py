@@ -243,7 +243,7 @@ class RayWorkerGroup(WorkerGroup):
                 name_prefix=self.name_prefix,
                 bin_pack=bin_pack,
                 detached=detached,
-                master=(master_addr, master_port),
+                master=None if master_addr is None or master_port is None else (master_addr, master_port),
                 use_gpu=use_gpu,
                 worker_env=worker_env,
                 num_cpus=num_cpus_per_worker,

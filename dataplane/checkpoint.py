@@ -44,9 +44,9 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -214,6 +214,8 @@ class _Shards:
 
 
 Flow = Generator[_Index | _Shards, Any, CheckpointInfo]
+MakeFlow = Callable[[int, "_Counter"], Flow]  # (number of shards, byte counter) -> the flow
+T = TypeVar("T")
 
 
 class _Counter:
@@ -222,7 +224,7 @@ class _Counter:
     def __init__(self) -> None:
         self.bytes = 0
 
-    def add(self, value: Any) -> Any:
+    def add(self, value: T) -> T:
         self.bytes += len(msgspec.msgpack.encode(value))
         return value
 
@@ -237,7 +239,7 @@ def _actors(num: int) -> list[Any]:
 class _Driver:
     """Runs a flow's steps: ``_run`` blocking, ``_arun`` on the event loop; the flow is the same."""
 
-    def __init__(self, make: Any, timeout_s: float) -> None:
+    def __init__(self, make: MakeFlow, timeout_s: float) -> None:
         self.client = current_client()
         num = len(self.client.registry["shards"])
         self.count = _Counter()
@@ -245,7 +247,7 @@ class _Driver:
         self.actors = _actors(num)
         self.timeout_s = timeout_s
         self.info: CheckpointInfo | None = None
-        self.step: Any = None
+        self.step: _Index | _Shards | None = None
         self.advance(None, None)
 
     def advance(self, result: Any, error: BaseException | None) -> None:
@@ -255,16 +257,15 @@ class _Driver:
         except StopIteration as stop:
             self.step, self.info = None, stop.value
 
-    def submit(self) -> list[Any]:
+    def submit(self, step: _Shards) -> list[Any]:
         """The Ray calls of a ``_Shards`` step, sent."""
-        step = self.step
         return [
             getattr(a, step.method).remote(*self.count.add(args))
             for a, args in zip(self.actors, step.args, strict=True)
         ]
 
 
-def _run(make: Any, timeout_s: float) -> CheckpointInfo:
+def _run(make: MakeFlow, timeout_s: float) -> CheckpointInfo:
     d = _Driver(make, timeout_s)
     while d.step is not None:
         outcome: tuple[Any, BaseException | None]
@@ -277,7 +278,7 @@ def _run(make: Any, timeout_s: float) -> CheckpointInfo:
     return d.info
 
 
-async def _arun(make: Any, timeout_s: float) -> CheckpointInfo:
+async def _arun(make: MakeFlow, timeout_s: float) -> CheckpointInfo:
     d = _Driver(make, timeout_s)
     while d.step is not None:
         d.advance(*await _outcome(d))
@@ -298,7 +299,8 @@ def _do(d: _Driver) -> Any:
     step = d.step
     if isinstance(step, _Index):
         return d.client.run(index_call(step.op, d.count.add(step.body)))
-    refs = d.submit()
+    assert step is not None  # (called only while the flow has a step)
+    refs = d.submit(step)
     ray.wait(refs, num_returns=len(refs), timeout=d.timeout_s)
     return _collect(step, refs, d.timeout_s)
 
@@ -309,7 +311,8 @@ async def _ado(d: _Driver) -> Any:
     step = d.step
     if isinstance(step, _Index):
         return await d.client.arun(index_call(step.op, d.count.add(step.body)))
-    refs = d.submit()
+    assert step is not None  # (called only while the flow has a step)
+    refs = d.submit(step)
     await asyncio.wait([asyncio.wrap_future(r.future()) for r in refs], timeout=d.timeout_s)
     return _collect(step, refs, d.timeout_s)
 
@@ -360,7 +363,11 @@ def _quietly(step: _Index | _Shards) -> Generator[_Index | _Shards, Any, None]:
 
 
 def _save_flow(
-    checkpoint_dir: Any, metadata: dict[str, Any], num: int, timeout_s: float, count: _Counter
+    checkpoint_dir: str | os.PathLike[str],
+    metadata: dict[str, Any],
+    num: int,
+    timeout_s: float,
+    count: _Counter,
 ) -> Flow:
     started = time.monotonic()
     final, tmp, old = _paths(checkpoint_dir)
@@ -431,7 +438,7 @@ def _signed(manifest: dict[str, Any]) -> bytes:
     return json.dumps({**manifest, "checksum": zlib.crc32(body.encode())}, indent=1, sort_keys=True).encode()
 
 
-def _paths(checkpoint_dir: Any) -> tuple[str, str, str]:
+def _paths(checkpoint_dir: object) -> tuple[str, str, str]:
     if not isinstance(checkpoint_dir, str | os.PathLike):
         raise TypeError(f"checkpoint_dir must be a str or a path, not {type(checkpoint_dir).__name__}")
     final = os.path.abspath(os.fspath(checkpoint_dir))
@@ -510,7 +517,9 @@ def _swap(tmp: str, final: str, old: str) -> None:
 # ---- load ------------------------------------------------------------------------------------------
 
 
-def _load_flow(checkpoint_dir: Any, overwrite: bool, num: int, timeout_s: float, count: _Counter) -> Flow:
+def _load_flow(
+    checkpoint_dir: str | os.PathLike[str], overwrite: bool, num: int, timeout_s: float, count: _Counter
+) -> Flow:
     started = time.monotonic()
     final, _, old = _paths(checkpoint_dir)
     _roll_back(final, old)

@@ -19,7 +19,7 @@ client fetches the ready rows, calls it, and claims the keys it chose.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from dataplane.errors import BatchSizeError, InvalidArgumentError
@@ -37,7 +37,7 @@ class ReadyRows:
 
     def __init__(
         self,
-        keys: Any,
+        keys: Collection[str],
         tags: Callable[[str], dict[Any, Any]],
         groups: Callable[[str, int], Any] | None = None,
     ) -> None:

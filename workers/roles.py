@@ -35,6 +35,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
+from dataplane.meta import check_partition
 from workers.bridge import StreamReport, count, nbytes_of, tqbridge, traffic
 from workers.engine import (
     Actor,
@@ -226,14 +227,16 @@ class RewardWorker(RoleWorker):
         The keys hold ``len(meta) // n`` prompts, each repeated on ``n`` adjacent keys. Not bridged
         (``bridge=False``): the keys hold nothing yet, so there is nothing to fetch; it writes directly.
         """
-        n = int(meta.extra_info.get("n", 1))
-        step = int(meta.extra_info.get("step", 0))
+        extra = meta.extra_info or {}
+        n = int(extra.get("n", 1))
+        step = int(extra.get("step", 0))
         if n < 1 or meta.size % n:
             raise ValueError(f"make_prompts: {meta.size} keys is not a multiple of n={n}")
+        pid = check_partition(meta.partition_id, "make_prompts")
         data = self._prompts(step, meta.size // n, n)
-        stored = dp.kv_batch_put(meta.keys, meta.partition_id, fields=data, tags=meta.tags)
+        stored = dp.kv_batch_put(meta.keys, pid, fields=data, tags=meta.tags)
         count("written_bytes", nbytes_of(data))
-        return dp.KVBatchMeta(meta.keys, meta.tags, meta.partition_id, stored.fields, meta.extra_info)
+        return dp.KVBatchMeta(meta.keys, meta.tags, pid, stored.fields, meta.extra_info)
 
     def _prompts(self, step: int, num: int, n: int) -> TensorDict:
         if not dp.is_initialized():

@@ -22,8 +22,6 @@ import ray
 __all__ = ["run_in_actor"]
 
 
-# num_cpus=0: the driver's loop holds no CPU slot the worker groups' bundles need.
-@ray.remote(num_cpus=0)
 class TaskRunner:
     """Builds a ``GRPOTrainer`` in this actor, trains, and returns the summary and timeline."""
 
@@ -42,6 +40,10 @@ class TaskRunner:
             trainer.close()
 
 
+# num_cpus=0: the driver's loop holds no CPU slot the worker groups' bundles need.
+_TaskRunnerActor = ray.remote(num_cpus=0)(TaskRunner)
+
+
 def run_in_actor(cfg: Any, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train ``cfg`` in a fresh ``TaskRunner`` actor; returns ``(summary, timeline run)``.
 
@@ -49,7 +51,7 @@ def run_in_actor(cfg: Any, timeout_s: float) -> tuple[dict[str, Any], dict[str, 
         TimeoutError: the run did not finish within ``timeout_s`` (the runner is killed, and with
             it the trainer's worker groups, which it owns).
     """
-    runner = TaskRunner.remote()
+    runner = _TaskRunnerActor.remote()
     try:
         return ray.get(runner.run.remote(cfg), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as exc:

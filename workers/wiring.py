@@ -42,7 +42,7 @@ class Role(enum.Enum):
 ROLE_WORKERS: dict[Role, type] = {Role.ActorRolloutRef: ActorRolloutRefWorker, Role.Reward: RewardWorker}
 
 
-def pool_manager(dp_size: int, *, colocate: bool, use_gpu: bool) -> ResourcePoolManager:
+def pool_manager(dp_size: int, *, colocate: bool, use_gpu: bool) -> ResourcePoolManager[Role]:
     """The trainer's pools: the actor's ``dp_size`` processes and, unless ``colocate``, one more
     process for the reward role (with ``colocate`` the reward role lives in the actor processes).
 
@@ -91,7 +91,7 @@ def _actor_prefix(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}-"
 
 
-def build_groups(manager: ResourcePoolManager, specs: dict[Role, RayClassWithInitArgs]) -> Groups:
+def build_groups(manager: ResourcePoolManager[Role], specs: dict[Role, RayClassWithInitArgs]) -> Groups:
     """Start one group per pool: colocated roles in one actor class, one view per role.
 
     Raises:

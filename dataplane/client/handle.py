@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from dataplane.client import ops as _ops
 from dataplane.client.mappings import MappingCache, ShardMemory, probe
@@ -41,25 +41,29 @@ STOPPED_RECHECK_S = 10.0  # that verdict holds this long for the calls that foun
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def drive(transport: SyncTransport, op: _ops.Op) -> Any:
-    """Run a sans-IO operation to completion with blocking sockets."""
+
+def drive(transport: SyncTransport, op: _ops.Op[T]) -> T:
+    """Run a sans-IO operation to completion with blocking sockets; returns the operation's result."""
     try:
         calls = next(op)
         while True:
             calls = op.send(transport.call_many(calls))
     except StopIteration as stop:
-        return stop.value
+        result: T = stop.value  # (what the generator returned: its declared result)
+        return result
 
 
-async def adrive(transport: AsyncTransport, op: _ops.Op) -> Any:
-    """Run a sans-IO operation to completion on the running event loop."""
+async def adrive(transport: AsyncTransport, op: _ops.Op[T]) -> T:
+    """Run a sans-IO operation to completion on the running event loop; returns its result."""
     try:
         calls = next(op)
         while True:
             calls = op.send(await transport.call_many(calls))
     except StopIteration as stop:
-        return stop.value
+        result: T = stop.value
+        return result
 
 
 def _close_resources(sync: SyncTransport, asyn: AsyncTransport, maps: MappingCache) -> None:
@@ -139,7 +143,7 @@ class StoreClient:
     def transport(self) -> str:
         return "shm" if self.shm and all(self.shm) else ("zmq" if not any(self.shm) else "mixed")
 
-    def run(self, op: _ops.Op, name: str | None = None) -> Any:
+    def run(self, op: _ops.Op[T], name: str | None = None) -> T:
         """Drive ``op`` with blocking sockets; ``name`` (e.g. "put") times it for the metrics."""
         started = time.perf_counter()
         try:
@@ -152,7 +156,7 @@ class StoreClient:
         self._ended(name, started)
         return out
 
-    async def arun(self, op: _ops.Op, name: str | None = None) -> Any:
+    async def arun(self, op: _ops.Op[T], name: str | None = None) -> T:
         """``run`` on the running event loop."""
         started = time.perf_counter()
         try:

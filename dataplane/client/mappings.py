@@ -39,7 +39,8 @@ class MappingCache:
         with self._lock:
             m = self._tables.get(shard)
         if m is None:
-            m = map_remote(pid, *ref[1:4], populate=False)  # sparse: only the slots read get pages
+            fd, size, inode = ref[1:4]
+            m = map_remote(pid, fd, size, inode, populate=False)  # sparse: only the slots read get pages
             with self._lock:
                 self._tables[shard] = m
         return m

@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -57,7 +57,9 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call, R, Result, reply
 
-Op = Generator[list[Call], list[Result], Any]
+T = TypeVar("T")
+# An operation: it yields rounds of calls, is sent their results, and returns its result (a T).
+Op: TypeAlias = Generator[list[Call], list[Result], T]
 
 
 @dataclass
@@ -138,7 +140,9 @@ def _check_tags(tags: Any, n: int) -> _protocol.Tags:
         raise TypeError(f"tags cannot be stored: {exc}") from exc
 
 
-def put(route: Route, keys: list[str], partition_id: str, columns: dict[str, Column] | None, tags: Any) -> Op:
+def put(
+    route: Route, keys: list[str], partition_id: str, columns: dict[str, Column] | None, tags: Any
+) -> Op[KVBatchMeta]:
     """Write ``columns`` (already encoded, one row per key) and/or ``tags`` of ``keys`` (checked:
     ``check_keys``); returns a KVBatchMeta.
 
@@ -243,7 +247,7 @@ def _index_abort(txn: int) -> Call:
 ABORT_WAIT_S = 1.0  # most a failed put waits for an index that did not answer its prepare to take the abort
 
 
-def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> Op:
+def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> Op[None]:
     """Undo a put that failed in its first round: the reservations that succeeded (``aborts``) and
     the prepare ``txn``, answered or not.
 
@@ -299,7 +303,7 @@ def _put_ready_call(
     return Call(s, "put_ready", body, bufs)
 
 
-def _put_ready(route: Route, call: Call, keys: list[str], pid: str) -> Op:
+def _put_ready(route: Route, call: Call, keys: list[str], pid: str) -> Op[KVBatchMeta]:
     """One round trip: the shard stores the inline rows at once, then commits them in the index itself
     (``put_ready``, see ``server.shard_actor``), and answers with the index's reply. Only for fields whose
     schema is confirmed, so the index has nothing to decide; if it refuses all the same (the partition
@@ -442,7 +446,7 @@ def _fill_segments(
 GET_ATTEMPTS = 8  # a read that keeps racing with clears of the same rows gives up after this many
 
 
-def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: bool) -> Op:
+def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: bool) -> Op[dict[str, Column]]:
     """Read rows of ``keys`` (checked: ``check_keys``) in that order; returns ``{field: Column}``.
 
     What is returned is exactly what completed puts wrote: rows copied out of shared memory are
@@ -525,7 +529,7 @@ class _Source:
 
 def _explain_missing(
     pid: str, keys: list[str], shards: list[int], groups: dict[int, np.ndarray], results: list[Result]
-) -> Op:
+) -> Op[NoReturn]:
     """A shard missed a key or the partition: ask the index what exists and raise the precise error."""
     asked = [
         k
@@ -630,7 +634,7 @@ def _build(pieces: list[Any], sources: list[_Source], num_rows: int, copy: bool)
 # ---- clear / list / stats -------------------------------------------------------------------------
 
 
-def clear(route: Route, keys: list[str], partition_id: str) -> Op:
+def clear(route: Route, keys: list[str], partition_id: str) -> Op[None]:
     """Free ``keys`` (checked: ``check_keys``) of ``partition_id``; unknown keys or partitions are ignored."""
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
@@ -640,7 +644,7 @@ def clear(route: Route, keys: list[str], partition_id: str) -> Op:
     return None
 
 
-def clear_partition(route: Route, partition_id: str) -> Op:
+def clear_partition(route: Route, partition_id: str) -> Op[None]:
     check_partition(partition_id, "clear_partition")
     _forget_schema(route, partition_id)
     shards = list(range(route.placement.num_shards))
@@ -674,13 +678,15 @@ def _raise_partial_clear(results: list[Result], shards: list[int], what: str) ->
     )
 
 
-def list_keys(route: Route, partition_id: str | None) -> Op:
+def list_keys(route: Route, partition_id: str | None) -> Op[dict[str, dict[str, _protocol.Tag]]]:
     """``{partition: {key: tag}}`` of one partition, or of all (``partition_id`` None)."""
     (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(partition_id))]
     return _reply(res, _protocol.ListReply).list
 
 
-def stats(route: Route, trim: bool = False) -> Op:
+def stats(
+    route: Route, trim: bool = False
+) -> Op[tuple[list[_protocol.ShardStatsReply], _protocol.IndexStatsReply]]:
     """Every shard's stats (``ShardStatsReply``) and the index's (``IndexStatsReply``)."""
     n = route.placement.num_shards
     ask = _protocol.Stats(trim)

@@ -134,7 +134,7 @@ def next_batch(
     batch_index: int | None,
     take: Take,
     lease_s: float | None = None,
-) -> Op:
+) -> Op[KVBatchMeta]:
     """The next batch of rows ready for ``task_name`` (see ``dataplane.stream.next_batch``), taken
     under ``take`` (leased for ``lease_s`` seconds when given)."""
     from dataplane.samplers import Sampler
@@ -193,7 +193,7 @@ def _next_client_side(
     timeout_s: float | None,
     take: Take,
     lease_s: float | None,
-) -> Op:
+) -> Op[KVBatchMeta]:
     from dataplane.samplers import ReadyRows
 
     start = time.monotonic()
@@ -267,32 +267,34 @@ def _stream_meta(
     return meta
 
 
-def release(partition_id: str, task_name: str, take: str) -> Op:
+def release(partition_id: str, task_name: str, take: str) -> Op[int]:
     """Give back what take ``take`` got (a call its consumer gave up on, or a lease let go); returns
     how many rows went back."""
     (res,) = yield [Call(INDEX, "release", _protocol.Release(partition_id, task_name, take))]
     return _reply(res, _protocol.ReleaseReply).released
 
 
-def ack(partition_id: str, task_name: str, take: str, keys: list[str]) -> Op:
+def ack(partition_id: str, task_name: str, take: str, keys: list[str]) -> Op[list[str]]:
     """Acknowledge leased ``keys``; returns those whose lease had run out first."""
     (res,) = yield [Call(INDEX, "ack", _protocol.Ack(partition_id, task_name, take, keys))]
     return _reply(res, _protocol.AckReply).late
 
 
-def finish(partition_id: str) -> Op:
+def finish(partition_id: str) -> Op[None]:
     """Producers of ``partition_id`` are done (``dp.finish_partition``)."""
     yield from index_call("finish", _protocol.OnePartition(check_partition(partition_id, "finish_partition")))
 
 
-def reset(partition_id: str, task_name: str | None) -> Op:
+def reset(partition_id: str, task_name: str | None) -> Op[None]:
     """``task_name`` (None: every task) reads ``partition_id`` again (``dp.reset_consumption``)."""
     pid = check_partition(partition_id, "reset_consumption")
     task = None if task_name is None else _check_task(task_name, "reset_consumption")  # None: every task
     yield from index_call("reset", _protocol.Reset(pid, task))
 
 
-def consumption(partition_id: str, task_name: str, fields: list[str] | None = None) -> Op:
+def consumption(
+    partition_id: str, task_name: str, fields: list[str] | None = None
+) -> Op[_protocol.ConsumptionReply]:
     """``task_name``'s progress on ``partition_id``: a ``ConsumptionReply``."""
     body = _protocol.Consumption(
         check_partition(partition_id, "consumption"),
@@ -303,7 +305,7 @@ def consumption(partition_id: str, task_name: str, fields: list[str] | None = No
     return got
 
 
-def consumed(partition_id: str, task_name: str) -> Op:
+def consumed(partition_id: str, task_name: str) -> Op[list[str]]:
     """The keys ``task_name`` has taken from ``partition_id``."""
     got: _protocol.ConsumedReply = yield from index_call(
         "consumed", _protocol.Consumed(partition_id, task_name)
@@ -311,13 +313,13 @@ def consumed(partition_id: str, task_name: str) -> Op:
     return got.keys
 
 
-def resolve(partition_id: str, keys: list[str]) -> Op:
+def resolve(partition_id: str, keys: list[str]) -> Op[dict[str, list[str]]]:
     """Which of ``keys`` the index knows, and the fields each holds: ``{key: [field, ...]}``."""
     got: _protocol.ResolveReply = yield from index_call("resolve", _protocol.Resolve(partition_id, keys))
     return got.known
 
 
-def index_call(op: str, body: msgspec.Struct) -> Op:
+def index_call(op: str, body: msgspec.Struct) -> Op[Any]:
     """One call to the index; returns its reply as ``op``'s reply struct (``INDEX_REPLIES``)."""
     (res,) = yield [Call(INDEX, op, body)]
     return _reply(res, _protocol.INDEX_REPLIES[op])

@@ -58,7 +58,7 @@ def u8_tensor(data: memoryview) -> torch.Tensor:
 
 
 def _u8_of_array(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 _NUMPY_DTYPES = {
@@ -268,7 +268,7 @@ class ValueEncoder:
 
     # -- python values --------------------------------------------------------------------------
 
-    def _list(self, name: str, values: list, num_rows: int) -> Column:
+    def _list(self, name: str, values: list[Any], num_rows: int) -> Column:
         _check_rows(name, len(values), num_rows)
         if not values:
             raise SerializationError(
@@ -301,7 +301,7 @@ class ValueEncoder:
                     ) from None
         return col if col is not None else self._object(name, values, num_rows)
 
-    def _object(self, name: str, values: list, num_rows: int) -> Column:
+    def _object(self, name: str, values: list[Any], num_rows: int) -> Column:
         global _warned_pickle
         if not self.allow_pickle:
             culprit = next((v for v in values if type(v) not in (str, bytes, int, float, bool)), values[0])
@@ -322,7 +322,7 @@ class ValueEncoder:
 _json_encoder = msgspec.msgpack.Encoder()
 
 
-def _json_column(values: list) -> Column | None:
+def _json_column(values: list[Any]) -> Column | None:
     """A json column (one msgpack blob per row), or None when a row is not JSON-like.
 
     JSON-like: None, bool, int (64-bit), float, str, and lists, tuples (read back as lists) and dicts
@@ -340,7 +340,7 @@ def _json_column(values: list) -> Column | None:
     return Column(ColumnSpec("json", "msgpack", ()), len(values), memoryview(b"".join(blobs)), offsets)
 
 
-def _stack(rows: list) -> Any:
+def _stack(rows: list[Any]) -> Any:
     """A non-tensor stack of arbitrary Python rows (``from_list`` would re-nest lists)."""
     from tensordict import NonTensorData, NonTensorStack
 
@@ -353,7 +353,7 @@ def _check_rows(name: str, got: int, num_rows: int) -> None:
 
 
 def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
 
 
 # -- arrow ----------------------------------------------------------------------------------------
@@ -391,19 +391,22 @@ def _arrow_column(arr: pa.Array) -> Column | None:
     return Column(ColumnSpec("arrow", dtype, ()), n, memoryview(raw[begin:end]), offsets)
 
 
-def _arrow_values(col: Column) -> list:
+def _arrow_values(col: Column) -> list[Any]:
     dtype = col.spec.dtype
     data = pa.py_buffer(col.data)
     if dtype in ("large_string", "large_binary"):
         atype = pa.large_string() if dtype == "large_string" else pa.large_binary()
         arr = pa.Array.from_buffers(atype, col.num_rows, [None, pa.py_buffer(col.offsets), data])
-        return arr.to_pylist()
+        values: list[Any] = arr.to_pylist()
+        return values
     if dtype.startswith("large_list<") and dtype.endswith(">"):
         child_type = pa.type_for_alias(dtype[len("large_list<") : -1])
         np_dtype = np.bool_ if pa.types.is_boolean(child_type) else child_type.to_pandas_dtype()
         items = np.frombuffer(col.data, dtype=np_dtype) if col.data.nbytes else np.empty(0, np_dtype)
         offsets = pa.array(col.offsets // np.dtype(np_dtype).itemsize)
-        return pa.LargeListArray.from_arrays(offsets, pa.array(items, type=child_type)).to_pylist()
+        arr = pa.LargeListArray.from_arrays(offsets, pa.array(items, type=child_type))
+        lists: list[Any] = arr.to_pylist()
+        return lists
     raise SerializationError(f"unknown arrow column type {dtype!r}")
 
 
@@ -431,7 +434,7 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
         dtype = torch_dtype(spec.dtype)
         values = u8_tensor(col.data).view(dtype).view(-1, *spec.shape)
         row_bytes = dtype.itemsize * math.prod(spec.shape)
-        elem_offsets = col.offsets // row_bytes
+        elem_offsets = col.var_offsets() // row_bytes
         lengths = np.diff(elem_offsets)
         bounds = {}
         if lengths.size:
@@ -440,8 +443,9 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
     if spec.kind == "ragged":  # rows differ beyond their first dim: a strided nested tensor (one copy)
         flat = u8_tensor(col.data).view(torch_dtype(spec.dtype))
         item = flat.element_size()
+        offsets, shapes = col.var_offsets(), col.ragged_shapes()
         rows = [
-            flat[col.offsets[i] // item : col.offsets[i + 1] // item].view(*col.shapes[i].tolist())
+            flat[offsets[i] // item : offsets[i + 1] // item].view(*shapes[i].tolist())
             for i in range(col.num_rows)
         ]
         with warnings.catch_warnings():  # torch calls the strided layout a prototype; it is what fits
@@ -452,7 +456,7 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
     if spec.kind == "arrow":
         return NonTensorStack.from_list(_arrow_values(col))
     if spec.kind == "json":
-        offs = col.offsets.tolist()
+        offs = col.var_offsets().tolist()
         dec = msgspec.msgpack.Decoder()
         try:
             return _stack([dec.decode(col.data[offs[i] : offs[i + 1]]) for i in range(col.num_rows)])
@@ -465,7 +469,7 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
                 "(dp.init(allow_pickle=True) or DATAPLANE_ALLOW_PICKLE=1). Only do so for data you trust: "
                 "unpickling runs code chosen by whoever wrote it"
             )
-        offs = col.offsets.tolist()
+        offs = col.var_offsets().tolist()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rows = [pickle.loads(col.data[offs[i] : offs[i + 1]]) for i in range(col.num_rows)]

@@ -10,8 +10,9 @@ itemsize table; only a dtype name the table does not know asks torch (client sid
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import msgspec
 import numpy as np
@@ -27,6 +28,9 @@ MAX_DIMS = 32
 MAX_ROW_BYTES = 1 << 48  # a row (or jagged element) larger than this is a lie, not data
 _ARROW_DTYPES = ("large_string", "large_binary")
 _KIND_DTYPE = {"json": "msgpack", "object": "pickle"}  # kinds with one fixed dtype name
+
+# What every segment of one field shares (``ColumnSpec.family``); a list on the wire.
+Family: TypeAlias = tuple[str, str, int] | tuple[str, str]
 
 # Bytes per element of the torch dtype names the codec writes.
 _ITEMSIZE = {
@@ -84,6 +88,13 @@ class ColumnSpec(msgspec.Struct, frozen=True):
             return None
         return itemsize(self.dtype) * math.prod(self.shape)
 
+    def dense_row_nbytes(self) -> int:
+        """``row_nbytes`` of a dense spec (a column without offsets); ``ValueError`` for other kinds."""
+        size = self.row_nbytes()
+        if size is None:
+            raise ValueError(f"{self.kind} rows have no fixed size")
+        return size
+
     def row_ndim(self) -> int:
         """Dims of one row (tensor kinds)."""
         if self.kind == "jagged":
@@ -92,7 +103,7 @@ class ColumnSpec(msgspec.Struct, frozen=True):
             return self.shape[0]
         return len(self.shape)
 
-    def family(self) -> tuple:
+    def family(self) -> Family:
         """What every segment of one field shares: ``("tensor", dtype, row ndim)`` or ``(kind, dtype)``."""
         if self.kind in TENSOR_KINDS:
             return ("tensor", self.dtype, self.row_ndim())
@@ -166,7 +177,7 @@ _CHECKED: set[ColumnSpec] = set()
 _CHECKED_MAX = 4096
 
 
-def describe_family(family: tuple | list) -> str:
+def describe_family(family: Sequence[str | int]) -> str:
     """``("tensor", "float32", 1)`` -> "float32 tensors with 1 dim per row"."""
     if family[0] == "tensor":
         return f"{family[1]} tensors with {family[2]} dim{'s' if family[2] != 1 else ''} per row"
@@ -174,7 +185,7 @@ def describe_family(family: tuple | list) -> str:
         "arrow": f"arrow {family[1]} values",
         "json": "JSON-like values",
         "object": "pickled objects",
-    }.get(family[0], str(tuple(family)))
+    }.get(str(family[0]), str(tuple(family)))
 
 
 def check_offsets(off: np.ndarray | None, n: int, size: int, spec: ColumnSpec, field: str) -> None:
@@ -249,25 +260,40 @@ class Column:
             return
         check_offsets(self.offsets, n, size, self.spec, field)
         if self.spec.kind == "ragged":
-            check_shapes(self.shapes, self.offsets, self.spec, field)
+            check_shapes(self.shapes, self.var_offsets(), self.spec, field)
         elif self.shapes is not None:
             raise SchemaError(field, f"field {field!r}: only ragged columns carry row shapes")
+
+    def var_offsets(self) -> np.ndarray:
+        """``offsets`` of a column of variable-size rows (every kind but dense has them)."""
+        if self.offsets is None:
+            raise ValueError(f"a {self.spec.kind} column without offsets")
+        return self.offsets
+
+    def ragged_shapes(self) -> np.ndarray:
+        """``shapes`` of a ragged column (the one kind that has them)."""
+        if self.shapes is None:
+            raise ValueError(f"a {self.spec.kind} column without row shapes")
+        return self.shapes
 
     def row_shapes(self, rows: np.ndarray) -> np.ndarray:
         """Shapes of ``rows`` (tensor kinds) as int64 ``[len(rows), ndim]``."""
         spec = self.spec
         if spec.kind == "dense":
             return np.broadcast_to(np.asarray(spec.shape, dtype=np.int64), (len(rows), len(spec.shape)))
+        shapes: np.ndarray
         if spec.kind == "ragged":
-            return self.shapes[rows]
-        lengths = (self.offsets[rows + 1] - self.offsets[rows]) // spec.row_bytes()
+            shapes = self.ragged_shapes()[rows]
+            return shapes
+        offsets = self.var_offsets()
+        lengths = (offsets[rows + 1] - offsets[rows]) // spec.row_bytes()
         trailing = np.broadcast_to(np.asarray(spec.shape, dtype=np.int64), (len(rows), len(spec.shape)))
         return np.column_stack([lengths, trailing]) if len(spec.shape) else lengths[:, None]
 
     def row_range(self, start: int, stop: int) -> tuple[int, int]:
         """Byte range ``[begin, end)`` in ``data`` of rows ``start..stop-1``."""
         if self.offsets is None:
-            r = self.spec.row_nbytes()
+            r = self.spec.dense_row_nbytes()
             return start * r, stop * r
         return int(self.offsets[start]), int(self.offsets[stop])
 
@@ -280,6 +306,7 @@ __all__ = [
     "check_offsets",
     "check_shapes",
     "describe_family",
+    "Family",
     "ColumnSpec",
     "itemsize",
     "torch_dtype",

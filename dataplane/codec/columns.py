@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
@@ -45,6 +45,9 @@ import torch
 from dataplane.codec.column_kinds import ValueEncoder, check_storable, decode_value, plain_rows, u8_tensor
 from dataplane.codec.column_types import Column
 from dataplane.errors import BatchSizeError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # -- encode -------------------------------------------------------------------------------------
 
@@ -144,7 +147,7 @@ def _field_items(fields: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 def decode_fields(
     columns: Mapping[str, Column], num_rows: int, *, device: Any = None, allow_pickle: bool = False
-):
+) -> TensorDict:
     """Turn columns back into a ``TensorDict`` of batch size ``num_rows`` (runs on the reader).
 
     Dense columns become ``[B, ...]`` tensors viewing the column buffer (no copy), with exactly the

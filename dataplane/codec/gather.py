@@ -25,11 +25,11 @@ from dataplane.codec.rows import assemble, contiguous_view, nbytes_of
 
 
 def _index(idx: Any, col: Column, part: int) -> np.ndarray:
-    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
-    if idx.size and (idx.min() < 0 or idx.max() >= col.num_rows):
-        bad = idx[(idx < 0) | (idx >= col.num_rows)][0]
+    rows = np.asarray(idx, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= col.num_rows):
+        bad = rows[(rows < 0) | (rows >= col.num_rows)][0]
         raise IndexError(f"gather: row {int(bad)} of part {part} is out of range ({col.num_rows} rows)")
-    return idx
+    return rows
 
 
 def _prepare(parts: Sequence[tuple[Column, Any]], field: str) -> list[tuple[Column, np.ndarray]]:

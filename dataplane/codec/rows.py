@@ -13,14 +13,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from dataplane.codec import buffers as _buffers
 from dataplane.codec.column_types import Column, ColumnSpec, itemsize
 
-Piece = tuple[Column, np.ndarray, np.ndarray]
+Piece: TypeAlias = tuple[Column, np.ndarray, np.ndarray]
 
 # Below this many bytes per row, numpy fancy indexing beats a Python loop over runs.
 _RUN_LOOP_MIN_ROW_BYTES = 2048
@@ -45,9 +45,10 @@ def _u8(buf: Any) -> np.ndarray:
 def row_lengths(col: Column, rows: np.ndarray) -> np.ndarray:
     """Byte length of each of ``rows`` of ``col``."""
     if col.offsets is None:
-        return np.full(len(rows), col.spec.row_nbytes(), dtype=np.int64)
+        return np.full(len(rows), col.spec.dense_row_nbytes(), dtype=np.int64)
     off = col.offsets
-    return off[rows + 1] - off[rows]
+    lengths: np.ndarray = off[rows + 1] - off[rows]
+    return lengths
 
 
 def nbytes_of(col: Column, rows: np.ndarray) -> int:
@@ -61,13 +62,13 @@ def assemble(
 
     Every output row must be covered by exactly one piece row (not checked row by row).
     """
-    if spec.row_nbytes() is not None:
-        rb = spec.row_nbytes()
+    rb = spec.row_nbytes()
+    if rb is not None:
         total = rb * num_rows
         dst_buf = _u8(out)[:total] if out is not None else _buffers.take(total)
         for col, src, dst in pieces:
             _copy_dense(_u8(col.data), rb, src, dst, dst_buf)
-        return Column(spec=spec, num_rows=num_rows, data=memoryview(dst_buf), offsets=None)
+        return Column(spec=spec, num_rows=num_rows, data=dst_buf.data, offsets=None)
     lens = np.zeros(num_rows, dtype=np.int64)
     for col, src, dst in pieces:
         lens[dst] = row_lengths(col, src)
@@ -77,13 +78,13 @@ def assemble(
     dst_buf = _u8(out)[:total] if out is not None else _buffers.take(total)
     for col, src, dst in pieces:
         if len(src):
-            _copy_variable(_u8(col.data), col.offsets, offsets, src, dst, dst_buf)
+            _copy_variable(_u8(col.data), col.var_offsets(), offsets, src, dst, dst_buf)
     shapes = None
     if spec.kind == "ragged":
         shapes = np.zeros((num_rows, spec.shape[0]), dtype=np.int64)
         for col, src, dst in pieces:
-            shapes[dst] = col.shapes[src]
-    return Column(spec=spec, num_rows=num_rows, data=memoryview(dst_buf), offsets=offsets, shapes=shapes)
+            shapes[dst] = col.ragged_shapes()[src]
+    return Column(spec=spec, num_rows=num_rows, data=dst_buf.data, offsets=offsets, shapes=shapes)
 
 
 def assemble_any(num_rows: int, pieces: Sequence[Piece]) -> Column:
@@ -114,7 +115,7 @@ def assemble_any(num_rows: int, pieces: Sequence[Piece]) -> Column:
     for col, src, dst in pieces:
         if len(src):
             _copy_variable(_u8(col.data), _byte_offsets(col), offsets, src, dst, dst_buf)
-    data = memoryview(dst_buf)
+    data = dst_buf.data
     if out_spec.kind == "dense":
         return Column(spec=out_spec, num_rows=num_rows, data=data)
     return Column(
@@ -130,7 +131,7 @@ def _byte_offsets(col: Column) -> np.ndarray:
     """``col``'s row byte offsets; dense rows have implicit ones, made here."""
     if col.offsets is not None:
         return col.offsets
-    return np.arange(col.num_rows + 1, dtype=np.int64) * col.spec.row_nbytes()
+    return np.arange(col.num_rows + 1, dtype=np.int64) * col.spec.dense_row_nbytes()
 
 
 # Below this average run length (bytes) variable rows are copied by one vectorised take, above it
@@ -250,7 +251,7 @@ def contiguous_view(col: Column, src: np.ndarray) -> Column | None:
         return None
     a = int(src[0])
     if col.offsets is None:
-        rb = col.spec.row_nbytes()
+        rb = col.spec.dense_row_nbytes()
         return Column(spec=col.spec, num_rows=n, data=col.data[a * rb : (a + n) * rb], offsets=None)
     lo, hi = int(col.offsets[a]), int(col.offsets[a + n])
     shapes = None if col.shapes is None else col.shapes[a : a + n]

@@ -29,7 +29,7 @@ import errno
 import os
 import re
 import uuid
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -245,7 +245,14 @@ def read_small(path: str, entry: Any, who: str = "") -> bytes:
     return bytes(buf)
 
 
-def decode_file(data: bytes, path: str, struct: type[Any]) -> Any:
+class _Versioned(Protocol):
+    version: int
+
+
+V = TypeVar("V", bound=_Versioned)
+
+
+def decode_file(data: bytes, path: str, struct: type[V]) -> V:
     """A msgpack file of a checkpoint decoded as ``struct`` (which has a ``version``), checked."""
     try:
         state = decoder(struct).decode(data)

@@ -80,9 +80,9 @@ class IndexState(msgspec.Struct):
     partitions: list[PartState]
 
 
-def decode_index(data: bytes, path: str, struct: type[Any] = IndexState) -> Any:
-    """``index.msgpack`` decoded as ``struct`` (``IndexKeys``: keys and fields only), checked."""
-    return decode_file(data, path, struct)
+def decode_index(data: bytes, path: str) -> IndexState:
+    """``index.msgpack`` decoded, checked (``decode_file(data, path, IndexKeys)``: keys and fields only)."""
+    return decode_file(data, path, IndexState)
 
 
 class IndexCheckpoints:
@@ -119,7 +119,7 @@ class IndexCheckpoints:
         self._ckpt()["saves"] = {save: (path, data, entry)}  # the newest save only
         return _protocol.CheckpointSaveReply(save, entry, {p["pid"]: len(p["keys"]) for p in parts})
 
-    def _snapshot(self, pid: str, part: Any) -> dict[str, Any]:
+    def _snapshot(self, pid: str, part: PartMeta) -> dict[str, Any]:
         layouts: dict[frozenset[str], int] = {}
         layout = []
         for meta in part.keys.values():
@@ -160,7 +160,7 @@ class IndexCheckpoints:
             counts = {p.pid: len(p.keys) for p in state.partitions}
         return _protocol.CheckpointFinishReply(entry, counts)
 
-    def _snapshot_state(self, p: PartState, part: Any) -> dict[str, Any]:
+    def _snapshot_state(self, p: PartState, part: PartMeta) -> dict[str, Any]:
         out = self._snapshot(p.pid, part)
         out["schema"] = p.schema  # the schema as saved, not the live one
         return out
@@ -182,7 +182,7 @@ class IndexCheckpoints:
             existing=sorted(pid for pid in staged if pid in self.partitions),
         )
 
-    def _restore(self, p: PartState, path: str) -> tuple[Any, dict[str, Any]]:
+    def _restore(self, p: PartState, path: str) -> tuple[PartMeta, dict[str, FieldSchema]]:
         """A partition's metadata and schema rebuilt from its saved state (checked)."""
         try:
             part = PartMeta()

@@ -91,10 +91,10 @@ class IndexPuts(IndexRecords):
             if self._early_aborts.get(txn) == until:
                 del self._early_aborts[txn]
 
-    def _families(self, pid: str, specs: dict[str, Any]) -> dict[str, list[Any]]:
+    def _families(self, pid: str, specs: dict[str, _protocol.WireSpec]) -> dict[str, list[str | int]]:
         """Each spec's family, checked against the partition's schema (``SchemaError`` on a mismatch)."""
         schema = self.schemas.get(pid, {})
-        families = {}
+        families: dict[str, list[str | int]] = {}
         for name, spec in specs.items():
             new_s = _wire.spec_from_wire(spec)
             new_s.check(name)
@@ -117,7 +117,7 @@ class IndexPuts(IndexRecords):
                 )
         return families
 
-    def _decide(self, pid: str, specs: dict[str, Any]) -> None:
+    def _decide(self, pid: str, specs: dict[str, _protocol.WireSpec]) -> None:
         """Check ``specs`` against the partition's schema and record new fields as confirmed; all
         checked before anything is recorded."""
         schema = self.schemas.get(pid)

@@ -19,6 +19,7 @@ from typing import Any
 
 from dataplane.errors import PartitionNotFoundError, did_you_mean
 from dataplane.server.streams import PartitionStreams
+from dataplane.wire.protocol import WireSpec
 
 CLEARED_KEYS_KEPT = 4096  # cleared keys remembered per partition, so a get of one says "cleared"
 CLEARED_PARTITIONS_KEPT = 1024  # cleared partitions remembered, for the same reason
@@ -58,10 +59,10 @@ class FieldSchema:
     (transaction ids) that rely on it, and the last of them to abort or expire takes it back.
     """
 
-    family: list[Any]
+    family: list[str | int]
     confirmed: bool = False
     pending: set[int] = field(default_factory=set)
-    wire: Any = None  # the wire spec a put without prepare last declared, found of this family
+    wire: WireSpec | None = None  # the spec a put without prepare last declared, found of this family
 
 
 class IndexRecords:

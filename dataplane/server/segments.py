@@ -71,7 +71,7 @@ class GenTable:
 
     def __init__(self, prefix: str = "dataplane", slots: int = TABLE_SLOTS) -> None:
         self.file = ShmFile.create(0, slots * GEN.size, prefix, allocate=False)
-        self._view = self.file.view()
+        self._view: memoryview | None = self.file.view()  # None once closed
         self._slots = slots
         self._unused = 0  # slots below this have been handed out at least once
         self._free: list[int] = []  # slots given back since
@@ -95,6 +95,8 @@ class GenTable:
         return gen
 
     def set(self, slot: int, gen: int) -> None:
+        if self._view is None:
+            raise ValueError("the generation table is closed")
         GEN.pack_into(self._view, slot * GEN.size, gen)
 
     def ref(self) -> list[int]:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from dataplane._units import exact_bytes
-from dataplane.codec.column_types import Column, check_offsets, check_shapes
+from dataplane.codec.column_types import Column, ColumnSpec, check_offsets, check_shapes
 from dataplane.codec.rows import assemble_any
 from dataplane.errors import (
     DataplaneError,
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 class Segment:
     """One field of the rows one put wrote to this shard: a contiguous buffer (+ offsets)."""
 
-    spec: Any
+    spec: ColumnSpec
     num_rows: int
     nbytes: int
     data: memoryview | None  # heap bytes (a received frame) when not in shared memory
@@ -76,7 +76,7 @@ class Segment:
     file: ShmFile | None
     shapes: np.ndarray | None = None  # ragged rows' shapes
     live: int = 0
-    owner: Any = None  # the _Partition whose bytes it counts in (``_Partition.nbytes``)
+    owner: _Partition | None = None  # whose bytes it counts in (``_Partition.nbytes``); set once attached
 
     @property
     def accounted(self) -> int:
@@ -90,7 +90,7 @@ class Segment:
         """Bytes held in the shard's own heap (not shared memory): inline data, offsets, shapes."""
         return self.accounted - (self.nbytes if self.file is not None else 0)
 
-    def column(self) -> Any:
+    def column(self) -> Column:
         data = self.file.view()[: self.nbytes] if self.file is not None else self.data
         assert data is not None, "a freed segment was read"  # (a live row's segment holds its bytes)
         return Column(self.spec, self.num_rows, data, self.offsets, self.shapes)
@@ -99,7 +99,7 @@ class Segment:
 @dataclass
 class _Partition:
     rows: dict[str, dict[str, tuple[Segment, int]]] = field(default_factory=dict)
-    specs: dict[str, Any] = field(default_factory=dict)
+    specs: dict[str, ColumnSpec] = field(default_factory=dict)
     nbytes: int = 0  # bytes of its live segments (``Segment.accounted``)
 
 
@@ -113,10 +113,21 @@ class PutUndo:
 
 
 @dataclass
+class _Field:
+    """One field of a put, checked: its spec and bytes, and where its rows are (an inline column,
+    or once reserved a shared-memory file; neither while being checked)."""
+
+    spec: ColumnSpec
+    nbytes: int
+    col: Column | None = None
+    file: ShmFile | None = None
+
+
+@dataclass
 class _Reservation:
     pid: str
     keys: list[str]
-    fields: dict[str, dict[str, Any]]  # name -> {"spec", "nbytes", "col" (inline Column) | "file"}
+    fields: dict[str, _Field]
     nbytes: int
     deadline: float
 
@@ -177,13 +188,13 @@ class ShardCore(Operations):
         admit = self._admit(pid)
         try:
             for name, entry in fields.items():
-                if "col" not in entry:
-                    entry["file"] = self.pool.acquire(max(1, entry["nbytes"]), admit)
-                    files[name] = entry["file"].ref()
+                if entry.col is None:
+                    entry.file = self.pool.acquire(max(1, entry.nbytes), admit)
+                    files[name] = entry.file.ref()
         except OSError as exc:
             for entry in fields.values():
-                if "file" in entry:
-                    self.pool.release(entry["file"])
+                if entry.file is not None:
+                    self.pool.release(entry.file)
             if isinstance(exc, DataplaneError):  # out of file descriptors: already typed
                 raise
             raise StoreFullError(
@@ -205,14 +216,14 @@ class ShardCore(Operations):
         keys: list[str],
         wire_fields: dict[str, _protocol.ReserveField],
         bufs: list[memoryview],
-    ) -> tuple[dict[str, dict[str, Any]], int]:
+    ) -> tuple[dict[str, _Field], int]:
         """A put's fields checked against what the request declares, the frames it carries, the
-        partition's schema and the byte capacity (nothing changes here): ``{name: {"spec", "nbytes"}
-        (+ "col", the inline Column)}``, and the bytes the put needs."""
+        partition's schema and the byte capacity (nothing changes here): ``{name: _Field}`` (with
+        ``col``, the inline Column, where the request carries one), and the bytes the put needs."""
         if not keys or not wire_fields:  # a row-less segment would never be given back
             raise WireError("a reserve names at least one key and one field")
         part = self.partitions.get(pid)
-        fields: dict[str, dict[str, Any]] = {}
+        fields: dict[str, _Field] = {}
         need = 0
         for name, f in wire_fields.items():
             spec = _wire.spec_from_wire(f.spec)
@@ -224,7 +235,7 @@ class ShardCore(Operations):
                 raise SchemaError(
                     name, f"field {name!r} declares {f.nbytes} bytes for {len(keys)} rows of {rb} bytes"
                 )
-            entry: dict[str, Any] = {"spec": spec, "nbytes": f.nbytes}
+            entry = _Field(spec, f.nbytes)
             if f.col is not None:
                 col = _wire.column_from_wire(f.col, bufs, name)
                 if col.num_rows != len(keys) or col.spec != spec or col.nbytes != f.nbytes:
@@ -233,7 +244,7 @@ class ShardCore(Operations):
                         f"{col.spec}) does not match what the request declares ({len(keys)} rows, "
                         f"{f.nbytes} bytes, {spec})"
                     )
-                entry["col"] = col
+                entry.col = col
             fields[name] = entry
             need += f.nbytes + (0 if rb is not None else 8 * (len(keys) + 1))
             if spec.kind == "ragged":
@@ -336,14 +347,14 @@ class ShardCore(Operations):
             offsets: dict[str, np.ndarray] = {}
             shapes: dict[str, np.ndarray] = {}
             for name, entry in resv.fields.items():
-                spec = entry["spec"]
+                spec = entry.spec
                 if part is not None and name in part.specs:  # a partition dropped and re-created
                     part.specs[name].check_compatible(spec, name)
-                if "file" in entry and spec.row_nbytes() is None:
+                if entry.file is not None and spec.row_nbytes() is None:
                     if name not in body.offsets:
                         raise WireError(f"commit of field {name!r} carries no offsets")
                     off = _wire.array_from_wire(body.offsets[name], bufs, n + 1).copy()
-                    check_offsets(off, n, entry["nbytes"], spec, name)
+                    check_offsets(off, n, entry.nbytes, spec, name)
                     offsets[name] = off
                     if spec.kind == "ragged":
                         if name not in body.shapes:
@@ -362,7 +373,7 @@ class ShardCore(Operations):
         self,
         pid: str,
         keys: list[str],
-        fields: dict[str, dict[str, Any]],
+        fields: dict[str, _Field],
         offsets: dict[str, np.ndarray],
         shapes: dict[str, np.ndarray],
     ) -> dict[str, Segment]:
@@ -376,15 +387,13 @@ class ShardCore(Operations):
         if fields:
             self.rows_put += n
         for name, entry in fields.items():
-            spec = entry["spec"]
+            spec = entry.spec
             part.specs.setdefault(name, spec)
-            if "col" in entry:
-                col = entry["col"]
+            col = entry.col
+            if col is not None:
                 seg = Segment(spec, n, len(col.data), col.data, col.offsets, None, col.shapes)
             else:
-                seg = Segment(
-                    spec, n, entry["nbytes"], None, offsets.get(name), entry["file"], shapes.get(name)
-                )
+                seg = Segment(spec, n, entry.nbytes, None, offsets.get(name), entry.file, shapes.get(name))
             seg.owner = part
             accounted = seg.accounted
             self.used += accounted
@@ -411,8 +420,8 @@ class ShardCore(Operations):
 
     def _release(self, resv: _Reservation) -> None:
         for entry in resv.fields.values():
-            if "file" in entry:
-                self.pool.release(entry["file"])
+            if entry.file is not None:
+                self.pool.release(entry.file)
 
     def _take(self, rid: int) -> _Reservation:
         resv = self._resv.pop(rid)
@@ -423,6 +432,7 @@ class ShardCore(Operations):
         seg.live -= 1
         if seg.live == 0:
             self.used -= seg.accounted
+            assert seg.owner is not None  # (a segment holding rows is attached to its partition)
             seg.owner.nbytes -= seg.accounted
             self.heap_bytes -= seg.heap_bytes
             if seg.file is not None:
@@ -581,8 +591,8 @@ class ShardCore(Operations):
             resv = self._take(rid)
             self.expired += 1
             for entry in resv.fields.values():
-                if "file" in entry:  # its writer may still write into it: never reuse it
-                    self.pool.fence(entry["file"])
+                if entry.file is not None:  # its writer may still write into it: never reuse it
+                    self.pool.fence(entry.file)
         self.pool.trim(now)
         for hook in self.tick_hooks:
             hook(now)

@@ -61,7 +61,7 @@ from dataplane.server.checkpoint_files import (
     shard_files,
     write_small,
 )
-from dataplane.server.index_checkpoint import IndexKeys, decode_index
+from dataplane.server.index_checkpoint import IndexKeys
 from dataplane.server.segments import ShmFile
 from dataplane.server.shard import Segment, ShardCore, _Partition
 from dataplane.wire.frames import column_from_wire, column_to_wire
@@ -140,7 +140,7 @@ class ShardCheckpoints:
         """The keys of ``index.msgpack`` placed on this shard in a store of ``num_shards``, with the
         fields each holds (keys holding tags only have no rows)."""
         index_path = os.path.join(path, INDEX_FILE)
-        index = decode_index(read_small(index_path, entry, self.who), index_path, IndexKeys)
+        index = decode_file(read_small(index_path, entry, self.who), index_path, IndexKeys)
         me, out = self.core.shard_id, {}
         for p in index.partitions:
             try:
@@ -394,6 +394,7 @@ class ShardCheckpoints:
             staged.need = 0
             for seg in staged.segs:  # (each holds rows: every chunk read has at least one)
                 core.used += seg.accounted
+                assert seg.owner is not None  # (set when its chunk was read)
                 seg.owner.nbytes += seg.accounted
                 core.heap_bytes += seg.heap_bytes
             staged.files.clear()  # owned by their segments now

@@ -55,6 +55,7 @@ def default_interval_s() -> float:
         return asked
     import ray
 
+    report_s: float
     try:
         report_s = ray._config.metrics_report_interval_ms() / 1000
     except AttributeError:  # a Ray without this accessor: its default

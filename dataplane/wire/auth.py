@@ -78,7 +78,7 @@ class Credentials:
         return f"Credentials(encrypt={self.encrypt})"
 
 
-def secure_server(sock: zmq.Socket, creds: Credentials, curve: bool) -> None:
+def secure_server(sock: zmq.Socket[bytes], creds: Credentials, curve: bool) -> None:
     """Make ``sock`` (before ``bind``) accept only peers that pass the ZAP check."""
     sock.zap_domain = DOMAIN
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no handler reachable = refuse, never allow
@@ -89,7 +89,7 @@ def secure_server(sock: zmq.Socket, creds: Credentials, curve: bool) -> None:
         sock.plain_server = True
 
 
-def secure_client(sock: zmq.Socket, creds: Credentials, curve: bool) -> None:
+def secure_client(sock: zmq.Socket[bytes], creds: Credentials, curve: bool) -> None:
     """Give ``sock`` (before ``connect``) the credentials the store's servers check."""
     if not creds.secret:
         raise ValueError("no store credentials: attach with dp.init(), which fetches them from the index")

@@ -88,7 +88,8 @@ GEN = struct.Struct("<Q")  # one slot of a generation table
 
 def generation(table: memoryview, slot: int) -> int:
     """The generation in ``slot`` of a mapped generation table (0: no live file there)."""
-    return GEN.unpack_from(table, slot * GEN.size)[0]
+    gen: int = GEN.unpack_from(table, slot * GEN.size)[0]
+    return gen
 
 
 def boot_id() -> str:

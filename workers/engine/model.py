@@ -10,6 +10,7 @@ one would write for a large model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,28 @@ class TinyCausalLM(nn.Module):
             x = block(x)
         # Tied output head: the embedding matrix doubles as the unembedding.
         return self.norm(x) @ self.tok.weight.T
+
+
+@overload
+def response_log_probs(
+    model: TinyCausalLM,
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def response_log_probs(
+    model: TinyCausalLM,
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def response_log_probs(
