@@ -1,7 +1,7 @@
 """Installs the worker bridge on the types that name rows: ``KVBatchMeta`` and ``StreamRequest``.
 
 controlplane's ``@register`` hands a call to the ``__worker_bridge__`` of an argument's class (see
-``controlplane.bridge``). The bridge (``dataplane._worker_bridge``) imports torch and the KV API, so
+``controlplane.bridge``). The bridge (``dataplane.bridge``) imports torch and the KV API, so
 the forwarder installed here imports it on the first bridged call: a process that only handles
 metadata stays light, and ``meta`` / ``stream`` never import the bridge (the import graph keeps no
 cycle). The package imports this module, so the hook is in place wherever a meta can exist.
@@ -16,15 +16,15 @@ from dataplane.stream import StreamRequest
 
 
 class WorkerBridgeForwarder:
-    """Forwards ``run`` / ``arun`` to ``dataplane._worker_bridge.WorkerBridge``, imported on first use."""
+    """Forwards ``run`` / ``arun`` to ``dataplane.bridge.WorkerBridge``, imported on first use."""
 
     def run(self, call: Any) -> Any:
-        from dataplane._worker_bridge import WorkerBridge
+        from dataplane.bridge import WorkerBridge
 
         return WorkerBridge().run(call)
 
     async def arun(self, call: Any) -> Any:
-        from dataplane._worker_bridge import WorkerBridge
+        from dataplane.bridge import WorkerBridge
 
         return await WorkerBridge().arun(call)
 

@@ -361,7 +361,9 @@ def _status(args: argparse.Namespace, cfg: StoreConfig, address: str) -> int:
             f"{_name_flag(cfg.name)}`"
         )
         return 1
-    client = StoreClient(found[0])
+    from dataplane.service.liveness import ray_says_dead
+
+    client = StoreClient(found[0], remote_dead=ray_says_dead)
     if getattr(args, "watch", False):
         from dataplane import watch
 

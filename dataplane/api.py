@@ -33,6 +33,7 @@ from dataplane.errors import StoreNotInitializedError
 from dataplane.meta import KVBatchMeta, StoreInfo
 from dataplane.service import connect as _connect
 from dataplane.service.launch import ServiceHandle, find_service, no_store_message, start_service, stop_named
+from dataplane.service.liveness import ray_says_dead
 from dataplane.telemetry import export
 from dataplane.wire.protocol import IndexStatsReply, ShardStatsReply
 
@@ -156,6 +157,7 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
             registry,
             transport=options.get("transport") or client_transport_override(),
             allow_pickle=cfg.allow_pickle,  # this process's choice (option or env), never the service's
+            remote_dead=ray_says_dead,
         )
         _state.client, _state.handle = client, handle
         shards = registry["shards"]

@@ -9,7 +9,7 @@ taken from the dataloader, not yet trained on) survive a restart::
     info.metadata["global_steps"]
 
 **Who moves the bytes.** Each shard writes its own rows into the directory and reads them back, in
-parallel (``server.shard_checkpoint``); the index writes the metadata (``server.index_checkpoint``).
+parallel (``server.shard.checkpoint``); the index writes the metadata (``server.index.checkpoint``).
 The calling process handles names, sizes and checksums only: ``CheckpointInfo.driver_bytes`` counts
 what passed through it, and it does not grow with the rows' bytes.
 

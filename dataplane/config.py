@@ -12,7 +12,7 @@ Environment variables (read here only, each by one function; a value that does n
     DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
                                default off): this process may write and read object columns
     DATAPLANE_NO_UNIX_LANE     a flag: blocking clients reach same-host services over zmq ipc rather
-                               than the Unix lane (``wire.unix``; for comparisons)
+                               than the Unix lane (``transport.unix``; for comparisons)
     DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
                                (default 256 MiB; 0 turns the pool off)
     DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
@@ -103,7 +103,7 @@ def env_allows_pickle() -> bool:
 
 def env_unix_lane() -> bool:
     """Whether this process's blocking client talks to same-host services over the Unix lane
-    (``wire.unix``); ``DATAPLANE_NO_UNIX_LANE=1`` keeps it on zmq ipc (to compare the two)."""
+    (``transport.unix``); ``DATAPLANE_NO_UNIX_LANE=1`` keeps it on zmq ipc (to compare the two)."""
     return not env_flag("DATAPLANE_NO_UNIX_LANE")
 
 

@@ -43,7 +43,8 @@ How it behaves:
   identical data, and different ``dp_rank`` s see disjoint rows. A later pass over the same dataset
   object continues after the last batch it handed over: batches that were prefetched but never
   handed over (an early ``break``) are handed over then, as the index service still remembers the
-  rows of each batch index (the most recent indexes per task, see ``dataplane.server.streams.RANK_CACHE``).
+  rows of each batch index (the most recent indexes per task, see
+  ``dataplane.server.index.streams.RANK_CACHE``).
 * **DataLoader.** ``DataLoader(ds, batch_size=None)``, as every PyTorch user writes it, or
   ``dp.StreamingDataLoader(ds)`` (TransferQueue's constructor; it sets ``batch_size=None`` and a
   pass-through collate itself). With ``batch_size=None`` torch applies its ``default_convert`` to each

@@ -288,6 +288,25 @@ class ClusterAuthError(ClusterConnectError, PermissionError):
     message says where Ray looks for the token. Recoverable: give this process the cluster's token."""
 
 
+class BridgeError(DataplaneError, ValueError):
+    """A bridged method returned a TensorDict whose batch size is not the meta's. Attributes:
+    ``method``, ``got`` (its batch size), ``expected`` (the meta's).
+
+    Raised on the worker (and re-raised on the driver by Ray). Not recoverable by retrying:
+    the method must return one row per key of the meta it was given (or metrics).
+    """
+
+    wire_attrs = ("method", "got", "expected")
+
+    def __init__(self, method: str, got: int, expected: int, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or f"{method} returned a TensorDict of batch size {got} for a KVBatchMeta of {expected} keys; "
+            "a bridged method must return one row per key (or a dict of metrics)"
+        )
+        self.method, self.got, self.expected = method, got, expected
+
+
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the names in ``known`` close to ``name``; "" when none is.
 
@@ -303,6 +322,7 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 __all__ = [
     "ArgumentTypeError",
+    "BridgeError",
     "BatchSizeError",
     "BatchTimeoutError",
     "CheckpointError",

@@ -31,7 +31,7 @@ class ReadyRows:
     """The rows ready for one consumer: keys in ready order, each with its tag dict (read-only).
 
     In the index service it also offers ``groups(group_tag, group_size)``: an index of its complete
-    groups that the service keeps current as rows come and go (``server.ready``), so a grouped
+    groups that the service keeps current as rows come and go (``server.index.ready``), so a grouped
     sampler costs what it takes, not what is ready.
     """
 

@@ -58,7 +58,7 @@ RUNNABLE = [
     "dataplane.wire.protocol",
     "dataplane._units",
     "dataplane.errors.did_you_mean",
-    "dataplane._worker_bridge",
+    "dataplane.bridge",
     "dataplane.admin",
     "dataplane.config",
     "dataplane.dataset.StreamBatch",

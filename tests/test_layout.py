@@ -133,36 +133,35 @@ def test_no_module_is_hidden_by_a_name_of_its_package() -> None:
 
 # dataplane layer -> what its modules may import (besides the standard library and third parties).
 # The public modules at the top (api, stream, dataset, tq, ...) may import any layer.
+_BASE = {"dataplane.errors", "dataplane.config", "dataplane.codec"}
 LAYERS = {
     "dataplane.codec": {"dataplane.errors", "dataplane.config", "dataplane.codec"},
-    "dataplane.wire": {"dataplane.errors", "dataplane.config", "dataplane.codec", "dataplane.wire"},
-    "dataplane.client": {
-        "dataplane.errors",
-        "dataplane.config",
+    # the pure protocol: values only (no sockets, no Ray: THIRD_PARTY_FORBIDDEN below)
+    "dataplane.wire": _BASE | {"dataplane.wire"},
+    # how bytes move: sockets, the Unix lane, auth, shared memory, liveness (no Ray)
+    "dataplane.transport": _BASE | {"dataplane.wire", "dataplane.transport"},
+    "dataplane.client": _BASE
+    | {
         "dataplane.meta",
         "dataplane.samplers",
-        "dataplane.codec",
         "dataplane.wire",
+        "dataplane.transport",
         "dataplane.telemetry",
         "dataplane.client",
     },
-    "dataplane.server": {
+    # the server's two services stand side by side: the index and the shard never import each other
+    # (SIDE_BY_SIDE); what both use is the server package's own modules
+    "dataplane.server": _BASE
+    | {
         "dataplane._units",
-        "dataplane.errors",
-        "dataplane.config",
         "dataplane.samplers",
-        "dataplane.codec",
         "dataplane.wire",
+        "dataplane.transport",
         "dataplane.telemetry",
         "dataplane.server",
     },
-    "dataplane.service": {
-        "dataplane.errors",
-        "dataplane.config",
-        "dataplane.wire",
-        "dataplane.server",
-        "dataplane.service",
-    },
+    "dataplane.service": _BASE
+    | {"dataplane.wire", "dataplane.transport", "dataplane.server", "dataplane.service"},
     # leaves: everything else stands on them
     "dataplane._units": set(),
     "dataplane.errors": set(),
@@ -171,6 +170,12 @@ LAYERS = {
     "dataplane.meta": {"dataplane.errors", "dataplane.codec"},
     # the metrics' hot path: every process records into it (ray only inside its exporter thread)
     "dataplane.telemetry": {"dataplane.errors", "dataplane.config", "dataplane.telemetry"},
+}
+SIDE_BY_SIDE = ("dataplane.server.index", "dataplane.server.shard")
+# Third-party modules a layer must not import, at the top or in a function.
+THIRD_PARTY_FORBIDDEN = {
+    "dataplane.wire": {"zmq", "socket", "ray", "selectors", "asyncio"},
+    "dataplane.transport": {"ray"},
 }
 
 
@@ -305,3 +310,50 @@ def test_dataplane_layers() -> None:
             if dep.startswith("dataplane") and (_layer_of(dep) or dep) not in LAYERS[layer] | {layer}:
                 offenders.append(f"{module} imports {dep}")
     assert not offenders, "layering broken:\n" + "\n".join(offenders)
+
+
+def test_the_index_and_the_shard_never_import_each_other() -> None:
+    offenders = []
+    for module, deps in sorted(import_graph().items()):
+        for side in SIDE_BY_SIDE:
+            other = next(o for o in SIDE_BY_SIDE if o != side)
+            if module == side or module.startswith(side + "."):
+                offenders += [
+                    f"{module} imports {d}" for d in deps if d == other or d.startswith(other + ".")
+                ]
+    assert not offenders, "\n".join(offenders)
+
+
+def _third_party_imports(path: pathlib.Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_protocol_has_no_sockets_and_the_transport_no_ray() -> None:
+    offenders = []
+    for module, path in sorted(_all_modules().items()):
+        for layer, banned in THIRD_PARTY_FORBIDDEN.items():
+            if module == layer or module.startswith(layer + "."):
+                offenders += [f"{module} imports {b}" for b in sorted(_third_party_imports(path) & banned)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_architecture_md_names_every_data_plane_module() -> None:
+    """ARCHITECTURE.md's table of the data plane's layers names each module (``tq/`` as one)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    table = text[text.index("| layer | modules | rule |") :]
+    table = table[: table.index("\n\n")]
+    missing = []
+    for name, path in sorted(_all_modules().items()):
+        parts = name.split(".")
+        if parts[0] != "dataplane" or len(parts) < 2 or parts[1] == "tq":
+            continue
+        leaf = parts[-1] if path.name != "__init__.py" else f"{parts[-1]}/"
+        if f"`{leaf}`" not in table and f"`{leaf}/`" not in table and f"{leaf}/` (" not in table:
+            missing.append(name)
+    assert not missing, f"ARCHITECTURE.md's layer table does not name: {missing}"

@@ -16,7 +16,7 @@ back under the same keys from the *collect ranks* of the dispatch mode only: the
 collect ranks of a mesh, rank 0 under ``ONE_TO_ALL``, every rank otherwise. Batch-level
 ``NonTensorData`` outputs land in the returned meta's ``extra_info``. A ``dp.StreamRequest``
 makes each rank pull its own ready batch and return a :class:`StreamReport`. The full contract is
-in ``dataplane._worker_bridge``; the protocol in ``controlplane.bridge``.
+in ``dataplane.bridge``; the protocol in ``controlplane.bridge``.
 
 Two more decorators: ``tqbridge(dispatch_mode)`` alone bridges a method that is not registered (a
 local object), and under ``@register`` it only contributes its ``call_on_empty`` option;
@@ -31,17 +31,17 @@ from typing import Any
 
 from controlplane import Dispatch, register
 from controlplane.bridge import bridged
-from dataplane._worker_bridge import BridgeError
 
 # The bridge's counters and a streamed call's report, for the roles and the benchmarks in this
 # repository (the public decorators are the three names in __all__).
-from dataplane._worker_bridge import StreamReport as StreamReport
-from dataplane._worker_bridge import count as count
-from dataplane._worker_bridge import nbytes_of as nbytes_of
-from dataplane._worker_bridge import reset_traffic as reset_traffic
-from dataplane._worker_bridge import traffic as traffic
+from dataplane.bridge import StreamReport as StreamReport
+from dataplane.bridge import count as count
+from dataplane.bridge import nbytes_of as nbytes_of
+from dataplane.bridge import reset_traffic as reset_traffic
+from dataplane.bridge import traffic as traffic
+from dataplane.errors import BridgeError
 
-__all__ = ["BridgeError", "bridged_register", "tqbridge"]
+__all__ = [BridgeError.__name__, "bridged_register", "tqbridge"]  # (named once, in dataplane.errors)
 
 
 def tqbridge(

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dataplane.client import ops as _ops
@@ -28,12 +29,12 @@ from dataplane.config import StoreConfig, env_unix_lane
 from dataplane.errors import ShardUnavailableError
 from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics
-from dataplane.wire.auth import Credentials
-from dataplane.wire.liveness import Liveness, Target
-from dataplane.wire.locality import Locality
+from dataplane.transport.auth import Credentials
+from dataplane.transport.clients import AsyncTransport, SyncTransport
+from dataplane.transport.liveness import Liveness, Target
+from dataplane.transport.locality import Locality
+from dataplane.transport.sockets import Endpoint
 from dataplane.wire.requests import INDEX
-from dataplane.wire.sockets import Endpoint
-from dataplane.wire.transport import AsyncTransport, SyncTransport
 
 COMMIT_WITHIN = 0.8  # a put commits only within this fraction of reservation_timeout_s
 STOPPED_WAIT_S = 2.0  # how long a failed call waits to learn whether the whole store was stopped
@@ -76,8 +77,15 @@ class StoreClient:
     """Routes KV operations of this process to the shards and the index."""
 
     def __init__(
-        self, registry: dict[str, Any], transport: str | None = None, allow_pickle: bool = False
+        self,
+        registry: dict[str, Any],
+        transport: str | None = None,
+        allow_pickle: bool = False,
+        remote_dead: Callable[[str], bool] | None = None,
     ) -> None:
+        """``remote_dead(actor_name)``: whether a store actor this process cannot see through
+        ``/proc`` is dead (``dataplane.service.liveness.ray_says_dead``; without it such an actor's
+        calls end at their deadline only)."""
         self.registry = registry
         self.config = StoreConfig.from_dict(registry["config"])
         # This process's own choice, never the service's: what a reader unpickles is up to the reader.
@@ -85,7 +93,7 @@ class StoreClient:
         mode = transport or self.config.transport
         here = Locality.here()
         shards = registry["shards"]
-        # Each same-host shortcut only where the namespace it needs is shared (``wire.locality``):
+        # Each same-host shortcut only where the namespace it needs is shared (``transport.locality``):
         # shared memory is mapped through /proc/<pid> (the pid namespace), then probed for real.
         self.shm = [
             mode not in ("zmq", "tcp")
@@ -120,7 +128,8 @@ class StoreClient:
         timeout = self.config.rpc_timeout_s
         # Recording only where the store asks for it and the process can export (it is on Ray).
         self.metrics = ClientMetrics(self.config.name) if self.config.metrics and export.start() else None
-        self.liveness = Liveness(targets, on_dead=None if self.metrics is None else self.metrics.peer_dead)
+        on_dead = None if self.metrics is None else self.metrics.peer_dead
+        self.liveness = Liveness(targets, on_dead=on_dead, remote_dead=remote_dead)
         args = (endpoints, creds, timeout, self.liveness, self.config.max_message_bytes)
         self.sync = SyncTransport(*args)
         self.asyn = AsyncTransport(*args)

@@ -2,7 +2,7 @@
 
 ``MappingCache`` opens a shard's file through ``/proc/<shard pid>/fd/<fd>``, checks
 its inode (so a reused fd number or another pid namespace is detected), maps it once with
-``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``wire.shm``) and caches it by the
+``MAP_POPULATE`` (the mapping keeps no file descriptor, see ``transport.shm``) and caches it by the
 never-reused file id. The shard tells clients which files are still alive, and mappings of closed
 files are dropped. ``ShardMemory`` is what the operations read through (``dataplane.client.memory``):
 one store's shards, their pids and generation tables, over a ``MappingCache``.
@@ -18,7 +18,7 @@ from typing import Any
 
 from dataplane.client.memory import SegmentUnavailable
 from dataplane.errors import WireError
-from dataplane.wire.shm import GEN, boot_id, fd_limit_error, generation, map_fd
+from dataplane.transport.shm import GEN, boot_id, fd_limit_error, generation, map_fd
 
 
 class ShmUnavailable(SegmentUnavailable):
@@ -130,7 +130,7 @@ class ShardMemory:
 def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) -> memoryview:
     """Map another process's memfd through /proc; raises ShmUnavailable when it is not that file.
 
-    The mapping holds no file descriptor (``wire.shm.map_fd``). Running out of descriptors while
+    The mapping holds no file descriptor (``transport.shm.map_fd``). Running out of descriptors while
     opening the file raises ``ResourceLimitError`` naming the limit. A ``size`` past the end of the
     file (a corrupt or hostile reference: touching such a mapping beyond the file kills the process
     with SIGBUS) raises ``WireError`` naming the file and both sizes, before anything is mapped.

@@ -4,7 +4,7 @@
 one (``dataplane.client.mappings.ShardMemory``) maps the shards' memfd files through ``/proc``; a
 test passes one backed by bytearrays and drives the operations with scripted replies.
 
-The contract (the integrity of reads rests on it, see ``dataplane.server.segments``):
+The contract (the integrity of reads rests on it, see ``dataplane.server.shard.segments``):
 
 * ``view(shard, ref)`` is a writable view of the whole file ``ref`` names
   (``[file_id, fd, size, inode, slot, generation]``, as a shard's reply gives it), or raises

@@ -72,7 +72,8 @@ class Route:
     shm_min_bytes: int
     commit_within_s: float  # a put commits only this soon after reserving (< reservation_timeout_s)
     rpc_timeout_s: float = 60.0
-    schemas: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)  # pid -> confirmed families
+    # partition -> its fields' confirmed families
+    schemas: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
 
 
 def check_keys(keys: Any, partition_id: Any) -> list[str]:
@@ -231,12 +232,12 @@ def put(
 
 
 def _index_commit(
-    pid: str, keys: list[str], fields: list[str], tags: _protocol.Tags, txn: int | None = None
+    partition: str, keys: list[str], fields: list[str], tags: _protocol.Tags, txn: int | None = None
 ) -> Call:
     """The index's ``commit`` of a put: ``keys`` now hold ``fields`` and ``tags``; ``txn`` is the prepare
     it completes (None: a put that prepared nothing, of tags only or of no keys). (The one place that
     builds a client's index commit.)"""
-    return Call(INDEX, "commit", _protocol.IndexCommit(pid, keys, fields, tags, txn))
+    return Call(INDEX, "commit", _protocol.IndexCommit(partition, keys, fields, tags, txn))
 
 
 def _index_abort(txn: int) -> Call:
@@ -270,9 +271,9 @@ def _abort_put(route: Route, aborts: list[Call], txn: int, prepared: Result) -> 
         yield [index_abort]
 
 
-def _expired(keys: list[str], pid: str, took: float, route: Route) -> ReservationExpiredError:
+def _expired(keys: list[str], partition: str, took: float, route: Route) -> ReservationExpiredError:
     return ReservationExpiredError(
-        f"a put of {len(keys)} keys to partition {pid!r} took {took:.1f}s between reserving space and "
+        f"a put of {len(keys)} keys to partition {partition!r} took {took:.1f}s between reserving space and "
         f"committing, longer than {route.commit_within_s:.1f}s (most of reservation_timeout_s); it was "
         "aborted and nothing was written. Raise reservation_timeout_s if this process is often paused "
         "this long."
@@ -280,13 +281,13 @@ def _expired(keys: list[str], pid: str, took: float, route: Route) -> Reservatio
 
 
 def _put_ready_call(
-    route: Route, s: int, keys: list[str], pid: str, columns: dict[str, Column], tags: _protocol.Tags
+    route: Route, s: int, keys: list[str], partition: str, columns: dict[str, Column], tags: _protocol.Tags
 ) -> Call | None:
     """The one-step ``put_ready`` request of a put whose keys all live on shard ``s``, when it can take
     one: every field of a schema this client has seen confirmed and small enough to travel inline
     (below ``shm_min_bytes`` where the shard's memory is mapped here); None when the general path has
     to run. (The one place that builds a ``put_ready``.)"""
-    known = route.schemas.get(pid, {})
+    known = route.schemas.get(partition, {})
     for name, col in columns.items():
         if known.get(name) != col.spec.family():
             return None
@@ -299,40 +300,40 @@ def _put_ready_call(
             return None
         wire = _wire.column_to_wire(col, bufs)
         fields[name] = _protocol.ReserveField(wire.spec, nbytes, wire)
-    body = _protocol.PutReady(pid, keys, fields, route.memory.version(s), tags)
+    body = _protocol.PutReady(partition, keys, fields, route.memory.version(s), tags)
     return Call(s, "put_ready", body, bufs)
 
 
-def _put_ready(route: Route, call: Call, keys: list[str], pid: str) -> Op[KVBatchMeta]:
+def _put_ready(route: Route, call: Call, keys: list[str], partition: str) -> Op[KVBatchMeta]:
     """One round trip: the shard stores the inline rows at once, then commits them in the index itself
-    (``put_ready``, see ``server.shard_actor``), and answers with the index's reply. Only for fields whose
+    (``put_ready``, see ``server.shard.actor``), and answers with the index's reply. Only for fields whose
     schema is confirmed, so the index has nothing to decide; if it refuses all the same (the partition
     was dropped and re-created meanwhile with another dtype), the shard takes the rows back and passes
     the refusal on. When the index did not answer, the rows are stored but not ready: said exactly."""
     (res,) = yield [call]
     if isinstance(res, BaseException):
         if isinstance(res, SchemaError):
-            _forget_schema(route, pid)
+            _forget_schema(route, partition)
         raise res
     got = _reply(res, _protocol.PutReadyReply)
     if got.index_error is not None:
-        _forget_schema(route, pid)
+        _forget_schema(route, partition)
         index_error = _wire.rebuild_error(got.index_error)
         groups = {call.target: np.arange(len(keys))}
-        _raise_partial_put([(None, []), index_error], [call.target], groups, keys, pid)
-    return KVBatchMeta._trusted(keys, got.tags, pid, got.fields)
+        _raise_partial_put([(None, []), index_error], [call.target], groups, keys, partition)
+    return KVBatchMeta._trusted(keys, got.tags, partition, got.fields)
 
 
-def _remember_schema(route: Route, pid: str, columns: dict[str, Column]) -> None:
-    known = route.schemas.setdefault(pid, {})
+def _remember_schema(route: Route, partition: str, columns: dict[str, Column]) -> None:
+    known = route.schemas.setdefault(partition, {})
     for name, col in columns.items():
         known[name] = col.spec.family()
     if len(route.schemas) > SCHEMA_CACHE:  # a client writing many partitions keeps the newest
         route.schemas.pop(next(iter(route.schemas)))
 
 
-def _forget_schema(route: Route, pid: str) -> None:
-    route.schemas.pop(pid, None)
+def _forget_schema(route: Route, partition: str) -> None:
+    route.schemas.pop(partition, None)
 
 
 SCHEMA_CACHE = 1024  # partitions whose confirmed schemas a client remembers
@@ -343,7 +344,7 @@ def _ok(result: Result) -> bool:
 
 
 def _raise_partial_put(
-    results: list[Any], shards: list[int], groups: dict[int, np.ndarray], keys: list[str], pid: str
+    results: list[Any], shards: list[int], groups: dict[int, np.ndarray], keys: list[str], partition: str
 ) -> None:
     """Raise, naming exactly what was written, when a put's commit failed anywhere (the shards'
     results, then the index's: None when the index was not asked because a shard failed)."""
@@ -360,7 +361,8 @@ def _raise_partial_put(
     if not failed:  # every shard wrote its rows; the index did not confirm recording them
         raise _with_message(
             first,
-            f"a put to partition {pid!r} committed only in part: shards {done} wrote their rows, but the "
+            f"a put to partition {partition!r} committed only in part: shards {done} wrote their rows, "
+            "but the "
             f"index did not confirm recording them ({index_res}); keys {_preview(keys)} are stored but "
             "may not be listed nor ready for consumers. Write those keys again, or clear them.",
         )
@@ -368,7 +370,7 @@ def _raise_partial_put(
     index_note = "the index recorded the put" if _ok(index_res) else f"the index did not ({index_res})"
     raise _with_message(
         first,
-        f"a put to partition {pid!r} committed only in part: shards {done} wrote their rows and "
+        f"a put to partition {partition!r} committed only in part: shards {done} wrote their rows and "
         f"{index_note}, but shards {[s for s, _ in failed]} did not ({first}); keys not written there: "
         f"{_preview(lost)}. Write those keys again, or clear them.",
     )
@@ -392,7 +394,7 @@ def _meta(keys: list[str], partition_id: str, got: _protocol.CommitReply) -> KVB
 def _reserve_call(
     route: Route,
     s: int,
-    pid: str,
+    partition: str,
     keys: list[str],
     pos: np.ndarray,
     columns: dict[str, Column],
@@ -414,7 +416,7 @@ def _reserve_call(
             plan[name] = nbytes
             fields[name] = _protocol.ReserveField(specs[name], nbytes)
     mine = keys if whole else [keys[i] for i in pos]
-    return Call(s, "reserve", _protocol.Reserve(pid, mine, fields, route.memory.version(s)), bufs), plan
+    return Call(s, "reserve", _protocol.Reserve(partition, mine, fields, route.memory.version(s)), bufs), plan
 
 
 def _fill_segments(
@@ -451,7 +453,7 @@ def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: boo
 
     What is returned is exactly what completed puts wrote: rows copied out of shared memory are
     checked against the generation of their segment after the copy, and the whole read is retried
-    when a concurrent clear freed (and maybe reused) a segment meanwhile (``server.segments``).
+    when a concurrent clear freed (and maybe reused) a segment meanwhile (``server.shard.segments``).
     """
     if fields is not None:
         if isinstance(fields, str):
@@ -528,7 +530,7 @@ class _Source:
 
 
 def _explain_missing(
-    pid: str, keys: list[str], shards: list[int], groups: dict[int, np.ndarray], results: list[Result]
+    partition: str, keys: list[str], shards: list[int], groups: dict[int, np.ndarray], results: list[Result]
 ) -> Op[NoReturn]:
     """A shard missed a key or the partition: ask the index what exists and raise the precise error."""
     asked = [
@@ -537,33 +539,37 @@ def _explain_missing(
         if isinstance(r, DataplaneError)
         for k in (keys[i] for i in groups[s])
     ]
-    (res,) = yield [Call(INDEX, "resolve", _protocol.Resolve(pid, asked))]
+    (res,) = yield [Call(INDEX, "resolve", _protocol.Resolve(partition, asked))]
     body = _reply(res, _protocol.ResolveReply)
     if not body.partition:
-        raise PartitionNotFoundError(pid, body.error)  # it says cleared, or what was meant
+        raise PartitionNotFoundError(partition, body.error)  # it says cleared, or what was meant
     cleared = set(body.cleared)
     known = body.known
     for k in asked:
         if k in cleared:
             raise KeyNotFoundError(
-                k, pid, f"key {k!r} of partition {pid!r} was cleared (kv_clear); put it again"
+                k, partition, f"key {k!r} of partition {partition!r} was cleared (kv_clear); put it again"
             )
         if k not in known:
             kept = body.cleared_kept
             also = f", nor among the last {kept} keys cleared from it" if kept else ", or cleared"
-            raise KeyNotFoundError(k, pid, f"key {k!r} not found in partition {pid!r} (never written{also})")
+            raise KeyNotFoundError(
+                k, partition, f"key {k!r} not found in partition {partition!r} (never written{also})"
+            )
     for k in asked:
         if not known[k]:
-            raise KeyNotFoundError(k, pid, f"key {k!r} in partition {pid!r} holds tags only, no fields")
+            raise KeyNotFoundError(
+                k, partition, f"key {k!r} in partition {partition!r} holds tags only, no fields"
+            )
     for r in results:
         if isinstance(r, FieldNotFoundError) and r.key in known:  # name the fields it holds
             held = known[r.key]
             raise FieldNotFoundError(
-                r.key, pid, r.field, f"{r}; it holds {held}{did_you_mean(r.field, held)}"
+                r.key, partition, r.field, f"{r}; it holds {held}{did_you_mean(r.field, held)}"
             ) from None
         if isinstance(r, KeyNotFoundError):
             raise r
-    raise KeyNotFoundError(asked[0], pid)
+    raise KeyNotFoundError(asked[0], partition)
 
 
 def _field_names(got: list[_protocol.GetReply]) -> list[str]:

@@ -177,7 +177,7 @@ def next_batch(
 class _Asked:
     """What a ``next_batch`` with a sampler of the caller's own asks for (checked)."""
 
-    pid: str
+    partition: str
     task: str
     fields: list[str]
     dp_rank: int | None
@@ -203,7 +203,7 @@ def _next_client_side(
     while True:
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
         body = _protocol.Ready(
-            ask.pid,
+            ask.partition,
             ask.task,
             ask.fields,
             min_rows,
@@ -214,7 +214,7 @@ def _next_client_side(
         (res,) = yield [Call(INDEX, "ready", body, timeout=_wait_timeout(route, left), exclusive=True)]
         got = _reply(res, _protocol.ReadyReply)
         if got.cached:
-            return _stream_meta(ask.pid, got, ask.task)
+            return _stream_meta(ask.partition, got, ask.task)
         tags = dict(got.rows)
         ready = ReadyRows([k for k, _ in got.rows], tags.__getitem__)
         choice = sampler.sample(
@@ -222,7 +222,7 @@ def _next_client_side(
         )
         if choice is None or (not choice and not got.finished):
             if got.finished:  # no more rows will come: what it waits for never will
-                return KVBatchMeta._trusted([], [], ask.pid, ask.fields)
+                return KVBatchMeta._trusted([], [], ask.partition, ask.fields)
             min_rows = len(ready) + 1  # wait until more rows are ready, then ask it again
             continue
         if isinstance(choice, dict):
@@ -242,7 +242,7 @@ def _next_client_side(
                 f"consumed, or unknown): {bad[:5]}"
             )
         claim = _protocol.Claim(
-            ask.pid, ask.task, ask.fields, keys, ask.dp_rank, ask.batch_index, take.id, lease_s
+            ask.partition, ask.task, ask.fields, keys, ask.dp_rank, ask.batch_index, take.id, lease_s
         )
         take.sent = True
         (res,) = yield [Call(INDEX, "claim", claim)]
@@ -255,7 +255,7 @@ def _next_client_side(
                 f"{name}: {CLAIM_ATTEMPTS} choices in a row were taken by other consumers of task "
                 f"{ask.task!r} first; retry"
             )
-        return _stream_meta(ask.pid, _reply(res, _protocol.BatchReply), ask.task)
+        return _stream_meta(ask.partition, _reply(res, _protocol.BatchReply), ask.task)
 
 
 def _stream_meta(
@@ -287,9 +287,9 @@ def finish(partition_id: str) -> Op[None]:
 
 def reset(partition_id: str, task_name: str | None) -> Op[None]:
     """``task_name`` (None: every task) reads ``partition_id`` again (``dp.reset_consumption``)."""
-    pid = check_partition(partition_id, "reset_consumption")
+    partition = check_partition(partition_id, "reset_consumption")
     task = None if task_name is None else _check_task(task_name, "reset_consumption")  # None: every task
-    yield from index_call("reset", _protocol.Reset(pid, task))
+    yield from index_call("reset", _protocol.Reset(partition, task))
 
 
 def consumption(

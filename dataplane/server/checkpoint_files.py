@@ -4,9 +4,9 @@ A checkpoint is a directory::
 
     manifest.json       written last by the process that saved: format, version, the user's metadata,
                         the number of shards, and every other file with its size and checksum
-    index.msgpack       the index's metadata (``server.index_checkpoint``): keys, tags, the fields each
+    index.msgpack       the index's metadata (``server.index.checkpoint``): keys, tags, the fields each
                         key holds, schemas, streaming state
-    shard-<i>.msgpack   shard i's manifest (``server.shard_checkpoint``): its keys, and per field the
+    shard-<i>.msgpack   shard i's manifest (``server.shard.checkpoint``): its keys, and per field the
                         chunks of rows, each a column described as the wire describes one
                         (``wire.frames.column_to_wire``: spec, rows, buffer numbers), with every
                         buffer's place in the data file and its checksum
@@ -289,9 +289,36 @@ def _size_crc(entry: Any, path: str) -> tuple[int, int]:
     return nbytes, crc
 
 
+# What a shard reads of the index's file (``index.msgpack``, written by ``server.index.checkpoint``)
+# to know which rows to load: the two sides share the format, not each other's code.
+class PartKeys(msgspec.Struct):
+    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds."""
+
+    pid: str
+    keys: list[str]
+    layouts: list[list[str]]
+    layout: list[int]
+
+    def fields_of(self) -> list[list[str]]:
+        """The fields of every key, in key order; ``ValueError`` when the lists disagree."""
+        if len(self.layout) != len(self.keys):
+            raise ValueError(f"partition {self.pid!r}: {len(self.layout)} layouts for {len(self.keys)} keys")
+        try:
+            return [self.layouts[i] for i in self.layout]
+        except IndexError:
+            raise ValueError(f"partition {self.pid!r}: a key names a layout that does not exist") from None
+
+
+class IndexKeys(msgspec.Struct):
+    version: int
+    partitions: list[PartKeys]
+
+
 __all__ = [
     "FORMAT",
     "INDEX_FILE",
+    "IndexKeys",
+    "PartKeys",
     "MANIFEST",
     "VERSION",
     "DataWriter",

@@ -1,8 +1,8 @@
 """The store's request loop on its own thread, serving a service core (``dispatch.Operations``) on zmq
 ROUTER sockets and on the Unix lane alike.
 
-``RequestServer`` is the one request loop of the store: the shard (``shard_actor.ShardServer``) and the
-index (``index_actor.IndexServer``) subclass it and change only how a decoded request is answered
+``RequestServer`` is the one request loop of the store: the shard (``shard.actor.ShardServer``) and the
+index (``index.actor.IndexServer``) subclass it and change only how a decoded request is answered
 (``serve``): a few of their ops are answered later, the rest run on the core at once. So both
 bind, authenticate, check and refuse alike: every request gets an answer, success or error,
 echoing its request id (``frames.answer``: a header of another protocol version, too many
@@ -10,8 +10,8 @@ frames, an unknown op or a malformed body are refused before any handler runs); 
 undecodable message gets an error reply when it carries an identity, and the loop never dies of
 a handler exception. It listens on tcp (other hosts) and on an abstract-namespace ipc socket
 (same host; nothing is left in the file system, even after a crash), and on the same-host Unix
-lane (``wire.unix``: the same frames without zmq's threads, for blocking clients and a shard's
-link to its index; other uids are closed at accept, and at most ``wire.unix.max_unauthenticated()``
+lane (``transport.unix``: the same frames without zmq's threads, for blocking clients and a shard's
+link to its index; other uids are closed at accept, and at most ``transport.unix.max_unauthenticated()``
 connections that have not said hello are kept, the oldest dropped first). Polls are bounded, so
 ``stop()`` returns within one poll interval, and ``tick`` runs between requests.
 
@@ -28,7 +28,7 @@ When its process exports metrics (``metrics`` is set), it also times every reque
 every ``RECORDER.interval_s`` publishes a snapshot of its counters and gauges (``metrics_snapshot``,
 taken on this thread, under the server's lock), so the exporter never touches the core.
 
-Every connection is authenticated before it can deliver a message (``dataplane.wire.auth``): the
+Every connection is authenticated before it can deliver a message (``dataplane.transport.auth``): the
 loop also serves the ZAP handler of its own zmq context. With ``encrypt=True`` the tcp endpoint is
 a second ROUTER socket speaking CURVE, while the same-host ipc endpoint stays PLAIN (its bulk bytes
 go through shared memory). Inbound frames are capped at ``max_message_bytes``: libzmq drops a peer
@@ -55,11 +55,11 @@ from dataplane.config import unix_peer_uids
 from dataplane.errors import ProtocolVersionError, WireError
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
-from dataplane.wire import auth as _auth
+from dataplane.transport import auth as _auth
+from dataplane.transport import unix as _unix
+from dataplane.transport.sockets import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 from dataplane.wire import frames as _wire
-from dataplane.wire import unix as _unix
 from dataplane.wire.protocol import MAX_FRAMES
-from dataplane.wire.sockets import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class RequestServer:
         self._touched.add(sock)
 
     def watch(self, sock: Peer, on_readable: Callable[[], None]) -> None:
-        """Serve ``sock`` (a zmq socket or a ``wire.unix.Conn``) from the loop too: ``on_readable()``
+        """Serve ``sock`` (a zmq socket or a ``transport.unix.Conn``) from the loop too: ``on_readable()``
         runs when it may have messages and must take all there are (for a zmq socket: until its
         ZMQ_EVENTS shows none). Call on the server thread (from a handler or ``after_poll``);
         ``unwatch`` before closing the socket; ``touch`` a zmq socket after sending on it."""

@@ -11,7 +11,7 @@ Scheduling is checked, not hoped for: ``start_service`` waits ``schedule_timeout
 actor to come up and otherwise kills what it created and raises ``SchedulingError`` naming the
 actors, what they asked for and what the cluster has free.
 
-The starter makes the store's credentials (``wire.auth``) and hands them to its actors at creation;
+The starter makes the store's credentials (``transport.auth``) and hands them to its actors at creation;
 clients get them from the index's ``info`` (a Ray call), never from anywhere else.
 
 A store whose index died is *broken*: its shards may live on, holding their names. ``find_service``
@@ -30,7 +30,8 @@ from typing import Any
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import SchedulingError, StoreNotInitializedError
 from dataplane.service.connect import command
-from dataplane.wire.auth import Credentials
+from dataplane.service.liveness import ray_says_dead
+from dataplane.transport.auth import Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -269,8 +270,8 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from dataplane.server.index_actor import IndexActor
-    from dataplane.server.shard_actor import ShardActor
+    from dataplane.server.index.actor import IndexActor
+    from dataplane.server.shard.actor import ShardActor
 
     nodes = _alive_nodes()
     if not nodes:
@@ -307,10 +308,10 @@ def _start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
                 "Lower num_cpus, num_shards, or add resources."
             )
         infos = ray.get(refs)
-        # Shards commit small puts in the index themselves (``server.shard_actor``): tell them where it is
+        # Shards commit small puts in the index themselves (``server.shard.actor``): tell them where it is
         # before any client can learn of them, and (unbounded) who shares their host's memory.
         index_entry = {**infos[0], "name": cfg.index_name()}
-        links = [s.link_index.remote(index_entry, infos[1:]) for s in handle.shards]
+        links = [s.link_index.remote(index_entry, infos[1:], ray_says_dead) for s in handle.shards]
         ray.get(links, timeout=cfg.schedule_timeout_s)
         registry = {"config": cfg.to_dict(), "index": infos[0], "shards": infos[1:], "started_by": _starter()}
         ray.get(index.register.remote(registry), timeout=cfg.schedule_timeout_s)

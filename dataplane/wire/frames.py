@@ -40,8 +40,9 @@ from dataplane.wire.protocol import MAX_FRAMES, WireColumn, WireSpec
 logger = logging.getLogger(__name__)
 
 # 2: client-chosen put ids (prepare.txn), take ids and leases on next/claim. 3: typed bodies (fields
-# at their default left out), no one-step "put" op.
-PROTOCOL_VERSION = 3
+# at their default left out), no one-step "put" op. 4: a body names its partition "partition" (was
+# "pid", which also meant a process id in the same modules).
+PROTOCOL_VERSION = 4
 """Bump when a change makes peers of the old and new code misread each other's messages."""
 
 

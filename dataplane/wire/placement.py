@@ -2,7 +2,7 @@
 
 A stable hash (``zlib.crc32`` of partition and key, never Python's per-process randomised ``hash()``)
 modulo the number of shards. Clients route keys with it (``client.sharding.HashPlacement``); shards
-use it to find their own rows in a checkpoint (``server.shard_checkpoint``), saved by a store of any
+use it to find their own rows in a checkpoint (``server.shard.checkpoint``), saved by a store of any
 number of shards.
 
     >>> shard_of("train", "k0", 1)

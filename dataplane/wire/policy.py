@@ -20,8 +20,8 @@ and it answers with what to do next:
 
 Its drivers: the blocking transport (``transport.SyncTransport``, one policy per call of a batch),
 the asyncio transport (``transport.AsyncTransport``, one per request) and the shard's link to its
-index (``server.shard_actor.ShardServer``, one for the link's life). They differ only in their I/O:
-how they wait, how they ask (``wire.liveness``), and the error each decision becomes
+index (``server.shard.actor.ShardServer``, one for the link's life). They differ only in their I/O:
+how they wait, how they ask (``transport.liveness``), and the error each decision becomes
 (``sockets.Endpoints.give_up``). ``tests/dataplane/test_policy.py`` feeds it events and times.
 """
 

@@ -16,8 +16,8 @@ for ever). What types cannot say (sizes against capacity, frame lengths against 
 keys) the handlers check next, still before they change anything. A body travels as a msgpack map
 (field name -> value, defaults left out), so a peer may also send a plain dict of the same names.
 
-    >>> decode_body("clear", msgspec.msgpack.encode({"pid": "p", "keys": ["a"]}), SHARD_OPS)
-    Clear(pid='p', keys=['a'])
+    >>> decode_body("clear", msgspec.msgpack.encode({"partition": "p", "keys": ["a"]}), SHARD_OPS)
+    Clear(partition='p', keys=['a'])
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ReserveField(_Body):
 
 
 class Reserve(_Body):
-    pid: str
+    partition: str
     keys: list[str]
     fields: dict[str, ReserveField]
     version: Version = -1
@@ -94,7 +94,7 @@ class Abort(_Body):
 
 
 class Get(_Body):
-    pid: str
+    partition: str
     keys: list[str]
     fields: list[str] | None = None
     shm: bool = False
@@ -103,12 +103,12 @@ class Get(_Body):
 
 
 class Clear(_Body):
-    pid: str
+    partition: str
     keys: list[str]
 
 
 class OnePartition(_Body):
-    pid: str
+    partition: str
 
 
 class Stats(_Body):
@@ -121,13 +121,13 @@ TxnId = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 class Prepare(_Body):
     """``txn`` is chosen by the client (at random), so it can abort a prepare whose answer it never saw."""
 
-    pid: str
+    partition: str
     specs: dict[str, WireSpec]
     txn: TxnId
 
 
 class IndexCommit(_Body):
-    pid: str
+    partition: str
     keys: list[str]
     fields: list[str] = []
     tags: Tags = None
@@ -154,7 +154,7 @@ LeaseS = Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)]
 
 
 class Next(_Body):
-    pid: str
+    partition: str
     task: str
     batch_size: Positive
     fields: list[str]
@@ -170,7 +170,7 @@ class Next(_Body):
 class Ready(_Body):
     """Rows ready for a client-side sampler: wait until ``min_rows`` are (or the partition is finished)."""
 
-    pid: str
+    partition: str
     task: str
     fields: list[str]
     min_rows: Count = 1
@@ -181,7 +181,7 @@ class Ready(_Body):
 
 
 class Claim(_Body):
-    pid: str
+    partition: str
     task: str
     fields: list[str]
     keys: list[str]
@@ -194,7 +194,7 @@ class Claim(_Body):
 class Release(_Body):
     """Give back what take ``take`` got (a call its consumer gave up on, or a lease it lets go)."""
 
-    pid: str
+    partition: str
     task: str
     take: TakeId
 
@@ -202,41 +202,41 @@ class Release(_Body):
 class Ack(_Body):
     """The consumer is done with ``keys`` of leased take ``take``: they stay taken for good."""
 
-    pid: str
+    partition: str
     task: str
     take: TakeId
     keys: list[str]
 
 
 class Reset(_Body):
-    pid: str
+    partition: str
     task: str | None = None
 
 
 class Consumption(_Body):
-    pid: str
+    partition: str
     task: str
     fields: list[str] | None = None
 
 
 class Consumed(_Body):
-    pid: str
+    partition: str
     task: str
 
 
 class Tasks(_Body):
-    """The consumer tasks of partition ``pid`` with their counts, and the partition's rows, fields and
+    """The consumer tasks of partition ``partition`` with their counts, and the partition's rows, fields and
     whether it is finished (``rlplane store status --watch``)."""
 
-    pid: str
+    partition: str
 
 
 class ListKeys(_Body):
-    pid: str | None = None
+    partition: str | None = None
 
 
 class Resolve(_Body):
-    pid: str
+    partition: str
     keys: list[str]
 
 

@@ -42,8 +42,9 @@ def refused_traffic(registry: dict) -> None:
     import msgspec
     import zmq
 
-    from dataplane.wire import frames, unix
-    from dataplane.wire.auth import Credentials, secure_client
+    from dataplane.transport import unix
+    from dataplane.transport.auth import Credentials, secure_client
+    from dataplane.wire import frames
 
     index = registry["index"]
     ctx = zmq.Context.instance()
@@ -79,7 +80,7 @@ def refused_traffic(registry: dict) -> None:
         [msgspec.msgpack.encode([1, "stats", {}, frames.PROTOCOL_VERSION + 1])],  # another version
         [b"\xc1 is no msgpack"],
         frames.encode_request(2, "no-such-op", {}),
-        frames.encode_request(3, "list", {"pid": 5}),  # a partition id must be a str
+        frames.encode_request(3, "list", {"partition": 5}),  # a partition id must be a str
     ]
     for req in requests:
         good.send_multipart(req)
@@ -128,7 +129,7 @@ def dead_shard() -> None:
     from dataplane.config import StoreConfig
     from dataplane.errors import ShardUnavailableError
     from dataplane.service.launch import start_service
-    from dataplane.wire.liveness import process_start
+    from dataplane.transport.liveness import process_start
 
     registry, handle = start_service(StoreConfig.from_options(name="victim", num_shards=1))
     client = StoreClient(registry)

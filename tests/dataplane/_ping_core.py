@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dataplane.server.index import IndexCore
+from dataplane.server.index.core import IndexCore
 from dataplane.wire import protocol as _protocol
 
 

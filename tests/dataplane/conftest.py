@@ -136,7 +136,7 @@ def raw_socket(
     """
     import zmq
 
-    from dataplane.wire.auth import Credentials, secure_client
+    from dataplane.transport.auth import Credentials, secure_client
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -151,13 +151,13 @@ def raw_socket(
 
 
 class UnixDealer:
-    """A raw Unix-lane connection (``wire.unix``) with the few DEALER methods the raw-socket tests use,
+    """A raw Unix-lane connection (``transport.unix``) with the few DEALER methods the raw-socket tests use,
     so one test body can check a service's answers over zmq and over the Unix lane alike."""
 
     def __init__(self, address: str, secret: str) -> None:
         from collections import deque
 
-        from dataplane.wire import unix
+        from dataplane.transport import unix
 
         self.conn = unix.connect(address, secret, max_frames=1 << 20, max_bytes=-1)
         self.inbox: deque = deque()
@@ -166,7 +166,7 @@ class UnixDealer:
         assert self.conn.send_all(list(frames), time.monotonic() + 30), "the service closed the connection"
 
     def poll(self, timeout: int | None = None, flags: int = 1) -> int:
-        from dataplane.wire import unix
+        from dataplane.transport import unix
 
         deadline = time.monotonic() + (timeout if timeout is not None else 1e9) / 1000
         while not self.inbox and not self.conn.closed:

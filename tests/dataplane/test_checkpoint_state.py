@@ -12,8 +12,8 @@ import pytest
 
 from dataplane.errors import CheckpointError
 from dataplane.server.checkpoint_files import DataWriter, new_token, open_checked, open_dir, read_into
-from dataplane.server.index import IndexCore
-from dataplane.server.streams import PartitionStreams
+from dataplane.server.index.core import IndexCore
+from dataplane.server.index.streams import PartitionStreams
 
 F32 = ["dense", "float32", [4]]
 
@@ -27,22 +27,24 @@ def _busy_index() -> IndexCore:
     core = IndexCore()
     keys = [f"k{i}" for i in range(12)]
     tags = [{"uid": i // 3, "n": [i, {"x": i}]} for i in range(12)]
-    call(core, "commit", {"pid": "p", "keys": keys, "fields": ["a"], "tags": tags, "specs": {"a": F32}})
-    call(core, "commit", {"pid": "p", "keys": keys[:8], "fields": ["b"], "specs": {"b": F32}})
-    call(core, "next", {"pid": "p", "task": "t", "batch_size": 3, "fields": ["a"]})
+    call(core, "commit", {"partition": "p", "keys": keys, "fields": ["a"], "tags": tags, "specs": {"a": F32}})
+    call(core, "commit", {"partition": "p", "keys": keys[:8], "fields": ["b"], "specs": {"b": F32}})
+    call(core, "next", {"partition": "p", "task": "t", "batch_size": 3, "fields": ["a"]})
     group = {"name": "group", "group_tag": "uid", "group_size": 3}
-    call(core, "next", {"pid": "p", "task": "g", "batch_size": 3, "fields": ["a", "b"], "sampler": group})
+    call(
+        core, "next", {"partition": "p", "task": "g", "batch_size": 3, "fields": ["a", "b"], "sampler": group}
+    )
     call(
         core,
         "next",
-        {"pid": "p", "task": "r", "batch_size": 2, "fields": ["a"], "dp_rank": 1, "batch_index": 4},
+        {"partition": "p", "task": "r", "batch_size": 2, "fields": ["a"], "dp_rank": 1, "batch_index": 4},
     )
-    lease = {"pid": "p", "task": "l", "batch_size": 4, "fields": ["a"], "take": "L1", "lease_s": 600}
+    lease = {"partition": "p", "task": "l", "batch_size": 4, "fields": ["a"], "take": "L1", "lease_s": 600}
     call(core, "next", lease)
-    call(core, "ack", {"pid": "p", "task": "l", "take": "L1", "keys": ["k0"]})  # 3 keys stay leased
-    call(core, "commit", {"pid": "q", "keys": ["gone"]})
-    call(core, "clear", {"pid": "q", "keys": ["gone"]})
-    call(core, "finish", {"pid": "q"})  # an empty, finished partition
+    call(core, "ack", {"partition": "p", "task": "l", "take": "L1", "keys": ["k0"]})  # 3 keys stay leased
+    call(core, "commit", {"partition": "q", "keys": ["gone"]})
+    call(core, "clear", {"partition": "q", "keys": ["gone"]})
+    call(core, "finish", {"partition": "q"})  # an empty, finished partition
     return core
 
 
@@ -61,23 +63,23 @@ def test_the_index_metadata_round_trips_through_its_file(tmp_path):
     (tmp_path / token).touch()
     saved = call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
     assert saved.partitions == {"p": 12, "q": 0}
-    call(core, "clear", {"pid": "p", "keys": ["k4"]})  # cleared while the shards saved: left out
+    call(core, "clear", {"partition": "p", "keys": ["k4"]})  # cleared while the shards saved: left out
     done = call(core, "checkpoint_finish", {"save": saved.save, "missing": {"p": ["k4"]}})
     assert done.partitions == {"p": 11, "q": 0}
     fresh = IndexCore()
-    call(fresh, "commit", {"pid": "q", "keys": ["z"]})
+    call(fresh, "commit", {"partition": "q", "keys": ["z"]})
     staged = call(fresh, "checkpoint_stage", {"path": str(tmp_path), **done.file})
     assert staged.existing == ["q"] and fresh.partitions["q"].keys.keys() == {"z"}  # nothing changed yet
     with pytest.raises(CheckpointError, match=r"now holds partitions \['q'\]"):
         call(fresh, "checkpoint_install", {"load": staged.load})
     call(fresh, "checkpoint_install", {"load": staged.load, "overwrite": True})
     assert _state(fresh) == _state(core)
-    again = {"pid": "p", "task": "t", "batch_size": 2, "fields": ["a"]}
+    again = {"partition": "p", "task": "t", "batch_size": 2, "fields": ["a"]}
     assert call(fresh, "next", again) == call(core, "next", again)
     leased = fresh.partitions["p"].streams.tasks["l"].leased
     assert sorted(leased) == ["k1", "k2", "k3"] and [e[4] for e in fresh.lease_due] == ["L1"]
     fresh.expire_leases(time.monotonic() + 601)  # the lease runs out in the loaded store too
-    assert call(fresh, "consumption", {"pid": "p", "task": "l"}).ready == 11 - 1
+    assert call(fresh, "consumption", {"partition": "p", "task": "l"}).ready == 11 - 1
     assert fresh.schemas["p"].keys() == {"a", "b"} and all(e.confirmed for e in fresh.schemas["p"].values())
 
 

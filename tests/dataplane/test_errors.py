@@ -301,7 +301,8 @@ def test_a_bad_streaming_dataset_raises_a_dataplane_error_that_is_also_the_built
 
 
 def test_the_bridges_refusals_are_dataplane_errors():
-    from dataplane._worker_bridge import BridgeError, _first_request
+    from dataplane.bridge import _first_request
+    from dataplane.errors import BridgeError
 
     req = dp.StreamRequest("p", "t", 1, ["x"])
     with pytest.raises(dp.ArgumentTypeError, match="one StreamRequest"):

@@ -86,7 +86,7 @@ def test_dead_index_store_is_stopped_and_started_afresh(ray_cluster, pid):
 
 def test_a_one_round_trip_put_names_a_dead_index_within_seconds(ray_cluster, pid):
     # A small put of a confirmed schema goes to its shard only, which commits it in the index itself
-    # (``server.shard_actor``): with the index dead, the shard finds out at once (its Unix-lane
+    # (``server.shard.actor``): with the index dead, the shard finds out at once (its Unix-lane
     # connection to the index is closed, so the commit cannot have been delivered) and takes the row
     # back; the writer learns exactly that: the index is dead and nothing was written.
     with own_store("t-fault-put-ready", num_shards=1, rpc_timeout_s=60) as (cfg, registry):

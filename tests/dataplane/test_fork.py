@@ -1,6 +1,6 @@
 """A forked child must never talk on its parent's connections.
 
-Blocking clients keep their Unix-lane connections in a pool (``wire.transport.SyncTransport``); a
+Blocking clients keep their Unix-lane connections in a pool (``transport.clients.SyncTransport``); a
 fork copies that pool. Were the child to take a pooled connection, parent and child would share one
 socket and read each other's replies: each would drop the other's as a stale reply and wait for its
 own, which the other had read. The transport drops what it inherited in a forked child.

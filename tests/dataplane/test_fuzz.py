@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 
 from dataplane import errors
-from dataplane.server.index import IndexCore
-from dataplane.server.shard import ShardCore
+from dataplane.server.index.core import IndexCore
+from dataplane.server.shard.core import ShardCore
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import reply
@@ -157,7 +157,7 @@ def _reserve(rng: random.Random, core: ShardCore) -> tuple[str, dict, list]:
                 frames.append(offsets)
             entry["col"] = col
         fields[name] = entry
-    body = {"pid": rng.choice(PIDS), "keys": keys, "fields": fields, "version": rng.randrange(-1, 3)}
+    body = {"partition": rng.choice(PIDS), "keys": keys, "fields": fields, "version": rng.randrange(-1, 3)}
     return "reserve", body, frames
 
 
@@ -169,14 +169,14 @@ def _commit(rng: random.Random, core: ShardCore) -> tuple[str, dict, list]:
     offsets: dict[str, int] = {}
     frames: list[bytes] = []
     for name, entry in resv.fields.items():
-        spec = entry["spec"]
-        if "file" in entry:
+        spec = entry.spec
+        if entry.file is not None:
             if rng.random() < 0.5:  # the writer copies its rows in (bytes only: the shard never looks)
-                entry["file"].view()[: entry["nbytes"]] = rng.randbytes(entry["nbytes"])
+                entry.file.view()[: entry.nbytes] = rng.randbytes(entry.nbytes)
             if spec.row_nbytes() is None:
                 unit = spec.row_bytes() if spec.kind == "jagged" else 1
                 offsets[name] = len(frames)
-                frames.append(_split(rng, len(resv.keys), entry["nbytes"], unit))
+                frames.append(_split(rng, len(resv.keys), entry.nbytes, unit))
     return "commit", {"resv": rid, "offsets": offsets}, frames
 
 
@@ -196,7 +196,7 @@ def _get(rng: random.Random, core: ShardCore) -> tuple[str, dict, list]:
         common = set.intersection(*(set(rows[k]) for k in keys))
         fields = rng.sample(sorted(common), rng.randint(1, len(common))) if common else None
     body = {
-        "pid": pid,
+        "partition": pid,
         "keys": keys,
         "fields": fields,
         "shm": rng.random() < 0.5,
@@ -207,11 +207,11 @@ def _get(rng: random.Random, core: ShardCore) -> tuple[str, dict, list]:
 
 
 def _delete(rng: random.Random, core: Any) -> tuple[str, dict, list]:
-    return "clear", {"pid": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
+    return "clear", {"partition": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
 
 
 def _drop(rng: random.Random, core: Any) -> tuple[str, dict, list]:
-    return "clear_partition", {"pid": rng.choice(PIDS)}, []
+    return "clear_partition", {"partition": rng.choice(PIDS)}, []
 
 
 def _stats(rng: random.Random, core: Any) -> tuple[str, dict, list]:
@@ -232,7 +232,11 @@ SHARD_BUILDERS = [
 def _prepare(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
     names = rng.sample(sorted(FIELDS), rng.randint(1, 3))
     specs = {n: _spec_of(rng, n) for n in names}
-    return "prepare", {"pid": rng.choice(PIDS), "specs": specs, "txn": _txn(rng, core, open_share=0.05)}, []
+    return (
+        "prepare",
+        {"partition": rng.choice(PIDS), "specs": specs, "txn": _txn(rng, core, open_share=0.05)},
+        [],
+    )
 
 
 def _txn(rng: random.Random, core: IndexCore, open_share: float = 0.9) -> int:
@@ -250,7 +254,7 @@ def _index_commit(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]
     tags = None
     if rng.random() < 0.5:
         tags = [rng.choice([None, {}, {"score": rng.random()}, {"n": rng.randrange(9)}]) for _ in keys]
-    return "commit", {"pid": pid, "keys": keys, "fields": fields, "tags": tags, "txn": txn}, []
+    return "commit", {"partition": pid, "keys": keys, "fields": fields, "tags": tags, "txn": txn}, []
 
 
 def _index_abort(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
@@ -258,11 +262,11 @@ def _index_abort(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
 
 
 def _list(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
-    return "list", {"pid": rng.choice([None, *PIDS])}, []
+    return "list", {"partition": rng.choice([None, *PIDS])}, []
 
 
 def _resolve(rng: random.Random, core: IndexCore) -> tuple[str, dict, list]:
-    return "resolve", {"pid": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
+    return "resolve", {"partition": rng.choice(PIDS), "keys": rng.sample(KEYS, rng.randint(1, 4))}, []
 
 
 INDEX_BUILDERS = [
@@ -553,7 +557,7 @@ def _check_shard(core: ShardCore) -> list[str]:
     if core.capacity is not None and core.used + core.pending > core.capacity:
         bad.append(f"used {core.used} + reserved {core.pending} > capacity {core.capacity}")
     files = {s.file.file_id for s in segs.values() if s.file is not None}
-    files |= {e["file"].file_id for r in core._resv.values() for e in r.fields.values() if "file" in e}
+    files |= {e.file.file_id for r in core._resv.values() for e in r.fields.values() if e.file is not None}
     if set(core.pool.live) != files:
         bad.append(
             f"shared-memory files held live {sorted(core.pool.live)} != those of live segments and "
@@ -781,10 +785,10 @@ def test_regression_zero_key_commit_leaks():
             "s": {"spec": spec, "nbytes": 0, "col": col},
             "x": {"spec": ["dense", "uint8", [4]], "nbytes": 0},
         }
-        rep = _call(core, "reserve", {"pid": "p", "keys": [], "fields": fields}, [b"", _offsets([])])
+        rep = _call(core, "reserve", {"partition": "p", "keys": [], "fields": fields}, [b"", _offsets([])])
         if rep.error is None:  # refused outright is a fix too
             _call(core, "commit", {"resv": _resv(rep)})
-        _call(core, "clear_partition", {"pid": "p"})
+        _call(core, "clear_partition", {"partition": "p"})
         st = core.stats()
         assert not _check_shard(core), _check_shard(core)
         assert st.bytes_used == 0 and st.bytes_heap == 0 and st.shm_files == 0, st
@@ -802,10 +806,10 @@ def test_regression_get_of_no_keys_with_fields():
     try:
         col = {"spec": ["dense", "uint8", [1]], "rows": 1, "data": 0}
         fields = {"x": {"spec": ["dense", "uint8", [1]], "nbytes": 1, "col": col}}
-        rep = _call(core, "reserve", {"pid": "p", "keys": ["a"], "fields": fields}, [b"z"])
+        rep = _call(core, "reserve", {"partition": "p", "keys": ["a"], "fields": fields}, [b"z"])
         assert _call(core, "commit", {"resv": _resv(rep)}).error is None
         for shm in (False, True):
-            rep = _call(core, "get", {"pid": "p", "keys": [], "fields": ["x"], "shm": shm})
+            rep = _call(core, "get", {"partition": "p", "keys": [], "fields": ["x"], "shm": shm})
             assert rep.error is None or not _internal(rep.error), rep.error
     finally:
         core.close()
@@ -822,9 +826,9 @@ def test_regression_index_commit_with_a_txn_of_another_partition():
     """
     core = IndexCore()
     spec = {"x": ["dense", "float32", []]}
-    prepared = _call(core, "prepare", {"pid": "a", "specs": spec, "txn": 1}, max_frames=0)
+    prepared = _call(core, "prepare", {"partition": "a", "specs": spec, "txn": 1}, max_frames=0)
     txn = reply(prepared.body, _protocol.PrepareReply).txn
-    _call(core, "commit", {"pid": "b", "keys": ["k"], "fields": ["x"], "txn": txn}, max_frames=0)
+    _call(core, "commit", {"partition": "b", "keys": ["k"], "fields": ["x"], "txn": txn}, max_frames=0)
     assert not _check_index(core), _check_index(core)
 
 
@@ -843,12 +847,12 @@ def test_regression_huge_jagged_row_overflows():
         col = {"spec": spec, "rows": 1, "data": 0, "offsets": 1}
         fields = {"j": {"spec": spec, "nbytes": 8, "col": col}}
         rep = _call(
-            core, "reserve", {"pid": "p", "keys": ["a"], "fields": fields}, [b"\0" * 8, _offsets([8])]
+            core, "reserve", {"partition": "p", "keys": ["a"], "fields": fields}, [b"\0" * 8, _offsets([8])]
         )
         if rep.error is None or _internal(rep.error):
             problems.append(f"inline reserve: {rep.error}")
         rep = _call(
-            core, "reserve", {"pid": "p", "keys": ["a"], "fields": {"j": {"spec": spec, "nbytes": 8}}}
+            core, "reserve", {"partition": "p", "keys": ["a"], "fields": {"j": {"spec": spec, "nbytes": 8}}}
         )
         if rep.error is None:
             rep = _call(core, "commit", {"resv": _resv(rep), "offsets": {"j": 0}}, [_offsets([8])])
@@ -873,7 +877,7 @@ def test_regression_invalid_utf8_is_untyped():
         _, out = _answer(core, [bad_header])
         rep = _wire.decode_raw_reply(out)[0]
         assert rep.error[0] == "WireError", rep.error
-        # [7, "clear_partition", {"pid": <invalid utf-8>}, version]
+        # [7, "clear_partition", {"partition": <invalid utf-8>}, version]
         bad_body = b"\x94\x07\xafclear_partition\x81\xa3pid\xa2\xf4g" + bytes([_wire.PROTOCOL_VERSION])
         _, out = _answer(core, [bad_body])
         rep = _wire.decode_raw_reply(out)[0]

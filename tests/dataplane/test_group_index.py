@@ -7,9 +7,9 @@ import random
 
 from dataplane import samplers
 from dataplane.samplers import GroupSampler, ReadyRows, complete_groups
-from dataplane.server import ready as ready_mod
-from dataplane.server.index import IndexCore
-from dataplane.server.ready import ReadyKeys
+from dataplane.server.index import ready as ready_mod
+from dataplane.server.index.core import IndexCore
+from dataplane.server.index.ready import ReadyKeys
 
 from .test_samplers import PENDING, call, put
 
@@ -64,7 +64,7 @@ def test_a_commit_costs_the_same_beside_many_rows_in_incomplete_groups(monkeypat
     core = IndexCore()
     n = 50_000
     put(core, "p", [f"s{i}" for i in range(n)], ["x"], tags=[{"uid": f"g{i // 2}"} for i in range(n)])
-    body = {"pid": "p", "batch_size": 4, "fields": ["x"], "sampler": GroupSampler("uid", 4).spec()}
+    body = {"partition": "p", "batch_size": 4, "fields": ["x"], "sampler": GroupSampler("uid", 4).spec()}
     for t in range(4):
         assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING  # builds each stream's index
     looked = [0]

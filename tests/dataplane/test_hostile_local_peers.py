@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import dataplane as dp
-from dataplane.wire import unix
+from dataplane.transport import unix
+from dataplane.transport.clients import SyncTransport
 from dataplane.wire.requests import INDEX, Call
-from dataplane.wire.transport import SyncTransport
 from tests.forkserver import run_python
 
 from .conftest import store_fixtures, wait_for
@@ -212,7 +212,7 @@ def _read_past_the_end() -> None:
     from dataplane.client.mappings import ShardMemory
     from dataplane.client.sharding import HashPlacement
     from dataplane.codec.columns import encode_fields
-    from dataplane.server.segments import GenTable, ShmFile
+    from dataplane.server.shard.segments import GenTable, ShmFile
     from dataplane.wire import frames as _wire
     from dataplane.wire.requests import decode_result
 

@@ -51,7 +51,7 @@ def socks(store, request):
     make = raw_socket if request.param == "zmq" else raw_unix_socket
     index, shard = make(store, "index"), make(store, 0)
     # One ready row, so a consumer's arguments reach the sampler (a partition nobody wrote parks first).
-    assert _ask(index, "commit", {"pid": "hostile", "keys": ["z"], "fields": ["x"]}).error is None
+    assert _ask(index, "commit", {"partition": "hostile", "keys": ["z"], "fields": ["x"]}).error is None
     yield {"index": index, "shard": shard}
     index.close(linger=0)
     shard.close(linger=0)
@@ -71,12 +71,12 @@ def _ask(sock, op: str, body: dict, frames=()) -> _wire.RawReply:
 
 SPEC = ["dense", "uint8", [4]]
 INLINE = {"spec": SPEC, "nbytes": 4, "col": {"spec": SPEC, "rows": 1, "data": 0, "offsets": -1, "shapes": -1}}
-RESERVE = {"pid": "hostile", "keys": ["a"], "fields": {"f": INLINE}, "version": -1}
-NEXT = {"pid": "hostile", "task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": 0.05}
+RESERVE = {"partition": "hostile", "keys": ["a"], "fields": {"f": INLINE}, "version": -1}
+NEXT = {"partition": "hostile", "task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": 0.05}
 BALANCED = {**NEXT, "dp_rank": 0, "dp_size": 2, "batch_index": 0}
-READY = {"pid": "hostile", "task": "t", "fields": ["x"], "min_rows": 1, "limit": 8, "timeout_s": 0.05}
+READY = {"partition": "hostile", "task": "t", "fields": ["x"], "min_rows": 1, "limit": 8, "timeout_s": 0.05}
 COMMIT = {
-    "pid": "hostile",
+    "partition": "hostile",
     "keys": ["a"],
     "fields": ["x"],
     "txn": 1,
@@ -98,11 +98,11 @@ FIELDS: dict[str, tuple[str, str, dict, tuple]] = {
     "commit.offsets": ("shard", "commit", {"resv": 1, "offsets": {"f": 0}}, ("offsets", "f")),
     "commit.shapes": ("shard", "commit", {"resv": 1, "shapes": {"f": 0}}, ("shapes", "f")),
     "abort.resv": ("shard", "abort", {"resv": 1}, ("resv",)),
-    "get.version": ("shard", "get", {"pid": "hostile", "keys": ["a"], "version": -1}, ("version",)),
+    "get.version": ("shard", "get", {"partition": "hostile", "keys": ["a"], "version": -1}, ("version",)),
     "index.prepare.spec-dim": (
         "index",
         "prepare",
-        {"pid": "hostile", "specs": COMMIT["specs"]},
+        {"partition": "hostile", "specs": COMMIT["specs"]},
         ("specs", "x", 2, 0),
     ),
     "index.commit.txn": ("index", "commit", COMMIT, ("txn",)),
@@ -139,13 +139,13 @@ FIELDS: dict[str, tuple[str, str, dict, tuple]] = {
     "index.claim.dp_rank": (
         "index",
         "claim",
-        {"pid": "hostile", "task": "t", "fields": ["x"], "keys": ["a"], "dp_rank": 0, "batch_index": 0},
+        {"partition": "hostile", "task": "t", "fields": ["x"], "keys": ["a"], "dp_rank": 0, "batch_index": 0},
         ("dp_rank",),
     ),
     "index.claim.batch_index": (
         "index",
         "claim",
-        {"pid": "hostile", "task": "t", "fields": ["x"], "keys": ["a"], "dp_rank": 0, "batch_index": 0},
+        {"partition": "hostile", "task": "t", "fields": ["x"], "keys": ["a"], "dp_rank": 0, "batch_index": 0},
         ("batch_index",),
     ),
 }
@@ -177,7 +177,7 @@ def _still_serving(socks: dict) -> None:
     """Both services answer at once, and the index still parks a request and times it out."""
     assert _ask(socks["shard"], "stats", {}).error is None
     assert _ask(socks["index"], "stats", {}).error is None
-    rep = _ask(socks["index"], "next", {**NEXT, "pid": "never-written"})
+    rep = _ask(socks["index"], "next", {**NEXT, "partition": "never-written"})
     assert rep.error is not None and rep.error[0] == "PartitionNotFoundError", rep.error
 
 

@@ -19,8 +19,8 @@ from dataplane.errors import (
     ShardUnavailableError,
     WireError,
 )
-from dataplane.server.index import IndexCore
-from dataplane.server.index_records import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT
+from dataplane.server.index.core import IndexCore
+from dataplane.server.index.records import CLEARED_KEYS_KEPT, CLEARED_PARTITIONS_KEPT
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
@@ -36,7 +36,7 @@ def call(core: IndexCore, op: str, body: dict) -> Any:
 
 def prepare(core: IndexCore, pid: str, specs: dict, txn: int) -> _protocol.PrepareReply:
     """A put's prepare; ``txn`` is the put's id, chosen by its client."""
-    return call(core, "prepare", {"pid": pid, "specs": specs, "txn": txn})
+    return call(core, "prepare", {"partition": pid, "specs": specs, "txn": txn})
 
 
 class Clock:
@@ -58,7 +58,7 @@ def test_index_decides_a_new_fields_schema_at_prepare():
     call(core, "abort", {"txn": 1})
     with pytest.raises(SchemaError, match="'x'"):  # 3 still relies on it
         prepare(core, "p", {"x": I64}, 4)
-    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "txn": 3})
+    call(core, "commit", {"partition": "p", "keys": ["a"], "fields": ["x"], "txn": 3})
     with pytest.raises(SchemaError, match="'x'"):
         prepare(core, "p", {"x": I64}, 5)
     prepare(core, "q", {"x": I64}, 6)  # partitions are separate
@@ -81,7 +81,7 @@ def test_a_prepare_expires_with_the_reservations_of_its_put():
     a commit that comes later is refused with nothing recorded, as the shards refuse theirs."""
     clock = Clock()
     core = IndexCore(prepare_ttl_s=10.0, clock=clock)
-    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": F32}})  # x decided
+    call(core, "commit", {"partition": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": F32}})  # x decided
     prepare(core, "p", {"x": F32, "y": F32, "z": F32}, 1)  # y, z are new: decided while put 1 is open
     clock.now += 9.9
     with pytest.raises(SchemaError, match="'y'.*put in flight") as err:
@@ -91,16 +91,16 @@ def test_a_prepare_expires_with_the_reservations_of_its_put():
     assert prepare(core, "p", {"y": I64}, 3) == _protocol.PrepareReply(
         txn=3
     )  # put 1 expired: y undecided, 3 decides it
-    one_trip = {"pid": "p", "keys": ["c"], "fields": ["z"], "specs": {"z": I64}}  # a put_ready's commit
+    one_trip = {"partition": "p", "keys": ["c"], "fields": ["z"], "specs": {"z": I64}}  # a put_ready's commit
     call(core, "commit", one_trip)  # z is undecided again too
     with pytest.raises(SchemaError, match="'x'"):  # a field decided by a commit stays decided
         prepare(core, "p", {"x": I64}, 4)
     with pytest.raises(ReservationExpiredError, match="put 1 .*expired.*nothing was recorded"):
-        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x", "y"], "txn": 1})
-    assert call(core, "list", {"pid": "p"}).list == {"p": {"a": {}, "c": {}}}  # b was not recorded
+        call(core, "commit", {"partition": "p", "keys": ["b"], "fields": ["x", "y"], "txn": 1})
+    assert call(core, "list", {"partition": "p"}).list == {"p": {"a": {}, "c": {}}}  # b was not recorded
     with pytest.raises(ReservationExpiredError):  # a put id the index never saw: refused alike
-        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["x"], "txn": 77})
-    call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "txn": 3})
+        call(core, "commit", {"partition": "p", "keys": ["b"], "fields": ["x"], "txn": 77})
+    call(core, "commit", {"partition": "p", "keys": ["b"], "fields": ["y"], "txn": 3})
     assert call(core, "stats", {}).puts == {"open": 0, "aborted": 0, "expired": 1, "refused": 0}
 
 
@@ -124,23 +124,25 @@ def test_an_abort_that_overtakes_its_prepare_makes_the_index_refuse_the_prepare(
 
 def test_index_fields_tags_list_resolve_drop():
     core = IndexCore()
-    r = call(core, "commit", {"pid": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None]})
+    r = call(
+        core, "commit", {"partition": "p", "keys": ["a", "b"], "fields": ["x"], "tags": [{"s": 1}, None]}
+    )
     assert r == _protocol.CommitReply(fields=["x"], tags=[{"s": 1}, {}])
-    r = call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}]})
+    r = call(core, "commit", {"partition": "p", "keys": ["a"], "fields": ["y"], "tags": [{"t": 2}]})
     assert r.fields == ["x", "y"] and r.tags == [{"s": 1, "t": 2}]
-    assert call(core, "list", {"pid": "p"}).list == {"p": {"a": {"s": 1, "t": 2}, "b": {}}}
-    assert call(core, "list", {"pid": "zz"}).list == {}
-    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}) == _protocol.ResolveReply(
+    assert call(core, "list", {"partition": "p"}).list == {"p": {"a": {"s": 1, "t": 2}, "b": {}}}
+    assert call(core, "list", {"partition": "zz"}).list == {}
+    assert call(core, "resolve", {"partition": "p", "keys": ["a", "c"]}) == _protocol.ResolveReply(
         partition=True, known={"a": ["x", "y"]}, cleared=[], cleared_kept=CLEARED_KEYS_KEPT
     )
-    call(core, "clear", {"pid": "p", "keys": ["a"]})
+    call(core, "clear", {"partition": "p", "keys": ["a"]})
     assert call(core, "stats", {}).partitions == {"p": 1}
-    assert call(core, "resolve", {"pid": "p", "keys": ["a", "c"]}).cleared == ["a"]  # c: never written
-    call(core, "clear_partition", {"pid": "p"})
-    gone = call(core, "resolve", {"pid": "p", "keys": ["b"]})
+    assert call(core, "resolve", {"partition": "p", "keys": ["a", "c"]}).cleared == ["a"]  # c: never written
+    call(core, "clear_partition", {"partition": "p"})
+    gone = call(core, "resolve", {"partition": "p", "keys": ["b"]})
     assert gone.partition is False and gone.error is not None and "it was cleared" in gone.error, gone
     with pytest.raises(WireError, match="malformed 'commit'"):
-        call(core, "commit", {"pid": "p", "keys": "a"})
+        call(core, "commit", {"partition": "p", "keys": "a"})
     with pytest.raises(WireError, match="unknown operation 'evil'"):
         call(core, "evil", {})
 
@@ -148,19 +150,19 @@ def test_index_fields_tags_list_resolve_drop():
 def test_index_remembers_cleared_keys_and_partitions_within_a_bound():
     core = IndexCore()
     keys = [f"k{i}" for i in range(CLEARED_KEYS_KEPT + 1)]
-    call(core, "commit", {"pid": "p", "keys": keys, "fields": ["x"]})
-    call(core, "clear", {"pid": "p", "keys": keys})  # in order: k0 is the oldest
-    said = call(core, "resolve", {"pid": "p", "keys": ["k0", "k1", keys[-1]]})
+    call(core, "commit", {"partition": "p", "keys": keys, "fields": ["x"]})
+    call(core, "clear", {"partition": "p", "keys": keys})  # in order: k0 is the oldest
+    said = call(core, "resolve", {"partition": "p", "keys": ["k0", "k1", keys[-1]]})
     assert said.cleared == ["k1", keys[-1]], "the oldest cleared key is forgotten past the bound"
     for i in range(CLEARED_PARTITIONS_KEPT + 1):
-        call(core, "commit", {"pid": f"q{i}", "keys": ["a"], "fields": ["x"]})
-        call(core, "clear_partition", {"pid": f"q{i}"})
-    oldest = call(core, "resolve", {"pid": "q0", "keys": ["a"]}).error
-    newest = call(core, "resolve", {"pid": "q1", "keys": ["a"]}).error
+        call(core, "commit", {"partition": f"q{i}", "keys": ["a"], "fields": ["x"]})
+        call(core, "clear_partition", {"partition": f"q{i}"})
+    oldest = call(core, "resolve", {"partition": "q0", "keys": ["a"]}).error
+    newest = call(core, "resolve", {"partition": "q1", "keys": ["a"]}).error
     assert "it was cleared" in newest and "it was cleared" not in oldest, (oldest, newest)
     assert f"last {CLEARED_PARTITIONS_KEPT} partitions cleared" in oldest, oldest
-    call(core, "commit", {"pid": "step1", "keys": ["a"], "fields": ["x"]})
-    typo = call(core, "resolve", {"pid": "setp1", "keys": ["a"]}).error
+    call(core, "commit", {"partition": "step1", "keys": ["a"], "fields": ["x"]})
+    typo = call(core, "resolve", {"partition": "setp1", "keys": ["a"]}).error
     assert "did you mean 'step1'?" in typo, typo
 
 
@@ -220,28 +222,32 @@ def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
     later put could declare the field again with another dtype while rows of the first one exist."""
     core = IndexCore()
     txn = prepare(core, "p", {"y": F32}, 1).txn
-    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["y"], "specs": {"y": F32}})
+    call(core, "commit", {"partition": "p", "keys": ["a"], "fields": ["y"], "specs": {"y": F32}})
     call(core, "abort", {"txn": txn})
     with pytest.raises(SchemaError, match="'y'"):
         prepare(core, "p", {"y": I64}, 2)
     with pytest.raises(SchemaError, match="'y'"):  # the same spec is remembered, another is checked
-        call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": I64}})
-    call(core, "commit", {"pid": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": F32}})
-    assert sorted(call(core, "list", {"pid": "p"}).list["p"]) == ["a", "b"]
+        call(core, "commit", {"partition": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": I64}})
+    call(core, "commit", {"partition": "p", "keys": ["b"], "fields": ["y"], "specs": {"y": F32}})
+    assert sorted(call(core, "list", {"partition": "p"}).list["p"]) == ["a", "b"]
 
 
 def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
     core = IndexCore()
-    call(core, "commit", {"pid": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}})
+    call(
+        core,
+        "commit",
+        {"partition": "p", "keys": ["a"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}},
+    )
     res = call(
         core,
         "commits",
         {
             "items": [
-                {"pid": "p", "keys": ["b"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}},
-                {"pid": "p", "keys": ["c"], "fields": ["x"], "specs": {"x": ["dense", "float32", []]}},
+                {"partition": "p", "keys": ["b"], "fields": ["x"], "specs": {"x": ["dense", "int64", []]}},
+                {"partition": "p", "keys": ["c"], "fields": ["x"], "specs": {"x": ["dense", "float32", []]}},
                 {
-                    "pid": "p",
+                    "partition": "p",
                     "keys": ["d"],
                     "fields": ["y"],
                     "tags": [{"t": 1}],
@@ -254,4 +260,4 @@ def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
     name, msg, attrs = res[1].err
     assert name == "SchemaError" and attrs["field"] == "x" and "float32" in msg
     assert res[2] == _protocol.CommitResult(ok=_protocol.CommitReply(fields=["y"], tags=[{"t": 1}]))
-    assert sorted(call(core, "list", {"pid": "p"}).list["p"]) == ["a", "b", "d"]  # "c" was not recorded
+    assert sorted(call(core, "list", {"partition": "p"}).list["p"]) == ["a", "b", "d"]  # "c" was not recorded

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from dataplane.errors import DataplaneError, WireError
-from dataplane.server import index_streaming
-from dataplane.server.index import IndexCore
+from dataplane.server.index import streaming as index_streaming
+from dataplane.server.index.core import IndexCore
 from dataplane.wire import protocol as _protocol
 
 from .test_samplers import PENDING, call, put
@@ -19,7 +19,7 @@ def take(
     core: IndexCore, pid: str, n: int, take_id: str, lease_s: float | None = None, **kw
 ) -> list[str] | None:
     body = {
-        "pid": pid,
+        "partition": pid,
         "task": "t",
         "batch_size": n,
         "fields": ["x"],
@@ -32,7 +32,7 @@ def take(
 
 
 def counts(core: IndexCore, pid: str = "p") -> tuple[int, int, int]:
-    c = call(core, "consumption", {"pid": pid, "task": "t"})
+    c = call(core, "consumption", {"partition": pid, "task": "t"})
     return c.consumed, c.ready, c.leased
 
 
@@ -45,12 +45,14 @@ def test_a_take_given_back_by_id_is_first_in_line_and_its_id_is_spent():
     put(core, "p", ["a", "b", "c"], ["x"])
     assert take(core, "p", 2, "T1") == ["a", "b"]
     assert take(core, "p", 2, "T1") == ["a", "b"]  # a retry of the same take: the same keys
-    assert call(core, "release", {"pid": "p", "task": "t", "take": "T1"}) == _protocol.ReleaseReply(2, True)
+    assert call(core, "release", {"partition": "p", "task": "t", "take": "T1"}) == _protocol.ReleaseReply(
+        2, True
+    )
     assert counts(core) == (0, 3, 0)
     with pytest.raises(DataplaneError, match="given back"):
         take(core, "p", 2, "T1")  # a late duplicate of a given-back take
     assert take(core, "p", 3, "T2") == ["a", "b", "c"]
-    assert call(core, "release", {"pid": "q", "task": "t", "take": "T3"}).known is False
+    assert call(core, "release", {"partition": "q", "task": "t", "take": "T3"}).known is False
     with pytest.raises(DataplaneError, match="given back"):
         take(core, "q", 1, "T3")  # the release overtook it
 
@@ -62,33 +64,35 @@ def test_a_lease_runs_out_unless_acknowledged():
     assert take(core, "p", 2, "L2", lease_s=5) == ["c", "d"]
     assert counts(core) == (4, 0, 4)
     assert call(
-        core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a", "b"]}
+        core, "ack", {"partition": "p", "task": "t", "take": "L1", "keys": ["a", "b"]}
     ) == _protocol.AckReply([])
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["c"]}) == _protocol.AckReply([])
+    assert call(
+        core, "ack", {"partition": "p", "task": "t", "take": "L2", "keys": ["c"]}
+    ) == _protocol.AckReply([])
     core.changed.clear()
     later(core, 1)
     assert counts(core) == (4, 0, 1) and not core.changed  # not due yet
     later(core, 6)
     assert core.changed == {"p"} and counts(core) == (3, 1, 0)  # "d" is back
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == _protocol.AckReply(
-        ["d"]
-    )
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L1", "keys": ["a"]}) == _protocol.AckReply(
-        []
-    )  # again
+    assert call(
+        core, "ack", {"partition": "p", "task": "t", "take": "L2", "keys": ["d"]}
+    ) == _protocol.AckReply(["d"])
+    assert call(
+        core, "ack", {"partition": "p", "task": "t", "take": "L1", "keys": ["a"]}
+    ) == _protocol.AckReply([])  # again
     assert take(core, "p", 1, "T3") == ["d"]
-    assert call(core, "ack", {"pid": "p", "task": "t", "take": "L2", "keys": ["d"]}) == _protocol.AckReply(
-        ["d"]
-    )
+    assert call(
+        core, "ack", {"partition": "p", "task": "t", "take": "L2", "keys": ["d"]}
+    ) == _protocol.AckReply(["d"])
 
 
 def test_cleared_and_reset_rows_leave_their_leases():
     core = IndexCore()
     put(core, "p", ["a", "b", "c"], ["x"])
     assert take(core, "p", 2, "L1", lease_s=5) == ["a", "b"]
-    call(core, "clear", {"pid": "p", "keys": ["a"]})
+    call(core, "clear", {"partition": "p", "keys": ["a"]})
     assert counts(core) == (1, 1, 1)
-    call(core, "reset", {"pid": "p", "task": "t"})
+    call(core, "reset", {"partition": "p", "task": "t"})
     assert counts(core) == (0, 2, 0)
     later(core, 10)  # the lease's deadline comes up: nothing is left to give back
     assert counts(core) == (0, 2, 0)
@@ -101,7 +105,9 @@ def test_a_lapsed_lease_of_a_rank_aware_slot_frees_the_slot():
     put(core, "p", ["a", "b", "c", "d"], ["x"])
     slot = {"dp_rank": 0, "dp_size": 2, "batch_index": 0}
     assert take(core, "p", 2, "L1", lease_s=5, **slot) == ["a", "b"]
-    res = call(core, "next", {"pid": "p", "task": "t", "batch_size": 2, "fields": ["x"], "take": "P", **slot})
+    res = call(
+        core, "next", {"partition": "p", "task": "t", "batch_size": 2, "fields": ["x"], "take": "P", **slot}
+    )
     assert res.keys == ["a", "b"] and res.lease == "L1"  # a peer acknowledges under the lease's id
     later(core, 10)
     assert counts(core) == (0, 4, 0)
@@ -115,7 +121,7 @@ def test_the_lease_queue_sheds_acknowledged_leases(monkeypatch):
     for i in range(10):
         take(core, "p", 1, f"L{i}", lease_s=60 + i)
         if i:
-            call(core, "ack", {"pid": "p", "task": "t", "take": f"L{i}", "keys": [f"k{i}"]})
+            call(core, "ack", {"partition": "p", "task": "t", "take": f"L{i}", "keys": [f"k{i}"]})
     core.expire_leases(time.monotonic())
     assert [e[4] for e in core.lease_due] == ["L0"]
 
@@ -123,7 +129,7 @@ def test_the_lease_queue_sheds_acknowledged_leases(monkeypatch):
 def test_bad_sampler_arguments_are_refused_before_the_partition_exists():
     """A consumer of a partition nobody wrote yet waits for it; its arguments are checked first."""
     core = IndexCore()
-    bad = {"pid": "nobody", "task": "t", "batch_size": 2, "fields": ["x"], "dp_rank": 3, "dp_size": 2}
+    bad = {"partition": "nobody", "task": "t", "batch_size": 2, "fields": ["x"], "dp_rank": 3, "dp_size": 2}
     with pytest.raises(WireError, match="dp_rank must be below dp_size"):
         call(core, "next", bad)
     grouped = {**bad, "dp_rank": 0, "sampler": {"name": "group", "group_tag": "uid", "group_size": 4}}
@@ -132,11 +138,11 @@ def test_bad_sampler_arguments_are_refused_before_the_partition_exists():
 
 
 def _release(core: IndexCore, take_id: str) -> int:
-    return call(core, "release", {"pid": "p", "task": "t", "take": take_id}).released
+    return call(core, "release", {"partition": "p", "task": "t", "take": take_id}).released
 
 
 def _ack(core: IndexCore, take_id: str, keys: list[str]) -> list[str]:
-    return call(core, "ack", {"pid": "p", "task": "t", "take": take_id, "keys": keys}).late
+    return call(core, "ack", {"partition": "p", "task": "t", "take": take_id, "keys": keys}).late
 
 
 def test_a_release_after_the_ack_gives_back_nothing():
@@ -175,7 +181,7 @@ def test_a_release_after_the_lease_ran_out_leaves_the_rows_with_their_new_taker(
 
 def test_acknowledged_leases_are_forgotten_with_their_takes(monkeypatch):
     """A lease acknowledged in full is kept (empty) so a release finds it, but no longer than its take."""
-    from dataplane.server import streams
+    from dataplane.server.index import streams
 
     monkeypatch.setattr(streams, "TAKE_MEMORY", 4)
     core = IndexCore()
@@ -194,26 +200,26 @@ def test_a_finished_partition_is_not_drained_while_rows_of_it_are_leased():
     core = IndexCore()
     put(core, "p", ["a", "b", "c", "d", "e"], ["x"])
     assert take(core, "p", 2, "L1", lease_s=5) == ["a", "b"]
-    call(core, "finish", {"pid": "p"})
+    call(core, "finish", {"partition": "p"})
     assert take(core, "p", 2, "T2") == ["c", "d"]
     assert take(core, "p", 4, "T3") is None  # "e" is ready, "a", "b" leased: not the last batch yet
-    c = call(core, "consumption", {"pid": "p", "task": "t"})
+    c = call(core, "consumption", {"partition": "p", "task": "t"})
     assert (c.finished, c.ready, c.leased, c.drained) == (True, 1, 2, False)
-    ready = call(core, "ready", {"pid": "p", "task": "t", "fields": ["x"], "min_rows": 2})
+    ready = call(core, "ready", {"partition": "p", "task": "t", "fields": ["x"], "min_rows": 2})
     assert ready == PENDING  # a sampler of the client's own waits too
     later(core, 10)  # the holder died: the rows come back to the draining consumer
     assert take(core, "p", 4, "T3") == ["a", "b", "e"]
     assert take(core, "p", 4, "T4") == []
-    assert call(core, "consumption", {"pid": "p", "task": "t"}).drained is True
+    assert call(core, "consumption", {"partition": "p", "task": "t"}).drained is True
 
     put(core, "q", ["a", "b"], ["x"])
-    body = {"pid": "q", "task": "t", "batch_size": 2, "fields": ["x"], "take": "M1", "lease_s": 60}
+    body = {"partition": "q", "task": "t", "batch_size": 2, "fields": ["x"], "take": "M1", "lease_s": 60}
     assert call(core, "next", body).keys == ["a", "b"]
-    call(core, "finish", {"pid": "q"})
+    call(core, "finish", {"partition": "q"})
     core.changed.clear()
     assert call(core, "next", {**body, "take": "M2", "lease_s": None}) == PENDING
-    call(core, "ack", {"pid": "q", "task": "t", "take": "M1", "keys": ["a", "b"]})
+    call(core, "ack", {"partition": "q", "task": "t", "take": "M1", "keys": ["a", "b"]})
     assert "q" in core.changed  # the ack wakes the parked take: now drained, it answers empty
     assert call(core, "next", {**body, "take": "M2", "lease_s": None}).keys == []
-    ready = call(core, "ready", {"pid": "q", "task": "t", "fields": ["x"], "min_rows": 1})
+    ready = call(core, "ready", {"partition": "q", "task": "t", "fields": ["x"], "min_rows": 1})
     assert ready.finished is True and ready.rows == []

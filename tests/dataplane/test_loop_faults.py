@@ -22,17 +22,17 @@ import numpy as np
 import pytest
 import zmq
 
-from dataplane.server import shard_actor
-from dataplane.server.index import IndexCore
-from dataplane.server.index_actor import IndexServer
-from dataplane.server.shard import ShardCore
-from dataplane.server.shard_actor import ShardServer
+from dataplane.server.index.actor import IndexServer
+from dataplane.server.index.core import IndexCore
+from dataplane.server.shard import actor as shard_actor
+from dataplane.server.shard.actor import ShardServer
+from dataplane.server.shard.core import ShardCore
+from dataplane.transport.auth import Credentials, secure_client
+from dataplane.transport.liveness import process_start
+from dataplane.transport.shm import boot_id
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-from dataplane.wire.auth import Credentials, secure_client
-from dataplane.wire.liveness import process_start
 from dataplane.wire.requests import reply
-from dataplane.wire.shm import boot_id
 
 from .conftest import wait_for
 
@@ -141,17 +141,17 @@ def _fired(left: list[int]) -> None:
 
 
 def _next(pid: str, timeout_s: float = WAIT_S) -> dict:
-    return {"pid": pid, "task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": timeout_s}
+    return {"partition": pid, "task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": timeout_s}
 
 
 def _index_serves(sock: zmq.Socket) -> None:
     """The index answers at once, parks a request and times it out, and hands out ready rows."""
     assert _ask(sock, "stats", {}).error is None
     pid = f"p-{uuid.uuid4().hex[:6]}"
-    assert _ask(sock, "commit", {"pid": pid, "keys": ["a"], "fields": ["x"]}).error is None
+    assert _ask(sock, "commit", {"partition": pid, "keys": ["a"], "fields": ["x"]}).error is None
     rep = _ask(sock, "next", _next(pid))
     assert rep.error is not None and rep.error[0] == "BatchTimeoutError", rep
-    assert _ask(sock, "commit", {"pid": pid, "keys": ["b"], "fields": ["x"]}).error is None
+    assert _ask(sock, "commit", {"partition": pid, "keys": ["b"], "fields": ["x"]}).error is None
     rep = _ask(sock, "next", _next(pid))
     assert rep.error is None and sorted(reply(rep.body, _protocol.BatchReply).keys) == ["a", "b"], rep
 
@@ -159,7 +159,7 @@ def _index_serves(sock: zmq.Socket) -> None:
 def test_an_index_handler_that_raises_gets_its_request_a_typed_error(index, ctx, creds, monkeypatch):
     sock = _dealer(ctx, creds, index)
     left = _fault(monkeypatch, index.core, "op_list")
-    rep = _ask(sock, "list", {"pid": None})
+    rep = _ask(sock, "list", {"partition": None})
     assert rep.error is not None and rep.error[0] == "DataplaneError", rep
     assert "RuntimeError" in rep.error[1] and "injected" in rep.error[1], rep.error
     assert left == [0]
@@ -202,7 +202,12 @@ def test_a_deadline_that_fails_to_expire_is_answered_with_the_error(index, ctx, 
 def _put_ready(sock: zmq.Socket, pid: str, key: str) -> _wire.RawReply:
     spec = ["dense", "float32", [2]]
     col = {"spec": spec, "rows": 1, "data": 0}
-    body = {"pid": pid, "keys": [key], "fields": {"x": {"spec": spec, "nbytes": 8, "col": col}}, "tags": None}
+    body = {
+        "partition": pid,
+        "keys": [key],
+        "fields": {"x": {"spec": spec, "nbytes": 8, "col": col}},
+        "tags": None,
+    }
     return _ask(sock, "put_ready", body, [np.ones(2, dtype=np.float32).tobytes()])
 
 
@@ -220,7 +225,7 @@ def _used(sock: zmq.Socket) -> int:
 
 
 def _listed(index_sock: zmq.Socket, pid: str) -> dict[str, dict[str, Any]]:
-    return reply(_ask(index_sock, "list", {"pid": pid}).body, _protocol.ListReply).list
+    return reply(_ask(index_sock, "list", {"partition": pid}).body, _protocol.ListReply).list
 
 
 def _index_error(rep: _wire.RawReply) -> list[Any] | None:

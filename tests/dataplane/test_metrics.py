@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, WireError
-from dataplane.server.index import IndexCore
-from dataplane.server.index_actor import IndexServer
-from dataplane.server.shard import ShardCore
-from dataplane.server.shard_actor import ShardServer
+from dataplane.server.index.actor import IndexServer
+from dataplane.server.index.core import IndexCore
+from dataplane.server.shard.actor import ShardServer
+from dataplane.server.shard.core import ShardCore
 from dataplane.telemetry import bounds
 from dataplane.telemetry.catalog import LATENCY_BOUNDS, METRICS, OTHER, exported_names
 from dataplane.telemetry.export import midpoints
 from dataplane.telemetry.recorder import ClientMetrics, Recorder, Sample, ServerMetrics
+from dataplane.transport.auth import Credentials
 from dataplane.wire import protocol as _protocol
-from dataplane.wire.auth import Credentials
 from tests.dataplane._metrics_cluster import refused_traffic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -150,12 +150,12 @@ def creds() -> Credentials:
 
 
 def _commit(core: IndexCore, pid: str, keys: list[str]) -> None:
-    core.op_commit(_protocol.IndexCommit(pid=pid, keys=keys, fields=["x"]))
+    core.op_commit(_protocol.IndexCommit(partition=pid, keys=keys, fields=["x"]))
 
 
 def _next(core: IndexCore, pid: str, task: str, n: int, lease_s: float | None = None) -> list[str]:
     body = _protocol.Next(
-        pid=pid, task=task, batch_size=n, fields=["x"], take=uuid.uuid4().hex, lease_s=lease_s
+        partition=pid, task=task, batch_size=n, fields=["x"], take=uuid.uuid4().hex, lease_s=lease_s
     )
     got = core.op_next(body)
     return [] if got is None else got.keys
@@ -190,8 +190,8 @@ def test_the_index_lists_the_consumer_tasks_of_a_partition() -> None:
     _commit(core, "p", [f"k{i}" for i in range(10)])
     assert _next(core, "p", "reward", 4) == ["k0", "k1", "k2", "k3"]
     assert len(_next(core, "p", "train", 3, lease_s=60)) == 3
-    core.op_finish(_protocol.OnePartition(pid="p"))
-    raw = msgspec.msgpack.encode({"pid": "p"})
+    core.op_finish(_protocol.OnePartition(partition="p"))
+    raw = msgspec.msgpack.encode({"partition": "p"})
     got = core.operation("tasks")(core.decode("tasks", raw))
     idle = {name: t.idle_s for name, t in got.tasks.items()}
     assert idle["reward"] is not None and idle["train"] is not None and 0 <= idle["train"] < idle["reward"]
@@ -206,9 +206,9 @@ def test_the_index_lists_the_consumer_tasks_of_a_partition() -> None:
         },
     )
     with pytest.raises(PartitionNotFoundError):
-        core.operation("tasks")(core.decode("tasks", msgspec.msgpack.encode({"pid": "nope"})))
+        core.operation("tasks")(core.decode("tasks", msgspec.msgpack.encode({"partition": "nope"})))
     with pytest.raises(WireError, match="malformed 'tasks' request"):
-        core.decode("tasks", msgspec.msgpack.encode({"pid": 3}))
+        core.decode("tasks", msgspec.msgpack.encode({"partition": 3}))
 
 
 def test_the_index_says_how_long_each_partition_and_task_has_been_idle() -> None:
@@ -228,27 +228,27 @@ def test_the_index_says_how_long_each_partition_and_task_has_been_idle() -> None
     assert recent() == ["new", "old"]
     assert _next(core, "old", "train", 2) == ["a", "b"]  # a take
     assert recent() == ["old", "new"]
-    leased = _protocol.Next(pid="new", task="train", batch_size=2, fields=["x"], take="t1", lease_s=60)
+    leased = _protocol.Next(partition="new", task="train", batch_size=2, fields=["x"], take="t1", lease_s=60)
     assert core.op_next(leased) is not None
     assert recent() == ["new", "old"]
     _commit(core, "old", ["c"])  # a put
     assert recent() == ["old", "new"]
-    core.op_ack(_protocol.Ack(pid="new", task="train", take="t1", keys=["a", "b"]))  # an ack
+    core.op_ack(_protocol.Ack(partition="new", task="train", take="t1", keys=["a", "b"]))  # an ack
     assert recent() == ["new", "old"]
-    core.op_finish(_protocol.OnePartition(pid="old"))
+    core.op_finish(_protocol.OnePartition(partition="old"))
     before = idle()
     assert _next(core, "new", "train", 1) == []  # nothing to take: no activity
-    core.op_tasks(_protocol.Tasks(pid="old"))
-    core.op_consumption(_protocol.Consumption(pid="old", task="train"))
+    core.op_tasks(_protocol.Tasks(partition="old"))
+    core.op_consumption(_protocol.Consumption(partition="old", task="train"))
     assert recent() == ["new", "old"] and all(idle()[p] >= before[p] for p in before)
-    tasks = core.op_tasks(_protocol.Tasks(pid="new")).tasks
+    tasks = core.op_tasks(_protocol.Tasks(partition="new")).tasks
     assert tasks["train"].idle_s is not None and tasks["train"].idle_s <= idle()["new"] + 1e-3
 
     stats = core.op_stats(_protocol.Stats())
     assert stats.finished == ["old"] and stats.drained == []  # "old": row c not taken yet
     assert _next(core, "old", "train", 2) == ["c"]
     assert core.op_stats(_protocol.Stats()).drained == ["old"]
-    core.op_finish(_protocol.OnePartition(pid="new"))
+    core.op_finish(_protocol.OnePartition(partition="new"))
     stats = core.op_stats(_protocol.Stats())
     assert stats.finished == ["old", "new"] and stats.drained == ["old", "new"]
     _next(core, "new", "reward", 1)  # a second task, with a row left to take
@@ -260,7 +260,7 @@ def _put(core: ShardCore, pid: str, keys: list[str], rows: np.ndarray) -> None:
     col = {"spec": ["dense", "float32", [rows.shape[1]]], "rows": len(keys), "data": 0}
     bufs.append(memoryview(rows.tobytes()).cast("B"))
     body = {
-        "pid": pid,
+        "partition": pid,
         "keys": keys,
         "fields": {"x": {"spec": col["spec"], "nbytes": rows.nbytes, "col": col}},
     }
@@ -277,8 +277,10 @@ def test_a_shard_snapshot_counts_rows_and_bytes_and_bounds_partitions(creds) -> 
         for p, n in (("a", 5), ("b", 3), ("c", 2), ("d", 1)):
             _put(core, p, [f"{p}{i}" for i in range(n)], np.ones((n, 4), dtype=np.float32))
         _put(core, "a", ["a0"], np.zeros((1, 4), dtype=np.float32))  # replaces a0's row: its old one stays
-        core.op_get(core.decode("get", msgspec.msgpack.encode({"pid": "a", "keys": ["a1", "a2"]})), [])
-        core.op_clear(core.decode("clear", msgspec.msgpack.encode({"pid": "c", "keys": ["c0", "c1"]})), [])
+        core.op_get(core.decode("get", msgspec.msgpack.encode({"partition": "a", "keys": ["a1", "a2"]})), [])
+        core.op_clear(
+            core.decode("clear", msgspec.msgpack.encode({"partition": "c", "keys": ["c0", "c1"]})), []
+        )
         counters, gauges = server.metrics_snapshot(("s", "0"))
         assert counters[("dataplane_shard_rows", "s", "0", "put")] == 12
         assert counters[("dataplane_shard_bytes", "s", "0", "put")] == 12 * 16

@@ -38,8 +38,8 @@ from dataplane.errors import (
     StoreFullError,
     WireError,
 )
-from dataplane.server.index import IndexCore
-from dataplane.server.shard import ShardCore
+from dataplane.server.index.core import IndexCore
+from dataplane.server.shard.core import ShardCore
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call, Result, decode_result, next_rid
@@ -243,8 +243,8 @@ def decoded(cols: dict, n: int) -> dict[str, Any]:
 # ---- what the operations stand on ------------------------------------------------------------------
 
 NO_IO = {
-    "dataplane.wire.transport",
-    "dataplane.wire.shm",
+    "dataplane.transport.clients",
+    "dataplane.transport.shm",
     "dataplane.client.mappings",
     "dataplane.client.handle",
 }
@@ -709,7 +709,7 @@ def test_partial_clear_keeps_the_first_failures_type():
     op = ops.clear(route, keys, PID)
     calls = next(op)
     assert targets(calls) == [(0, "clear"), (1, "clear"), (INDEX, "clear")]
-    assert wire(calls[1].body) == {"pid": PID, "keys": [keys[1]]}
+    assert wire(calls[1].body) == {"partition": PID, "keys": [keys[1]]}
     with pytest.raises(
         WireError, match=r"shards \[1\] freed their rows; the index forgot them; shard 0: malformed"
     ):

@@ -18,12 +18,12 @@ import pytest
 
 from dataplane.errors import ShardUnavailableError
 from dataplane.server.router import RequestServer
-from dataplane.wire.auth import Credentials
-from dataplane.wire.liveness import Liveness, Target, process_start
+from dataplane.transport.auth import Credentials
+from dataplane.transport.clients import AsyncTransport, SyncTransport
+from dataplane.transport.liveness import Liveness, Target, process_start
+from dataplane.transport.sockets import Endpoint
 from dataplane.wire.policy import DEAD, PROBE_S, TIMED_OUT, GiveUp, Probe, RequestPolicy, poll_ms
 from dataplane.wire.requests import Call
-from dataplane.wire.sockets import Endpoint
-from dataplane.wire.transport import AsyncTransport, SyncTransport
 from tests.dataplane._ping_core import PingIndex
 
 SHARD, OTHER = 0, 1

@@ -26,7 +26,7 @@ from dataplane.client import ops, stream_ops
 from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, StoreFullError
 from dataplane.samplers import Sampler
-from dataplane.server.shard import ShardCore
+from dataplane.server.shard.core import ShardCore
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call, Result, reply
@@ -199,7 +199,7 @@ def test_a_core_whose_handler_answers_another_reply_struct_is_refused_at_import(
     """The op tables tie each op to its reply struct: a handler annotated with another struct (or with
     none) is refused when its class is made, as a missing handler is."""
     from dataplane.server.dispatch import Operations
-    from dataplane.server.index import IndexCore
+    from dataplane.server.index.core import IndexCore
 
     with pytest.raises(
         TypeError, match=r"op_get is annotated to answer ReserveReply, but 'get' answers GetReply"

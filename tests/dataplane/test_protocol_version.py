@@ -17,17 +17,17 @@ import pytest
 import zmq
 
 from dataplane.errors import ProtocolVersionError, WireError
-from dataplane.server.index import IndexCore
-from dataplane.server.index_actor import IndexServer
+from dataplane.server.index.actor import IndexServer
+from dataplane.server.index.core import IndexCore
 from dataplane.server.router import RequestServer
-from dataplane.server.shard import ShardCore
-from dataplane.server.shard_actor import ShardServer
+from dataplane.server.shard.actor import ShardServer
+from dataplane.server.shard.core import ShardCore
+from dataplane.transport.auth import Credentials, secure_client
+from dataplane.transport.liveness import process_start
+from dataplane.transport.shm import boot_id
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-from dataplane.wire.auth import Credentials, secure_client
-from dataplane.wire.liveness import process_start
 from dataplane.wire.requests import decode_result, reply
-from dataplane.wire.shm import boot_id
 
 OURS = _wire.PROTOCOL_VERSION
 OTHER = OURS + 1
@@ -175,7 +175,11 @@ def test_a_shard_refuses_a_put_its_index_answered_in_another_version(creds, ctx)
     try:
         spec = ["dense", "int64", []]
         col = {"spec": spec, "rows": 2, "data": 0}
-        body = {"pid": "p", "keys": ["a", "b"], "fields": {"x": {"spec": spec, "nbytes": 16, "col": col}}}
+        body = {
+            "partition": "p",
+            "keys": ["a", "b"],
+            "fields": {"x": {"spec": spec, "nbytes": 16, "col": col}},
+        }
         writer.send_multipart([_header(12, "put_ready", body, OURS), bytes(16)])
         rep = _reply(writer)
         assert rep.rid == 12 and rep.error is not None and rep.error[0] == "ProtocolVersionError", rep

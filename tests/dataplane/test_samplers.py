@@ -27,7 +27,7 @@ from dataplane.samplers import (
     complete_groups,
     from_spec,
 )
-from dataplane.server.index import IndexCore
+from dataplane.server.index.core import IndexCore
 from dataplane.wire import protocol as _protocol
 
 PENDING = _protocol.Pending()
@@ -44,7 +44,7 @@ def call(core: IndexCore, op: str, body: dict) -> Any:
 
 
 def put(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags: list[dict] | None = None):
-    body = {"pid": pid, "keys": keys, "fields": fields}
+    body = {"partition": pid, "keys": keys, "fields": fields}
     if tags is not None:
         body["tags"] = tags
     return call(core, "commit", body)
@@ -52,12 +52,12 @@ def put(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags: lis
 
 def nxt(core: IndexCore, pid: str, task: str, n: int, fields: list[str], **kw) -> list[str] | None:
     """The keys a ``next`` call gets, or None while it would wait."""
-    res = call(core, "next", {"pid": pid, "task": task, "batch_size": n, "fields": fields, **kw})
+    res = call(core, "next", {"partition": pid, "task": task, "batch_size": n, "fields": fields, **kw})
     return None if res == PENDING else res.keys
 
 
 def consumed(core: IndexCore, pid: str, task: str) -> list[str]:
-    return call(core, "consumed", {"pid": pid, "task": task}).keys
+    return call(core, "consumed", {"partition": pid, "task": task}).keys
 
 
 # ---- samplers on ReadyRows ---------------------------------------------------------------------------
@@ -248,13 +248,13 @@ def test_finish_gives_a_short_batch_then_empty_batches():
     put(core, "p", ["a", "b", "c"], ["x"])
     assert nxt(core, "p", "t", 2, ["x"]) == ["a", "b"]
     assert nxt(core, "p", "t", 2, ["x"]) is None
-    call(core, "finish", {"pid": "p"})
-    res = call(core, "next", {"pid": "p", "task": "t", "batch_size": 2, "fields": ["x"]})
+    call(core, "finish", {"partition": "p"})
+    res = call(core, "next", {"partition": "p", "task": "t", "batch_size": 2, "fields": ["x"]})
     assert res.keys == ["c"] and res.finished is True
     assert nxt(core, "p", "t", 2, ["x"]) == []
     assert nxt(core, "p", "other", 5, ["never"]) == []  # finished: never waits
     with pytest.raises(PartitionNotFoundError, match="nothing to finish"):
-        call(core, "finish", {"pid": "new"})  # a typo must not create an empty, finished partition
+        call(core, "finish", {"partition": "new"})  # a typo must not create an empty, finished partition
     assert call(core, "list", {}).list.keys() == {"p"}
 
 
@@ -263,39 +263,39 @@ def test_reset_per_task_and_for_all_tasks():
     put(core, "p", ["a", "b"], ["x"])
     for t in ("r", "s"):
         assert nxt(core, "p", t, 2, ["x"]) == ["a", "b"]
-    call(core, "reset", {"pid": "p", "task": "r"})
+    call(core, "reset", {"partition": "p", "task": "r"})
     assert nxt(core, "p", "s", 1, ["x"]) is None
     assert nxt(core, "p", "r", 2, ["x"]) == ["a", "b"]
-    call(core, "reset", {"pid": "p"})
+    call(core, "reset", {"partition": "p"})
     assert nxt(core, "p", "r", 2, ["x"]) == ["a", "b"]
     assert nxt(core, "p", "s", 2, ["x"]) == ["a", "b"]
-    call(core, "reset", {"pid": "unknown", "task": "r"})  # nothing to reset: fine
+    call(core, "reset", {"partition": "unknown", "task": "r"})  # nothing to reset: fine
 
 
 def test_consumption_counts():
     core = IndexCore()
     with pytest.raises(PartitionNotFoundError, match="'p'"):
-        call(core, "consumption", {"pid": "p", "task": "t"})
+        call(core, "consumption", {"partition": "p", "task": "t"})
     put(core, "p", ["a", "b", "c", "d"], ["x"])
     put(core, "p", ["a", "b"], ["y"])
-    c = call(core, "consumption", {"pid": "p", "task": "t"})
+    c = call(core, "consumption", {"partition": "p", "task": "t"})
     assert c == _protocol.ConsumptionReply(
         total=4, produced=4, consumed=0, ready=4, leased=0, finished=False, fields=[]
     )
     assert nxt(core, "p", "t", 1, ["x", "y"]) == ["a"]
-    c = call(core, "consumption", {"pid": "p", "task": "t"})  # default: the fields last asked for
+    c = call(core, "consumption", {"partition": "p", "task": "t"})  # default: the fields last asked for
     assert (c.produced, c.consumed, c.ready, c.fields) == (2, 1, 1, ["x", "y"])
-    c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
+    c = call(core, "consumption", {"partition": "p", "task": "t", "fields": ["x"]})
     assert (c.produced, c.consumed, c.ready) == (4, 1, 3)
     assert nxt(core, "p", "t", 3, ["x"]) == ["b", "c", "d"]
-    c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
+    c = call(core, "consumption", {"partition": "p", "task": "t", "fields": ["x"]})
     assert (c.produced, c.consumed, c.ready) == (4, 4, 0)
-    assert call(core, "consumption", {"pid": "p", "task": "other"}).ready == 4
-    call(core, "clear", {"pid": "p", "keys": ["a"]})
-    c = call(core, "consumption", {"pid": "p", "task": "t", "fields": ["x"]})
+    assert call(core, "consumption", {"partition": "p", "task": "other"}).ready == 4
+    call(core, "clear", {"partition": "p", "keys": ["a"]})
+    c = call(core, "consumption", {"partition": "p", "task": "t", "fields": ["x"]})
     assert (c.total, c.produced, c.consumed, c.ready) == (3, 3, 3, 0)
-    call(core, "finish", {"pid": "p"})
-    assert call(core, "consumption", {"pid": "p", "task": "t"}).finished is True
+    call(core, "finish", {"partition": "p"})
+    assert call(core, "consumption", {"partition": "p", "task": "t"}).finished is True
 
 
 # ---- IndexCore: samplers and data-parallel ranks ----------------------------------------------------------
@@ -325,7 +325,7 @@ def test_group_sampler_in_the_index_never_splits_a_group_across_batches_or_ranks
         got[rank] = nxt(core, "p", "t", 3, ["x"], sampler=spec, dp_rank=rank, dp_size=2, batch_index=0)
     assert got[0] == ["g0r0", "g0r1", "g0r2"] and got[1] == ["g1r0", "g1r1", "g1r2"]
     assert nxt(core, "p", "t", 6, ["x"], sampler=spec) is None  # g2 complete, g3 not: wait
-    call(core, "finish", {"pid": "p"})
+    call(core, "finish", {"partition": "p"})
     assert nxt(core, "p", "t", 6, ["x"], sampler=spec) == ["g2r0", "g2r1", "g2r2"]  # g3 never completed
     assert nxt(core, "p", "t", 6, ["x"], sampler=spec) == []
 
@@ -357,16 +357,16 @@ def test_seqlen_balanced_sampler_after_finish_ends_every_rank_at_the_same_batch_
     kw = {"sampler": spec, "dp_size": 4}
     first = [nxt(core, "p", "t", 1, ["x"], dp_rank=r, batch_index=0, **kw) for r in range(4)]
     assert [len(p) for p in first] == [1, 1, 1, 1]
-    call(core, "finish", {"pid": "p"})
+    call(core, "finish", {"partition": "p"})
     # 3 rows left for 4 ranks: every rank of batch index 1 gets an empty batch, whichever asks first
     for order in ([3, 0, 1, 2], [0, 1, 2, 3]):
         got = {r: nxt(core, "p", "t", 1, ["x"], dp_rank=r, batch_index=1, **kw) for r in order}
         assert got == {0: [], 1: [], 2: [], 3: []}, got
-    counts = call(core, "consumption", {"pid": "p", "task": "t"})
+    counts = call(core, "consumption", {"partition": "p", "task": "t"})
     assert counts.consumed == 4 and counts.ready == 3  # left for reset_consumption, not lost
     # enough left for every rank: the short last batch is split, every rank gets some
     put(core, "q", [f"k{i}" for i in range(6)], ["x"], tags=[{"length": 10 + i} for i in range(6)])
-    call(core, "finish", {"pid": "q"})
+    call(core, "finish", {"partition": "q"})
     parts = [nxt(core, "q", "t", 2, ["x"], dp_rank=r, batch_index=0, **kw) for r in range(4)]
     assert sorted(len(p) for p in parts) == [1, 1, 2, 2] and len({k for p in parts for k in p}) == 6
     assert [nxt(core, "q", "t", 2, ["x"], dp_rank=r, batch_index=1, **kw) for r in range(4)] == [[]] * 4
@@ -394,11 +394,11 @@ def test_bad_calls_are_refused_and_consume_nothing():
     with pytest.raises(WireError, match="dp_rank and batch_index"):
         nxt(core, "p", "t", 1, ["x"], sampler=SeqlenBalancedSampler("uid", 2).spec())
     with pytest.raises(WireError, match="'claim' request names key 'k0' twice"):
-        call(core, "claim", {"pid": "p", "task": "t", "fields": ["x"], "keys": ["k0", "k0"]})
+        call(core, "claim", {"partition": "p", "task": "t", "fields": ["x"], "keys": ["k0", "k0"]})
     with pytest.raises(WireError, match=r"not ready for this task.*\['zz'\]"):
-        call(core, "claim", {"pid": "p", "task": "t", "fields": ["x"], "keys": ["k0", "zz"]})
+        call(core, "claim", {"partition": "p", "task": "t", "fields": ["x"], "keys": ["k0", "zz"]})
     with pytest.raises(PartitionNotFoundError, match="'q'"):
-        call(core, "claim", {"pid": "q", "task": "t", "fields": ["x"], "keys": ["k0"]})
+        call(core, "claim", {"partition": "q", "task": "t", "fields": ["x"], "keys": ["k0"]})
     with pytest.raises(ValueError, match="numeric tag 'length'"):  # a row without the length tag
         nxt(
             core,
@@ -448,15 +448,15 @@ def test_timeouts_name_the_partition_and_the_fields_nobody_wrote():
         full = {"task": "t", "batch_size": 4, **body}
         return core.timeout_error("next", msgspec.convert(full, _protocol.Next), 2.0)
 
-    err = timeout({"pid": "p", "fields": ["x"]})
+    err = timeout({"partition": "p", "fields": ["x"]})
     assert isinstance(err, PartitionNotFoundError) and err.partition_id == "p"
     assert "'p'" in str(err) and "2.0s" in str(err)
     put(core, "p", ["a"], ["x"])
-    err = timeout({"pid": "p", "fields": ["x", "ghost"]})
+    err = timeout({"partition": "p", "fields": ["x", "ghost"]})
     assert isinstance(err, BatchTimeoutError) and err.partition_id == "p"
     assert "only 0 row(s)" in str(err) and "no row holds ['ghost']" in str(err)
     assert "nothing was consumed" in str(err)
-    err = timeout({"pid": "p", "fields": ["x"]})
+    err = timeout({"partition": "p", "fields": ["x"]})
     assert "only 1 row(s)" in str(err) and "fewer than the 4" in str(err) and "no row holds" not in str(err)
 
 
@@ -465,15 +465,22 @@ def test_timeouts_name_the_partition_and_the_fields_nobody_wrote():
 
 def test_ready_and_claim_serve_a_client_side_sampler():
     core = IndexCore()
-    assert call(core, "ready", {"pid": "p", "task": "t", "fields": ["x"]}) == PENDING
+    assert call(core, "ready", {"partition": "p", "task": "t", "fields": ["x"]}) == PENDING
     put(core, "p", ["a", "b", "c"], ["x"], tags=[{"n": 1}, {"n": 2}, {"n": 3}])
-    body = {"pid": "p", "task": "t", "fields": ["x"], "min_rows": 4}
+    body = {"partition": "p", "task": "t", "fields": ["x"], "min_rows": 4}
     assert call(core, "ready", body) == PENDING
     body["min_rows"] = 2
     res = call(core, "ready", body)
     assert res == _protocol.ReadyReply(rows=[("a", {"n": 1}), ("b", {"n": 2}), ("c", {"n": 3})])
     assert consumed(core, "p", "t") == []  # looking takes nothing
-    claim = {"pid": "p", "task": "t", "fields": ["x"], "keys": ["c", "a"], "dp_rank": 0, "batch_index": 5}
+    claim = {
+        "partition": "p",
+        "task": "t",
+        "fields": ["x"],
+        "keys": ["c", "a"],
+        "dp_rank": 0,
+        "batch_index": 5,
+    }
     assert call(core, "claim", claim).keys == ["c", "a"]
     with pytest.raises(WireError, match="not ready"):
         call(core, "claim", claim)  # taken
@@ -499,12 +506,12 @@ def test_deleted_and_dropped_rows_leave_the_streams():
     core = IndexCore()
     put(core, "p", ["a", "b", "c"], ["x"])
     assert nxt(core, "p", "t", 1, ["x"]) == ["a"]
-    call(core, "clear", {"pid": "p", "keys": ["a", "b"]})
+    call(core, "clear", {"partition": "p", "keys": ["a", "b"]})
     assert nxt(core, "p", "t", 2, ["x"]) is None
     assert nxt(core, "p", "t", 1, ["x"]) == ["c"]
     put(core, "p", ["a"], ["x"])  # a new row under a deleted key's name is a new row
     assert nxt(core, "p", "t", 1, ["x"]) == ["a"]
-    call(core, "clear_partition", {"pid": "p"})
+    call(core, "clear_partition", {"partition": "p"})
     assert nxt(core, "p", "t", 1, ["x"]) is None  # the partition is gone: wait for it again
 
 

@@ -29,9 +29,9 @@ import zmq
 
 import dataplane as dp
 from dataplane.client.sharding import HashPlacement
+from dataplane.transport.auth import Credentials, secure_client
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-from dataplane.wire.auth import Credentials, secure_client
 from dataplane.wire.requests import R, reply
 
 from .conftest import keys_on_shards, raw_socket, raw_unix_socket, start_store
@@ -149,9 +149,9 @@ def _endpoints(registry: dict) -> dict[str, str]:
 def _hostile_requests(pid: str, key: str) -> list[tuple[str, dict]]:
     return [
         ("stats", {}),
-        ("list", {"pid": None}),
-        ("get", {"pid": pid, "keys": [key]}),
-        ("clear_partition", {"pid": pid}),
+        ("list", {"partition": None}),
+        ("get", {"partition": pid, "keys": [key]}),
+        ("clear_partition", {"partition": pid}),
     ]
 
 
@@ -202,10 +202,12 @@ def test_authenticated_raw_peer_gets_replies(store, stored):
         sock = _dealer(endpoint, creds)
         try:
             if where.startswith("index"):
-                listed = _ok(sock, "list", {"pid": pid}, _protocol.ListReply)
+                listed = _ok(sock, "list", {"partition": pid}, _protocol.ListReply)
                 assert listed.list[pid].keys() == set(keys), where
             else:
-                got = _ok(sock, "get", {"pid": pid, "keys": [keys[0]], "fields": ["x"]}, _protocol.GetReply)
+                got = _ok(
+                    sock, "get", {"partition": pid, "keys": [keys[0]], "fields": ["x"]}, _protocol.GetReply
+                )
                 assert list(got.fields) == ["x"], where
             assert _ask(sock, "stats", {}) is not None, where
         finally:
@@ -238,9 +240,9 @@ for s in socks:
     for rid, (op, body) in enumerate(
         [
             ("stats", {}),
-            ("list", {"pid": None}),
-            ("get", {"pid": pid, "keys": [key]}),
-            ("clear_partition", {"pid": pid}),
+            ("list", {"partition": None}),
+            ("get", {"partition": pid, "keys": [key]}),
+            ("clear_partition", {"partition": pid}),
         ]
     ):
         s.send_multipart([msgspec.msgpack.encode([rid, op, body])])
@@ -344,7 +346,7 @@ def test_encrypted_store_speaks_only_curve_over_tcp(ray_cluster):
             socks[f"{who}/tcp/stranger-curve"] = _dealer(actor["tcp"], stranger, curve=True)
         for s in socks.values():
             s.send_multipart(_wire.encode_request(next(_rids), "stats", {}))
-            s.send_multipart(_wire.encode_request(next(_rids), "get", {"pid": "enc", "keys": keys}))
+            s.send_multipart(_wire.encode_request(next(_rids), "get", {"partition": "enc", "keys": keys}))
         got = _replies_within(socks, SILENCE_S)
         assert not any(got.values()), f"peers not speaking the store's CURVE over tcp got replies: {got}"
         for who, actor in (("index", registry["index"]), ("shard0", registry["shards"][0])):
@@ -387,13 +389,17 @@ def test_reader_never_unpickles_a_peer_written_object_column(attached, pid, tmp_
     spec = ["object", "pickle", []]
     offsets = np.array([0, len(blob)], dtype=np.int64).tobytes()
     col = {"spec": spec, "rows": 1, "data": 0, "offsets": 1}
-    body = {"pid": pid, "keys": [key], "fields": {"obj": {"spec": spec, "nbytes": len(blob), "col": col}}}
+    body = {
+        "partition": pid,
+        "keys": [key],
+        "fields": {"obj": {"spec": spec, "nbytes": len(blob), "col": col}},
+    }
     sock = raw_socket(attached, shard)
     index = raw_socket(attached, "index")
     try:
         resv = _ok(sock, "reserve", body, _protocol.ReserveReply, [blob, offsets]).resv
         _ok(sock, "commit", {"resv": resv}, _protocol.Done)
-        _ok(index, "commit", {"pid": pid, "keys": [key], "fields": ["obj"]}, _protocol.CommitReply)
+        _ok(index, "commit", {"partition": pid, "keys": [key], "fields": ["obj"]}, _protocol.CommitReply)
         with pytest.raises(dp.SerializationError, match="obj"):
             dp.kv_batch_get([key], pid)
         with pytest.raises(dp.SerializationError):
@@ -453,7 +459,7 @@ def _i64(*values: int) -> bytes:
 
 
 def _reserve(fields: dict, keys=("a",), pid: str = "malformed") -> dict:
-    return {"pid": pid, "keys": list(keys), "fields": fields}
+    return {"partition": pid, "keys": list(keys), "fields": fields}
 
 
 def _inline(spec, nbytes, rows, offsets=True):
@@ -567,9 +573,9 @@ MALFORMED = {
     "unknown-op": ("frobnicate", {}, [], ("WireError",)),
     "op-is-a-method-name": ("__init__", {}, [], ("WireError",)),
     "op-of-the-handler": ("handle", {}, [], ("WireError",)),
-    "keys-not-a-list": ("reserve", {"pid": "p", "keys": 5, "fields": {}}, [], ("WireError",)),
-    "get-keys-a-string": ("get", {"pid": "p", "keys": "abc"}, [], ("WireError",)),
-    "pid-not-a-string": ("clear_partition", {"pid": 7}, [], ("WireError",)),
+    "keys-not-a-list": ("reserve", {"partition": "p", "keys": 5, "fields": {}}, [], ("WireError",)),
+    "get-keys-a-string": ("get", {"partition": "p", "keys": "abc"}, [], ("WireError",)),
+    "pid-not-a-string": ("clear_partition", {"partition": 7}, [], ("WireError",)),
     "unknown-body-field": ("stats", {"x": 1}, [], ("WireError",)),
     "unknown-field-in-a-column": (
         "reserve",
@@ -577,7 +583,7 @@ MALFORMED = {
         [],
         ("WireError",),
     ),
-    "missing-body-field": ("reserve", {"pid": "p", "keys": ["a"]}, [], ("WireError",)),
+    "missing-body-field": ("reserve", {"partition": "p", "keys": ["a"]}, [], ("WireError",)),
     "duplicate-keys": (
         "reserve",
         _reserve({"f": {"spec": BIN, "nbytes": 1}}, keys=("a", "b", "a")),
@@ -700,18 +706,26 @@ def test_index_refuses_malformed_metadata(store):
     try:
         before = _ok(sock, "stats", {}, _protocol.IndexStatsReply)
         cases = [
-            ("prepare", {"pid": "m", "specs": {"f": ["mystery", "x", []]}, "txn": 1}, ("SchemaError",)),
+            ("prepare", {"partition": "m", "specs": {"f": ["mystery", "x", []]}, "txn": 1}, ("SchemaError",)),
             (
                 "prepare",
-                {"pid": "m", "specs": {"f": ["dense", "float32", [1] * 40]}, "txn": 2},
+                {"partition": "m", "specs": {"f": ["dense", "float32", [1] * 40]}, "txn": 2},
                 ("SchemaError",),
             ),
-            ("prepare", {"pid": "m", "specs": {"f": ["dense", "float32", []]}}, ("WireError",)),  # no put id
-            ("commit", {"pid": "m", "keys": ["a"], "txn": 3}, ("ReservationExpiredError",)),  # never prepared
-            ("commit", {"pid": "m", "keys": ["a", "a"]}, ("WireError",)),
-            ("commit", {"pid": "m", "keys": ["a"], "tags": [{}, {}]}, ("WireError",)),
-            ("commit", {"pid": "m", "keys": "a"}, ("WireError",)),
-            ("list", {"pid": 5}, ("WireError",)),
+            (
+                "prepare",
+                {"partition": "m", "specs": {"f": ["dense", "float32", []]}},
+                ("WireError",),
+            ),  # no put id
+            (
+                "commit",
+                {"partition": "m", "keys": ["a"], "txn": 3},
+                ("ReservationExpiredError",),
+            ),  # never prepared
+            ("commit", {"partition": "m", "keys": ["a", "a"]}, ("WireError",)),
+            ("commit", {"partition": "m", "keys": ["a"], "tags": [{}, {}]}, ("WireError",)),
+            ("commit", {"partition": "m", "keys": "a"}, ("WireError",)),
+            ("list", {"partition": 5}, ("WireError",)),
             ("reserve", {}, ("WireError",)),
         ]
         for op, body, expect in cases:

@@ -137,7 +137,7 @@ def test_async_api_inside_an_async_actor(shared, pid):
 
 def test_index_refuses_tensor_bytes(shared):
     sock = raw_socket(dp.api.current_client().registry, "index")
-    reply = request(sock, "commit", {"pid": "p", "keys": ["a"]}, [b"\0" * 64])
+    reply = request(sock, "commit", {"partition": "p", "keys": ["a"]}, [b"\0" * 64])
     sock.close()
     assert reply is not None, "the index did not answer"
     rep, _ = reply
@@ -146,7 +146,7 @@ def test_index_refuses_tensor_bytes(shared):
 
 def test_an_unbounded_stores_shards_on_one_host_share_one_ledger(ray_cluster):
     """Each unbounded shard admits fresh shared memory against the host's available memory less what
-    the store's other shards there are allocating (``server.host_memory``): the shards of one host
+    the store's other shards there are allocating (``server.shard.host_memory``): the shards of one host
     share the first one's ledger, which the others hold open through /proc; nothing in /dev/shm."""
     dp.close()
     cfg, registry, handle = start_store(name="t-ledger", num_shards=3)

@@ -13,8 +13,8 @@ import torch
 from dataplane.client.mappings import MappingCache
 from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
-from dataplane.server.segments import ShmPool, size_class
-from dataplane.server.shard import ShardCore
+from dataplane.server.shard.core import ShardCore
+from dataplane.server.shard.segments import ShmPool, size_class
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
@@ -29,7 +29,7 @@ def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) ->
     cols = encode_fields(fields, len(keys))
     bufs: list = []
     body = {
-        "pid": pid,
+        "partition": pid,
         "keys": keys,
         "fields": {
             n: {
@@ -47,7 +47,7 @@ def _reserve_inline(core: ShardCore, pid: str, keys: list[str], fields: dict) ->
 def _put_shm(core: ShardCore, pid: str, keys: list[str], x: torch.Tensor, maps: MappingCache) -> None:
     (col,) = encode_fields({"x": x}, len(keys)).values()
     body = {
-        "pid": pid,
+        "partition": pid,
         "keys": keys,
         "fields": {"x": {"spec": _wire.spec_to_wire(col.spec), "nbytes": len(col.data)}},
     }
@@ -61,7 +61,7 @@ def _get(
     core: ShardCore, pid: str, keys: list[str], fields=None, shm=False, export=False
 ) -> tuple[Any, list]:
     body, frames = call(
-        core, "get", {"pid": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, []
+        core, "get", {"partition": pid, "keys": keys, "fields": fields, "shm": shm, "export": export}, []
     )
     return body, [memoryview(f).cast("B") for f in frames]
 
@@ -76,7 +76,7 @@ def test_inline_put_get_and_accounting():
     body, frames = _get(core, "p", ["b", "a"])
     x = _wire.column_from_wire(body.fields["x"].col, frames)
     assert np.frombuffer(x.data, np.int64).tolist() == [3, 4, 1, 2]  # request order
-    call(core, "clear", {"pid": "p", "keys": ["a", "b", "zz"]}, [])
+    call(core, "clear", {"partition": "p", "keys": ["a", "b", "zz"]}, [])
     assert core.stats().bytes_used == 0 and core.stats().bytes_resident == 0
 
 
@@ -100,7 +100,7 @@ def test_abort_and_expired_reservations_free_everything():
     core = ShardCore(0, reservation_timeout_s=0.0)
     pool_before = core.pool.bytes_resident
     body = {
-        "pid": "p",
+        "partition": "p",
         "keys": ["a"],
         "fields": {"x": {"spec": ["dense", "float32", [1 << 18]], "nbytes": 1 << 20}},
     }
@@ -127,7 +127,7 @@ def test_shared_memory_put_get_and_warm_reuse():
     seg = np.frombuffer(maps.view(0, os.getpid(), ref)[:nbytes], np.float32).reshape(rows, 1024)
     assert np.array_equal(seg[_wire.array_from_wire(entry.row, frames)], x[10:20].numpy())
     first_file = ref[0]
-    call(core, "clear_partition", {"pid": "p"}, [])
+    call(core, "clear_partition", {"partition": "p"}, [])
     st = core.stats()
     assert st.bytes_used == 0 and st.bytes_warm > 0  # kept warm for the next put
     _put_shm(core, "p", keys, x + 1, maps)
@@ -144,7 +144,7 @@ def test_exported_segment_is_never_recycled():
     body, _ = _get(core, "p", keys, shm=True, export=True)
     ref = body.fields["x"].segs[0][0]
     view = np.frombuffer(maps.view(0, os.getpid(), ref), np.float32)[: 16 * 4096]
-    call(core, "clear", {"pid": "p", "keys": keys}, [])
+    call(core, "clear", {"partition": "p", "keys": keys}, [])
     assert core.stats().bytes_warm == 0  # closed, not pooled
     _put_shm(core, "p", keys, torch.zeros(16, 4096), maps)
     assert float(view.min()) == 1.0, "an exported view was overwritten"
@@ -168,7 +168,7 @@ def test_shard_side_modules_do_not_import_torch():
     import sys
 
     mods = (
-        "dataplane.server.shard, dataplane.server.shard_actor, dataplane.server.index_actor, "
+        "dataplane.server.shard.core, dataplane.server.shard.actor, dataplane.server.index.actor, "
         "dataplane.wire.frames, dataplane.codec.rows"
     )
     code = f"import sys, {mods}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
@@ -184,7 +184,7 @@ def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=No
     cols = encode_fields(fields, len(keys))
     bufs: list = []
     body = {
-        "pid": pid,
+        "partition": pid,
         "keys": keys,
         "fields": {
             n: {
@@ -209,11 +209,11 @@ def _serve_put_ready(core: ShardCore, body: dict, frames=()):
 def test_put_ready_stores_at_once_and_a_refused_put_is_taken_back_exactly():
     core = ShardCore(0)
     with pytest.raises(Exception, match="served by the shard's server"):  # never through ShardCore.handle
-        call(core, "put_ready", {"pid": "p", "keys": ["a"], "fields": {}}, [])
+        call(core, "put_ready", {"partition": "p", "keys": ["a"], "fields": {}}, [])
     commit, _ = _put_ready(core, "p", ["a", "b"], {"x": torch.tensor([1, 2])}, tags=[{"t": 1}, None])
     # the index commit names what this shard stored, with the client's tags, nothing else
     assert msgspec.structs.asdict(commit) == {
-        "pid": "p",
+        "partition": "p",
         "keys": ["a", "b"],
         "fields": ["x"],
         "tags": [{"t": 1}, None],
@@ -270,10 +270,10 @@ def test_a_one_step_put_is_checked_like_a_reserve_and_accounted_like_a_commit():
         "col": _wire.column_to_wire(cols["x"], bufs),
     }
     with pytest.raises(WireError, match="frame"):  # a declared frame that was not sent
-        _serve_put_ready(one_step, {"pid": "p", "keys": ["c"], "fields": {"x": wire}})
+        _serve_put_ready(one_step, {"partition": "p", "keys": ["c"], "fields": {"x": wire}})
     del wire["col"]
     with pytest.raises(WireError, match="inline"):
-        _serve_put_ready(one_step, {"pid": "p", "keys": ["c"], "fields": {"x": wire}})
+        _serve_put_ready(one_step, {"partition": "p", "keys": ["c"], "fields": {"x": wire}})
     assert one_step.stats() == before and "c" not in one_step.partitions["p"].rows
 
 
@@ -286,9 +286,9 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     made for real on a machine others share. Everything else is real: two cores, the second opening
     the first's ledger through ``/proc`` as a peer shard does, its lock, and real reservations.
     """
-    from dataplane.server import host_memory
-    from dataplane.server.host_memory import HostMemory
-    from dataplane.wire.locality import Locality
+    from dataplane.server.shard import host_memory
+    from dataplane.server.shard.host_memory import HostMemory
+    from dataplane.transport.locality import Locality
 
     mib = 1 << 20
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 64 * mib)
@@ -303,7 +303,7 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
 
     def reserve(core: ShardCore, nbytes: int) -> _protocol.ReserveReply:
         body = {
-            "pid": "p",
+            "partition": "p",
             "keys": ["k"],
             "fields": {"x": {"spec": ["arrow", "large_binary", []], "nbytes": nbytes}},
         }

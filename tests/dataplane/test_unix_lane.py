@@ -1,4 +1,4 @@
-"""The same-host Unix lane (``wire.unix``) over real sockets: its framing, its limits against a lying or
+"""The same-host Unix lane (``transport.unix``) over real sockets: its framing, its limits against a lying or
 hostile peer, its writes to peers that are gone or do not read, a real server's gate (hello, secret,
 handshake deadline) and its connection count, the blocking client over it, and the store on it.
 
@@ -31,16 +31,16 @@ import msgspec
 import pytest
 
 from dataplane.errors import ShardUnavailableError
-from dataplane.server.index_actor import IndexServer
+from dataplane.server.index.actor import IndexServer
 from dataplane.server.router import RequestServer
+from dataplane.transport import unix
+from dataplane.transport.auth import Credentials
+from dataplane.transport.clients import SyncTransport
+from dataplane.transport.liveness import Liveness, Target, process_start
+from dataplane.transport.sockets import Endpoint
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-from dataplane.wire import unix
-from dataplane.wire.auth import Credentials
-from dataplane.wire.liveness import Liveness, Target, process_start
 from dataplane.wire.requests import INDEX, Call, reply
-from dataplane.wire.sockets import Endpoint
-from dataplane.wire.transport import SyncTransport
 
 from ._ping_core import PingIndex
 from .conftest import keys_on_shards, store_fixtures, wait_for
@@ -410,7 +410,7 @@ def test_writes_to_a_closed_peer_return_false_without_sigpipe() -> None:
         """
         import signal, socket, time
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        from dataplane.wire import unix
+        from dataplane.transport import unix
 
         def closed_pair():
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -494,7 +494,7 @@ def test_a_peer_that_leaves_too_much_unread_is_closed(monkeypatch) -> None:
 def test_the_server_closes_a_peer_that_does_not_open_with_the_hello(index, creds, first) -> None:
     bad = _raw(index.unix)
     try:
-        bad.sendall(first(creds.secret) + _request(4, "finish", {"pid": "p"}))
+        bad.sendall(first(creds.secret) + _request(4, "finish", {"partition": "p"}))
         assert _closed_by_peer(bad) == b"", "a refused peer was sent something"
     finally:
         bad.close()
@@ -532,7 +532,7 @@ def test_a_hello_and_requests_in_one_send_are_all_served(index, creds) -> None:
     conn = unix.Conn(sock, max_frames=16, max_bytes=-1)
     try:
         # the third request is larger than a hello may be: held to the limits of a peer that said hello
-        long = {"pid": "p" * 400}
+        long = {"partition": "p" * 400}
         sock.sendall(_hello(creds.secret) + _request(11) + _request(12, "stats") + _request(13, "list", long))
         replies = [rep for rep, _ in _replies(conn, 3)]
         assert [(r.rid, r.error) for r in replies] == [(11, None), (12, None), (13, None)], replies

@@ -457,9 +457,9 @@ def test_a_store_server_counts_its_open_connections() -> None:
 
     import zmq
 
-    from dataplane.server.index import IndexCore
+    from dataplane.server.index.core import IndexCore
     from dataplane.server.router import RequestServer
-    from dataplane.wire.auth import Credentials, secure_client
+    from dataplane.transport.auth import Credentials, secure_client
 
     def settles_at(n: int) -> bool:
         deadline = time.monotonic() + 10

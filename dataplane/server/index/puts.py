@@ -16,7 +16,7 @@ from typing import Any
 
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import ReservationExpiredError, SchemaError, WireError
-from dataplane.server.index_records import (
+from dataplane.server.index.records import (
     CLEARED_KEYS_KEPT,
     CLEARED_PARTITIONS_KEPT,
     FieldSchema,
@@ -53,7 +53,7 @@ class IndexPuts(IndexRecords):
         """
         now = self._clock()
         self.expire(now)
-        pid, txn = body.pid, body.txn
+        pid, txn = body.partition, body.txn
         if txn in self._early_aborts:  # its client gave up before this arrived (a stalled index)
             self.put_counts["refused"] += 1
             raise ReservationExpiredError(
@@ -169,7 +169,12 @@ class IndexPuts(IndexRecords):
 
     def op_commit(self, body: _protocol.IndexCommit) -> _protocol.CommitReply:
         """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags."""
-        pid, keys, fields, tags = body.pid, _protocol.unique_keys(body.keys, "commit"), body.fields, body.tags
+        pid, keys, fields, tags = (
+            body.partition,
+            _protocol.unique_keys(body.keys, "commit"),
+            body.fields,
+            body.tags,
+        )
         if tags is not None and len(tags) != len(keys):
             raise WireError(f"commit: {len(tags)} tags for {len(keys)} keys")
         self.expire()  # (a pending field of an expired put must not decide this commit's schema)
@@ -236,7 +241,7 @@ class IndexPuts(IndexRecords):
         return _protocol.CommitsReply(results)
 
     def op_clear(self, body: _protocol.Clear) -> _protocol.RemovedReply:
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         removed = 0
         if part is not None:
             for key in body.keys:
@@ -247,7 +252,7 @@ class IndexPuts(IndexRecords):
         return _protocol.RemovedReply(removed)
 
     def op_clear_partition(self, body: _protocol.OnePartition) -> _protocol.ExistedReply:
-        pid = body.pid
+        pid = body.partition
         existed = self.partitions.pop(pid, None) is not None
         if existed:
             _remember(self.cleared, pid, CLEARED_PARTITIONS_KEPT)

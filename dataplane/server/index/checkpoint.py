@@ -35,36 +35,14 @@ from dataplane.errors import CheckpointError
 from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
+    PartKeys,
     decode_file,
     open_dir,
     read_small,
     write_small,
 )
-from dataplane.server.index_records import FieldSchema, KeyMeta, PartMeta
+from dataplane.server.index.records import FieldSchema, KeyMeta, PartMeta
 from dataplane.wire import protocol as _protocol
-
-
-class PartKeys(msgspec.Struct):
-    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds."""
-
-    pid: str
-    keys: list[str]
-    layouts: list[list[str]]
-    layout: list[int]
-
-    def fields_of(self) -> list[list[str]]:
-        """The fields of every key, in key order; ``ValueError`` when the lists disagree."""
-        if len(self.layout) != len(self.keys):
-            raise ValueError(f"partition {self.pid!r}: {len(self.layout)} layouts for {len(self.keys)} keys")
-        try:
-            return [self.layouts[i] for i in self.layout]
-        except IndexError:
-            raise ValueError(f"partition {self.pid!r}: a key names a layout that does not exist") from None
-
-
-class IndexKeys(msgspec.Struct):
-    version: int
-    partitions: list[PartKeys]
 
 
 class PartState(PartKeys):
@@ -226,4 +204,4 @@ class IndexCheckpoints:
         return _protocol.Done()
 
 
-__all__ = ["IndexCheckpoints", "IndexKeys", "IndexState", "PartKeys", "PartState", "decode_index"]
+__all__ = ["IndexCheckpoints", "IndexState", "PartState", "decode_index"]

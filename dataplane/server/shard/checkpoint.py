@@ -53,6 +53,7 @@ from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
     DataWriter,
+    IndexKeys,
     decode_file,
     open_checked,
     open_dir,
@@ -61,9 +62,8 @@ from dataplane.server.checkpoint_files import (
     shard_files,
     write_small,
 )
-from dataplane.server.index_checkpoint import IndexKeys
-from dataplane.server.segments import ShmFile
-from dataplane.server.shard import Segment, ShardCore, _Partition
+from dataplane.server.shard.core import Segment, ShardCore, _Partition
+from dataplane.server.shard.segments import ShmFile
 from dataplane.wire.frames import column_from_wire, column_to_wire
 from dataplane.wire.placement import shard_of
 from dataplane.wire.protocol import FileEntry, ShardSaveReply, ShardStageReply, WireColumn

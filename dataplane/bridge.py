@@ -52,7 +52,7 @@ from dataplane import api
 from dataplane import stream as _stream
 from dataplane.errors import (
     ArgumentTypeError,
-    DataplaneError,
+    BridgeError,
     FieldNotFoundError,
     InvalidArgumentError,
     KeyNotFoundError,
@@ -61,25 +61,6 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest, StreamResult
-
-
-class BridgeError(DataplaneError, ValueError):
-    """A bridged method returned a TensorDict whose batch size is not the meta's.
-
-    Raised on the worker (and re-raised on the driver by Ray). Not recoverable by retrying:
-    the method must return one row per key of the meta it was given (or metrics).
-    """
-
-    def __init__(self, method: str, got: int, expected: int) -> None:
-        super().__init__(
-            f"{method} returned a TensorDict of batch size {got} for a KVBatchMeta of {expected} keys; "
-            "a bridged method must return one row per key (or a dict of metrics)"
-        )
-        self.method, self.got, self.expected = method, got, expected
-
-    def __reduce__(self) -> tuple:
-        return (BridgeError, (self.method, self.got, self.expected))
-
 
 # ---------------------------------------------------------------------------- byte counters
 

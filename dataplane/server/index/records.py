@@ -4,8 +4,8 @@
 consumers' streams) and ``FieldSchema`` (a field's family, decided once) are the metadata;
 ``IndexRecords`` is the base of ``IndexCore`` that holds them beside the rest of the index's state
 (open puts, lease deadlines, takes given back) and builds the error for a partition that is not
-there. The operations are mixins over it, one module per group: ``index_puts`` (puts and clears),
-``index_streaming`` (consumers), ``index_checkpoint``; ``index`` joins them into ``IndexCore``.
+there. The operations are mixins over it, one module per group: ``index.puts`` (puts and clears),
+``index.streaming`` (consumers), ``index.checkpoint``; ``index`` joins them into ``IndexCore``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.errors import PartitionNotFoundError, did_you_mean
-from dataplane.server.streams import PartitionStreams
+from dataplane.server.index.streams import PartitionStreams
 from dataplane.wire.protocol import WireSpec
 
 CLEARED_KEYS_KEPT = 4096  # cleared keys remembered per partition, so a get of one says "cleared"

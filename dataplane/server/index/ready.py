@@ -9,7 +9,7 @@ one scan builds a ``GroupIndex``; from then on every change to the ready keys (a
 take or a clear removes, a give-back puts first) updates it in O(1) per key, and a sampler reads
 complete groups in O(groups it takes).
 
-Plain classes, no Ray, no sockets (owned by ``server.streams``).
+Plain classes, no Ray, no sockets (owned by ``server.index.streams``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ which knows nothing of zmq: the operations that yield calls never import this mo
 
 ``SyncTransport`` uses blocking DEALER sockets and a poller with a deadline: no event-loop thread,
 so a round trip costs only the sockets; to a target on this host it uses the Unix lane instead
-(``wire.unix``: the same frames, without zmq's I/O threads, so a small request costs a fifth of
+(``transport.unix``: the same frames, without zmq's I/O threads, so a small request costs a fifth of
 the CPU). Its sockets live in a small pool of per-call sets (zmq
 sockets are not thread-safe, so a call owns its set while it runs): a process keeps at most
 ``MAX_IDLE_SETS`` sets however many threads ever called the store. ``AsyncTransport`` uses
@@ -15,7 +15,7 @@ coroutines share one connection (requests are pipelined).
 Both return, per call, either ``(body, buffers)`` or the exception the call ended with: a rebuilt
 remote error, or ``ShardUnavailableError`` naming the target. When a call ends is decided by
 ``wire.policy.RequestPolicy`` (the deadline, the probe of a target silent for ``PROBE_S`` through
-``wire.liveness``, a dead target's calls failed at once and later ones not even sent, late replies
+``transport.liveness``, a dead target's calls failed at once and later ones not even sent, late replies
 dropped); the transports only carry its decisions out. Sends are inside the deadline too, and a
 socket that timed out is closed, so nothing queued for a dead peer lingers.
 """
@@ -33,11 +33,8 @@ import zmq
 import zmq.asyncio
 
 from dataplane.errors import ShardUnavailableError
-from dataplane.wire import frames as _wire
-from dataplane.wire import unix as _unix
-from dataplane.wire.policy import DEAD, GiveUp, Probe, RequestPolicy, poll_ms
-from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
-from dataplane.wire.sockets import (
+from dataplane.transport import unix as _unix
+from dataplane.transport.sockets import (
     EVENTS,
     NOBLOCK,
     POLLIN,
@@ -47,6 +44,9 @@ from dataplane.wire.sockets import (
     recv_frames,
     send_frames,
 )
+from dataplane.wire import frames as _wire
+from dataplane.wire.policy import DEAD, GiveUp, Probe, RequestPolicy, poll_ms
+from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
 
 _forks = [0]  # bumped in a forked child: the sockets it inherited are its parent's, never to be used
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))

@@ -2,9 +2,9 @@
 per-key field production status, tags, per-task consumption, the shard registry), and its reads
 (``list``, ``resolve``, ``stats``).
 
-``IndexCore`` joins the index's state (``index_records``) and its operations, one group per module:
-puts and clears (``index_puts``), streaming (``index_streaming``), checkpoints
-(``index_checkpoint``). It is a plain class, tested without Ray; ``index_actor`` serves it
+``IndexCore`` joins the index's state (``index.records``) and its operations, one group per module:
+puts and clears (``index.puts``), streaming (``index.streaming``), checkpoints
+(``index.checkpoint``). It is a plain class, tested without Ray; ``index.actor`` serves it
 (``IndexServer``, the zmq request loop) inside the Ray actor (``IndexActor``).
 
 Placement of keys is a stable hash (``client.sharding``), so the index is not asked where a key lives;
@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 from dataplane.server.dispatch import Operations, OpReply
-from dataplane.server.index_checkpoint import IndexCheckpoints
-from dataplane.server.index_puts import IndexPuts
-from dataplane.server.index_records import CLEARED_KEYS_KEPT
-from dataplane.server.index_streaming import IndexStreaming
+from dataplane.server.index.checkpoint import IndexCheckpoints
+from dataplane.server.index.puts import IndexPuts
+from dataplane.server.index.records import CLEARED_KEYS_KEPT
+from dataplane.server.index.streaming import IndexStreaming
 from dataplane.wire import protocol as _protocol
 
 
@@ -30,9 +30,9 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
 
     Its operations take the body only (the index takes no buffer frames) and return the reply
     body; a waiting one (``next``, ``ready``) returns None while its rows are not ready. Its state is
-    ``IndexRecords`` (``server.index_records``); the operations come one group per module: puts and
-    clears (``server.index_puts``), streaming (``server.index_streaming``), checkpoints
-    (``server.index_checkpoint``), and here the reads that resolve metadata (``list``, ``resolve``,
+    ``IndexRecords`` (``server.index.records``); the operations come one group per module: puts and
+    clears (``server.index.puts``), streaming (``server.index.streaming``), checkpoints
+    (``server.index.checkpoint``), and here the reads that resolve metadata (``list``, ``resolve``,
     ``stats``).
 
     A put's prepare (``op_prepare``) stays open for ``prepare_ttl_s`` (the store's
@@ -49,7 +49,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
         return (_protocol.Pending() if result is None else result), []  # a waiting op, run once
 
     def op_list(self, body: _protocol.ListKeys) -> _protocol.ListReply:
-        pid = body.pid
+        pid = body.partition
         pids = [pid] if pid is not None else list(self.partitions)
         return _protocol.ListReply(
             {
@@ -61,9 +61,9 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
 
     def op_resolve(self, body: _protocol.Resolve) -> _protocol.ResolveReply:
         """Which of ``keys`` the index knows, and which fields they hold (classifies a failed get)."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
-            return _protocol.ResolveReply(partition=False, known={}, error=str(self.missing(body.pid)))
+            return _protocol.ResolveReply(partition=False, known={}, error=str(self.missing(body.partition)))
         return _protocol.ResolveReply(
             partition=True,
             known={k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},

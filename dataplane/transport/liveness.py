@@ -7,9 +7,11 @@ Two ways to know, the cheap one first:
   time (``/proc/<pid>/stat``), recorded in the registry; a process that is gone, a zombie, or a
   reused pid with another start time is dead. Checked once at attach time to be usable here (in
   another pid namespace the pid means nothing, and that target falls back to Ray).
-* **Anywhere else**: Ray knows. A ping to the named actor raises ``RayActorError`` once Ray has
-  marked it dead; a lookup that finds no such actor means dead too; a ping that is merely slow
-  means alive (busy, not dead).
+* **Anywhere else**: the ``remote_dead`` check its owner passes in: Ray's in practice
+  (``service.liveness.ray_says_dead``: a ping to the named actor raises ``RayActorError`` once Ray
+  has marked it dead, a lookup that finds no such actor means dead too, a ping that is merely slow
+  means alive). Without one, a remote target is never found dead here (its calls still end at their
+  deadline).
 
 Store actors never restart (``max_restarts=0``), so a target found dead stays dead. ``on_dead``
 hears of each once, with its name (the store's metrics count them).
@@ -22,9 +24,6 @@ import time
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 
-from dataplane.config import NAMESPACE
-
-RAY_PING_TIMEOUT_S = 2.0
 RECHECK_S = 0.5  # a target's answer is reused this long, so a burst of late calls asks once
 
 
@@ -54,9 +53,15 @@ class Target:
 class Liveness:
     """Answers ``dead(target)`` for the store's actors. Thread-safe."""
 
-    def __init__(self, targets: dict[int, Target], on_dead: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        targets: dict[int, Target],
+        on_dead: Callable[[str], None] | None = None,
+        remote_dead: Callable[[str], bool] | None = None,
+    ) -> None:
         self.targets = targets
         self._on_dead = on_dead
+        self._remote_dead = remote_dead
         for t in targets.values():  # a pid we cannot recognise now (other pid namespace) is not ours
             t.local = t.local and bool(t.pid_start) and process_start(t.pid) == t.pid_start
         self._dead: set[int] = set()
@@ -72,7 +77,8 @@ class Liveness:
         return self._dead
 
     def dead(self, target: int) -> bool:
-        """Whether ``target`` is dead now (may make one Ray call of up to 2 s for a remote target)."""
+        """Whether ``target`` is dead now (may call ``remote_dead``, e.g. a Ray ping of up to 2 s, for a
+        target whose pid namespace is not this process's)."""
         if target in self._dead:
             return True
         t = self.targets.get(target)
@@ -86,7 +92,7 @@ class Liveness:
                 if now - self._checked.get(target, -RECHECK_S) < RECHECK_S:
                     return False
                 self._checked[target] = now
-            gone = _ray_says_dead(t.name)
+            gone = self._remote_dead is not None and self._remote_dead(t.name)
         if gone:
             with self._lock:
                 first = target not in self._dead
@@ -94,24 +100,3 @@ class Liveness:
             if first and self._on_dead is not None:
                 self._on_dead(t.name)
         return gone
-
-
-def _ray_says_dead(name: str) -> bool:
-    import ray
-
-    if not ray.is_initialized():
-        return False
-    try:
-        handle = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return True  # no such actor any more
-    try:
-        ray.get(handle.ping.remote(), timeout=RAY_PING_TIMEOUT_S)
-    except ray.exceptions.RayActorError:
-        return True
-    except ray.exceptions.GetTimeoutError:
-        return False
-    return False
-
-
-__all__ = ["Liveness", "Target", "process_start"]

@@ -2,7 +2,7 @@
 
 The actor's Ray methods are used only to start, describe, link and stop the shard, and to save and load
 its rows in a checkpoint (long file I/O, run beside the request loop); every KV operation reaches it
-over zmq, on sockets that admit only the store's own peers (``wire.auth``). Runs on the shard's node.
+over zmq, on sockets that admit only the store's own peers (``transport.auth``). Runs on the shard's node.
 
 ``ShardServer`` also makes small puts ready in the index itself (``put_ready``), so a writer's small
 put costs it one round trip instead of two (one to the shard, one to the index):
@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,23 +38,19 @@ import zmq
 from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
-from dataplane.server.host_memory import HostMemory
 from dataplane.server.router import Peer, RequestServer
-from dataplane.server.shard import PutUndo, ShardCore
-from dataplane.server.shard_checkpoint import ShardCheckpoints
+from dataplane.server.shard.checkpoint import ShardCheckpoints
+from dataplane.server.shard.core import PutUndo, ShardCore
+from dataplane.server.shard.host_memory import HostMemory
 from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics, Key, ServerMetrics
-from dataplane.wire import frames as _wire
-from dataplane.wire import protocol as _protocol
-from dataplane.wire import unix as _unix
-from dataplane.wire.auth import Credentials
-from dataplane.wire.liveness import Liveness, Target, process_start
-from dataplane.wire.locality import Locality
-from dataplane.wire.policy import Probe, RequestPolicy
-from dataplane.wire.requests import INDEX, next_rid, reply
-from dataplane.wire.shm import boot_id
-from dataplane.wire.sockets import (
+from dataplane.transport import unix as _unix
+from dataplane.transport.auth import Credentials
+from dataplane.transport.liveness import Liveness, Target, process_start
+from dataplane.transport.locality import Locality
+from dataplane.transport.shm import boot_id
+from dataplane.transport.sockets import (
     EVENTS,
     NOBLOCK,
     POLLIN,
@@ -63,6 +60,10 @@ from dataplane.wire.sockets import (
     recv_frames,
     send_frames,
 )
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
+from dataplane.wire.policy import Probe, RequestPolicy
+from dataplane.wire.requests import INDEX, next_rid, reply
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class ShardServer(RequestServer):
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         self._peer_metrics: ClientMetrics | None = None  # the index found dead, when metrics are on
 
-    def link(self, index: dict[str, Any]) -> None:
+    def link(self, index: dict[str, Any], remote_dead: Callable[[str], bool] | None = None) -> None:
         """Where the index listens (its registry entry), so this shard can commit puts there."""
         here, there = Locality.here(), Locality.from_dict(index.get("locality"))
         creds = self._creds.for_clients()
@@ -128,7 +129,7 @@ class ShardServer(RequestServer):
             index["name"], index.get("pid", -1), index.get("pid_start", ""), here.shares_pids(there)
         )
         on_dead = None if self._peer_metrics is None else self._peer_metrics.peer_dead
-        liveness = Liveness({INDEX: target}, on_dead=on_dead)
+        liveness = Liveness({INDEX: target}, on_dead=on_dead, remote_dead=remote_dead)
         self._link = Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness, lane=True)
         self._policy = RequestPolicy(liveness.known)
 
@@ -349,16 +350,16 @@ class ShardServer(RequestServer):
         ):
             gauges[("dataplane_shard_capacity_bytes", *labels, state)] = nbytes
         gauges[("dataplane_shard_resident_bytes", *labels)] = core.pool.bytes_resident + core.heap_bytes
-        sizes = {pid: part.nbytes for pid, part in core.partitions.items()}
-        rows = {pid: len(part.rows) for pid, part in core.partitions.items()}
+        sizes = {partition: part.nbytes for partition, part in core.partitions.items()}
+        rows = {partition: len(part.rows) for partition, part in core.partitions.items()}
         gauges[("dataplane_shard_rows_held", *labels)] = sum(rows.values())
         keep = _bounds.chosen(sizes, self.partition_series)
         for name, series in (
             ("dataplane_shard_partition_rows", rows),
             ("dataplane_shard_partition_bytes", sizes),
         ):
-            for pid, n in _bounds.fold(series, keep, _bounds.OTHER).items():
-                gauges[(name, *labels, pid)] = n
+            for partition, n in _bounds.fold(series, keep, _bounds.OTHER).items():
+                gauges[(name, *labels, partition)] = n
         return counters, gauges
 
 
@@ -377,7 +378,7 @@ class ShardActor:
     ) -> None:
         import ray
 
-        # An unbounded store's shards on one host share its memory (``server.host_memory``).
+        # An unbounded store's shards on one host share its memory (``server.shard.host_memory``).
         host = None if capacity_bytes is not None else HostMemory.for_shard(cfg["name"], shard_id)
         self.core = ShardCore(
             shard_id,
@@ -433,11 +434,18 @@ class ShardActor:
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
         }
 
-    def link_index(self, index: dict[str, Any], peers: list[dict[str, Any]] | None = None) -> bool:
+    def link_index(
+        self,
+        index: dict[str, Any],
+        peers: list[dict[str, Any]] | None = None,
+        remote_dead: Callable[[str], bool] | None = None,
+    ) -> bool:
         """Learn the index's endpoints (``ShardServer.link``) and the store's shards (``peers``, their
         ``info``: an unbounded shard shares its host's memory with those on its host,
-        ``HostMemory.share``); called once by the store's starter, before any client knows the shard."""
-        self.server.link(index)
+        ``HostMemory.share``); called once by the store's starter, before any client knows the shard.
+        ``remote_dead``: how to tell the index is dead when it runs in another pid namespace (the
+        starter passes Ray's check, ``service.liveness``)."""
+        self.server.link(index, remote_dead)
         if peers:
             with self._lock:
                 self.core.host.share(peers, Locality.here())
@@ -455,7 +463,7 @@ class ShardActor:
             out: dict[str, Any] = msgspec.to_builtins(self.core.stats())  # (a Ray call: plain values)
             return out
 
-    # ---- checkpoints (``server.shard_checkpoint``): Ray calls, so that the request loop keeps serving
+    # ---- checkpoints (``server.shard.checkpoint``): Ray calls, so that the request loop keeps serving
     # while the files are written or read; the actor runs one at a time.
     def checkpoint_save(
         self, path: str, token: str, num_shards: int, index_file: dict[str, int]

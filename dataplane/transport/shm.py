@@ -3,7 +3,7 @@
 ``map_fd(fd, size) -> memoryview``: shared mappings of a file that hold no file descriptor;
 ``GEN`` / ``generation``: the layout of the shard's generation table (one 8-byte slot per file);
 ``boot_id``: which kernel a process runs on; ``fd_limit_error``: the typed error for running out
-of descriptors. The shard side is ``dataplane.server.segments``, the client side
+of descriptors. The shard side is ``dataplane.server.shard.segments``, the client side
 ``dataplane.client.mappings``.
 
 Why ``map_fd``:

@@ -7,8 +7,8 @@
 * the partition's course: ``finish``, ``reset``;
 * progress: ``consumption``, ``consumed``, ``tasks``.
 
-Per-partition consumption lives in ``PartitionStreams`` (``server.streams``); a call that waits is
-parked by the index's server (``server.index_actor``) and asked again when its partition changes.
+Per-partition consumption lives in ``PartitionStreams`` (``server.index.streams``); a call that waits is
+parked by the index's server (``server.index.actor``) and asked again when its partition changes.
 Mixed into ``IndexCore`` (``server.index``); runs on the index's one thread.
 """
 
@@ -28,7 +28,7 @@ from dataplane.errors import (
     did_you_mean,
 )
 from dataplane.samplers import from_spec
-from dataplane.server.index_records import IndexRecords, PartMeta
+from dataplane.server.index.records import IndexRecords, PartMeta
 from dataplane.wire import protocol as _protocol
 
 RELEASED_MEMORY = 65536  # take ids given back, remembered to refuse a request that arrives after them
@@ -60,7 +60,7 @@ class IndexStreaming(IndexRecords):
         waits for a commit to this partition and asks again)."""
         self._check_take(body.take)
         sampler = _sampler(body)  # (bad arguments are refused at once, not once rows exist)
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
             return None
         got = part.streams.take(
@@ -81,7 +81,7 @@ class IndexStreaming(IndexRecords):
     def op_ready(self, body: _protocol.Ready) -> _protocol.ReadyReply | None:
         """Ready rows (key, tag) for a client-side sampler, once ``min_rows`` are ready or the
         partition is finished; a cached choice for this DP rank and batch index first."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
             return None
         fields = _fieldset(body.fields)
@@ -100,9 +100,9 @@ class IndexStreaming(IndexRecords):
 
     def op_claim(self, body: _protocol.Claim) -> _protocol.BatchReply:
         self._check_take(body.take)
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
-            raise self.missing(body.pid)
+            raise self.missing(body.partition)
         got = part.streams.claim(
             body.task,
             _fieldset(body.fields),
@@ -138,7 +138,7 @@ class IndexStreaming(IndexRecords):
         if keys:
             part.active = task.active = time.monotonic()
         if lease is not None:
-            self.queue_lease(task.leases[lease].deadline, body.pid, body.task, lease)
+            self.queue_lease(task.leases[lease].deadline, body.partition, body.task, lease)
         return self._batch(part, keys, body.fields, lease)
 
     def queue_lease(self, deadline: float, pid: str, task: str, take: str) -> None:
@@ -156,26 +156,26 @@ class IndexStreaming(IndexRecords):
     def op_release(self, body: _protocol.Release) -> _protocol.ReleaseReply:
         """Give back what a take got (its consumer gave up on the call, or lets its lease go). A take
         the index has not seen yet is refused when it comes (the release overtook it)."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         released = None if part is None else part.streams.release(body.task, body.take)
         self.released[body.take] = None
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)
         if released:
-            self.changed.add(body.pid)
+            self.changed.add(body.partition)
         return _protocol.ReleaseReply(released or 0, released is not None)
 
     def op_ack(self, body: _protocol.Ack) -> _protocol.AckReply:
         """Leased keys done with: taken for good. Answers the keys whose lease ran out first."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
-            raise self.missing(body.pid)
+            raise self.missing(body.partition)
         late = part.streams.ack(body.task, body.take, _protocol.unique_keys(body.keys, "ack"))
         task = part.streams.tasks.get(body.task)
         if task is not None:
             part.active = task.active = time.monotonic()
         if part.streams.finished:  # a consumer draining the partition may wait for these rows only
-            self.changed.add(body.pid)
+            self.changed.add(body.partition)
         return _protocol.AckReply(late)
 
     def next_lease_due(self) -> float:
@@ -204,10 +204,11 @@ class IndexStreaming(IndexRecords):
 
     def timeout_error(self, op: str, body: Any, waited: float) -> Exception:
         """What a waiting call that timed out raises: which partition, how many rows were ready."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
             return self.missing(
-                body.pid, f"partition {body.pid!r} not found: no put created it within {waited:.1f}s"
+                body.partition,
+                f"partition {body.partition!r} not found: no put created it within {waited:.1f}s",
             )
         fields = _fieldset(body.fields)
         counts = part.streams.counts(body.task, fields)
@@ -222,8 +223,8 @@ class IndexStreaming(IndexRecords):
             )
         hint += "".join(did_you_mean(f, written) for f in never)
         return BatchTimeoutError(
-            body.pid,
-            f"after {waited:.1f}s only {counts.ready} row(s) of partition {body.pid!r} were ready for "
+            body.partition,
+            f"after {waited:.1f}s only {counts.ready} row(s) of partition {body.partition!r} were ready for "
             f"task {body.task!r} (fields {sorted(fields)}), fewer than the {want} asked for; nothing "
             f"was consumed{hint}",
         )
@@ -231,32 +232,33 @@ class IndexStreaming(IndexRecords):
     def op_finish(self, body: _protocol.OnePartition) -> _protocol.Done:
         """Producers are done: consumers get what is left, then empty batches at once (a task whose
         rows are leased waits for their ack or their lease to run out, ``PartitionStreams.drained``)."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:  # (a misspelt name must not create an empty, finished partition)
             raise self.missing(
-                body.pid, f"partition {body.pid!r} not found: nothing to finish (no put created it)"
+                body.partition,
+                f"partition {body.partition!r} not found: nothing to finish (no put created it)",
             )
         part.streams.finished = True
-        self.changed.add(body.pid)
+        self.changed.add(body.partition)
         return _protocol.Done()
 
     def op_reset(self, body: _protocol.Reset) -> _protocol.Done:
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is not None:
             part.streams.reset(body.task)
-            self.changed.add(body.pid)
+            self.changed.add(body.partition)
         return _protocol.Done()
 
     def op_consumption(self, body: _protocol.Consumption) -> _protocol.ConsumptionReply:
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
-            raise self.missing(body.pid)
+            raise self.missing(body.partition)
         fields = None if body.fields is None else _fieldset(body.fields)
         return part.streams.counts(body.task, fields)
 
     def op_consumed(self, body: _protocol.Consumed) -> _protocol.ConsumedReply:
         """The keys ``task`` has taken from the partition (TransferQueue's per-row consumption status)."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         task = None if part is None else part.streams.tasks.get(body.task)
         if part is None or task is None:
             return _protocol.ConsumedReply([])
@@ -266,12 +268,12 @@ class IndexStreaming(IndexRecords):
         """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
         ready and not taken, leased, the fields each waits for), and the partition's rows, fields
         (in the order their schemas were decided) and whether it is finished. O(tasks)."""
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         if part is None:
-            raise PartitionNotFoundError(body.pid)
+            raise PartitionNotFoundError(body.partition)
         return _protocol.TasksReply(
             rows=len(part.keys),
-            fields=list(self.schemas.get(body.pid, {})),
+            fields=list(self.schemas.get(body.partition, {})),
             finished=part.streams.finished,
             tasks=part.streams.overview(time.monotonic()),
         )

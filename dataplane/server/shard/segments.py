@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.errors import StoreFullError
-from dataplane.wire.shm import GEN, fd_limit_error, map_fd
+from dataplane.transport.shm import GEN, fd_limit_error, map_fd
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from dataplane.errors import StoreFullError
-from dataplane.wire.locality import Locality
+from dataplane.transport.locality import Locality
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@
   name the target and the address the caller uses (``unavailable``, ``died``, ``gone``, and
   ``give_up`` for a decision of ``wire.policy``).
 
-The client transports (``wire.transport``) and a shard's link to its index
-(``server.shard_actor``) are built on these; neither imports the other.
+The client transports (``transport.clients``) and a shard's link to its index
+(``server.shard.actor``) are built on these; neither imports the other.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any, TypeVar
 import zmq
 
 from dataplane.errors import RequestTooLargeError, ShardUnavailableError
-from dataplane.wire import auth as _auth
+from dataplane.transport import auth as _auth
+from dataplane.transport import unix as _unix
+from dataplane.transport.liveness import Liveness
+from dataplane.transport.shm import fd_limit_error
 from dataplane.wire import frames as _wire
-from dataplane.wire import unix as _unix
-from dataplane.wire.liveness import Liveness
 from dataplane.wire.policy import DEAD, GiveUp
 from dataplane.wire.protocol import MAX_FRAMES
-from dataplane.wire.shm import fd_limit_error
 
 # Plain ints: pyzmq's flag enums cost microseconds per operation, and a small request pays several.
 POLLIN = int(zmq.POLLIN)
@@ -88,7 +88,7 @@ class Endpoint:
     address: str
     name: str
     curve: bool = False  # CURVE (encrypted tcp) rather than PLAIN
-    unix: str | None = None  # the same-host Unix lane (``wire.unix``), for callers that use it
+    unix: str | None = None  # the same-host Unix lane (``transport.unix``), for callers that use it
     max_frame: int = -1  # the largest frame the target takes (-1: no limit known)
 
 

@@ -9,7 +9,7 @@ its sampler looks at (for the built-ins, about the batch size), however many row
 any other partition holds.
 
 Plain class, no Ray, no sockets: ``IndexCore`` owns one per partition and the index actor does the
-waiting (``server.index_actor``).
+waiting (``server.index.actor``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
-from dataplane.server.ready import ReadyKeys
+from dataplane.server.index.ready import ReadyKeys
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
@@ -328,7 +328,7 @@ class PartitionStreams:
             for stream in task.streams.values():
                 stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
 
-    # ---- checkpoints (server.index_checkpoint) --------------------------------------------------
+    # ---- checkpoints (server.index.checkpoint) --------------------------------------------------
     def snapshot(self, now: float) -> dict[str, Any]:
         """This partition's streaming state as plain values (msgpack, no pickle): per task the keys
         it took, each stream's ready keys in ready order, the rank-aware cache, the takes it

@@ -10,7 +10,7 @@ zmq. Every service listens on both.
 Framing: ``[u32 n][u64 length] * n`` then the ``n`` frames' bytes (little endian): the same frames
 as a zmq multipart message (``wire.frames``), so one request path serves both lanes.
 
-Who may talk (the same rule as ``wire.auth``'s PLAIN over ipc): the listener is in the abstract
+Who may talk (the same rule as ``transport.auth``'s PLAIN over ipc): the listener is in the abstract
 namespace (nothing in the file system, so reachable from every uid), and ``accept`` closes a peer
 whose uid (``SO_PEERCRED``, what the kernel recorded at its connect) is not allowed at once, before
 it is given anything. The first message on a connection must be ``[HELLO, secret]`` with the store's

@@ -1,6 +1,6 @@
 """A storage shard's core: column segments in memory, rows addressed as (segment, row), byte accounting.
 
-``ShardCore`` is a plain class (no Ray, no sockets); ``shard_actor`` wraps it in a Ray actor and a
+``ShardCore`` is a plain class (no Ray, no sockets); ``shard.actor`` wraps it in a Ray actor and a
 zmq loop. Every operation takes a request body plus its buffer frames and returns its reply struct
 plus buffer frames (``dispatch.Operations``; the structs are ``wire.protocol``'s, the frames
 ``dataplane.wire.frames``).
@@ -19,11 +19,11 @@ Invariants (``docs/reliability.md`` has the tests that back each):
 * Every peer-declared value is checked before anything changes: bodies are typed
   (``wire.protocol``), specs are ones the codec can write, declared byte counts equal the frames
   sent and fit the capacity (or, unbounded, the host's memory: what a put allocates must fit the
-  host's available memory, shared with the store's other shards there, ``server.host_memory``),
+  host's available memory, shared with the store's other shards there, ``server.shard.host_memory``),
   offsets rise from 0 to the data length. A malformed request gets a typed error reply and changes nothing.
 * A row's bytes never change while it is live: writers write only into segments they reserved,
   before the commit that makes them readable.
-* Memory is reused only when no reader can be misled (see ``server.segments``): a freed segment moves
+* Memory is reused only when no reader can be misled (see ``server.shard.segments``): a freed segment moves
   to its next generation before reuse, and readers that copied from it check the generation and
   retry; a segment handed out as a view is never reused; a reservation that expires is *fenced*
   (its files are closed, never recycled), because its writer may still be writing into them.
@@ -56,8 +56,8 @@ from dataplane.errors import (
     WireError,
 )
 from dataplane.server.dispatch import Operations
-from dataplane.server.host_memory import HostMemory
-from dataplane.server.segments import ShmFile, ShmPool
+from dataplane.server.shard.host_memory import HostMemory
+from dataplane.server.shard.segments import ShmFile, ShmPool
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
@@ -182,7 +182,7 @@ class ShardCore(Operations):
     def op_reserve(
         self, body: _protocol.Reserve, bufs: list[memoryview]
     ) -> tuple[_protocol.ReserveReply, list[Any]]:
-        pid, keys = body.pid, _protocol.unique_keys(body.keys, "reserve")
+        pid, keys = body.partition, _protocol.unique_keys(body.keys, "reserve")
         fields, need = self._checked_fields(pid, keys, body.fields, bufs)
         files: dict[str, list[int]] = {}
         admit = self._admit(pid)
@@ -287,8 +287,8 @@ class ShardCore(Operations):
         if any(f.col is None for f in body.fields.values()):
             raise WireError("a one-step put carries every column inline")
         keys = _protocol.unique_keys(body.keys, "reserve")
-        fields, _ = self._checked_fields(body.pid, keys, body.fields, bufs)
-        return self._attach(body.pid, keys, fields, {}, {})
+        fields, _ = self._checked_fields(body.partition, keys, body.fields, bufs)
+        return self._attach(body.partition, keys, fields, {}, {})
 
     def put_ready(
         self, body: _protocol.PutReady, bufs: list[memoryview]
@@ -301,8 +301,8 @@ class ShardCore(Operations):
         """
         segs = self._store_inline(body, bufs)
         specs = {name: f.spec for name, f in body.fields.items()}
-        commit = _protocol.IndexCommit(body.pid, body.keys, list(body.fields), body.tags, specs=specs)
-        return commit, PutUndo(body.pid, body.keys, segs)
+        commit = _protocol.IndexCommit(body.partition, body.keys, list(body.fields), body.tags, specs=specs)
+        return commit, PutUndo(body.partition, body.keys, segs)
 
     def undo_put(self, undo: PutUndo) -> None:
         """Take back the rows of a ``put_ready`` the index refused (it recorded nothing), except where a
@@ -463,7 +463,7 @@ class ShardCore(Operations):
         return rows, fields
 
     def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[_protocol.GetReply, list[Any]]:
-        pid, keys = body.pid, body.keys
+        pid, keys = body.partition, body.keys
         if not keys:
             raise WireError("a get names at least one key")
         rows, fields = self._resolve(pid, keys, body.fields)
@@ -521,7 +521,7 @@ class ShardCore(Operations):
     def op_clear(
         self, body: _protocol.Clear, bufs: list[memoryview]
     ) -> tuple[_protocol.RemovedReply, list[Any]]:
-        part = self.partitions.get(body.pid)
+        part = self.partitions.get(body.partition)
         removed = 0
         used = self.used
         if part is not None:
@@ -537,7 +537,7 @@ class ShardCore(Operations):
     def op_clear_partition(
         self, body: _protocol.OnePartition, bufs: list[memoryview]
     ) -> tuple[_protocol.RemovedReply, list[Any]]:
-        part = self.partitions.pop(body.pid, None)
+        part = self.partitions.pop(body.partition, None)
         removed = 0
         used = self.used
         if part is not None:

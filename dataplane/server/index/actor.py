@@ -23,12 +23,12 @@ from typing import Any
 
 from dataplane.errors import DataplaneError, PartitionNotFoundError
 from dataplane.server.dispatch import OpReply
-from dataplane.server.index import IndexCore
+from dataplane.server.index.core import IndexCore
 from dataplane.server.router import POLL_MS, Peer, RequestServer
 from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
 from dataplane.telemetry.recorder import Key, ServerMetrics
-from dataplane.wire import auth as _auth
+from dataplane.transport import auth as _auth
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
@@ -95,9 +95,9 @@ class IndexServer(RequestServer):
         if body.timeout_s is not None:
             waiter.deadline = now + body.timeout_s
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
-        part = self.core.partitions.get(body.pid)
+        part = self.core.partitions.get(body.partition)
         waiter.incarnation = None if part is None else part.incarnation
-        self._waiters.setdefault(body.pid, []).append(waiter)
+        self._waiters.setdefault(body.partition, []).append(waiter)
         take = getattr(body, "take", None)
         if take is not None:
             self._by_take[take] = waiter
@@ -108,7 +108,7 @@ class IndexServer(RequestServer):
         if w is None or w.done:
             return
         self._done(w)
-        waiting = self._waiters.get(w.body.pid, [])
+        waiting = self._waiters.get(w.body.partition, [])
         if w in waiting:
             waiting.remove(w)
         err = DataplaneError(f"the consumer gave up on this {w.op!r} call; nothing was taken")
@@ -124,11 +124,11 @@ class IndexServer(RequestServer):
         """Answer ``w`` if it can be answered now (its rows are ready, or it failed)."""
         try:
             if w.incarnation is not None:
-                part = self.core.partitions.get(w.body.pid)
+                part = self.core.partitions.get(w.body.partition)
                 if part is None or part.incarnation != w.incarnation:
                     raise PartitionNotFoundError(
-                        w.body.pid,
-                        f"partition {w.body.pid!r} was cleared while this {w.op!r} call waited on it "
+                        w.body.partition,
+                        f"partition {w.body.partition!r} was cleared while this {w.op!r} call waited on it "
                         "(clear_partition); nothing was taken",
                     )
             result = self.core.operation(w.op)(w.body)
@@ -144,7 +144,7 @@ class IndexServer(RequestServer):
         taken = result.keys if type(result) is _protocol.BatchReply else []  # (a ready takes nothing)
         if not self.deliver(w.sock, w.ident, _wire.encode_reply(w.rid, result)):
             if taken:  # its consumer went away: ready again
-                self.core.give_back(w.body.pid, w.body.task, w.body.take, taken)
+                self.core.give_back(w.body.partition, w.body.task, w.body.take, taken)
         else:
             self.rows_taken += len(taken)
         return True
@@ -152,13 +152,13 @@ class IndexServer(RequestServer):
     def _recheck(self) -> None:
         """Re-try the parked requests of every partition that changed, oldest first."""
         while self.core.changed:
-            pid = self.core.changed.pop()
-            waiting = self._waiters.get(pid)
+            partition = self.core.changed.pop()
+            waiting = self._waiters.get(partition)
             if not waiting:
                 continue
-            self._waiters[pid] = [w for w in waiting if not w.done and not self._try(w)]
-            if not self._waiters[pid]:
-                del self._waiters[pid]
+            self._waiters[partition] = [w for w in waiting if not w.done and not self._try(w)]
+            if not self._waiters[partition]:
+                del self._waiters[partition]
 
     def poll_timeout_ms(self) -> int:
         while self._deadlines and self._deadlines[0][2].done:
@@ -199,7 +199,7 @@ class IndexServer(RequestServer):
 
     def _fail(self, w: _Waiter, exc: BaseException) -> None:
         """Answer a parked request with ``exc`` (unless it was answered already) and forget it."""
-        waiting = self._waiters.get(w.body.pid, [])
+        waiting = self._waiters.get(w.body.partition, [])
         if w in waiting:
             waiting.remove(w)
         if w.done:
@@ -217,35 +217,37 @@ class IndexServer(RequestServer):
         lag: dict[tuple[str, str], int] = {}
         counts: dict[tuple[str, str], tuple[int, int]] = {}  # (taken, leased)
         finished = 0
-        for pid, part in core.partitions.items():
-            rows[pid] = len(part.keys)
+        for partition, part in core.partitions.items():
+            rows[partition] = len(part.keys)
             finished += part.streams.finished
             for task, taken, ready, leased, _ in part.streams.progress():
-                lag[(pid, task)] = ready
-                counts[(pid, task)] = (taken, leased)
+                lag[(partition, task)] = ready
+                counts[(partition, task)] = (taken, leased)
         gauges[("dataplane_index_partitions", *labels, "open")] = len(rows) - finished
         gauges[("dataplane_index_partitions", *labels, "finished")] = finished
         gauges[("dataplane_index_waiting", *labels)] = sum(
             1 for waiting in self._waiters.values() for w in waiting if not w.done
         )
-        for pid, n in _bounds.fold(rows, _bounds.chosen(rows, self.partition_series), _bounds.OTHER).items():
-            gauges[("dataplane_index_partition_rows", *labels, pid)] = n
+        for partition, n in _bounds.fold(
+            rows, _bounds.chosen(rows, self.partition_series), _bounds.OTHER
+        ).items():
+            gauges[("dataplane_index_partition_rows", *labels, partition)] = n
         # Consumer tasks: the (partition, task) pairs furthest behind get series of their own.
         keep = _bounds.chosen(lag, self.partition_series)
         other = (_bounds.OTHER, _bounds.OTHER)
-        for (pid, task), n in _bounds.fold(lag, keep, other).items():
-            gauges[("dataplane_consumer_ready_rows", *labels, pid, task)] = n
+        for (partition, task), n in _bounds.fold(lag, keep, other).items():
+            gauges[("dataplane_consumer_ready_rows", *labels, partition, task)] = n
         for i, name in ((0, "dataplane_consumer_taken_rows"), (1, "dataplane_consumer_leased_rows")):
             values = {pair: c[i] for pair, c in counts.items()}
-            for (pid, task), n in _bounds.fold(values, keep, other).items():
-                gauges[(name, *labels, pid, task)] = n
+            for (partition, task), n in _bounds.fold(values, keep, other).items():
+                gauges[(name, *labels, partition, task)] = n
         return counters, gauges
 
 
 class IndexActor:
     """The index as a Ray actor (wrapped with ``ray.remote`` by ``service.launch``): its Ray methods only
     start and describe it; every KV and streaming request reaches ``IndexServer`` over zmq, on
-    sockets that admit only the store's own peers (``wire.auth``)."""
+    sockets that admit only the store's own peers (``transport.auth``)."""
 
     def __init__(
         self,
@@ -269,9 +271,9 @@ class IndexActor:
 
         import ray
 
-        from dataplane.wire.liveness import process_start
-        from dataplane.wire.locality import Locality
-        from dataplane.wire.shm import boot_id
+        from dataplane.transport.liveness import process_start
+        from dataplane.transport.locality import Locality
+        from dataplane.transport.shm import boot_id
 
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
