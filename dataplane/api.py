@@ -54,6 +54,9 @@ class _State:
         self.info: StoreInfo | None = None
         self.atexit = False
         self.ray_ctx: Any = None
+        # What init attached with, to attach again to a store restarted under the same name.
+        self.cfg: StoreConfig | None = None
+        self.transport: str | None = None
 
 
 _state = _State()
@@ -67,7 +70,28 @@ def current_client() -> StoreClient:
     client = _state.client
     if client is None:
         raise StoreNotInitializedError("the store is not initialised in this process: call dp.init() first")
+    if client.stopped and _state.handle is None:
+        return _reattach(client)
     return client
+
+
+def _reattach(stale: StoreClient) -> StoreClient:
+    """The store this process attached to was stopped (a call found it so): if one runs again under
+    its name (``rlplane store start`` after ``stop``), attach to it; else keep the stale client, whose
+    calls keep saying the store was stopped and how to start it."""
+    with _state.lock:
+        if _state.client is not stale or _state.cfg is None:
+            return _state.client or stale  # another thread re-attached (or closed) meanwhile
+        try:
+            found = find_service(_state.cfg)
+        except StoreNotInitializedError:  # a broken store: nothing to attach to yet
+            return stale
+        if found is None or found[0] == stale.registry:
+            return stale
+        _attach(found[0], None, _state.cfg, _state.transport)
+        stale.close()
+        logger.info("the store %r was stopped and started again: attached to the new one", _state.cfg.name)
+        return _state.client  # type: ignore[return-value]
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------
@@ -153,29 +177,37 @@ def init(*, address: str | None = None, attach_only: bool = False, **options: An
                 registry = found[0]
         else:
             registry = found[0]
-        client = StoreClient(
-            registry,
-            transport=options.get("transport") or client_transport_override(),
-            allow_pickle=cfg.allow_pickle,  # this process's choice (option or env), never the service's
-            remote_dead=ray_says_dead,
-        )
-        _state.client, _state.handle = client, handle
-        shards = registry["shards"]
-        svc = client.config
-        _state.info = StoreInfo(
-            namespace=NAMESPACE,
-            num_shards=len(shards),
-            shard_nodes=tuple(s["node_id"] for s in shards),
-            owned=handle is not None,
-            capacity_bytes=svc.capacity_bytes,
-            transport=client.transport,
-            extra={"name": svc.name},
-        )
+        info = _attach(registry, handle, cfg, options.get("transport") or client_transport_override())
         if not _state.atexit:
             atexit.register(close)
             _state.atexit = True
-        _announce(_state.info)
-        return _state.info
+        _announce(info)
+        return info
+
+
+def _attach(
+    registry: dict[str, Any], handle: ServiceHandle | None, cfg: StoreConfig, transport: str | None
+) -> StoreInfo:
+    """This process's client of the store ``registry`` describes (``handle``: the one it started)."""
+    client = StoreClient(
+        registry,
+        transport=transport,
+        allow_pickle=cfg.allow_pickle,  # this process's choice (option or env), never the service's
+        remote_dead=ray_says_dead,
+    )
+    _state.client, _state.handle, _state.cfg, _state.transport = client, handle, cfg, transport
+    shards = registry["shards"]
+    svc = client.config
+    info = _state.info = StoreInfo(
+        namespace=NAMESPACE,
+        num_shards=len(shards),
+        shard_nodes=tuple(s["node_id"] for s in shards),
+        owned=handle is not None,
+        capacity_bytes=svc.capacity_bytes,
+        transport=client.transport,
+        extra={"name": svc.name},
+    )
+    return info
 
 
 def _announce(info: StoreInfo) -> None:

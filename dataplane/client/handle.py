@@ -81,7 +81,7 @@ class StoreClient:
         registry: dict[str, Any],
         transport: str | None = None,
         allow_pickle: bool = False,
-        remote_dead: Callable[[str], bool] | None = None,
+        remote_dead: Callable[[str, str], bool] | None = None,
     ) -> None:
         """``remote_dead(actor_name)``: whether a store actor this process cannot see through
         ``/proc`` is dead (``dataplane.service.liveness.ray_says_dead``; without it such an actor's
@@ -122,9 +122,8 @@ class StoreClient:
                 actor.get("unix") if lane else None,
                 max_frame=actor.get("max_message_bytes", -1),  # what the service takes (-1: unknown)
             )
-            targets[i] = Target(
-                name, actor.get("pid", -1), actor.get("pid_start", ""), here.shares_pids(there)
-            )
+            pid, start = actor.get("pid", -1), actor.get("pid_start", "")
+            targets[i] = Target(name, pid, start, here.shares_pids(there), actor.get("actor_id", ""))
         timeout = self.config.rpc_timeout_s
         # Recording only where the store asks for it and the process can export (it is on Ray).
         self.metrics = ClientMetrics(self.config.name) if self.config.metrics and export.start() else None
@@ -145,6 +144,9 @@ class StoreClient:
             rpc_timeout_s=self.config.rpc_timeout_s,
         )
         self._finalizer = weakref.finalize(self, _close_resources, self.sync, self.asyn, self.maps)
+        # A call found the whole store stopped: ``dp.current_client`` then attaches to one started
+        # again under the same name, if any.
+        self.stopped = False
         self._stopped_lock = threading.Lock()
         self._stopped_seen: dict[str, tuple[float, bool]] = {}  # failed target -> (when, stopped?)
 
@@ -208,6 +210,7 @@ class StoreClient:
                 return seen[1]
             verdict = self._check_stopped(failed)
             self._stopped_seen[failed] = (time.monotonic(), verdict)
+            self.stopped = self.stopped or verdict
             return verdict
 
     def _check_stopped(self, failed: str) -> bool:
@@ -234,7 +237,8 @@ class StoreClient:
         if self.config.detached:
             how = (
                 f"it ran as a service (`rlplane store start`, from {who}) and was stopped (`rlplane store "
-                "stop`) or its actors were killed; start it again with `rlplane store start`"
+                "stop`) or its actors were killed; start it again with `rlplane store start`: this process "
+                "attaches to the new store on its next call"
             )
         else:
             how = (

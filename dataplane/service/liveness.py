@@ -8,8 +8,9 @@ from dataplane.config import NAMESPACE
 RAY_PING_TIMEOUT_S = 2.0
 
 
-def ray_says_dead(name: str) -> bool:
-    """Whether the named store actor is dead as far as Ray knows: no such actor, or a ping that raises
+def ray_says_dead(name: str, actor_id: str = "") -> bool:
+    """Whether the named store actor (Ray's ``actor_id``, when known) is dead as far as Ray knows: no
+    such actor, another actor under its name now (the store was started again), or a ping that raises
     ``RayActorError``. A slow ping (busy, not dead) and a process without Ray say alive."""
     import ray
 
@@ -19,6 +20,8 @@ def ray_says_dead(name: str) -> bool:
         handle = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return True  # no such actor any more
+    if actor_id and handle._actor_id.hex() != actor_id:
+        return True  # the name is another actor's now
     try:
         ray.get(handle.ping.remote(), timeout=RAY_PING_TIMEOUT_S)
     except ray.exceptions.RayActorError:

@@ -48,6 +48,7 @@ class Target:
     pid: int
     pid_start: str
     local: bool  # same host: /proc may tell (checked at construction)
+    actor_id: str = ""  # Ray's id of the actor, so one started again under the name is not taken for it
 
 
 class Liveness:
@@ -57,7 +58,7 @@ class Liveness:
         self,
         targets: dict[int, Target],
         on_dead: Callable[[str], None] | None = None,
-        remote_dead: Callable[[str], bool] | None = None,
+        remote_dead: Callable[[str, str], bool] | None = None,
     ) -> None:
         self.targets = targets
         self._on_dead = on_dead
@@ -92,7 +93,7 @@ class Liveness:
                 if now - self._checked.get(target, -RECHECK_S) < RECHECK_S:
                     return False
                 self._checked[target] = now
-            gone = self._remote_dead is not None and self._remote_dead(t.name)
+            gone = self._remote_dead is not None and self._remote_dead(t.name, t.actor_id)
         if gone:
             with self._lock:
                 first = target not in self._dead

@@ -91,6 +91,33 @@ def test_a_worker_whose_store_was_stopped_is_told_so_and_by_whom(ray_cluster, pi
     assert "rlplane store start" in text, text  # the fix: a store that outlives its starter
 
 
+def test_a_worker_attaches_to_its_store_started_again_under_the_same_name(ray_cluster, pid):
+    """The store a worker attached to is stopped and started again (``rlplane store stop`` then
+    ``start``): the call that finds it stopped says so and what to do, and the next call works
+    against the new store. Before, every later call failed with ``ShardUnavailableError``."""
+    name = "t-restarted"
+    _, _, first = start_store(name=name, num_shards=2, rpc_timeout_s=20)
+    worker = Worker.remote(name)
+    second = None
+    try:
+        assert ray.get(worker.put.remote(["a"], pid, 1.0), timeout=120)
+        first.stop()
+        _, _, second = start_store(name=name, num_shards=2, rpc_timeout_s=20)
+        with pytest.raises(
+            dp.ShardUnavailableError, match="attaches to the new store on its next call|was stopped"
+        ):
+            ray.get(worker.get.remote(["a"], pid), timeout=120)
+        assert ray.get(worker.put.remote(["b"], pid, 2.0), timeout=120)  # the next call: the new store
+        assert ray.get(worker.get.remote(["b"], pid), timeout=120) == ([2.0], ["b"])
+        with pytest.raises(dp.KeyNotFoundError):  # the old store's rows went with it
+            ray.get(worker.get.remote(["a"], pid), timeout=120)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        ray.kill(worker)
+
+
 def test_round_trips_from_actors_and_concurrent_clients(shared, pid):
     a, b = Worker.remote("t-svc"), Worker.remote("t-svc")
     assert ray.get([a.owned.remote(), b.owned.remote()]) == [False, False]

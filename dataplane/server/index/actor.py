@@ -293,6 +293,7 @@ class IndexActor:
         pid = os.getpid()
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
+            "actor_id": ray.get_runtime_context().get_actor_id() or "",
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,

@@ -116,7 +116,7 @@ class ShardServer(RequestServer):
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         self._peer_metrics: ClientMetrics | None = None  # the index found dead, when metrics are on
 
-    def link(self, index: dict[str, Any], remote_dead: Callable[[str], bool] | None = None) -> None:
+    def link(self, index: dict[str, Any], remote_dead: Callable[[str, str], bool] | None = None) -> None:
         """Where the index listens (its registry entry), so this shard can commit puts there."""
         here, there = Locality.here(), Locality.from_dict(index.get("locality"))
         creds = self._creds.for_clients()
@@ -125,9 +125,8 @@ class ShardServer(RequestServer):
         unix = index.get("unix") if here.shares_network(there) and env_unix_lane() else None
         limit = index.get("max_message_bytes", -1)
         endpoint = Endpoint(address, index["name"], creds.encrypt and not ipc, unix, max_frame=limit)
-        target = Target(
-            index["name"], index.get("pid", -1), index.get("pid_start", ""), here.shares_pids(there)
-        )
+        pid, start, actor_id = index.get("pid", -1), index.get("pid_start", ""), index.get("actor_id", "")
+        target = Target(index["name"], pid, start, here.shares_pids(there), actor_id)
         on_dead = None if self._peer_metrics is None else self._peer_metrics.peer_dead
         liveness = Liveness({INDEX: target}, on_dead=on_dead, remote_dead=remote_dead)
         self._link = Endpoints({INDEX: endpoint}, creds, self._index_wait_s, liveness, lane=True)
@@ -392,6 +391,7 @@ class ShardActor:
         self._lock = threading.Lock()
         ip = ray.util.get_node_ip_address()
         self._node_id = ray.get_runtime_context().get_node_id()
+        self._actor_id = ray.get_runtime_context().get_actor_id() or ""
         limit = cfg["max_message_bytes"]
         if capacity_bytes is not None:  # no frame can be larger than what the shard may hold
             limit = min(limit, capacity_bytes + (1 << 20))
@@ -424,6 +424,7 @@ class ShardActor:
             "pid": os.getpid(),
             "pid_start": process_start(os.getpid()),
             "node_id": self._node_id,
+            "actor_id": self._actor_id,
             "boot_id": boot_id(),
             "locality": Locality.here().to_dict(),
             "tcp": self.server.tcp,
@@ -438,7 +439,7 @@ class ShardActor:
         self,
         index: dict[str, Any],
         peers: list[dict[str, Any]] | None = None,
-        remote_dead: Callable[[str], bool] | None = None,
+        remote_dead: Callable[[str, str], bool] | None = None,
     ) -> bool:
         """Learn the index's endpoints (``ShardServer.link``) and the store's shards (``peers``, their
         ``info``: an unbounded shard shares its host's memory with those on its host,
