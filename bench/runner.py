@@ -1,4 +1,4 @@
-"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench store|dispatch|bypass|stream|checkpoint|all``.
+"""Runs the benchmarks in ``bench/``: ``rlplane bench store|dispatch|bypass|stream|checkpoint|index|all``.
 
 Each benchmark is a module in ``bench`` exposing ``main(argv: list[str] | None) -> int``. The runner
 starts each one in a child Python process (a fresh Ray per benchmark, and one benchmark's crash or
@@ -60,6 +60,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),  # also writes bypass.png and bypass.run.json there
         Benchmark("stream", "bench.stream", "next_batch, wake-up and readiness updates vs TransferQueue"),
         Benchmark("checkpoint", "bench.checkpoint", "checkpoint save/load vs the disk and TransferQueue"),
+        Benchmark("index", "bench.index", "the index at a million keys: memory, rates, others' latency"),
     )
 }
 

@@ -278,7 +278,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "(--quick, --payload, --workers, --address, --transport, ...)",
     )
     bench.add_argument(
-        "which", nargs="?", default="all", help="store | dispatch | bypass | stream | checkpoint | all"
+        "which",
+        nargs="?",
+        default="all",
+        help="store | dispatch | bypass | stream | checkpoint | index | all",
     )
     bench.add_argument(
         "--out", default=None, help="folder for the results (default: bench/results; bypass: build/bench)"

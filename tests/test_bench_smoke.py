@@ -229,3 +229,49 @@ def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(
     assert res["bytes"] == 64 * 1024 and res["store"]["n"] == 1 and res["store_vs_reference"] > 0
     assert res["pinned"] is None and res["store_vs_pinned"] is None  # a pinned buffer needs a GPU
     assert "ratio store / reference" in printed and "pinned" not in printed
+
+
+def test_index_benchmark_splits_probe_samples_by_phase() -> None:
+    from bench import index
+
+    marks = {"idle": (0.0, 1.0), "puts": (1.0, 2.0), "listing": (2.0, 3.0)}
+    samples = [(0.5, {"put": 0.001}), (1.5, {"put": 0.004}), (2.5, {"put": 0.002}), (9.0, {"put": 1.0})]
+    phases = index.split_phases(samples, marks)
+    assert phases["idle"]["put"] == index.summary([0.001])
+    assert phases["busy"]["put"]["n"] == 2 and phases["busy"]["put"]["max_ms"] == pytest.approx(4.0)
+    assert phases["puts"]["consumption"]["n"] == 0  # an op no sample timed is there, empty
+    cfg = index.parse_args(["--quick", "--clients", "3"])
+    assert (cfg.rows, cfg.clients, cfg.client_s) == (200_000, 3, 5.0)  # a flag given wins over --quick
+    assert index.parse_args([]).rows == 1_000_000
+    with pytest.raises(SystemExit):
+        index.parse_args(["--rows", "0"])
+
+
+@pytest.mark.ray
+def test_index_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, main_in_process) -> None:
+    from bench import index
+
+    out = tmp_path / "index.json"
+    argv = ["--rows", "2000", "--put-batch", "500", "--take-batch", "100", "--clients", "2", "--client-s",
+            "0.5", "--idle-s", "0.3", "--address", ray_cluster.address, "--json", str(out)]  # fmt: skip
+    code, printed = main_in_process(index.main, argv)
+    # The targets are the index work's: today they miss, and the run must still finish whole
+    assert code in (0, 1), f"benchmark failed:\n{printed[-3000:]}"
+    res = json.loads(out.read_text())
+    big = res["big"]
+    assert big["listing"]["keys"] == 2000 and big["listing"]["reply_bytes"] > 2000 * 4
+    assert big["streaming"]["calls"] == 20 and big["puts"]["keys_per_s"] > 0
+    assert big["index_rss"]["after_puts"] > 0 and res["probe"]["errors"] == 0
+    assert res["probe"]["phases"]["idle"]["put"]["n"] >= 1
+    assert {"idle", "puts", "streaming", "listing", "clearing", "busy"} <= res["probe"]["phases"].keys()
+    assert {op: s["n"] > 0 for op, s in res["clients"]["ops"].items()} == dict.fromkeys(
+        index.CLIENT_OPS, True
+    )
+    checks = {c["name"]: c for c in res["checks"]}
+    assert {
+        "index_bytes_per_key",
+        "probe_put_p99_ms",
+        "put_commits_per_s",
+        "next_batch_rows_per_s",
+    } <= checks.keys()
+    assert "next_batch_rows_per_s" in printed
