@@ -107,3 +107,60 @@ def test_hosts_reach_each_other_and_the_machine_reaches_none(hosts) -> None:
         server.wait()
     lost = subprocess.run(["python3", "-c", _CALL.format(ip=h2.ip)], capture_output=True, text=True)
     assert lost.returncode != 0, "the machine's own namespace reached a host"
+
+
+# ---- losses (last: the host loss ends the bed's second host) -----------------------------------
+LOST = str(pathlib.Path(__file__).with_name("_lost.py"))
+
+
+def _step(proc) -> dict:
+    """The driver's next JSON line (Ray may print other lines there too)."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"the driver on h1 ended early:\n{proc.stderr.read()[-6000:]}"
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def test_a_shard_killed_on_another_host_is_a_typed_error_naming_it(hosts) -> None:
+    h1, h2 = hosts.hosts
+    driver = h1.popen(["python", LOST, "shard", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        ready = _step(driver)
+        h2.run(["kill", "-9", str(ready["victim_pid"])])  # the shard's process, as h2 numbers it
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        lost = _step(driver)
+        assert driver.wait(timeout=300) == 0, driver.stderr.read()[-4000:]
+    finally:
+        driver.kill()
+    assert lost["error"]["type"] == "ShardUnavailableError", lost
+    # Found dead through Ray (its pid means nothing on h1), not after the 120 s deadline.
+    assert f"{ready['victim']} at" in lost["error"]["message"] and "is dead" in lost["error"]["message"], lost
+    assert lost["kept"], "rows on the surviving host changed"
+
+
+def test_a_lost_host_is_a_typed_error_and_a_checkpoint_loads_onto_what_is_left(
+    hosts, tmp_path_factory
+) -> None:
+    h1, h2 = hosts.hosts
+    ckpt = pathlib.Path(__file__).resolve().parents[2] / "build" / f"multihost-ckpt-{h1.netns}"
+    driver = h1.popen(["python", LOST, "host", str(ckpt)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _step(driver)
+        h2.kill()  # every process of h2 at once, as a machine that went away
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        lost = _step(driver)
+        loaded = _step(driver)
+        assert driver.wait(timeout=300) == 0, driver.stderr.read()[-4000:]
+    finally:
+        driver.kill()
+        import shutil
+
+        shutil.rmtree(ckpt, ignore_errors=True)
+    assert lost["error"]["type"] == "ShardUnavailableError" and "is dead" in lost["error"]["message"], lost
+    assert lost["kept"], "rows on the surviving host changed"
+    assert loaded == {"step": "loaded", "nodes": 1, "exact": True}, loaded
