@@ -35,6 +35,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from dataplane._units import format_bytes
@@ -102,7 +103,8 @@ def _join(address: str, action: str) -> None:
 def _cluster_address() -> str:
     import ray
 
-    return ray.get_runtime_context().gcs_address
+    address: str = ray.get_runtime_context().gcs_address
+    return address
 
 
 # ---- what the commands print ----------------------------------------------------------------------
@@ -191,7 +193,8 @@ def _name_flag(name: str) -> str:
 def _attach_lines(address: str, name: str) -> list[str]:
     """``attach_lines`` for the cluster this process joined."""
     try:
-        from ray._raylet import AuthenticationMode, get_authentication_mode
+        # Ray's stub of _raylet (a compiled module) does not declare these names.
+        from ray._raylet import AuthenticationMode, get_authentication_mode  # type: ignore[attr-defined]
 
         token_auth = get_authentication_mode() == AuthenticationMode.TOKEN
     except ImportError:  # a Ray without token authentication
@@ -214,7 +217,11 @@ def option_differences(registry: dict[str, Any], asked: dict[str, Any]) -> list[
         "capacity": cfg.get("capacity_bytes"),
         "encrypt": bool(cfg.get("encrypt")),
     }
-    shown = {"capacity": format_bytes, "encrypt": lambda v: "on" if v else "off", "shards": str}
+    shown: dict[str, Callable[[Any], str]] = {
+        "capacity": format_bytes,
+        "encrypt": lambda v: "on" if v else "off",
+        "shards": str,
+    }
     out = []
     for name in ("shards", "capacity", "encrypt"):
         want = asked.get(name)
@@ -253,7 +260,7 @@ def format_status(stats: dict[str, Any], clients: list[int | None], address: str
         f"{format_bytes(total_cap)}, {len(partitions)} partition(s), {sum(partitions.values())} key(s)"
     ]
     header = ["shard", "node", "used", "in memory", "capacity", "partitions", "rows", "clients"]
-    rows = []
+    rows: list[list[str]] = []
     for s, n_clients in zip(shards, clients, strict=True):
         rows.append(
             [

@@ -91,7 +91,7 @@ def _reattach(stale: StoreClient) -> StoreClient:
         _attach(found[0], None, _state.cfg, _state.transport)
         stale.close()
         logger.info("the store %r was stopped and started again: attached to the new one", _state.cfg.name)
-        return _state.client  # type: ignore[return-value]
+        return _state.client
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------
@@ -314,7 +314,7 @@ async def _on_loop(step: Callable[[], None]) -> None:
 
 # The op builders check the caller's keys once (``ops.check_keys``: a str where a list of keys belongs
 # is refused with TypeError, before anything is encoded), then run the operation on the client's route.
-def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op:
+def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op[KVBatchMeta]:
     from dataplane.codec.columns import encode_fields, encode_row
 
     client = current_client()
@@ -325,12 +325,12 @@ def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> 
             cols = encode_row(fields, allow_pickle=client.allow_pickle)
         else:
             cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
-    meta: KVBatchMeta = yield from _ops.put(client.route, keys, partition_id, cols, tags)
+    meta = yield from _ops.put(client.route, keys, partition_id, cols, tags)
     client.moved("put", meta.size, cols or {})
     return meta
 
 
-def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op:
+def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op[TensorDict]:
     from dataplane.codec.columns import decode_fields
 
     client = current_client()
@@ -349,7 +349,7 @@ def _meta_args(meta: KVBatchMeta, select_fields: Any) -> tuple[list[str], str, A
     return meta.keys, meta.partition_id, select_fields if select_fields is not None else meta.fields
 
 
-def _clear_op(keys: Any, partition_id: str) -> _ops.Op:
+def _clear_op(keys: Any, partition_id: str) -> _ops.Op[None]:
     client = current_client()
     keys = _ops.check_keys([keys] if isinstance(keys, str) else keys, partition_id)
     yield from _ops.clear(client.route, keys, partition_id)
@@ -366,8 +366,7 @@ def kv_put(
         ['x']
     """
     tags = [tag] if tag is not None else None
-    meta: KVBatchMeta = current_client().run(_put_op([key], partition_id, fields, tags, row=True), "put")
-    return meta
+    return current_client().run(_put_op([key], partition_id, fields, tags, row=True), "put")
 
 
 def kv_batch_put(
@@ -399,8 +398,7 @@ def kv_batch_put(
         >>> meta.size
         2
     """
-    meta: KVBatchMeta = current_client().run(_put_op(keys, partition_id, fields, tags, row=False), "put")
-    return meta
+    return current_client().run(_put_op(keys, partition_id, fields, tags, row=False), "put")
 
 
 def kv_batch_get(
@@ -440,8 +438,7 @@ def kv_batch_get(
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
         torch.Size([2, 3])
     """
-    td: TensorDict = current_client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
-    return td
+    return current_client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
 
 
 def kv_batch_get_by_meta(
@@ -468,10 +465,7 @@ def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, An
         {'train': {'a': {}, 'b': {}}}
     """
     client = current_client()
-    listing: dict[str, dict[str, dict[Any, Any]]] = client.run(
-        _ops.list_keys(client.route, partition_id), "list"
-    )
-    return listing
+    return client.run(_ops.list_keys(client.route, partition_id), "list")
 
 
 def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
@@ -558,10 +552,7 @@ async def async_kv_put(
     """Async ``kv_put``."""
     tags = [tag] if tag is not None else None
     await _codec_loaded()
-    meta: KVBatchMeta = await current_client().arun(
-        _put_op([key], partition_id, fields, tags, row=True), "put"
-    )
-    return meta
+    return await current_client().arun(_put_op([key], partition_id, fields, tags, row=True), "put")
 
 
 async def async_kv_batch_put(
@@ -572,10 +563,7 @@ async def async_kv_batch_put(
 ) -> KVBatchMeta:
     """Async ``kv_batch_put``."""
     await _codec_loaded()
-    meta: KVBatchMeta = await current_client().arun(
-        _put_op(keys, partition_id, fields, tags, row=False), "put"
-    )
-    return meta
+    return await current_client().arun(_put_op(keys, partition_id, fields, tags, row=False), "put")
 
 
 async def async_kv_batch_get(
@@ -588,10 +576,7 @@ async def async_kv_batch_get(
 ) -> TensorDict:
     """Async ``kv_batch_get``."""
     await _codec_loaded()
-    td: TensorDict = await current_client().arun(
-        _get_op(keys, partition_id, select_fields, device, copy), "get"
-    )
-    return td
+    return await current_client().arun(_get_op(keys, partition_id, select_fields, device, copy), "get")
 
 
 async def async_kv_batch_get_by_meta(
@@ -609,10 +594,7 @@ async def async_kv_batch_get_by_meta(
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
     """Async ``kv_list``."""
     client = current_client()
-    listing: dict[str, dict[str, dict[Any, Any]]] = await client.arun(
-        _ops.list_keys(client.route, partition_id), "list"
-    )
-    return listing
+    return await client.arun(_ops.list_keys(client.route, partition_id), "list")
 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:

@@ -42,8 +42,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -106,14 +106,21 @@ def nbytes_of(td: TensorDictBase) -> int:
 # ---------------------------------------------------------------------------- arguments
 
 
-def _first_meta(args: tuple, kwargs: dict) -> KVBatchMeta | None:
+def _first_meta(args: tuple[object, ...], kwargs: dict[str, object]) -> KVBatchMeta | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, KVBatchMeta):
             return value
     return None
 
 
-def _first_request(args: tuple, kwargs: dict) -> StreamRequest | None:
+def _meta_arg(args: tuple[object, ...], kwargs: dict[str, object]) -> KVBatchMeta:
+    meta = _first_meta(args, kwargs)
+    if meta is None:  # not reached: find_bridge picks this bridge for a KVBatchMeta or StreamRequest
+        raise ArgumentTypeError("args", "a bridged call takes a KVBatchMeta or a StreamRequest")
+    return meta
+
+
+def _first_request(args: tuple[object, ...], kwargs: dict[str, object]) -> StreamRequest | None:
     found = [v for v in (*args, *kwargs.values()) if isinstance(v, StreamRequest)]
     if not found:
         return None
@@ -126,11 +133,11 @@ def _first_request(args: tuple, kwargs: dict) -> StreamRequest | None:
 
 
 def _with_extra(td: TensorDictBase, meta: KVBatchMeta) -> TensorDictBase:
-    for key, value in meta.extra_info.items():
+    for key, value in meta._extra.items():
         if key in td.keys():
             raise InvalidArgumentError(
                 "extra_info",
-                f"extra_info[{key!r}] has the name of a stored field of partition {meta.partition_id!r}; "
+                f"extra_info[{key!r}] has the name of a stored field of partition {meta._pid!r}; "
                 "rename the extra_info entry (it would hide the field)",
             )
         td.set_non_tensor(key, value)
@@ -146,12 +153,12 @@ def _ensure_store() -> None:
 def _stale(meta: KVBatchMeta, exc: KeyNotFoundError | PartitionNotFoundError, name: str) -> StaleMetaError:
     """The short error for a meta whose rows are gone: no store internals, says what to pass instead."""
     if isinstance(exc, KeyNotFoundError):
-        return StaleMetaError(exc.key, meta.partition_id, name)
+        return StaleMetaError(exc.key, meta._pid, name)
     return StaleMetaError(
         meta.keys[0],
-        meta.partition_id,
+        meta._pid,
         name,
-        f"{name} got a stale KVBatchMeta: partition {meta.partition_id!r} was cleared (or never "
+        f"{name} got a stale KVBatchMeta: partition {meta._pid!r} was cleared (or never "
         "written), so its keys have no data; pass the meta a put returned after the clear",
     )
 
@@ -160,7 +167,7 @@ def _fetch(meta: KVBatchMeta, name: str) -> TensorDictBase:
     if meta.size == 0:
         return _with_extra(TensorDict({}, batch_size=[0]), meta)
     try:
-        td = api.kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+        td = api.kv_batch_get(meta.keys, meta._pid, meta.fields)
     except FieldNotFoundError:
         raise  # the rows exist; a field is missing (its own clear message)
     except (KeyNotFoundError, PartitionNotFoundError) as exc:
@@ -173,7 +180,7 @@ async def _async_fetch(meta: KVBatchMeta, name: str) -> TensorDictBase:
     if meta.size == 0:
         return _with_extra(TensorDict({}, batch_size=[0]), meta)
     try:
-        td = await api.async_kv_batch_get(meta.keys, meta.partition_id, meta.fields)
+        td = await api.async_kv_batch_get(meta.keys, meta._pid, meta.fields)
     except FieldNotFoundError:
         raise
     except (KeyNotFoundError, PartitionNotFoundError) as exc:
@@ -182,12 +189,16 @@ async def _async_fetch(meta: KVBatchMeta, name: str) -> TensorDictBase:
     return _with_extra(td, meta)
 
 
-def _replace(args: tuple, kwargs: dict, kind: type, value_of: Callable[[Any], Any]) -> tuple[list, dict]:
+def _replace(
+    args: tuple[object, ...], kwargs: dict[str, object], kind: type, value_of: Callable[[Any], object]
+) -> tuple[list[object], dict[str, object]]:
     new_args = [value_of(a) if isinstance(a, kind) else a for a in args]
     return new_args, {k: value_of(v) if isinstance(v, kind) else v for k, v in kwargs.items()}
 
 
-async def _async_swap(args: tuple, kwargs: dict, name: str) -> tuple[list, dict]:
+async def _async_swap(
+    args: tuple[object, ...], kwargs: dict[str, object], name: str
+) -> tuple[list[object], dict[str, object]]:
     new_args = [await _async_fetch(a, name) if isinstance(a, KVBatchMeta) else a for a in args]
     new_kwargs = {
         k: await _async_fetch(v, name) if isinstance(v, KVBatchMeta) else v for k, v in kwargs.items()
@@ -195,7 +206,7 @@ async def _async_swap(args: tuple, kwargs: dict, name: str) -> tuple[list, dict]
     return new_args, new_kwargs
 
 
-def _inputs_of(args: list, kwargs: dict) -> dict[str, list[Any]]:
+def _inputs_of(args: list[object], kwargs: dict[str, object]) -> dict[str, list[Any]]:
     """The entries the method is given, by name (taken before the call: it may mutate them)."""
     seen: dict[str, list[Any]] = {}
     for td in (v for v in (*args, *kwargs.values()) if isinstance(v, TensorDictBase)):
@@ -231,19 +242,21 @@ def _split(output: Any, meta: KVBatchMeta, inputs: dict[str, list[Any]], name: s
             continue  # an input handed back untouched: it is in the store (or in extra_info) already
         if _is_non_tensor(value, "NonTensorData"):
             data = value.data
-            if key not in meta.extra_info or meta.extra_info[key] != data:
+            if key not in meta._extra or meta._extra[key] != data:
                 extra[key] = data
         elif isinstance(value, torch.Tensor) or _is_non_tensor(value, "NonTensorStack"):
             rows[key] = value
     return _Output(TensorDict(rows, batch_size=[meta.size]), extra)
 
 
-def _result_meta(meta: KVBatchMeta, written: list[str], stored: list[str] | None, extra: dict) -> KVBatchMeta:
+def _result_meta(
+    meta: KVBatchMeta, written: list[str], stored: list[str] | None, extra: dict[str, Any]
+) -> KVBatchMeta:
     if meta.fields is None:
         fields = stored
     else:
         fields = list(meta.fields) + [f for f in written if f not in meta.fields]
-    return KVBatchMeta(list(meta.keys), meta.tags, meta.partition_id, fields, {**meta.extra_info, **extra})
+    return KVBatchMeta(list(meta.keys), meta.tags, meta._pid, fields, {**meta._extra, **extra})
 
 
 def _plan(out: _Output, output: Any, meta: KVBatchMeta, collect: bool) -> tuple[Any, TensorDict | None]:
@@ -251,15 +264,16 @@ def _plan(out: _Output, output: Any, meta: KVBatchMeta, collect: bool) -> tuple[
     if out.rows is None:
         return output, None
     if not collect:
-        return KVBatchMeta.empty(meta.partition_id), None
+        return KVBatchMeta.empty(meta._pid), None
     if meta.size == 0 or not out.rows.keys():
         return _result_meta(meta, [], meta.fields, out.extra), None
     return None, out.rows
 
 
-def _written(meta: KVBatchMeta, out: _Output, stored: KVBatchMeta) -> KVBatchMeta:
-    count("written_bytes", nbytes_of(out.rows))
-    return _result_meta(meta, list(out.rows.keys()), stored.fields, out.extra)
+def _written(meta: KVBatchMeta, rows: TensorDict, extra: dict[str, Any], stored: KVBatchMeta) -> KVBatchMeta:
+    count("written_bytes", nbytes_of(rows))
+    written = cast("list[str]", list(rows.keys()))  # top-level keys (not include_nested): all str
+    return _result_meta(meta, written, stored.fields, extra)
 
 
 def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
@@ -270,7 +284,7 @@ def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
     result, rows = _plan(out, output, meta, call.collect)
     if rows is None:
         return result
-    return _written(meta, out, api.kv_batch_put(meta.keys, meta.partition_id, fields=rows))
+    return _written(meta, rows, out.extra, api.kv_batch_put(meta.keys, meta._pid, fields=rows))
 
 
 async def _arun_meta(call: Any, meta: KVBatchMeta) -> Any:
@@ -281,7 +295,7 @@ async def _arun_meta(call: Any, meta: KVBatchMeta) -> Any:
     result, rows = _plan(out, output, meta, call.collect)
     if rows is None:
         return result
-    return _written(meta, out, await api.async_kv_batch_put(meta.keys, meta.partition_id, fields=rows))
+    return _written(meta, rows, out.extra, await api.async_kv_batch_put(meta.keys, meta._pid, fields=rows))
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -306,11 +320,8 @@ class StreamReport(StreamResult):
     spans: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     outputs: list[Any] = dataclasses.field(default_factory=list)
 
-    def chunk(self, n: int) -> list[StreamReport]:
-        return [self] + [StreamReport(self.partition_id, self.task_name) for _ in range(n - 1)]
-
     @classmethod
-    def concat(cls, parts: list[StreamReport]) -> StreamReport:
+    def concat(cls, parts: Sequence[StreamResult]) -> StreamReport:
         total = StreamResult.concat(parts)
         return cls(
             total.partition_id,
@@ -324,7 +335,7 @@ class StreamReport(StreamResult):
 
 
 _index_lock = threading.Lock()
-_call_counts: OrderedDict[tuple, int] = OrderedDict()
+_call_counts: OrderedDict[tuple[object, ...], int] = OrderedDict()
 _COUNTS_KEPT = 4096  # (partition, task) call counters kept; the oldest are forgotten
 
 
@@ -373,9 +384,9 @@ class _StreamCall:
     @property
     def leased(self) -> bool:
         """The batch is leased and this rank answers for it (a collect rank: the one that writes)."""
-        return self.call.collect and "lease" in self.meta.extra_info
+        return self.call.collect and "lease" in self.meta._extra
 
-    def rows_to_write(self, output: Any, inputs: dict) -> TensorDict | None:
+    def rows_to_write(self, output: Any, inputs: dict[str, list[Any]]) -> TensorDict | None:
         out = _split(output, self.meta, inputs, self.call.name)
         self.per_row = out.rows is not None
         if out.rows is None or not self.call.collect or self.meta.size == 0 or not out.rows.keys():
@@ -420,7 +431,7 @@ def _run_stream(call: Any, request: StreamRequest) -> StreamReport:
         output = call.func(*new_args, **new_kwargs)
         rows = stream.rows_to_write(output, inputs)
         if rows is not None:
-            api.kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+            api.kv_batch_put(stream.meta.keys, stream.meta._pid, fields=rows)
     except BaseException:
         if stream.leased:  # not done with: another consumer of the task gets it at once
             _stream.release(stream.meta)
@@ -442,7 +453,7 @@ async def _arun_stream(call: Any, request: StreamRequest) -> StreamReport:
         output = await call.func(*new_args, **new_kwargs)
         rows = stream.rows_to_write(output, inputs)
         if rows is not None:
-            await api.async_kv_batch_put(stream.meta.keys, stream.meta.partition_id, fields=rows)
+            await api.async_kv_batch_put(stream.meta.keys, stream.meta._pid, fields=rows)
     except BaseException:
         if stream.leased:
             _stream.release(stream.meta)  # blocking: a cancelled coroutine may not get to run it
@@ -467,7 +478,7 @@ class WorkerBridge:
         count("calls", 1)
         if request is not None:
             return _run_stream(call, request)
-        return _run_meta(call, _first_meta(call.args, call.kwargs))
+        return _run_meta(call, _meta_arg(call.args, call.kwargs))
 
     async def arun(self, call: Any) -> Any:
         request = _first_request(call.args, call.kwargs)
@@ -475,4 +486,4 @@ class WorkerBridge:
         count("calls", 1)
         if request is not None:
             return await _arun_stream(call, request)
-        return await _arun_meta(call, _first_meta(call.args, call.kwargs))
+        return await _arun_meta(call, _meta_arg(call.args, call.kwargs))

@@ -25,8 +25,9 @@ that dies after its batch arrived loses that batch for its task; ``reset_consump
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import msgspec
 
@@ -72,7 +73,7 @@ def _taking(
     dp_size: int | None,
     batch_index: int | None,
     lease_s: float | None,
-) -> tuple[StoreClient, _stream_ops.Take, Op]:
+) -> tuple[StoreClient, _stream_ops.Take, Op[KVBatchMeta]]:
     client = current_client()
     take = _stream_ops.Take.new()
     args = (partition_id, task_name, batch_size, fields, sampler, timeout_s, dp_rank, dp_size, batch_index)
@@ -133,7 +134,7 @@ def next_batch(
     # The return is inside the try: a signal handler that raises runs at the next call, and the last
     # call before the batch reaches the caller's frame is ``moved``; a raise there gives it back too.
     try:
-        meta: KVBatchMeta = client.run(op, "next_batch")
+        meta = client.run(op, "next_batch")
         client.moved("next_batch", meta.size)
         return meta
     except BaseException:
@@ -161,7 +162,7 @@ async def async_next_batch(
     # The return is inside the try: a signal handler that raises runs at the next call, and the last
     # call before the batch reaches the caller's frame is ``moved``; a raise there gives it back too.
     try:
-        meta: KVBatchMeta = await client.arun(op, "next_batch")
+        meta = await client.arun(op, "next_batch")
         client.moved("next_batch", meta.size)
         return meta
     except BaseException:
@@ -229,14 +230,12 @@ def release(meta: KVBatchMeta) -> int:
         64
     """
     task, take = _lease_of(meta, "dp.release")
-    back: int = current_client().run(_stream_ops.release(meta._pid, task, take))
-    return back
+    return current_client().run(_stream_ops.release(meta._pid, task, take))
 
 
 async def async_release(meta: KVBatchMeta) -> int:
     task, take = _lease_of(meta, "dp.async_release")
-    back: int = await current_client().arun(_stream_ops.release(meta._pid, task, take))
-    return back
+    return await current_client().arun(_stream_ops.release(meta._pid, task, take))
 
 
 def finish_partition(partition_id: str) -> None:
@@ -393,11 +392,12 @@ class StreamResult:
     def __len__(self) -> int:
         return self.rows
 
-    def chunk(self, n: int) -> list[StreamResult]:
-        return [self] + [StreamResult(self.partition_id, self.task_name) for _ in range(n - 1)]
+    def chunk(self, n: int) -> list[Self]:
+        """``self`` and ``n - 1`` empty results of the same type (the counts stay with one chunk)."""
+        return [self] + [type(self)(self.partition_id, self.task_name) for _ in range(n - 1)]
 
     @classmethod
-    def concat(cls, parts: list[StreamResult]) -> StreamResult:
+    def concat(cls, parts: Sequence[StreamResult]) -> StreamResult:
         first = parts[0]
         return StreamResult(
             first.partition_id,

@@ -119,7 +119,7 @@ def recency(idle_s: float | None, tie_s: float) -> float:
     return 0.0 if idle_s < tie_s else idle_s
 
 
-def snapshot(nodes: list[str], limit: int, timeout_s: float, tie_s: float = 0.0) -> Op:
+def snapshot(nodes: list[str], limit: int, timeout_s: float, tie_s: float = 0.0) -> Op[Snapshot]:
     """Ask every shard for its stats and the index for its partitions, then the index for the tasks of
     the ``limit`` most recently active partitions (``recency``, ``tie_s`` the refresh interval, then
     ``natural`` order); returns a ``Snapshot`` (rates not filled in). A shard that does not answer within
@@ -263,8 +263,8 @@ def render(snap: Snapshot, store: str, address: str, interval: float, width: int
     width = max(width, MIN_WIDTH)
     shards, parts = snap.shards, snap.partitions
     alive = [s for s in shards if s["alive"]]
-    caps = [s.get("capacity_bytes") for s in alive]
-    capacity = None if not alive or any(c is None for c in caps) else sum(caps)
+    caps = [c for s in alive if (c := s.get("capacity_bytes")) is not None]
+    capacity = sum(caps) if alive and len(caps) == len(alive) else None
     tasks = sorted(
         ((p["partition"], t) for p in parts for t in p["tasks"]),
         key=lambda pt: (recency(pt[1].get("idle_s"), interval), natural(pt[0]), natural(pt[1]["task"])),
@@ -358,7 +358,7 @@ def frames(client: Any, nodes: list[str], interval: float, limit: int) -> Iterat
     timeout = max(1.0, interval)
     while True:
         started = time.monotonic()
-        snap: Snapshot = client.run(snapshot(nodes, limit, timeout, interval))
+        snap = client.run(snapshot(nodes, limit, timeout, interval))
         # Keep the newest snapshot at least the window old, and those after it.
         while len(before) > 1 and snap.clock - before[1].clock >= RATE_WINDOW_S:
             before.popleft()

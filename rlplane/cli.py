@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import sys
+from typing import Any
 
 import rlplane
 
@@ -53,7 +54,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class _Parser(argparse.ArgumentParser):
     """Every parser and subparser of the CLI formats its help the same way."""
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # argparse's own signature
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
@@ -100,7 +101,7 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_store(sub: argparse._SubParsersAction) -> None:
+def _add_store(sub: argparse._SubParsersAction[_Parser]) -> None:
     store = sub.add_parser(
         "store",
         help="run the batch store as a service on a Ray cluster",
@@ -179,7 +180,7 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
         )
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
+def _add_demo(sub: argparse._SubParsersAction[_Parser]) -> None:
     demo = sub.add_parser(
         "demo",
         help="run the GRPO demo trainer on an embedded store and a local Ray",
@@ -266,7 +267,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: argparse._SubParsersAction[_Parser]) -> None:
     bench = sub.add_parser(
         "bench",
         help="run a benchmark from bench/",

@@ -209,7 +209,8 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     except OSError as exc:
         raise failure_error(address, "unreachable", f"nothing accepts connections there: {exc}") from None
     try:  # Ray's own GCS client: one attempt, where ray.init would retry for 20 s
-        from ray._raylet import GcsClient
+        # Ray's stub of _raylet (a compiled module) does not declare GcsClient.
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
     except ImportError:  # a Ray without it: ray.init's own error, classified, will say
         return
     with captured_stderr() as lines:
