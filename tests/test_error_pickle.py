@@ -31,6 +31,7 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "PartitionNotFoundError": lambda c: c(CULPRIT),
     "StaleMetaError": lambda c: c(CULPRIT, "p0", "Scorer.score"),
     "SchemaError": lambda c: c("f0", f"field {CULPRIT} has the wrong dtype"),
+    "SchemaMismatchError": lambda c: c("f0", "tensor:float32:1", f"field {CULPRIT} is int64"),
     "ShardUnavailableError": lambda c: c("shard-0", f"shard {CULPRIT} is dead"),
     "BatchTimeoutError": lambda c: c("p0", f"waited for {CULPRIT}"),
     "LeaseExpiredError": lambda c: c("p0", f"the lease of {CULPRIT} ran out", keys=["k0"]),
