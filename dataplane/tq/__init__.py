@@ -34,7 +34,8 @@ As in TransferQueue:
   nested tensor of the first row's dtype). The store keeps one type per column: the rows of another
   dtype are kept in a hidden field ``__tq_rows__:<name>``, and the field itself holds empty rows in
   their place, which is what ``dp.*`` reads see (``dataplane/tq/_mixed.py``). Fields of 0-dim rows (a
-  ``[B]`` tensor) keep one dtype: another raises ``SchemaError`` naming the dtype to write.
+  ``[B]`` tensor) keep one dtype: another raises ``SchemaError`` naming the dtype to write; and a
+  field keeps its kind (tensors, strings, JSON-like values), as ``SchemaMismatchError`` says.
 
 Better than TransferQueue, without breaking its users:
 

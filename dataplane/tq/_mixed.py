@@ -36,15 +36,12 @@ import msgspec
 
 from dataplane import api as _api
 from dataplane._tq_controller import ROWS_FIELD_PREFIX
+from dataplane.codec.column_types import describe_family
 from dataplane.errors import FieldNotFoundError, SchemaError, SchemaMismatchError
 
-# What puts of this process learned: the type (``ColumnSpec.family``) a partition stores a field as,
-# where it differs from what this process writes. Bounded: a process writing many partitions keeps the
-# newest; a forgotten entry costs one refused put, which teaches it again.
-_STORED: dict[tuple[str, str], list[Any]] = {}
-_STORED_MAX = 4096
-
 # A put learns one field's stored type per refusal; a put of more fields than this is refused as is.
+# (Nothing is remembered between puts: a partition cleared and written again may store the field with
+# the other dtype, and then the rows go in as they are. A retyped put costs one refused put.)
 _MAX_RETYPES = 64
 
 __all__ = [
@@ -148,9 +145,10 @@ def _has_empty_row(value: Any, n: int) -> bool:
     return any(r.numel() == 0 for r in value.unbind())
 
 
-def _plan(pid: str, fields: Any, n: int) -> Any:
-    """What to write for ``fields``: the same object when nothing is retyped and no tensor row is
-    empty, else a dict of columns with placeholders and hidden rows."""
+def _plan(fields: Any, n: int, retyped: dict[str, list[Any]]) -> Any:
+    """What to write for ``fields``: the same object when nothing is retyped (``retyped``: the type
+    each refused field is stored as) and no tensor row is empty, else a dict of columns with
+    placeholders and hidden rows."""
     import torch
 
     from dataplane.codec.column_types import torch_dtype
@@ -161,8 +159,8 @@ def _plan(pid: str, fields: Any, n: int) -> Any:
         if not isinstance(name, str) or name.startswith(ROWS_FIELD_PREFIX):
             continue
         value = get(name)
-        stored = _STORED.get((pid, name))
-        if stored is not None and stored != _family(value, n):
+        stored = retyped.get(name)
+        if stored is not None:
             rows = _rows(value, n)
             assert rows is not None  # (learned only for columns of tensor rows)
             changes[name] = torch.empty((n, *[0] * stored[2]), dtype=torch_dtype(stored[1]))
@@ -178,8 +176,9 @@ def _plan(pid: str, fields: Any, n: int) -> Any:
     return out
 
 
-def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError) -> bool:
-    """Remember the type a refused put's field is stored as; whether the put can be written again.
+def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError, retyped: dict[str, list[Any]]) -> bool:
+    """Note in ``retyped`` the type a refused put's field is stored as; whether the put can be
+    written again.
 
     Raises:
         SchemaError: the field is stored as 0-dim rows (a ``[B]`` tensor), which have no empty row to
@@ -195,47 +194,56 @@ def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError) -> bool:
     if _rows(value, n) is None or stored[0] != "tensor":
         return False  # strings, objects, JSON: TransferQueue's differences end at tensors here
     if stored[2] == 0:
+        mine = _family(value, n)
+        theirs = describe_family(mine) if mine else "tensors of several dtypes"
         raise SchemaError(
             name,
-            f"field {name!r} of partition {pid!r} holds 0-dim rows (a [B] tensor) of {stored[1]}; "
-            f"this put's rows are {_family(value, n) or 'of several dtypes'}. dataplane.tq keeps each "
-            "row's dtype as TransferQueue does only for fields of rows with dims (one empty row holds "
-            f"the place of each retyped one): write these as {stored[1]} (.to(torch.{stored[1]})), or "
-            "under another field name",
+            f"field {name!r} of partition {pid!r} holds 0-dim rows (a [B] tensor) of {stored[1]}, and "
+            f"this put's rows are {theirs}: dataplane.tq keeps each row's dtype as TransferQueue does "
+            "only for fields of rows with dims (an empty row holds the place of each one of another "
+            f"dtype). Write these as {stored[1]} (.to(torch.{stored[1]})), or under another field name",
         ) from exc
-    if _STORED.get((pid, name)) == stored:
-        return False  # learned already, and refused all the same: nothing more to try
-    if len(_STORED) >= _STORED_MAX:
-        _STORED.pop(next(iter(_STORED)))
-    _STORED[(pid, name)] = stored
+    if retyped.get(name) == stored:
+        return False  # retyped already, and refused all the same: nothing more to try
+    retyped[name] = stored
     return True
 
 
-def put(pid: str, fields: Any, n: int, write: Callable[[Any], Any]) -> Any:
+def put(
+    pid: str, fields: Any, n: int, write: Callable[[Any], Any], retyped: dict[str, list[Any]] | None = None
+) -> Any:
     """``write(columns)`` (a store put of ``n`` rows), with retyped rows and hidden rows as planned;
     a put refused for a field stored with another dtype is written again with placeholders."""
     if fields is None:
         return write(None)
+    retyped = dict(retyped or {})
     for _ in range(_MAX_RETYPES):
         try:
-            return write(_plan(pid, fields, n))
+            return write(_plan(fields, n, retyped))
         except SchemaMismatchError as exc:
-            if not _learn(pid, fields, n, exc):
+            if not _learn(pid, fields, n, exc, retyped):
                 raise
-    return write(_plan(pid, fields, n))
+    return write(_plan(fields, n, retyped))
 
 
-async def async_put(pid: str, fields: Any, n: int, write: Callable[[Any], Awaitable[Any]]) -> Any:
+async def async_put(
+    pid: str,
+    fields: Any,
+    n: int,
+    write: Callable[[Any], Awaitable[Any]],
+    retyped: dict[str, list[Any]] | None = None,
+) -> Any:
     """``put`` for an async ``write``."""
     if fields is None:
         return await write(None)
+    retyped = dict(retyped or {})
     for _ in range(_MAX_RETYPES):
         try:
-            return await write(_plan(pid, fields, n))
+            return await write(_plan(fields, n, retyped))
         except SchemaMismatchError as exc:
-            if not _learn(pid, fields, n, exc):
+            if not _learn(pid, fields, n, exc, retyped):
                 raise
-    return await write(_plan(pid, fields, n))
+    return await write(_plan(fields, n, retyped))
 
 
 def _as_batch(row: Any) -> Any:
@@ -249,16 +257,11 @@ def _as_batch(row: Any) -> Any:
     }
 
 
-def _row_is_plain(pid: str, row: Any) -> bool:
-    """Whether a ``kv_put`` row goes to the store as it is: no empty tensor row, nothing to retype."""
+def _row_is_plain(row: Any) -> bool:
+    """Whether a ``kv_put`` row goes to the store as it is: no empty tensor row."""
     batch = _as_batch(row)
     get = _getter(batch)
-    for name in list(batch.keys()):
-        value = get(name)
-        stored = _STORED.get((pid, name))
-        if (stored is not None and stored != _family(value, 1)) or _has_empty_row(value, 1):
-            return False
-    return True
+    return not any(_has_empty_row(get(name), 1) for name in list(batch.keys()))
 
 
 def put_row(key: str, pid: str, row: Any, tags: Any, write_row: Callable[[], Any]) -> Any:
@@ -266,13 +269,14 @@ def put_row(key: str, pid: str, row: Any, tags: Any, write_row: Callable[[], Any
     put of one row as ``put`` writes it."""
     if row is None or not isinstance(row, Mapping) and not hasattr(row, "batch_size"):
         return write_row()
-    if _row_is_plain(pid, row):
+    retyped: dict[str, list[Any]] = {}
+    if _row_is_plain(row):
         try:
             return write_row()
         except SchemaMismatchError as exc:
-            if not _learn(pid, _as_batch(row), 1, exc):
+            if not _learn(pid, _as_batch(row), 1, exc, retyped):
                 raise
-    return put(pid, _as_batch(row), 1, lambda cols: _api.kv_batch_put([key], pid, cols, tags))
+    return put(pid, _as_batch(row), 1, lambda cols: _api.kv_batch_put([key], pid, cols, tags), retyped)
 
 
 async def async_put_row(
@@ -281,14 +285,15 @@ async def async_put_row(
     """``put_row`` for an async ``write_row``."""
     if row is None or not isinstance(row, Mapping) and not hasattr(row, "batch_size"):
         return await write_row()
-    if _row_is_plain(pid, row):
+    retyped: dict[str, list[Any]] = {}
+    if _row_is_plain(row):
         try:
             return await write_row()
         except SchemaMismatchError as exc:
-            if not _learn(pid, _as_batch(row), 1, exc):
+            if not _learn(pid, _as_batch(row), 1, exc, retyped):
                 raise
     return await async_put(
-        pid, _as_batch(row), 1, lambda cols: _api.async_kv_batch_put([key], pid, cols, tags)
+        pid, _as_batch(row), 1, lambda cols: _api.async_kv_batch_put([key], pid, cols, tags), retyped
     )
 
 

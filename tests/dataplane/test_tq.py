@@ -515,6 +515,10 @@ def test_a_field_put_with_other_dtypes_keeps_each_rows_dtype_like_transferqueue(
 
     # what dp.* reads: the stored float32 column, empty rows in place of the others
     assert [r.numel() for r in dp.kv_batch_get(["f", "i0"], pid, "mask")["mask"].unbind()] == [3, 0]
+    # a partition cleared and written again decides its type afresh: int64 rows go in as they are
+    tq.get_client().clear_partition(pid)
+    tq.kv_batch_put(["n"], pid, TensorDict({"mask": torch.ones(1, 3, dtype=torch.int64)}, [1]))
+    assert dp.kv_batch_get(["n"], pid)["mask"].dtype == torch.int64
 
 
 def test_empty_rows_and_0_dim_fields_with_other_dtypes(attached, pid):
@@ -531,6 +535,8 @@ def test_empty_rows_and_0_dim_fields_with_other_dtypes(attached, pid):
         tq.kv_batch_put(["c"], pid, TensorDict({"score": torch.tensor([1])}, [1]))
     with pytest.raises(dp.SchemaError, match="'x'"):  # dp.* keeps its schema check
         dp.kv_batch_put(["d"], pid, {"x": torch.ones(1, 2, dtype=torch.int64)})
+    with pytest.raises(dp.SchemaMismatchError, match="'x'.*arrow"):  # a field keeps its kind
+        tq.kv_batch_put(["d"], pid, {"x": ["a string"]})
 
 
 def test_async_puts_and_reads_of_other_dtypes(attached, pid):
