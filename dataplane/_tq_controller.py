@@ -34,6 +34,16 @@ from dataplane import api
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 
+# Fields ``dataplane.tq`` keeps for itself: the rows of a field put with another dtype than the one
+# its partition stores (``dataplane.tq._mixed``). Here, so that this module lists fields without them
+# and without importing ``dataplane.tq``.
+ROWS_FIELD_PREFIX = "__tq_rows__:"
+
+
+def visible_fields(fields: Any) -> list[str]:
+    """``fields`` less ``dataplane.tq``'s hidden ones."""
+    return [f for f in fields if not f.startswith(ROWS_FIELD_PREFIX)]
+
 
 class GlobalIndexes:
     """``(partition, key) <-> int``; indexes start at 0 and are never reused. Plain class."""
@@ -108,6 +118,8 @@ class FieldSchemas:
             entry = {k: v for k, v in new.items() if k != "per_sample_shapes"}
             if old is not None and (old.get("is_nested") or old.get("shape") != entry.get("shape")):
                 entry["shape"], entry["is_nested"] = None, not entry.get("is_non_tensor", False)
+            if old is not None and old.get("dtype") is not None:
+                entry["dtype"] = old["dtype"]  # TransferQueue's controller keeps the first put's dtype
             mine[name] = entry
 
     def get(self, partition_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
@@ -168,12 +180,12 @@ def snapshot(partition_id: str, indexes_of: Any) -> Snapshot:
         snap.keys_mapping[key] = gi
         snap.global_indexes.add(gi)
         snap.custom_meta[gi] = dict(listed[key])
-        for f in known.get(key, []):
+        for f in visible_fields(known.get(key, [])):
             snap.field_name_mapping.setdefault(f, len(snap.field_name_mapping))
     rows = {}
     for key, gi in snap.keys_mapping.items():
         row = np.zeros(len(snap.field_name_mapping), dtype=np.int8)
-        for f in known.get(key, []):
+        for f in visible_fields(known.get(key, [])):
             row[snap.field_name_mapping[f]] = 1
         rows[gi] = row
     snap.production_status = ProductionTable(rows, len(snap.field_name_mapping))

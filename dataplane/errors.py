@@ -123,6 +123,19 @@ class SchemaError(DataplaneError, ValueError):
         super().__init__(message)
 
 
+class SchemaMismatchError(SchemaError):
+    """New data of a field does not match the family (kind, dtype, dims per row) the partition stores
+    it as. Attributes: ``field``, ``stored``: that family, its parts joined by ":" (``"tensor:float32:1"``,
+    ``"arrow:large_string"``), so that a caller can adapt its data without parsing the message
+    (``dataplane.tq`` does)."""
+
+    wire_attrs: ClassVar[tuple[str, ...]] = ("field", "stored")
+
+    def __init__(self, field: str, stored: str, message: str) -> None:
+        self.stored = stored
+        super().__init__(field, message)
+
+
 class BatchSizeError(DataplaneError, ValueError):
     """The number of keys and the batch size of the fields (or tags) differ."""
 
@@ -341,6 +354,7 @@ __all__ = [
     "ResourceLimitError",
     "SchedulingError",
     "SchemaError",
+    "SchemaMismatchError",
     "SerializationError",
     "ShardUnavailableError",
     "StaleMetaError",

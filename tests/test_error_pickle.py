@@ -33,6 +33,7 @@ _FACTORIES: dict[str, Callable[[type], BaseException]] = {
     "SchemaError": lambda c: c("f0", f"field {CULPRIT} has the wrong dtype"),
     "InvalidArgumentError": lambda c: c("batch_size", f"batch_size={CULPRIT} must be an int"),
     "ArgumentTypeError": lambda c: c("capcity", f"unknown store option {CULPRIT!r}"),
+    "SchemaMismatchError": lambda c: c("f0", "tensor:float32:1", f"field {CULPRIT} is int64"),
     "ShardUnavailableError": lambda c: c("shard-0", f"shard {CULPRIT} is dead"),
     "BatchTimeoutError": lambda c: c("p0", f"waited for {CULPRIT}"),
     "LeaseExpiredError": lambda c: c("p0", f"the lease of {CULPRIT} ran out", keys=["k0"]),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import msgspec
 import numpy as np
 
-from dataplane.errors import SchemaError
+from dataplane.errors import SchemaError, SchemaMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -163,8 +163,9 @@ class ColumnSpec(msgspec.Struct, frozen=True):
         if other == self:
             return
         if self.family() != other.family():
-            raise SchemaError(
+            raise SchemaMismatchError(
                 field,
+                ":".join(map(str, self.family())),
                 f"field {field!r}: new data ({describe_family(other.family())}) does not match the stored "
                 f"column ({describe_family(self.family())}); write it with the stored dtype, or use a new "
                 "field name",

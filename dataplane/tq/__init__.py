@@ -28,6 +28,14 @@ As in TransferQueue:
   call attaches (to the store and the controller, with the config every process shares).
 * **Client.** ``get_client()`` has every public method of TransferQueue's client, sync and
   ``async_``, with its signatures.
+* **A field's dtype may differ between puts** (TransferQueue 0.1.11's tutorial 02 writes
+  ``attention_mask`` as float32, then as int64 for other keys): each row reads back with its own
+  dtype, and rows of several dtypes read together come back as TransferQueue packs them (a strided
+  nested tensor of the first row's dtype). The store keeps one type per column: the rows of another
+  dtype are kept in a hidden field ``__tq_rows__:<name>``, and the field itself holds empty rows in
+  their place, which is what ``dp.*`` reads see (``dataplane/tq/_mixed.py``). Fields of 0-dim rows (a
+  ``[B]`` tensor) keep one dtype: another raises ``SchemaError`` naming the dtype to write; and a
+  field keeps its kind (tensors, strings, JSON-like values), as ``SchemaMismatchError`` says.
 
 Better than TransferQueue, without breaking its users:
 
@@ -62,7 +70,12 @@ Raising ``NotImplementedError`` (no equivalent here), each naming what to use in
 * the client's ``save_controller_checkpoint`` / ``load_controller_checkpoint`` (and ``async_``
   forms): the store saves everything as one checkpoint, use ``tq.save_checkpoint`` /
   ``tq.load_checkpoint`` (the client's ``save_storage_checkpoint`` / ``load_storage_checkpoint``);
-* ``StreamingDataLoader(num_workers>0)``: use ``dataplane.StreamingDataset(prefetch=...)``.
+* ``StreamingDataLoader(num_workers>0)``: use ``num_workers=0``, or ``dataplane.StreamingDataset
+  (prefetch=...)`` (TransferQueue's tutorial 06 runs with ``num_workers=0``).
+
+A sampler object in the config (``tq.init({"controller": {"sampler": MySampler()}})``, TransferQueue's
+tutorial 05) raises ``ValueError`` naming the fix: pass it per call, ``get_meta(...,
+sampling_config={"sampler": MySampler()})`` (see "No client-shipped code runs anywhere" above).
 
 **Checkpoints.** ``tq.save_checkpoint`` writes the store's checkpoint (``dataplane.save_checkpoint``:
 no pickle in it) with TransferQueue's ``metadata.json`` and ``simple_storage/storage_unit_info.json``

@@ -48,9 +48,15 @@ def _find(namespace: str) -> Any:
 
 def start_controllers(config: dict[str, Any]) -> Any:
     """The controller in TransferQueue's namespace (and one in the caller's when it differs): found,
-    or started by this process. Returns the handle of the first."""
+    or started by this process. Returns the handle of the first once those it started are up.
+
+    Waiting for them matters: a controller attaches to the store as it starts, and one still starting
+    when this process exits (a script that fails right after ``tq.init()``) found the store already
+    stopped by the exit and printed its own ``StoreNotInitializedError`` after the user's error.
+    """
     import ray
 
+    created = []
     primary = _find(CONTROLLER_NAMESPACE)
     if primary is None:
         try:
@@ -59,7 +65,7 @@ def start_controllers(config: dict[str, Any]) -> Any:
                 .options(name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, num_cpus=0, max_restarts=0)
                 .remote(config)
             )
-            state.started.append(primary)
+            created.append(primary)
         except ValueError:  # another process created it first
             primary = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
     here = ray.get_runtime_context().namespace
@@ -70,10 +76,27 @@ def start_controllers(config: dict[str, Any]) -> Any:
                 .options(name=CONTROLLER_NAME, namespace=here, num_cpus=0, max_restarts=0)
                 .remote(config, primary)
             )
-            state.started.append(second)
+            created.append(second)
         except ValueError:
             pass
+    state.started.extend(created)
+    _wait_started(created)
     return primary
+
+
+def _wait_started(handles: list[Any]) -> None:
+    """Until every controller in ``handles`` has run its constructor (both start at once)."""
+    import ray
+
+    if not handles:
+        return
+    try:
+        ray.get([h.ping.remote() for h in handles], timeout=timeout_s())
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(
+            f"the TransferQueueController did not start within {timeout_s():.0f} s "
+            "(DATAPLANE_TQ_CONTROLLER_TIMEOUT_S); does the cluster have room for one more actor?"
+        ) from exc
 
 
 def attach() -> dict[str, Any]:

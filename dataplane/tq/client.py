@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 
 from dataplane import api, stream
+from dataplane._tq_controller import visible_fields
 from dataplane.errors import BatchTimeoutError, KeyNotFoundError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.samplers import SequentialSampler as _StoreSequential
-from dataplane.tq import _layout, _session
+from dataplane.tq import _layout, _mixed, _session
 from dataplane.tq.metadata import BatchMeta, extract_field_schema, kept_schema
 from dataplane.tq.sampler import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler
 from dataplane.tq.sampler import SequentialSampler as TQSequentialSampler
@@ -46,6 +47,15 @@ from dataplane.tq.sampler import SequentialSampler as TQSequentialSampler
 logger = logging.getLogger(__name__)
 
 DEFAULT_FETCH_TIMEOUT_S = 5.0  # a non-polling fetch waits this long for rows (TransferQueue: 5 s)
+
+
+def _putter(keys: list[str], pid: str, tags: list[Any] | None) -> Any:
+    """A put of ``keys``' columns into ``pid`` (with ``tags``), for ``_mixed.put`` to call."""
+
+    def put(cols: Any) -> Any:
+        return api.kv_batch_put(keys, pid, cols, tags)
+
+    return put
 
 
 class GetMetaTimeoutError(BatchTimeoutError, RuntimeError):
@@ -261,7 +271,7 @@ class TransferQueueClient:
         if not want:
             return listed, {}
         known = api.current_client().run(_stream_ops.resolve(partition_id, want))
-        return listed, known
+        return listed, {k: visible_fields(f) for k, f in known.items()}
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -419,7 +429,8 @@ class TransferQueueClient:
         for pid, pos, keys in groups:
             part = data if len(groups) == 1 else _rows(data, pos)
             tags = [metadata.custom_meta[i] for i in pos]
-            api.kv_batch_put(keys, pid, _layout.per_row_values(part), tags if any(tags) else None)
+            tags_or_none = tags if any(tags) else None
+            _mixed.put(pid, _layout.per_row_values(part), len(keys), _putter(keys, pid, tags_or_none))
             _session.tell("record_schema", pid, kept_schema(schema))
         return metadata.add_fields(data)
 
@@ -437,9 +448,13 @@ class TransferQueueClient:
         groups = self._by_partition(metadata)
         if len(groups) == 1:
             pid, _, keys = groups[0]
-            return _layout.to_layout(api.kv_batch_get(keys, pid, fields), layout)
-        parts = [(pos, api.kv_batch_get(keys, pid, fields)) for pid, pos, keys in groups]
+            return _layout.to_layout(self._read(keys, pid, fields), layout)
+        parts = [(pos, self._read(keys, pid, fields)) for pid, pos, keys in groups]
         return _layout.to_layout(_scatter(parts, metadata.size, fields), layout)
+
+    @staticmethod
+    def _read(keys: list[str], pid: str, fields: list[str]) -> Any:
+        return _mixed.restore(api.kv_batch_get(keys, pid, fields), keys, pid, drop_hidden=False)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         """Free the rows of ``metadata``."""
@@ -681,12 +696,7 @@ def _scatter(parts: list[tuple[list[int], Any]], size: int, fields: list[str]) -
             for p, v in zip(positions, values, strict=True):
                 rows[p] = v
         if all(isinstance(r, torch.Tensor) for r in rows):
-            shapes = {tuple(r.shape) for r in rows}
-            out[name] = (
-                torch.stack(rows)
-                if len(shapes) == 1
-                else torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-            )
+            out[name] = _mixed.pack_rows(rows)
         else:
             out[name] = rows
     return TensorDict(out, batch_size=[size])

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dataplane import api as _api
+from dataplane._tq_controller import visible_fields
 from dataplane.errors import CheckpointError, FieldNotFoundError, StoreNotInitializedError
 from dataplane.meta import KVBatchMeta as _StoreMeta
 from dataplane.server.checkpoint_files import MANIFEST, shard_files
-from dataplane.tq import _layout, _session
+from dataplane.tq import _layout, _mixed, _session
 from dataplane.tq.client import TransferQueueClient, no_data_parser, sampler_spec
 from dataplane.tq.metadata import KVBatchMeta, kept_schema, mapping_schema
 
@@ -165,7 +166,8 @@ def get_metrics_endpoint() -> str | None:
 
 
 def _wrap(meta: _StoreMeta) -> KVBatchMeta:
-    return KVBatchMeta._trusted(meta.keys, meta._tag_list, meta._pid, meta.fields)  # type: ignore[return-value]
+    fields = visible_fields(meta.fields)
+    return KVBatchMeta._trusted(meta.keys, meta._tag_list, meta._pid, fields)  # type: ignore[return-value]
 
 
 def _check_put(fields: Any, tags: Any, data_parser: Any) -> None:
@@ -204,7 +206,9 @@ def kv_put(
     TensorDict of one row); ``fields=None`` updates the tag only. Returns the row's meta."""
     _check_put(fields, tag, data_parser)
     _session.attach()
-    meta = _api.kv_put(key, partition_id, _row(fields), tag)
+    tags = None if tag is None else [tag]
+    row = _row(fields)
+    meta = _mixed.put_row(key, partition_id, row, tags, lambda: _api.kv_put(key, partition_id, row, tag))
     return _put_done(partition_id, fields, meta)
 
 
@@ -218,9 +222,13 @@ def kv_batch_put(
     """TransferQueue's ``kv_batch_put``: upsert rows; new fields add columns to existing keys."""
     _check_put(fields, tags, data_parser)
     _session.attach()
-    return _put_done(
-        partition_id, fields, _api.kv_batch_put(keys, partition_id, _layout.per_row_values(fields), tags)
+    meta = _mixed.put(
+        partition_id,
+        _layout.per_row_values(fields),
+        len(keys),
+        lambda cols: _api.kv_batch_put(keys, partition_id, cols, tags),
     )
+    return _put_done(partition_id, fields, meta)
 
 
 def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldNotFoundError) -> list[str]:
@@ -235,6 +243,10 @@ def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldN
     if any(0 < n < len(keys) for n in held.values()):
         raise error
     return [f for f in fields if held[f] == len(keys)]
+
+
+def _key_list(keys: Any) -> list[str]:
+    return [keys] if isinstance(keys, str) else list(keys)
 
 
 def _empty(keys: Any) -> Any:
@@ -262,6 +274,7 @@ def kv_batch_get(
     except FieldNotFoundError as exc:
         fields = _held_by_all(keys, partition_id, select_fields, exc)
         td = _api.kv_batch_get(keys, partition_id, fields) if fields else _empty(keys)
+    td = _mixed.restore(td, _key_list(keys), partition_id, drop_hidden=select_fields is None)
     return _layout.to_layout(td, layout)
 
 
@@ -273,7 +286,9 @@ def kv_batch_get_by_meta(
     _session.attach()
     if isinstance(select_fields, str):
         select_fields = [select_fields]
-    return _layout.to_layout(_api.kv_batch_get_by_meta(meta, select_fields), layout)
+    td = _api.kv_batch_get_by_meta(meta, select_fields)
+    td = _mixed.restore(td, list(meta.keys), meta._pid, drop_hidden=select_fields is None)
+    return _layout.to_layout(td, layout)
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
@@ -300,7 +315,11 @@ async def async_kv_put(
 ) -> KVBatchMeta:
     _check_put(fields, tag, data_parser)
     await _attach()
-    meta = await _api.async_kv_put(key, partition_id, _row(fields), tag)
+    tags = None if tag is None else [tag]
+    row = _row(fields)
+    meta = await _mixed.async_put_row(
+        key, partition_id, row, tags, lambda: _api.async_kv_put(key, partition_id, row, tag)
+    )
     return _put_done(partition_id, fields, meta)
 
 
@@ -313,7 +332,12 @@ async def async_kv_batch_put(
 ) -> KVBatchMeta:
     _check_put(fields, tags, data_parser)
     await _attach()
-    meta = await _api.async_kv_batch_put(keys, partition_id, _layout.per_row_values(fields), tags)
+    meta = await _mixed.async_put(
+        partition_id,
+        _layout.per_row_values(fields),
+        len(keys),
+        lambda cols: _api.async_kv_batch_put(keys, partition_id, cols, tags),
+    )
     return _put_done(partition_id, fields, meta)
 
 
@@ -331,6 +355,7 @@ async def async_kv_batch_get(
     except FieldNotFoundError as exc:
         fields = await asyncio.to_thread(_held_by_all, keys, partition_id, select_fields, exc)
         td = await _api.async_kv_batch_get(keys, partition_id, fields) if fields else _empty(keys)
+    td = await _mixed.async_restore(td, _key_list(keys), partition_id, drop_hidden=select_fields is None)
     return _layout.to_layout(td, layout)
 
 
@@ -341,7 +366,9 @@ async def async_kv_batch_get_by_meta(
     await _attach()
     if isinstance(select_fields, str):
         select_fields = [select_fields]
-    return _layout.to_layout(await _api.async_kv_batch_get_by_meta(meta, select_fields), layout)
+    td = await _api.async_kv_batch_get_by_meta(meta, select_fields)
+    td = await _mixed.async_restore(td, list(meta.keys), meta._pid, drop_hidden=select_fields is None)
+    return _layout.to_layout(td, layout)
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:

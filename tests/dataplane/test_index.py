@@ -258,6 +258,7 @@ def test_commits_answer_each_commit_and_a_refused_one_changes_nothing():
     ).results
     assert res[0] == _protocol.CommitResult(ok=_protocol.CommitReply(fields=["x"], tags=[{}]))
     name, msg, attrs = res[1].err
-    assert name == "SchemaError" and attrs["field"] == "x" and "float32" in msg
+    assert name == "SchemaMismatchError" and attrs["field"] == "x" and "float32" in msg
+    assert attrs["stored"] == "tensor:int64:0"  # what the field is stored as, for a caller to adapt to
     assert res[2] == _protocol.CommitResult(ok=_protocol.CommitReply(fields=["y"], tags=[{"t": 1}]))
     assert sorted(call(core, "list", {"partition": "p"}).list["p"]) == ["a", "b", "d"]  # "c" was not recorded

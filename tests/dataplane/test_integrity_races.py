@@ -315,7 +315,7 @@ def test_new_field_dtype_cannot_split_across_shards(attached):
                 ],
                 timeout=120,
             )
-            if sorted(outcomes) != ["SchemaError", "ok"]:
+            if sorted(outcomes) != ["SchemaMismatchError", "ok"]:
                 bad.append(f"trial {t}: outcomes (float32 on shard 0, int64 on shard 1) = {outcomes}")
                 continue
             winner, loser = (ka, kb) if outcomes[0] == "ok" else (kb, ka)

@@ -474,3 +474,77 @@ def test_streaming_dataset_with_transferqueues_constructor(attached, pid):
     assert len(list(loader)) == 4  # replayed from the buffer
     with pytest.raises(NotImplementedError, match="num_workers=2"):
         tq.StreamingDataLoader(ds, num_workers=2)
+
+
+def _row_dtypes(value) -> list:
+    return [r.dtype for r in value.unbind()]
+
+
+def test_a_field_put_with_other_dtypes_keeps_each_rows_dtype_like_transferqueue(attached, pid):
+    """TransferQueue 0.1.11 (run side by side): a field put as float32 for one key and int64, then bool
+    for others is accepted; a read of rows of one dtype returns that dtype, a read of several a strided
+    nested tensor of the first requested row's dtype. The store keeps one type per column: the field
+    holds empty rows in place of the others, whose real rows are in a hidden field."""
+    tq.kv_put("f", pid, TensorDict({"mask": torch.ones(1, 3), "ids": torch.arange(3).view(1, 3)}, [1]))
+    meta = tq.kv_batch_put(["i0", "i1"], pid, TensorDict({"mask": torch.ones(2, 3, dtype=torch.int64)}, [2]))
+    assert meta.fields == ["mask"]  # the hidden field is not listed
+    tq.kv_put("b", pid, {"mask": torch.tensor([True, False, True, True])})  # a row, of another length
+
+    ints = tq.kv_batch_get(["i0", "i1"], pid)["mask"]
+    assert ints.layout == torch.jagged and ints.dtype == torch.int64 and rows(ints) == [[1, 1, 1]] * 2
+    assert tq.kv_batch_get(["b"], pid)["mask"].dtype == torch.bool
+    mixed = tq.kv_batch_get(["f", "i0", "b"], pid, select_fields=["mask"])["mask"]
+    assert mixed.is_nested and mixed.layout == torch.strided and _row_dtypes(mixed) == [torch.float32] * 3
+    assert rows(mixed) == [[1.0] * 3, [1.0] * 3, [1.0, 0.0, 1.0, 1.0]]
+    assert _row_dtypes(tq.kv_batch_get(["i1", "f"], pid, "mask")["mask"]) == [torch.int64] * 2
+    both = tq.kv_batch_get(["i0", "f"], pid)  # without select_fields: the fields both keys hold
+    assert list(both.keys()) == ["mask"] and rows(both["mask"]) == [[1, 1, 1]] * 2
+    dense = tq.kv_batch_get(["i0", "i1"], pid, layout="dense")["mask"]
+    assert not dense.is_nested and dense.dtype == torch.int64 and dense.shape == (2, 3)
+    assert sorted(tq.kv_list(pid)[pid]) == ["b", "f", "i0", "i1"]
+
+    # the low-level client: every row holds the field (ready for get_meta), and reads alike
+    client = tq.get_client()
+    got = client.get_meta(["mask"], 4, pid, task_name="t", mode="force_fetch")
+    assert got.size == 4 and got.is_ready
+    data = client.get_data(got)["mask"]
+    first = tq.kv_batch_get(client.kv_retrieve_keys(got.global_indexes[:1], pid), pid, "mask")["mask"]
+    assert _row_dtypes(data) == [first.dtype] * 4
+    written = client.put(TensorDict({"mask": torch.zeros(2, 2, dtype=torch.float64)}, [2]), partition_id=pid)
+    assert _row_dtypes(client.get_data(written)["mask"]) == [torch.float64] * 2
+
+    # what dp.* reads: the stored float32 column, empty rows in place of the others
+    assert [r.numel() for r in dp.kv_batch_get(["f", "i0"], pid, "mask")["mask"].unbind()] == [3, 0]
+    # a partition cleared and written again decides its type afresh: int64 rows go in as they are
+    tq.get_client().clear_partition(pid)
+    tq.kv_batch_put(["n"], pid, TensorDict({"mask": torch.ones(1, 3, dtype=torch.int64)}, [1]))
+    assert dp.kv_batch_get(["n"], pid)["mask"].dtype == torch.int64
+
+
+def test_empty_rows_and_0_dim_fields_with_other_dtypes(attached, pid):
+    """A real empty row is never taken for a placeholder of older rows (its put writes its hidden rows
+    too); 0-dim rows keep one dtype, and another names the fix."""
+    tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.ones(2, 2)}, [2]))
+    tq.kv_batch_put(["c"], pid, TensorDict({"x": torch.ones(1, 2, dtype=torch.int32)}, [1]))
+    tq.kv_batch_put(["c"], pid, TensorDict({"x": torch.ones(1, 0)}, [1]))  # c: a real, empty float32 row
+    x = tq.kv_batch_get(["a", "c"], pid, "x")["x"]
+    assert [tuple(r.shape) for r in x.unbind()] == [(2,), (0,)] and _row_dtypes(x) == [torch.float32] * 2
+    assert tq.kv_batch_get(["c"], pid, "x")["x"].dtype == torch.float32
+    tq.kv_batch_put(["a", "b"], pid, TensorDict({"score": torch.tensor([0.5, 1.5])}, [2]))
+    with pytest.raises(dp.SchemaError, match=r"'score'.*0-dim rows.*\.to\(torch\.float32\)"):
+        tq.kv_batch_put(["c"], pid, TensorDict({"score": torch.tensor([1])}, [1]))
+    with pytest.raises(dp.SchemaError, match="'x'"):  # dp.* keeps its schema check
+        dp.kv_batch_put(["d"], pid, {"x": torch.ones(1, 2, dtype=torch.int64)})
+    with pytest.raises(dp.SchemaMismatchError, match="'x'.*arrow"):  # a field keeps its kind
+        tq.kv_batch_put(["d"], pid, {"x": ["a string"]})
+
+
+def test_async_puts_and_reads_of_other_dtypes(attached, pid):
+    async def main():
+        await tq.async_kv_put("f", pid, {"m": torch.ones(2)})
+        await tq.async_kv_batch_put(["i"], pid, TensorDict({"m": torch.ones(1, 2, dtype=torch.int8)}, [1]))
+        one = await tq.async_kv_batch_get(["i"], pid)
+        two = await tq.async_kv_batch_get(["i", "f"], pid, select_fields="m")
+        return one["m"].dtype, _row_dtypes(two["m"])
+
+    assert asyncio.run(main()) == (torch.int8, [torch.int8, torch.int8])

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from dataplane.codec.column_types import describe_family
-from dataplane.errors import ReservationExpiredError, SchemaError, WireError
+from dataplane.errors import ReservationExpiredError, SchemaMismatchError, WireError
 from dataplane.server.index.records import (
     CLEARED_KEYS_KEPT,
     CLEARED_PARTITIONS_KEPT,
@@ -102,15 +102,17 @@ class IndexPuts(IndexRecords):
             old = schema.get(name)
             if old is not None and old.family != families[name]:
                 if not old.confirmed:
-                    raise SchemaError(
+                    raise SchemaMismatchError(
                         name,
+                        ":".join(map(str, old.family)),
                         f"field {name!r}: new data ({describe_family(families[name])}) does not match "
                         f"what a put in flight is creating the field as ({describe_family(old.family)}); "
                         "write it with that dtype, or use a new field name (if that put never commits, "
                         f"the field is free again within {self.prepare_ttl_s:.0f}s, reservation_timeout_s)",
                     )
-                raise SchemaError(
+                raise SchemaMismatchError(
                     name,
+                    ":".join(map(str, old.family)),
                     f"field {name!r}: new data ({describe_family(families[name])}) does not match the stored "
                     f"column ({describe_family(old.family)}); write it with the stored dtype, or use a new "
                     "field name",
