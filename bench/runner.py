@@ -1,10 +1,10 @@
-"""Runs the benchmarks in ``bench/``: ``rlplane bench store|dispatch|bypass|stream|checkpoint|index|all``.
+"""Runs the benchmarks in ``bench/`` by name: ``rlplane bench NAME`` (``all``: every one, in order).
 
 Each benchmark is a module in ``bench`` exposing ``main(argv: list[str] | None) -> int``. The runner
 starts each one in a child Python process (a fresh Ray per benchmark, and one benchmark's crash or
 leftover global state cannot touch the next) and passes it ``--json <out>/<name>.json`` plus any
 extra flags in its :class:`Benchmark` entry. ``all`` runs every registered benchmark in order and
-skips, with a message, those whose module is not built yet.
+skips, with a message, those whose module is not built yet or that cannot run here (``why_not``).
 
 To add a benchmark: write ``bench/<module>.py`` with ``main(argv)`` accepting ``--json PATH``, and
 add a :class:`Benchmark` to :data:`BENCHMARKS`.
@@ -18,7 +18,10 @@ import logging
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from bench import testbed
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,9 @@ class Benchmark:
     description: str
     plot: bool = False
     out: str = "bench/results"  # where its results go unless --out says otherwise
+    # Why it cannot run here with no flags (None: it can); `all` skips it with this reason, and named
+    # on its own it runs and says so itself.
+    why_not: Callable[[], str | None] | None = None
 
     def argv(self, out: pathlib.Path) -> list[str]:
         args = ["--json", str(out / f"{self.module.rsplit('.', 1)[-1]}.json")]
@@ -61,6 +67,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("stream", "bench.stream", "next_batch, wake-up and readiness updates vs TransferQueue"),
         Benchmark("checkpoint", "bench.checkpoint", "checkpoint save/load vs the disk and TransferQueue"),
         Benchmark("index", "bench.index", "the index at a million keys: memory, rates, others' latency"),
+        Benchmark(
+            "transport",
+            "bench.transport",
+            "put/get across two hosts vs raw TCP and raw pyzmq on the same link",
+            why_not=testbed.missing,  # with no --address it builds its two hosts: root only
+        ),
     )
 }
 
@@ -129,6 +141,10 @@ def cli(args: argparse.Namespace) -> int:
         if not is_built(bench):
             print(f"-- rlplane bench {bench.name}: {bench.module} is not built yet; skipped", flush=True)
             status = status if args.which == "all" else 2
+            continue
+        why = bench.why_not() if bench.why_not and args.which == "all" else None
+        if why:
+            print(f"-- rlplane bench {bench.name}: cannot run here ({why}); skipped", flush=True)
             continue
         rc = run_one(bench, pathlib.Path(out_text or bench.out), extra=extra)
         if rc:

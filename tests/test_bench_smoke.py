@@ -275,3 +275,104 @@ def test_index_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, main_in_pro
         "next_batch_rows_per_s",
     } <= checks.keys()
     assert "next_batch_rows_per_s" in printed
+
+
+# ---- the transport benchmark (its run across two hosts: tests/multihost/test_transport_bench.py) ----
+
+
+def test_transport_benchmark_without_root_or_address_says_how_and_exits_2(monkeypatch, capsys) -> None:
+    from bench import testbed, transport
+
+    monkeypatch.setattr(testbed, "missing", lambda: "building hosts from network namespaces needs root")
+    assert transport.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "--address auto" in err
+
+
+def test_transport_benchmark_mooncake_engine_is_not_there_yet(capsys) -> None:
+    from bench import transport
+
+    assert transport.main(["--engine", "mooncake", "--address", "auto"]) == 2
+    assert "mooncake engine is not available" in capsys.readouterr().err
+
+
+def test_transport_benchmark_flags_and_checks() -> None:
+    from bench import transport
+
+    quick = transport.parse_args(["--quick"])
+    assert (quick.sizes, quick.repeat) == ([64 << 20, 256 << 20], 2)
+    full = transport.parse_args(["--sizes", "1MiB,2M", "--connections", "3"])
+    assert (full.sizes, full.repeat, full.connections) == ([1 << 20, 2 << 20], 3, [3])
+    with pytest.raises(SystemExit):
+        transport.parse_args(["--sizes", "1000"])  # not a multiple of 16 rows of 4 KiB
+
+    def tp(gbps: float) -> dict:
+        return _common.throughput(10**9, [1.0 / gbps])
+
+    sizes = {"1048576": {"tcp1_put": tp(2), "tcp1_get": tp(2), "tcp4_put": tp(4), "tcp4_get": tp(1),
+                         "store_put": tp(1.7), "store_get": tp(1.5)}}  # fmt: skip
+    checks = {
+        c.name: c
+        for c in transport.checks_of({"sizes": sizes, "store_connections": 1, "connections": [1, 4]})
+    }
+    assert (
+        checks["put_vs_tcp1_1MiB"].value == pytest.approx(0.85)
+        and checks["put_vs_tcp1_1MiB"].verdict == "PASS"
+    )
+    assert (
+        checks["put_vs_tcp_best_1MiB"].value == pytest.approx(1.7 / 4)
+        and "4 connections" in checks["put_vs_tcp_best_1MiB"].what
+    )
+    assert checks["get_vs_tcp_best_1MiB"].value == pytest.approx(0.75)  # 1 connection is get's best
+    assert [checks[n].verdict for n in ("put_vs_tcp_best_1MiB", "get_vs_tcp1_1MiB")] == ["MISS", "MISS"]
+
+
+def test_raw_tcp_moves_the_bytes_over_one_and_several_connections() -> None:
+    """The raw TCP reference on loopback (its far end in this process): every byte arrives, both ways."""
+    import numpy as np
+
+    from bench._rawtcp import RawTcp, TcpPeer
+
+    peer = TcpPeer()
+    raw = None
+    try:
+        endpoint = peer.listen("127.0.0.1", timeout_s=30)
+        peer.prepare(3 << 20)
+        raw = RawTcp(endpoint, max_conns=3, timeout_s=30)
+        src = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
+        for conns in (1, 3):
+            out = np.zeros_like(src)
+            assert raw.write(memoryview(src), conns) > 0
+            assert bytes(peer.buf) == src.tobytes()
+            assert raw.read(memoryview(out), conns) > 0
+            assert np.array_equal(out, src)
+            src = src[::-1].copy()
+        assert peer.errors_seen() == []
+    finally:
+        if raw is not None:
+            raw.close()
+        peer.close()
+
+
+def test_transport_benchmark_registered_and_skipped_by_all_where_it_cannot_run(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    import dataclasses
+
+    from bench import testbed
+
+    bench = runner.BENCHMARKS["transport"]
+    assert bench.module == "bench.transport" and runner.is_built(bench) and bench.why_not is testbed.missing
+    cannot = dataclasses.replace(bench, why_not=lambda: "needs root")
+    monkeypatch.setattr(runner, "BENCHMARKS", {"transport": cannot})
+    assert runner.cli(argparse.Namespace(which="all", out=str(tmp_path), bench_args=[])) == 0
+    assert "rlplane bench transport: cannot run here (needs root); skipped" in capsys.readouterr().out
+
+
+def test_transport_benchmark_docstring_examples() -> None:
+    import doctest
+
+    from bench import _rawtcp, _transport_run
+
+    for module in (_rawtcp, _transport_run):
+        assert doctest.testmod(module).failed == 0, module.__name__
