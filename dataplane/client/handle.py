@@ -230,8 +230,26 @@ class StoreClient:
                 return False
             time.sleep(0.05)  # polling the actors' liveness, bounded by the deadline above
 
+    def _where(self, name: str) -> str:
+        """The address of the host a store actor ran on (from the registry)."""
+        actors = {self.config.index_name(): self.registry["index"]}
+        actors.update((self.config.shard_name(i), s) for i, s in enumerate(self.registry["shards"]))
+        return str(actors.get(name, {}).get("tcp", "?")).split("//")[-1].rsplit(":", 1)[0]
+
     def _stopped_error(self, exc: ShardUnavailableError) -> ShardUnavailableError:
-        """What happened (the store was stopped), who did it as far as this process can know, the fix."""
+        """What happened (the store was stopped, or lost with its host), who did it as far as this
+        process can know, the fix."""
+        far = [t for t in self.liveness.targets.values() if t.name in (exc.shard, self.config.index_name())]
+        if any(not t.local for t in far):  # (this process cannot tell a stop from a lost host there)
+            hosts = sorted({self._where(t.name) for t in far})
+            return ShardUnavailableError(
+                exc.shard,
+                f"the store {self.config.name!r} is gone: {exc.shard} (on {self._where(exc.shard)}) and "
+                f"its index (on {self._where(self.config.index_name())}) are dead. It was stopped, or the "
+                f"host(s) {', '.join(hosts)} were lost (Ray marks a lost host's node dead within about "
+                "30 s: `ray status`); the rows held there are gone with them. Start the store again (on the remaining "
+                "nodes) and load a checkpoint (dp.load_checkpoint) to get them back",
+            )
         by = self.registry.get("started_by") or {}
         who = f"process {by['pid']} on {by['host']}" if by else "the process that started it"
         if self.config.detached:
