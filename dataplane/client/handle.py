@@ -247,8 +247,8 @@ class StoreClient:
                 f"the store {self.config.name!r} is gone: {exc.shard} (on {self._where(exc.shard)}) and "
                 f"its index (on {self._where(self.config.index_name())}) are dead. It was stopped, or the "
                 f"host(s) {', '.join(hosts)} were lost (Ray marks a lost host's node dead within about "
-                "30 s: `ray status`); the rows held there are gone with them. Start the store again (on the remaining "
-                "nodes) and load a checkpoint (dp.load_checkpoint) to get them back",
+                "30 s: `ray status`); the rows held there are gone with them. Start the store again (on the "
+                "remaining nodes) and load a checkpoint (dp.load_checkpoint) to get them back",
             )
         by = self.registry.get("started_by") or {}
         who = f"process {by['pid']} on {by['host']}" if by else "the process that started it"
