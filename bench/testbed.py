@@ -137,7 +137,7 @@ class Testbed:
         if not 1 <= hosts <= 8:
             raise ValueError(f"hosts must be 1..8, got {hosts}")
         self.n, self.ray, self.num_cpus = hosts, ray, num_cpus
-        self.tag = tag or f"{os.getpid() % 0xFFFF:04x}"  # interface names stay under 15 characters
+        self.tag = tag or _free_tag()  # (4 hex digits: interface names stay under 15 characters)
         self.bridge = f"rlt{self.tag}br"
         self.hosts: list[Host] = []
         self._inits: list[subprocess.Popen] = []
@@ -239,6 +239,34 @@ class Testbed:
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
         self.hosts.clear()
+
+
+def _free_tag() -> str:
+    """A tag no test bed on this machine uses. A bed left behind by a killed run (every one of its
+    namespaces empty of processes for over a minute: a bed being built has its first process within a
+    second, and one in use has at least one host alive) is removed first, its bridge with it."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    beds: dict[str, list[str]] = {}
+    for name in netns:
+        if name.startswith("rlt-") and name.count("-") == 2:
+            beds.setdefault(name.split("-")[1], []).append(name)
+
+    def stale(name: str) -> bool:
+        try:
+            age = time.time() - os.stat(f"/run/netns/{name}").st_mtime
+        except OSError:
+            return False
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+        return age > 60 and not pids.strip()
+
+    for tag, names in beds.items():
+        if all(stale(n) for n in names):
+            for name in names:
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            subprocess.run(["ip", "link", "del", f"rlt{tag}br"], capture_output=True, check=False)
+    while (tag := os.urandom(2).hex()) in beds:
+        pass
+    return tag
 
 
 def _ns_init_pid(netns: str, timeout_s: float = 30.0) -> int:
