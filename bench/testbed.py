@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -180,7 +181,7 @@ class Testbed:
         _sh("ip", "-n", netns, "link", "set", "eth0", "up")
         _sh("ip", "-n", netns, "link", "set", "lo", "up")
         _sh("ip", "-n", netns, "route", "add", "default", "dev", "eth0")
-        mounts = "mount -t tmpfs -o size=2g tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp"
+        mounts = "mount -t tmpfs -o size=2g tmpfs /dev/shm && " + _private_tmp(f"/run/rlt-{self.tag}-{name}")
         init = subprocess.Popen(
             [
                 "ip", "netns", "exec", netns,
@@ -238,7 +239,34 @@ class Testbed:
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        for host in self.hosts:
+            with contextlib.suppress(OSError):
+                os.rmdir(f"/run/rlt-{self.tag}-{host.name}")  # (where its /tmp view was set aside)
         self.hosts.clear()
+
+
+def _private_tmp(aside: str) -> str:
+    """Shell commands giving a host a ``/tmp`` of its own, in its mount namespace. What this process
+    runs from (the repository, the virtual environment, the interpreter: a checkout under ``/tmp`` is
+    common in CI) stays reachable: the machine's ``/tmp`` is bound at ``aside`` first, and each such
+    path bound back at its own place."""
+    import bench
+
+    needed = {
+        Path(bench.__file__).resolve().parents[1],
+        Path(sys.prefix).resolve(),
+        Path(sys.executable).resolve(),
+    }
+    needed |= {Path(sys.base_prefix).resolve()}
+    under = sorted({p.parent if p.is_file() else p for p in needed if p.is_relative_to("/tmp")})
+    steps = [f"mkdir -p {aside}", f"mount --bind /tmp {aside}", "mount -t tmpfs tmpfs /tmp"]
+    for path in under:
+        rel = path.relative_to("/tmp")
+        steps += [
+            f"mkdir -p {shlex.quote(str(path))}",
+            f"mount --bind {aside}/{shlex.quote(str(rel))} {shlex.quote(str(path))}",
+        ]
+    return " && ".join(steps)
 
 
 def _free_tag() -> str:
