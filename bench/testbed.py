@@ -124,10 +124,19 @@ class Host:
             return False
         return True
 
-    def kill(self) -> None:
-        """Lose this host: every process in it dies at once (SIGKILL to its pid namespace's init)."""
+    def kill(self, timeout_s: float = 30.0) -> None:
+        """Lose this host: every process in it dies at once (SIGKILL to its pid namespace's init, which
+        takes the namespace's other processes with it). Returns once none is left (the kernel kills
+        them as the init exits, not when the signal is sent)."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.init_pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while subprocess.run(
+            ["ip", "netns", "pids", self.netns], capture_output=True, text=True
+        ).stdout.strip():
+            if time.monotonic() > deadline:
+                raise TestbedError(f"processes of host {self.name} outlived its init by {timeout_s}s")
+            time.sleep(0.01)  # polling the kernel's view, bounded by the deadline above
 
 
 class Testbed:
