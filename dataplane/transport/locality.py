@@ -30,13 +30,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+from dataplane.transport.shm import boot_id
 
 
 def _namespace(kind: str) -> int:
@@ -60,7 +54,7 @@ class Locality:
     @functools.cache
     def here() -> Locality:
         """This process's (namespaces do not change under a running store's processes)."""
-        return Locality(_boot_id(), _namespace("net"), _namespace("mnt"), _namespace("pid"))
+        return Locality(boot_id(), _namespace("net"), _namespace("mnt"), _namespace("pid"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Locality:
