@@ -166,6 +166,9 @@ class Testbed:
             raise TestbedError(why)
         try:
             _sh("ip", "link", "add", self.bridge, "type", "bridge")
+            # No address at all on the machine's side, IPv6 link-local included: nothing of the
+            # machine's own namespace can reach a host, nor a host it.
+            _sh("ip", "link", "set", "dev", self.bridge, "addrgenmode", "none")
             _sh("ip", "link", "set", self.bridge, "up")
             env = {k: v for k, v in os.environ.items() if k not in _LOCAL_VARS}
             env.update(
@@ -185,6 +188,7 @@ class Testbed:
         netns, veth = f"rlt-{self.tag}-{name}", f"rlt{self.tag}{name}"
         _sh("ip", "netns", "add", netns)
         _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _sh("ip", "link", "set", "dev", veth, "addrgenmode", "none")
         _sh("ip", "link", "set", veth, "master", self.bridge, "up")
         _sh("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _sh("ip", "-n", netns, "link", "set", "eth0", "up")
