@@ -98,7 +98,7 @@ class StoreClient:
         self.shm = [
             mode not in ("zmq", "tcp")
             and here.shares_pids(Locality.from_dict(s.get("locality")))
-            and probe(s["pid"], s["generations"], s["boot_id"])
+            and probe(s["pid"], s["generations"])
             for s in shards
         ]
         if mode == "shm" and not all(self.shm):

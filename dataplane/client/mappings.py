@@ -18,7 +18,7 @@ from typing import Any
 
 from dataplane.client.memory import SegmentUnavailable
 from dataplane.errors import WireError
-from dataplane.transport.shm import GEN, boot_id, fd_limit_error, generation, map_fd
+from dataplane.transport.shm import GEN, fd_limit_error, generation, map_fd
 
 
 class ShmUnavailable(SegmentUnavailable):
@@ -161,10 +161,9 @@ def map_remote(pid: int, fd: int, size: int, inode: int, populate: bool = True) 
         os.close(local)
 
 
-def probe(pid: int, ref: list[Any], host_boot_id: str) -> bool:
-    """True when this process can map the shard's files (same kernel, /proc access, same pid ns)."""
-    if not host_boot_id or host_boot_id != boot_id():
-        return False
+def probe(pid: int, ref: list[Any]) -> bool:
+    """True when this process can map the shard's files (``/proc`` access, the file really the
+    shard's): asked only of a shard in this process's pid namespace (``transport.locality``)."""
     try:
         map_remote(pid, ref[1], ref[2], ref[3], populate=False)
         return True

@@ -29,10 +29,10 @@ from dataplane.server.shard.actor import ShardServer
 from dataplane.server.shard.core import ShardCore
 from dataplane.transport.auth import Credentials, secure_client
 from dataplane.transport.liveness import process_start
-from dataplane.transport.shm import boot_id
+from dataplane.transport.locality import Locality
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
-from dataplane.wire.requests import reply
+from dataplane.wire.requests import INDEX, reply
 
 from .conftest import wait_for
 
@@ -80,7 +80,7 @@ def _shard(creds: Credentials, index: IndexServer, lane: bool) -> ShardServer:
     server.link(
         {
             "name": index.name,
-            "boot_id": boot_id(),
+            "locality": Locality.here().to_dict(),
             "ipc": index.ipc,
             "tcp": index.tcp,
             "unix": index.unix if lane else None,  # None: the link is a zmq DEALER
@@ -88,6 +88,8 @@ def _shard(creds: Credentials, index: IndexServer, lane: bool) -> ShardServer:
             "pid_start": process_start(me),
         }
     )
+    # The link takes the lane exactly when one is offered (the entry says the index is on this host).
+    assert server._link is not None and (server._link.endpoints[INDEX].unix is not None) == lane
     return server
 
 

@@ -24,7 +24,7 @@ from dataplane.server.shard.actor import ShardServer
 from dataplane.server.shard.core import ShardCore
 from dataplane.transport.auth import Credentials, secure_client
 from dataplane.transport.liveness import process_start
-from dataplane.transport.shm import boot_id
+from dataplane.transport.locality import Locality
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import decode_result, reply
@@ -162,7 +162,7 @@ def test_a_shard_refuses_a_put_its_index_answered_in_another_version(creds, ctx)
     shard = _shard_server(creds, "v-linked-shard")
     shard.link(
         {
-            "boot_id": boot_id(),
+            "locality": Locality.here().to_dict(),
             "ipc": index.ipc,
             "tcp": index.tcp,
             "name": index.name,

@@ -273,7 +273,6 @@ class IndexActor:
 
         from dataplane.transport.liveness import process_start
         from dataplane.transport.locality import Locality
-        from dataplane.transport.shm import boot_id
 
         if not self._creds.secret:
             raise ValueError("the index needs the store's credentials")
@@ -298,7 +297,6 @@ class IndexActor:
             "ipc": self.server.ipc,
             "unix": self.server.unix,
             "max_message_bytes": self._max_message_bytes,  # clients refuse a bigger frame themselves
-            "boot_id": boot_id(),
             "locality": Locality.here().to_dict(),
             "pid": pid,
             "pid_start": process_start(pid),

@@ -49,7 +49,6 @@ from dataplane.transport import unix as _unix
 from dataplane.transport.auth import Credentials
 from dataplane.transport.liveness import Liveness, Target, process_start
 from dataplane.transport.locality import Locality
-from dataplane.transport.shm import boot_id
 from dataplane.transport.sockets import (
     EVENTS,
     NOBLOCK,
@@ -425,7 +424,6 @@ class ShardActor:
             "pid_start": process_start(os.getpid()),
             "node_id": self._node_id,
             "actor_id": self._actor_id,
-            "boot_id": boot_id(),
             "locality": Locality.here().to_dict(),
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
