@@ -35,6 +35,24 @@ def facts() -> dict:
     return {"shards": out, "transport": client.transport}
 
 
+def rows(start: int, n: int) -> dict:
+    """Rows ``start .. start+n-1`` of three column kinds: dense tensors, jagged tensors, strings."""
+    return {
+        "x": torch.arange(start, start + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096),
+        "ids": [torch.arange(i % 7 + 1) for i in range(start, start + n)],
+        "text": [f"row {i}" for i in range(start, start + n)],
+    }
+
+
+def check_rows(partition: str, keys: list[str], start: int) -> bool:
+    """The rows of ``keys`` read back here are exactly ``rows(start, len(keys))``."""
+    got, want = dp.kv_batch_get(keys, partition), rows(start, len(keys))
+    assert torch.equal(got["x"], want["x"]), "tensor column differs"
+    assert [t.tolist() for t in got["ids"]] == [t.tolist() for t in want["ids"]], "jagged column differs"
+    assert list(got["text"]) == want["text"], "string column differs"
+    return True
+
+
 @ray.remote(num_cpus=0.1)
 class Peer:
     def __init__(self, transport: str | None) -> None:
@@ -44,28 +62,13 @@ class Peer:
         return facts()
 
     def put(self, keys: list[str], partition: str, start: int) -> None:
-        n = len(keys)
-        dp.kv_batch_put(
-            keys,
-            partition,
-            {
-                "x": torch.arange(start, start + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096),
-                "ids": [torch.arange(i % 7 + 1) for i in range(start, start + n)],
-                "text": [f"row {i}" for i in range(start, start + n)],
-            },
-        )
+        dp.kv_batch_put(keys, partition, rows(start, len(keys)))
+
+    def check(self, keys: list[str], partition: str, start: int) -> bool:
+        return check_rows(partition, keys, start)
 
     def take(self, partition: str, n: int) -> list[str]:
         return list(dp.next_batch(partition, "train", n, ["x"], timeout_s=60).keys)
-
-
-def check_rows(partition: str, keys: list[str], start: int) -> None:
-    got = dp.kv_batch_get(keys, partition)
-    n = len(keys)
-    want = torch.arange(start, start + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096)
-    assert torch.equal(got["x"], want), "tensor column differs"
-    assert [t.tolist() for t in got["ids"]] == [list(range(i % 7 + 1)) for i in range(start, start + n)]
-    assert list(got["text"]) == [f"row {i}" for i in range(start, start + n)]
 
 
 def main(mode: str) -> None:
@@ -85,16 +88,8 @@ def main(mode: str) -> None:
     ray.get(peer.put.remote(far, "p", 0), timeout=120)
     check_rows("p", far, 0)
     near = [f"near-{i}" for i in range(64)]
-    n = len(near)
-    dp.kv_batch_put(
-        near,
-        "p",
-        {
-            "x": torch.arange(64, 64 + n, dtype=torch.float32).reshape(n, 1) * torch.ones(n, 4096),
-            "ids": [torch.arange(i % 7 + 1) for i in range(64, 64 + n)],
-            "text": [f"row {i}" for i in range(64, 64 + n)],
-        },
-    )
+    dp.kv_batch_put(near, "p", rows(64, len(near)))
+    assert ray.get(peer.check.remote(near, "p", 64), timeout=120)
     dp.finish_partition("p")
     taken = []
     while keys := ray.get(peer.take.remote("p", 48), timeout=120):
