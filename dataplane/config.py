@@ -15,6 +15,8 @@ Environment variables (read here only, each by one function; a value that does n
                                than the Unix lane (``transport.unix``; for comparisons)
     DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
                                (default 256 MiB; 0 turns the pool off)
+    DATAPLANE_PINNED_BYTES     most bytes of shared-memory mappings a process registers with CUDA
+                               for one-copy device transfers (default 8 GiB; 0: staged copies only)
     DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
                                connect to their Unix lane besides their own uid, which always may
                                (default: none; any other uid is closed at accept)
@@ -166,6 +168,13 @@ def read_buffer_pool_bytes() -> int:
     """Most idle bytes of copy-out buffers a process keeps warm for its next reads
     (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
     return min(int(_env_float("DATAPLANE_READ_POOL_BYTES", 256 * 2**20)), INT64_MAX)
+
+
+def pinned_bytes() -> int:
+    """Most bytes of shared-memory mappings a process registers with CUDA (``DATAPLANE_PINNED_BYTES``,
+    default 8 GiB; 0 turns registration off: device copies are staged through pinned buffers);
+    ``dataplane.transport.pinning``."""
+    return min(int(_env_float("DATAPLANE_PINNED_BYTES", 8 * 2**30)), INT64_MAX)
 
 
 @dataclass

@@ -4,7 +4,8 @@
 naming it), ``clients`` (the client's blocking and asyncio request/reply transports), ``unix`` (the
 same-host lane: the wire's frames on a Unix stream socket, without zmq), ``auth`` (one secret per
 store, checked before any message; CURVE between hosts when asked), ``shm`` (the shared-memory
-contract between a shard and the clients that map it), ``locality`` (which same-host shortcut a
+contract between a shard and the clients that map it), ``pinning`` (those mappings registered
+with CUDA, within a cap, and which copy a device tensor takes), ``locality`` (which same-host shortcut a
 peer allows: its kernel and namespaces) and ``liveness`` (whether a silent peer is dead: ``/proc``
 where the pid namespace is shared, else a check the caller passes in, Ray's in practice).
 

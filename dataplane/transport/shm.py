@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import resource
 import struct
+from collections.abc import Callable
 
 from dataplane.errors import ResourceLimitError
+
+logger = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -47,15 +51,22 @@ MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 class _Unmapper:
-    """Owns one mapping; unmaps it when collected (the buffer object that exports it holds us)."""
+    """Owns one mapping; unmaps it when collected (the buffer object that exports it holds us),
+    after running the callbacks ``before_unmap`` gave it (each with the mapping's address)."""
 
-    __slots__ = ("addr", "size")
+    __slots__ = ("addr", "before", "size")
 
     def __init__(self, addr: int, size: int) -> None:
         self.addr = addr
         self.size = size
+        self.before: list[Callable[[int], None]] = []
 
     def __del__(self) -> None:
+        for callback in self.before:
+            try:
+                callback(self.addr)
+            except Exception:  # (an unmap must happen whatever a callback does)
+                logger.exception("a callback before unmapping %#x failed", self.addr)
         _libc.munmap(self.addr, self.size)
 
 
@@ -80,7 +91,18 @@ def map_fd(fd: int, size: int, *, populate: bool = False) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-__all__ = ["map_fd"]
+def before_unmap(view: memoryview, callback: Callable[[int], None]) -> bool:
+    """Have ``callback(address)`` run just before the mapping ``view`` (or a slice of it) views is
+    unmapped (``transport.pinning`` unregisters it from CUDA there). False when ``view`` is not a
+    ``map_fd`` mapping (nothing to hook)."""
+    unmapper = getattr(view.obj, "_unmapper", None)
+    if not isinstance(unmapper, _Unmapper):
+        return False
+    unmapper.before.append(callback)
+    return True
+
+
+__all__ = ["before_unmap", "map_fd"]
 
 
 GEN = struct.Struct("<Q")  # one slot of a generation table
