@@ -21,7 +21,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import msgspec
 
@@ -315,27 +315,29 @@ async def _on_loop(step: Callable[[], None]) -> None:
 # The op builders check the caller's keys once (``ops.check_keys``: a str where a list of keys belongs
 # is refused with TypeError, before anything is encoded), then run the operation on the client's route.
 def _put_op(keys: Any, partition_id: str, fields: Any, tags: Any, row: bool) -> _ops.Op[KVBatchMeta]:
-    from dataplane.codec.columns import encode_fields, encode_row
+    from dataplane.codec.columns import encode_put, encode_row
 
     client = current_client()
     keys = _ops.check_keys(keys, partition_id)
-    cols = None
+    cols: dict[str, _ops.AnyColumn] | None = None
     if fields is not None:
         if row:
-            cols = encode_row(fields, allow_pickle=client.allow_pickle)
+            cols = cast("dict[str, _ops.AnyColumn]", encode_row(fields, allow_pickle=client.allow_pickle))
         else:
-            cols = encode_fields(fields, len(keys), allow_pickle=client.allow_pickle)
+            cols = encode_put(fields, len(keys), allow_pickle=client.allow_pickle)
     meta = yield from _ops.put(client.route, keys, partition_id, cols, tags)
     client.moved("put", meta.size, cols or {})
     return meta
 
 
-def _get_op(keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool) -> _ops.Op[TensorDict]:
+def _get_op(
+    keys: Any, partition_id: str, select_fields: Any, device: Any, copy: bool, non_blocking: bool = False
+) -> _ops.Op[TensorDict]:
     from dataplane.codec.columns import decode_fields
 
     client = current_client()
     keys = _ops.check_keys([keys] if isinstance(keys, str) else keys, partition_id)
-    cols = yield from _ops.get(client.route, keys, partition_id, select_fields, copy)
+    cols = yield from _ops.get(client.route, keys, partition_id, select_fields, copy, device, non_blocking)
     td: TensorDict = decode_fields(cols, len(keys), device=device, allow_pickle=client.allow_pickle)
     client.moved("get", len(keys), cols)
     return td
@@ -408,6 +410,7 @@ def kv_batch_get(
     *,
     device: Device | None = None,
     copy: bool = True,
+    non_blocking: bool = False,
 ) -> TensorDict:
     """Read rows of ``keys`` in that order as a TensorDict of batch size ``len(keys)``.
 
@@ -424,6 +427,12 @@ def kv_batch_get(
     stays writable; ``.clone()`` it first if you need to modify it. The price of views: a segment
     handed out as a view is never recycled, so later puts fault fresh memory.
 
+    ``device`` puts the tensors there. Onto a GPU, dense and jagged fields are copied straight from
+    the store's shared memory (one DMA per run of rows, from a mapping registered with CUDA:
+    ``docs/gpu.md``), finished and checked before the call returns; the result is always a private
+    copy. ``non_blocking=True`` runs those copies on a stream of their own, so they overlap with the
+    work the caller queued before the get; the caller's current stream waits for them.
+
     Object (pickled) columns are unpickled only if this process opted in (``dp.init(allow_pickle=
     True)`` or ``DATAPLANE_ALLOW_PICKLE=1``); otherwise reading one raises ``SerializationError``.
 
@@ -438,7 +447,7 @@ def kv_batch_get(
         >>> dp.kv_batch_get(["a", "b"], "train", select_fields=["x"])["x"].shape
         torch.Size([2, 3])
     """
-    return current_client().run(_get_op(keys, partition_id, select_fields, device, copy), "get")
+    return current_client().run(_get_op(keys, partition_id, select_fields, device, copy, non_blocking), "get")
 
 
 def kv_batch_get_by_meta(
@@ -447,6 +456,7 @@ def kv_batch_get_by_meta(
     *,
     device: Device | None = None,
     copy: bool = True,
+    non_blocking: bool = False,
 ) -> TensorDict:
     """``kv_batch_get`` with keys, partition and fields taken from ``meta``.
 
@@ -454,7 +464,7 @@ def kv_batch_get_by_meta(
         >>> td = dp.kv_batch_get_by_meta(meta)
     """
     keys, pid, fields = _meta_args(meta, select_fields)
-    return kv_batch_get(keys, pid, fields, device=device, copy=copy)
+    return kv_batch_get(keys, pid, fields, device=device, copy=copy, non_blocking=non_blocking)
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
@@ -573,10 +583,13 @@ async def async_kv_batch_get(
     *,
     device: Device | None = None,
     copy: bool = True,
+    non_blocking: bool = False,
 ) -> TensorDict:
     """Async ``kv_batch_get``."""
     await _codec_loaded()
-    return await current_client().arun(_get_op(keys, partition_id, select_fields, device, copy), "get")
+    return await current_client().arun(
+        _get_op(keys, partition_id, select_fields, device, copy, non_blocking), "get"
+    )
 
 
 async def async_kv_batch_get_by_meta(
@@ -585,10 +598,11 @@ async def async_kv_batch_get_by_meta(
     *,
     device: Device | None = None,
     copy: bool = True,
+    non_blocking: bool = False,
 ) -> TensorDict:
     """Async ``kv_batch_get_by_meta``."""
     keys, pid, fields = _meta_args(meta, select_fields)
-    return await async_kv_batch_get(keys, pid, fields, device=device, copy=copy)
+    return await async_kv_batch_get(keys, pid, fields, device=device, copy=copy, non_blocking=non_blocking)
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:

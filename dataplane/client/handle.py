@@ -194,7 +194,7 @@ class StoreClient:
         rows' data buffers); nothing at all without metrics."""
         metrics = self.metrics
         if metrics is not None and metrics.rec.on:
-            nbytes = None if columns is None else sum(len(col.data) for col in columns.values())
+            nbytes = None if columns is None else sum(col.nbytes for col in columns.values())
             metrics.moved(op, rows, nbytes)
 
     def _store_stopped(self, failed: str) -> bool:

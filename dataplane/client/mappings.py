@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dataplane.client.memory import SegmentUnavailable
+from dataplane.codec.paths import CopyPath
 from dataplane.errors import WireError
+from dataplane.transport.pinning import registry
 from dataplane.transport.shm import GEN, fd_limit_error, generation, map_fd
 
 
@@ -119,6 +121,9 @@ class ShardMemory:
 
     def generations(self, shard: int) -> GenerationTable:
         return GenerationTable(self.cache.table(shard, self.pids[shard], self.tables[shard]))
+
+    def pin(self, shard: int, ref: Sequence[int]) -> CopyPath:
+        return registry().pin(self.view(shard, ref))
 
     def version(self, shard: int) -> int:
         return self.cache.version(shard)

@@ -13,6 +13,9 @@ The contract (the integrity of reads rests on it, see ``dataplane.server.shard.s
 * ``generations(shard)`` is the shard's generation table read live: ``len`` is its number of
   slots, ``table[slot]`` the generation the slot holds *now* (0: no live file there), so a reader
   that copied rows out of a file can check afterwards that they were still that generation's;
+* ``pin(shard, ref)``: the copy between a device and the file ``ref`` names takes
+  (``codec.paths.CopyPath``): ``DIRECT`` once its mapping is registered with CUDA (registered now
+  if the process's cap allows), ``STAGED`` otherwise; asked only for device copies;
 * ``version(shard)`` / ``prune(shard, version, live)``: the shard's file-set version this client
   last saw, and forgetting the mappings of files no longer in ``live`` (the shard sends ``live``
   whenever the version a request carried is not current).
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+from dataplane.codec.paths import CopyPath
 
 
 class SegmentUnavailable(OSError):
@@ -34,6 +39,8 @@ class SharedMemory(Protocol):
     def view(self, shard: int, ref: Sequence[int]) -> memoryview: ...
 
     def generations(self, shard: int) -> Sequence[int]: ...
+
+    def pin(self, shard: int, ref: Sequence[int]) -> CopyPath: ...
 
     def version(self, shard: int) -> int: ...
 

@@ -30,13 +30,14 @@ import secrets
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 
 import numpy as np
 
 from dataplane.client.memory import SegmentUnavailable, SharedMemory
 from dataplane.client.sharding import Placement
 from dataplane.codec.column_types import Column
+from dataplane.codec.paths import CopyPath
 from dataplane.codec.plain import plain_value
 from dataplane.codec.rows import assemble, assemble_any, contiguous_view, nbytes_of
 from dataplane.errors import (
@@ -57,9 +58,14 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, Call, R, Result, reply
 
+if TYPE_CHECKING:  # (the codec's device module imports torch: only a device copy loads it)
+    from dataplane.codec.device import DeviceColumn
+
 T = TypeVar("T")
 # An operation: it yields rounds of calls, is sent their results, and returns its result (a T).
 Op: TypeAlias = Generator[list[Call], list[Result], T]
+# A column of a put or a get: in host memory, or (``codec.device``) on a GPU.
+AnyColumn: TypeAlias = "Column | DeviceColumn"
 
 
 @dataclass
@@ -142,7 +148,7 @@ def _check_tags(tags: Any, n: int) -> _protocol.Tags:
 
 
 def put(
-    route: Route, keys: list[str], partition_id: str, columns: dict[str, Column] | None, tags: Any
+    route: Route, keys: list[str], partition_id: str, columns: dict[str, AnyColumn] | None, tags: Any
 ) -> Op[KVBatchMeta]:
     """Write ``columns`` (already encoded, one row per key) and/or ``tags`` of ``keys`` (checked:
     ``check_keys``); returns a KVBatchMeta.
@@ -161,6 +167,10 @@ def put(
     A small put to one shard of fields whose schema this client has seen confirmed takes one round
     trip (``_put_ready``): the shard stores the inline rows at once, then commits them in the index
     itself (which checks the schema again) before it answers.
+
+    A field on a GPU (``codec.device.DeviceColumn``) is copied straight from the device into the
+    reserved segment where the route's memory registers that mapping (``SharedMemory.pin``), else
+    staged through a pinned buffer; its copies finish before any commit is sent.
     """
     wire_tags = _check_tags(tags, len(keys))
     columns = columns or {}
@@ -209,7 +219,9 @@ def put(
             if got.live is not None:  # forget mappings of files the shard has closed since we last looked
                 route.memory.prune(s, got.version, got.live)
             commits.append(_fill_segments(route, s, got, groups[s], columns, plans[s]))
+        _sync(columns)  # device copies into the segments: done before any shard commits them
     except BaseException as exc:  # e.g. a segment could not be mapped: undo every reservation, then raise
+        _sync(columns)  # (no copy may still be writing into a segment once its reservation is gone)
         yield aborts
         took = time.monotonic() - started
         if isinstance(exc, SegmentUnavailable) and took > route.commit_within_s:
@@ -229,6 +241,18 @@ def put(
     _raise_partial_put([*results, res], shards, groups, keys, partition_id)
     _remember_schema(route, partition_id, columns)
     return _meta(keys, partition_id, _reply(res, _protocol.CommitReply))
+
+
+def _sync(columns: dict[str, AnyColumn]) -> None:
+    """Wait for the device copies of a put's columns (host columns have none)."""
+    for col in columns.values():
+        if not isinstance(col, Column):
+            col.sync()
+
+
+def _host(col: AnyColumn) -> Column:
+    """``col``'s rows in host memory (a device column's are staged through a pinned buffer, once)."""
+    return col if isinstance(col, Column) else col.host()
 
 
 def _index_commit(
@@ -281,7 +305,7 @@ def _expired(keys: list[str], partition: str, took: float, route: Route) -> Rese
 
 
 def _put_ready_call(
-    route: Route, s: int, keys: list[str], partition: str, columns: dict[str, Column], tags: _protocol.Tags
+    route: Route, s: int, keys: list[str], partition: str, columns: dict[str, AnyColumn], tags: _protocol.Tags
 ) -> Call | None:
     """The one-step ``put_ready`` request of a put whose keys all live on shard ``s``, when it can take
     one: every field of a schema this client has seen confirmed and small enough to travel inline
@@ -295,10 +319,10 @@ def _put_ready_call(
     fields: dict[str, _protocol.ReserveField] = {}
     bufs: list[Any] = []
     for name, col in columns.items():
-        nbytes = len(col.data)
+        nbytes = col.nbytes
         if inline_below is not None and nbytes >= inline_below:
             return None
-        wire = _wire.column_to_wire(col, bufs)
+        wire = _wire.column_to_wire(_host(col), bufs)
         fields[name] = _protocol.ReserveField(wire.spec, nbytes, wire)
     body = _protocol.PutReady(partition, keys, fields, route.memory.version(s), tags)
     return Call(s, "put_ready", body, bufs)
@@ -324,7 +348,7 @@ def _put_ready(route: Route, call: Call, keys: list[str], partition: str) -> Op[
     return KVBatchMeta._trusted(keys, got.tags, partition, got.fields)
 
 
-def _remember_schema(route: Route, partition: str, columns: dict[str, Column]) -> None:
+def _remember_schema(route: Route, partition: str, columns: dict[str, AnyColumn]) -> None:
     known = route.schemas.setdefault(partition, {})
     for name, col in columns.items():
         known[name] = col.spec.family()
@@ -397,7 +421,7 @@ def _reserve_call(
     partition: str,
     keys: list[str],
     pos: np.ndarray,
-    columns: dict[str, Column],
+    columns: dict[str, AnyColumn],
     specs: dict[str, _protocol.WireSpec],
 ) -> tuple[Call, dict[str, int]]:
     """Shard ``s``'s ``reserve`` of its rows (``pos``), and the bytes of each field it writes through
@@ -408,9 +432,10 @@ def _reserve_call(
     bufs: list[Any] = []
     plan: dict[str, int] = {}
     for name, col in columns.items():
-        nbytes = len(col.data) if whole else nbytes_of(col, pos)
+        nbytes = col.nbytes if whole else nbytes_of(col, pos)
         if not (route.shm[s] and nbytes >= route.shm_min_bytes):
-            piece = col if whole else assemble(col.spec, n, [(col, pos, np.arange(n))])
+            host = _host(col)
+            piece = host if whole else assemble(col.spec, n, [(host, pos, np.arange(n))])
             fields[name] = _protocol.ReserveField(specs[name], nbytes, _wire.column_to_wire(piece, bufs))
         else:
             plan[name] = nbytes
@@ -424,10 +449,11 @@ def _fill_segments(
     s: int,
     got: _protocol.ReserveReply,
     pos: np.ndarray,
-    columns: dict[str, Column],
+    columns: dict[str, AnyColumn],
     plan: dict[str, int],
 ) -> Call:
-    """Copy this shard's rows straight into the segments it reserved (one copy per field)."""
+    """Copy this shard's rows straight into the segments it reserved (one copy per field; a device
+    column's copy is in flight on return: ``_sync``)."""
     bufs: list[Any] = []
     offsets: dict[str, int] = {}
     shapes: dict[str, int] = {}
@@ -435,7 +461,11 @@ def _fill_segments(
     for name, ref in got.files.items():
         col = columns[name]
         view = route.memory.view(s, ref)[: plan[name]]
-        piece = assemble(col.spec, n, [(col, pos, np.arange(n))], out=view)
+        if isinstance(col, Column):
+            piece = assemble(col.spec, n, [(col, pos, np.arange(n))], out=view)
+        else:
+            direct = route.memory.pin(s, ref) is CopyPath.DIRECT
+            piece = col.write(view, pos, n == col.num_rows, direct)
         if piece.offsets is not None:
             offsets[name] = _wire.array_to_wire(piece.offsets, bufs)
         if piece.shapes is not None:
@@ -448,12 +478,25 @@ def _fill_segments(
 GET_ATTEMPTS = 8  # a read that keeps racing with clears of the same rows gives up after this many
 
 
-def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: bool) -> Op[dict[str, Column]]:
+def get(
+    route: Route,
+    keys: list[str],
+    partition_id: str,
+    fields: Any,
+    copy: bool,
+    device: Any = None,
+    non_blocking: bool = False,
+) -> Op[dict[str, AnyColumn]]:
     """Read rows of ``keys`` (checked: ``check_keys``) in that order; returns ``{field: Column}``.
 
     What is returned is exactly what completed puts wrote: rows copied out of shared memory are
     checked against the generation of their segment after the copy, and the whole read is retried
     when a concurrent clear freed (and maybe reused) a segment meanwhile (``server.shard.segments``).
+
+    ``device`` (not the CPU): dense and jagged fields are copied straight to it (``codec.device``),
+    from the shards' mappings where the route's memory registers them, and come back as
+    ``DeviceColumn`` s; their copies finish before the generations are checked (``non_blocking``:
+    they run on a stream of their own). A device result is always a private copy.
     """
     if fields is not None:
         if isinstance(fields, str):
@@ -464,7 +507,7 @@ def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: boo
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
     for _ in range(GET_ATTEMPTS):
-        export = not copy and len(groups) == 1  # only then can the client return a view
+        export = not copy and len(groups) == 1 and device is None  # only then can it return a view
         calls = []
         for s in shards:
             mine = [keys[i] for i in groups[s]] if len(groups) > 1 else keys
@@ -477,7 +520,7 @@ def get(route: Route, keys: list[str], partition_id: str, fields: Any, copy: boo
         _raise_first(results)
         names = _field_names([g for g, _ in got])
         try:
-            out = _gather(route, names, shards, groups, got, len(keys), copy)
+            out = _gather(route, names, shards, groups, got, len(keys), copy, device, non_blocking)
         except _Stale:
             out = None
         for s, (answer, _) in zip(shards, got, strict=True):
@@ -503,14 +546,21 @@ def _gather(
     got: list[tuple[_protocol.GetReply, list[memoryview]]],
     n: int,
     copy: bool,
-) -> dict[str, Column]:
-    out = {}
+    device: Any = None,
+    non_blocking: bool = False,
+) -> dict[str, AnyColumn]:
+    out: dict[str, AnyColumn] = {}
+    to_device = device is not None and _device_type(device) != "cpu"
     for name in names:
         pieces: list[Any] = []
         sources: list[_Source] = []
         for s, (body, bufs) in zip(shards, got, strict=True):
             _pieces(route, s, name, body.fields[name], bufs, groups[s], pieces, sources)
-        col, viewed = _build(pieces, sources, n, copy)
+        col: AnyColumn
+        if to_device and _to_device_ok(pieces):
+            col, viewed = _onto_device(route, pieces, sources, n, device, non_blocking), False
+        else:
+            col, viewed = _build(pieces, sources, n, copy)
         if not viewed:  # bytes were copied out of shared memory: were they still those rows' bytes?
             for src in sources:
                 if src.table is not None and src.table[src.slot] != src.gen:
@@ -527,6 +577,38 @@ class _Source:
     table: Sequence[int] | None = None  # the shard's generation table, read live (None: a private frame)
     slot: int = 0
     gen: int = 0
+    shard: int = -1  # the segment's shard and reference (a frame: none)
+    ref: Sequence[int] = ()
+
+
+def _device_type(device: Any) -> str:
+    """The device type ``device`` names: "cuda" for ``"cuda:1"``, ``torch.device("cuda", 1)`` or
+    ``1`` (a bare index means a CUDA device)."""
+    kind = getattr(device, "type", None)
+    if isinstance(kind, str):
+        return kind
+    return "cuda" if isinstance(device, int) else str(device).split(":")[0]
+
+
+def _to_device_ok(pieces: list[Any]) -> bool:
+    from dataplane.codec.device import can_gather_to_device
+
+    return can_gather_to_device(pieces)
+
+
+def _onto_device(
+    route: Route, pieces: list[Any], sources: list[_Source], n: int, device: Any, non_blocking: bool
+) -> DeviceColumn:
+    """One field's rows copied to ``device``: one DMA per run straight from the shards' mappings
+    when every piece is in a registered mapping (``CopyPath.DIRECT``), else staged; synchronised."""
+    from dataplane.codec.device import gather_to_device
+
+    direct = all(
+        src.table is not None and route.memory.pin(src.shard, src.ref) is CopyPath.DIRECT for src in sources
+    )
+    col = gather_to_device(pieces, n, device, direct, non_blocking)
+    col.sync()  # before the generations are checked: the bytes copied must be the ones checked
+    return col
 
 
 def _explain_missing(
@@ -621,7 +703,7 @@ def _pieces(
         if len(src) and (int(src.min()) < 0 or int(src.max()) >= num_rows):
             raise WireError(f"shard {s} answered field {name!r} with rows outside a segment of {num_rows}")
         pieces.append((col, src, dst))
-        sources.append(_Source(viewable=bool(view), table=table, slot=int(ref[4]), gen=int(ref[5])))
+        sources.append(_Source(bool(view), table, int(ref[4]), int(ref[5]), s, ref))
 
 
 def _build(pieces: list[Any], sources: list[_Source], num_rows: int, copy: bool) -> tuple[Any, bool]:
@@ -703,6 +785,7 @@ def stats(
 
 
 __all__ = [
+    "AnyColumn",
     "Op",
     "Route",
     "check_keys",

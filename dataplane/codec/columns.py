@@ -37,13 +37,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np  # noqa: F401  (used by the doctest above)
 import torch
 
 from dataplane.codec.column_kinds import ValueEncoder, check_storable, decode_value, plain_rows, u8_tensor
 from dataplane.codec.column_types import Column
+from dataplane.codec.device import DeviceColumn, device_column
 from dataplane.errors import BatchSizeError
 
 if TYPE_CHECKING:
@@ -83,6 +84,27 @@ def encode_fields(
     out = {name: enc.encode(name, value, num_rows) for name, value in items}
     enc.finish()
     return out
+
+
+def encode_put(
+    fields: Mapping[str, Any], num_rows: int, *, allow_pickle: bool = False
+) -> dict[str, Column | DeviceColumn]:
+    """``encode_fields`` for a put: dense CUDA tensors stay on their device (``DeviceColumn``), to be
+    copied once, straight into the store's shared memory where it is registered with CUDA
+    (``client.ops.put``); every other field is encoded as ``encode_fields`` does."""
+    items = _field_items(fields)
+    kept = {}
+    for name, value in items:
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            col = device_column(name, value, num_rows)
+            if col is not None:
+                kept[name] = col
+    if not kept:
+        return cast(
+            "dict[str, Column | DeviceColumn]", encode_fields(fields, num_rows, allow_pickle=allow_pickle)
+        )
+    rest = encode_fields({n: v for n, v in items if n not in kept}, num_rows, allow_pickle=allow_pickle)
+    return {name: kept[name] if name in kept else rest[name] for name, _ in items}  # (the fields' order)
 
 
 def encode_row(fields: Mapping[str, Any], *, allow_pickle: bool = False) -> dict[str, Column]:
@@ -146,14 +168,19 @@ def _field_items(fields: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def decode_fields(
-    columns: Mapping[str, Column], num_rows: int, *, device: Any = None, allow_pickle: bool = False
+    columns: Mapping[str, Column | DeviceColumn],
+    num_rows: int,
+    *,
+    device: Any = None,
+    allow_pickle: bool = False,
 ) -> TensorDict:
     """Turn columns back into a ``TensorDict`` of batch size ``num_rows`` (runs on the reader).
 
     Dense columns become ``[B, ...]`` tensors viewing the column buffer (no copy), with exactly the
     stored dtype and values; jagged columns become nested jagged tensors over the buffer; arrow and
     object columns become non-tensor stacks (``td.get(name).tolist()`` gives the Python values).
-    ``device`` moves the tensors there (a copy). Object columns are unpickled unless the reader
+    ``device`` moves the tensors there (a copy); a ``DeviceColumn`` (a get copied its rows straight
+    to a device) is already there. Object columns are unpickled unless the reader
     passes ``allow_pickle=False`` (the writer already had to opt in to create them).
 
     Raises:
@@ -166,11 +193,11 @@ def decode_fields(
     for name, col in columns.items():
         if col.num_rows != num_rows:
             raise BatchSizeError(f"field {name!r} has {col.num_rows} rows, expected {num_rows}")
-        values[name] = decode_value(name, col, allow_pickle)
+        values[name] = col.value() if isinstance(col, DeviceColumn) else decode_value(name, col, allow_pickle)
     td = TensorDict(values, batch_size=[num_rows])
     if device is not None:
         td = td.to(device)
     return td
 
 
-__all__ = ["decode_fields", "encode_fields", "encode_row", "u8_tensor"]
+__all__ = ["decode_fields", "encode_fields", "encode_put", "encode_row", "u8_tensor"]

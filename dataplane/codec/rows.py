@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -42,7 +42,36 @@ def _u8(buf: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def row_lengths(col: Column, rows: np.ndarray) -> np.ndarray:
+def byte_runs(
+    spec: ColumnSpec,
+    src_offsets: np.ndarray | None,
+    src: np.ndarray,
+    dst: np.ndarray,
+    dst_offsets: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``src`` of a column going to rows ``dst`` of another, as maximal byte runs: (source
+    starts, destination starts, lengths). Dense rows have no offsets (``None``); variable rows take
+    each side's byte offsets. For copies that pay per call (a device copy per run)."""
+    s0, d0, n = _runs(src, dst)
+    if src_offsets is None or dst_offsets is None:
+        rb = spec.dense_row_nbytes()
+        return s0 * rb, d0 * rb, n * rb
+    s_begin = src_offsets[s0]
+    return s_begin, dst_offsets[d0], src_offsets[s0 + n] - s_begin
+
+
+class Sized(Protocol):
+    """What sizing rows needs of a column: its spec and offsets (a ``Column``, or a ``DeviceColumn``
+    whose bytes are on a GPU)."""
+
+    @property
+    def spec(self) -> ColumnSpec: ...
+
+    @property
+    def offsets(self) -> np.ndarray | None: ...
+
+
+def row_lengths(col: Sized, rows: np.ndarray) -> np.ndarray:
     """Byte length of each of ``rows`` of ``col``."""
     if col.offsets is None:
         return np.full(len(rows), col.spec.dense_row_nbytes(), dtype=np.int64)
@@ -51,8 +80,19 @@ def row_lengths(col: Column, rows: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def nbytes_of(col: Column, rows: np.ndarray) -> int:
+def nbytes_of(col: Sized, rows: np.ndarray) -> int:
     return int(row_lengths(col, rows).sum())
+
+
+def out_offsets(num_rows: int, pieces: Sequence[tuple[Sized, np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The byte offsets of the ``num_rows`` variable-size rows ``pieces`` put together (each piece's
+    rows ``src`` landing at rows ``dst``)."""
+    lengths = np.zeros(num_rows, dtype=np.int64)
+    for col, src, dst in pieces:
+        lengths[dst] = row_lengths(col, src)
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
 
 
 def assemble(
@@ -69,11 +109,7 @@ def assemble(
         for col, src, dst in pieces:
             _copy_dense(_u8(col.data), rb, src, dst, dst_buf)
         return Column(spec=spec, num_rows=num_rows, data=dst_buf.data, offsets=None)
-    lens = np.zeros(num_rows, dtype=np.int64)
-    for col, src, dst in pieces:
-        lens[dst] = row_lengths(col, src)
-    offsets = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
+    offsets = out_offsets(num_rows, pieces)
     total = int(offsets[-1])
     dst_buf = _u8(out)[:total] if out is not None else _buffers.take(total)
     for col, src, dst in pieces:
@@ -259,4 +295,14 @@ def contiguous_view(col: Column, src: np.ndarray) -> Column | None:
     return Column(spec=col.spec, num_rows=n, data=col.data[lo:hi], offsets=offsets, shapes=shapes)
 
 
-__all__ = ["Piece", "assemble", "assemble_any", "contiguous_view", "nbytes_of", "row_lengths"]
+__all__ = [
+    "Piece",
+    "assemble",
+    "assemble_any",
+    "byte_runs",
+    "contiguous_view",
+    "nbytes_of",
+    "out_offsets",
+    "row_lengths",
+    "Sized",
+]

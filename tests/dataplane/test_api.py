@@ -231,6 +231,33 @@ def test_cuda_put_and_get_to_device(kv, pid):
     assert dp.kv_batch_get_by_meta(meta)["x"].device.type == "cpu"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_cuda_rows_go_to_shared_memory_and_back_in_one_copy_each_way(kv, pid, non_blocking):
+    """Same host, shared memory: the put copies device -> the registered segment, the get the segment
+    -> device (registered mappings: ``transport.pinning``); over zmq both are staged, and still exact."""
+    from dataplane.transport.pinning import registry
+
+    n = 16
+    x = torch.randn(n, 64 << 10, device="cuda")  # 256 KiB a row: shared memory, not inline
+    lengths = torch.randint(1, 300, (n,)).tolist()
+    jag = torch.nested.nested_tensor([torch.randn(k, 4, device="cuda") for k in lengths], layout=torch.jagged)
+    before = registry().stats()
+    meta = dp.kv_batch_put(_keys(n), pid, {"x": x, "j": jag})
+    order = _keys(n)[::-1]
+    out = dp.kv_batch_get(order, pid, ["x", "j"], device="cuda", non_blocking=non_blocking)
+    assert out["x"].is_cuda and torch.equal(out["x"], x.flip(0))
+    assert out["j"].is_cuda and all(
+        torch.equal(a, b) for a, b in zip(out["j"].unbind(), jag.unbind()[::-1], strict=True)
+    )
+    after = registry().stats()
+    if kv == "shm":
+        assert after["direct"] > before["direct"] and after["staged"] == before["staged"]
+        assert after["pinned_bytes"] > 0
+    assert meta.fields == ["x", "j"]
+
+
 def test_writer_forgets_mappings_of_closed_segments(kv, pid):
     if kv != "shm":
         pytest.skip("mappings exist on the shared-memory path only")
