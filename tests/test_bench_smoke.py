@@ -221,14 +221,43 @@ def test_gpu_round_trip_runs_on_cpu_tensors_and_checks_the_bytes(
     from bench import gpu
 
     out = tmp_path / "gpu.json"
-    argv = ["--device", "cpu", "--bytes", "64K", "--rows", "4", "--repeats", "1",
+    argv = ["--device", "cpu", "--sizes", "64K:4,128K:8", "--repeats", "1",
             "--address", ray_cluster.address, "--json", str(out)]  # fmt: skip
     code, printed = main_in_process(gpu.main, argv)
     assert code == 0, f"benchmark failed:\n{printed[-3000:]}"
-    res = json.loads(out.read_text())["results"]
-    assert res["bytes"] == 64 * 1024 and res["store"]["n"] == 1 and res["store_vs_reference"] > 0
-    assert res["pinned"] is None and res["store_vs_pinned"] is None  # a pinned buffer needs a GPU
-    assert "ratio store / reference" in printed and "pinned" not in printed
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and [r["bytes"] for r in res["rows"]] == [64 * 1024, 128 * 1024]
+    for row in res["rows"]:  # the keys issue 48 names, no more
+        assert set(row) == {
+            "bytes",
+            "store_gbps",
+            "pinned_gbps",
+            "naive_gbps",
+            "store_vs_pinned",
+            "store_vs_naive",
+        }
+        assert row["store_gbps"] > 0 and row["store_vs_naive"] > 0
+        assert row["pinned_gbps"] is None and row["store_vs_pinned"] is None  # a pinned buffer needs a GPU
+    assert [d["d2d_gbps"] for d in res["device_to_device"]] == [None, None]
+    assert res["copy_paths"]["writer"]["direct"] == 0  # CPU tensors: plain copies, nothing registered
+    assert "64 MiB" not in printed and "store/pinned" in printed and "writer:" in printed
+
+
+def test_gpu_round_trip_refuses_without_a_cuda_device(capsys) -> None:
+    import torch
+
+    from bench import gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where there is no CUDA device")
+    assert gpu.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_round_trip_reads_its_payloads() -> None:
+    from bench import gpu
+
+    assert gpu.parse_sizes("16M:8, 1G") == [(16 << 20, 8), (1 << 30, 64)]
 
 
 def test_index_benchmark_splits_probe_samples_by_phase() -> None:
