@@ -26,6 +26,7 @@ test can step every operation with scripted replies and bytearrays (``tests/data
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Generator, Sequence
@@ -221,7 +222,8 @@ def put(
             commits.append(_fill_segments(route, s, got, groups[s], columns, plans[s]))
         _sync(columns)  # device copies into the segments: done before any shard commits them
     except BaseException as exc:  # e.g. a segment could not be mapped: undo every reservation, then raise
-        _sync(columns)  # (no copy may still be writing into a segment once its reservation is gone)
+        with contextlib.suppress(Exception):  # (the first error is the one raised; the aborts go)
+            _sync(columns)  # no copy may still be writing into a segment once its reservation is gone
         yield aborts
         took = time.monotonic() - started
         if isinstance(exc, SegmentUnavailable) and took > route.commit_within_s:

@@ -122,14 +122,34 @@ def cuda_calls() -> tuple[Register, Unregister] | None:
     if not torch.cuda.is_available():
         return None
     rt = torch.cuda.cudart()
+    clear = _last_error_reset()
 
     def register(addr: int, nbytes: int) -> int:
-        return int(rt.cudaHostRegister(addr, nbytes, _PORTABLE))
+        err = int(rt.cudaHostRegister(addr, nbytes, _PORTABLE))
+        if err and clear is not None:
+            # A failed runtime call is also this thread's "last error", which torch checks after its
+            # next kernel launch: it would raise there, in an unrelated op. The copy is staged instead.
+            clear()
+        return err
 
     def unregister(addr: int) -> int:
         return int(rt.cudaHostUnregister(addr))
 
     return register, unregister
+
+
+def _last_error_reset() -> Callable[[], int] | None:
+    """``cudaGetLastError`` of the CUDA runtime this process has loaded (torch's), found by its file
+    in ``/proc/self/maps`` so it is the same instance; None if there is none to find."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart" in line.rsplit("/", 1)[-1]})
+        for path in paths:
+            reset: Callable[[], int] = ctypes.CDLL(path).cudaGetLastError
+            return reset
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 _registry: PinRegistry | None = None
