@@ -232,6 +232,13 @@ def _add_demo(sub: argparse._SubParsersAction[_Parser]) -> None:
         help="stream mode: rollout calls per rank and step (default: 1)",
     )
     demo.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the actor ranks train, roll out and compute log-probs: cuda (a GPU each, NCCL), "
+        "cpu (gloo), or auto: cuda when the Ray cluster has a GPU per --dp rank, else cpu (default)",
+    )
+    demo.add_argument(
         "--driver-actor",
         action="store_true",
         help="run the trainer in a Ray actor (verl's TaskRunner): this process only waits",

@@ -36,6 +36,39 @@ DEMO_FLAGS = (
 CHECKPOINT_FLAGS = ("checkpoint_dir", "checkpoint_every", "resume")
 
 
+DEVICES = ("auto", "cpu", "cuda")  # rlplane demo --device
+
+
+def demo_uses_gpu(device: str, gpus: float, dp: int) -> bool:
+    """Whether ``rlplane demo --device DEVICE`` trains on GPUs (``TrainerConfig.use_gpu``), in a Ray
+    cluster of ``gpus`` GPUs with ``dp`` actor ranks: each rank needs a GPU of its own (NCCL refuses
+    two ranks on one device). ``auto`` (the default) takes the GPUs when there are enough, else
+    the CPU, so a machine without GPUs runs as it always did; ``cuda`` insists.
+
+    Raises:
+        ValueError: ``cuda`` and fewer GPUs than ranks (the message names the flags), or an unknown
+            device.
+
+    Example:
+        >>> demo_uses_gpu("auto", 0, 2), demo_uses_gpu("auto", 1, 1), demo_uses_gpu("cpu", 8, 2)
+        (False, True, False)
+    """
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {DEVICES}, got {device!r}")
+    if device == "cpu":
+        return False
+    if gpus >= dp:
+        return True
+    if device == "cuda":
+        raise ValueError(
+            f"--device cuda needs a GPU per actor rank (--dp {dp}); the Ray cluster has {gpus:g}: "
+            f"give --dp {int(gpus)} or fewer, or leave --device out (auto: the CPU then)"
+            if gpus >= 1
+            else "--device cuda needs a GPU per actor rank; the Ray cluster has none: leave --device out"
+        )
+    return False
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -36,7 +36,7 @@ from typing import Any
 import dataplane as dp
 from dataplane._units import format_bytes
 from workers import timeline
-from workers.config import TrainerConfig, from_demo_args
+from workers.config import TrainerConfig, demo_uses_gpu, from_demo_args
 from workers.task_runner import run_in_actor
 from workers.trainer import GRPOTrainer
 from workers.wiring import Groups
@@ -220,6 +220,15 @@ def cli(args: argparse.Namespace) -> int:
     except (ValueError, dp.ClusterConnectError) as exc:
         sys.stdout.write(f"rlplane demo: {exc}\n")
         return 2 if isinstance(exc, ValueError) else 1
+    try:  # the GPUs are known once Ray is joined
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        for cfg in configs.values():
+            cfg.use_gpu = demo_uses_gpu(getattr(args, "device", "auto"), gpus, cfg.dp)
+    except ValueError as exc:
+        if started_ray:
+            ray.shutdown()
+        sys.stdout.write(f"rlplane demo: {exc}\n")
+        return 2
     owns_store = not dp.is_initialized()
     summaries: dict[str, dict[str, Any]] = {}
     runs: list[dict[str, Any]] = []

@@ -15,7 +15,7 @@ import pytest
 
 from rlplane.cli import build_parser
 from workers.checkpoints import ResumeError
-from workers.config import TrainerConfig, from_demo_args
+from workers.config import TrainerConfig, demo_uses_gpu, from_demo_args
 
 
 def _configs(*argv: str) -> dict[str, TrainerConfig]:
@@ -122,3 +122,21 @@ def test_resume_refuses_other_settings_and_a_run_with_nothing_left(tmp_path: pat
         TrainerConfig(mode="stream", dp=1, resume=str(tmp_path)).check_resume()
     (cfg,) = _configs("--resume", str(tmp_path), "--steps", "5").values()
     assert cfg.check_resume()[0] == where
+
+
+def test_the_demo_takes_the_gpus_when_there_is_one_per_rank() -> None:
+    assert build_parser().parse_args(["demo"]).device == "auto"
+    assert demo_uses_gpu("auto", 0, 1) is False  # no GPU: the CPU, as always
+    assert demo_uses_gpu("auto", 1, 2) is False  # one GPU, two ranks: NCCL takes one device per rank
+    assert demo_uses_gpu("auto", 2, 2) is True
+    assert demo_uses_gpu("cuda", 4, 2) is True
+    assert demo_uses_gpu("cpu", 4, 2) is False
+    with pytest.raises(
+        ValueError,
+        match=r"--device cuda needs a GPU per actor rank \(--dp 2\); the Ray cluster has 1: give --dp 1",
+    ):
+        demo_uses_gpu("cuda", 1, 2)
+    with pytest.raises(ValueError, match="the Ray cluster has none"):
+        demo_uses_gpu("cuda", 0, 1)
+    with pytest.raises(ValueError, match="--device must be one of"):
+        demo_uses_gpu("tpu", 1, 1)

@@ -231,6 +231,19 @@ def test_demo_both_modes_of_one_step_write_summary_and_timeline_and_judge_nothin
 
 
 @pytest.mark.ray
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_demo_trains_on_the_gpu_in_both_modes(store, tmp_path, capsys) -> None:
+    """``rlplane demo --device cuda``: the actor rank's model on the GPU (NCCL), its log-probs
+    written to the store from the device; one step of each mode, as on the CPU."""
+    out = tmp_path / "demo-summary.json"
+    argv = ["demo", "--steps", "1", "--dp", "1", "--device", "cuda", "--mode", "both", "--summary", str(out)]
+    assert demo_module.cli(build_parser().parse_args(argv)) == 0, capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert {summary["steps"] for summary in record["runs"].values()} == {1}
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_colocated_roles_in_a_driver_actor(store, tmp_path) -> None:
     """verl's layout: both roles on one pool (create_colocated_worker_cls + spawn), and the trainer

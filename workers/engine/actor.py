@@ -1,7 +1,8 @@
 """The actor: log-probs of the current policy, and a clipped policy-gradient (GRPO) update.
 
-Device: the model may live on a GPU; batches arrive on the CPU (from the store), are moved to
-the model's device for the update, and outputs go back to the CPU.
+Device: the model may live on a GPU; batches arrive on the CPU (from the store) and are moved to
+the model's device for the update; the log-probs stay on the model's device (the bridge writes them
+to the store from there, one copy: ``docs/gpu.md``).
 
 Data parallelism: when ``torch.distributed`` has a process group (gloo on CPU, NCCL on GPU)
 with more than one rank, every rank runs the same number of optimiser steps on its own
@@ -125,7 +126,8 @@ class Actor:
         finally:
             self.model.train(was_training)
         return TensorDict(
-            {"old_log_probs": logp.cpu() * batch["response_mask"].float()}, batch_size=batch.batch_size[:1]
+            {"old_log_probs": logp * batch["response_mask"].to(logp.device).float()},
+            batch_size=batch.batch_size[:1],
         )
 
     def update(self, batch: TensorDict) -> dict[str, float]:

@@ -62,7 +62,6 @@ class Reference:
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """``ref_log_probs`` (float32 ``[B, R]``, 0 where ``response_mask`` is 0 if given)."""
         logp = response_log_probs(self.model, batch["prompts"], batch["responses"], self.temperature)
-        logp = logp.cpu()
-        if "response_mask" in batch.keys():
-            logp = logp * batch["response_mask"].float()
+        if "response_mask" in batch.keys():  # (the log-probs stay on the model's device)
+            logp = logp * batch["response_mask"].to(logp.device).float()
         return TensorDict({"ref_log_probs": logp}, batch_size=batch.batch_size[:1])
