@@ -4,11 +4,11 @@ exactly once across the two runs; the resumed run reports its own training (the 
 steps/s over them, a progress bar from the resumed step to the end). Neither run names ``--mode``: the
 checkpoint flags select stream mode.
 
-Each run is its own process. The first starts a local Ray of its own (as ``make demo`` runs), in a
-process group of its own so that the kill takes its Ray along; the kill waits for a natural point (the
-first complete checkpoint on disk), never for a time. The second joins the session's cluster
-(``--address``): a checkpoint taken on one Ray resumes on another, and the suite pays one Ray start.
-It is forked by the session's fork server (``tests.forkserver.run_python``), as the session's workers are.
+Each run is its own process, forked by the session's fork server (``tests.forkserver``, as the
+session's workers are) and joined to the session's cluster (``--address``). The first is killed with
+SIGKILL at a natural point (the first complete checkpoint on disk), never at a time; its workers and
+its embedded store go with it (Ray ends the actors a dead driver owned), and the second starts only
+once they are gone, so it starts a store of its own and has only the checkpoint on disk to go on.
 """
 
 from __future__ import annotations
@@ -17,18 +17,24 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
 
 from tests.dataplane.conftest import wait_for
-from tests.forkserver import run_python
+from tests.forkserver import run_python, start_python
 from tests.workers.conftest import SUMMARY_ROWS
 from workers.checkpoints import check_ledger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
+
+
+def _stores() -> set[str]:
+    """The named actors of stores alive in the cluster (the demo's embedded store is one)."""
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
 def _demo(ckpt, summary, *extra: str) -> list[str]:
@@ -45,30 +51,23 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
 ) -> None:
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log = tmp_path / "first.log"  # what it printed, for the message if it ends early
-    with open(log, "wb") as out:
-        first = subprocess.Popen(
-            _demo(ckpt, tmp_path / "first.json"),
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    before = _stores()
+    # Its output goes to this test's streams (shown if the test fails).
+    first = start_python(
+        _demo(ckpt, tmp_path / "first.json", "--address", ray_cluster.address)[1:], env=env, cwd=ROOT
+    )
     try:
         wait_for(lambda: (ckpt / "latest").exists() or first.poll() is not None, 600, "the first checkpoint")
-        assert first.poll() is None, (
-            f"the first run ended ({first.returncode}) before it saved a checkpoint:\n"
-            + log.read_text(errors="replace")[-4000:]
-        )
+        assert first.poll() is None, f"the first run ended ({first.returncode}) before it saved a checkpoint"
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        first.kill()
         first.wait()
     assert first.returncode == -signal.SIGKILL and not (tmp_path / "first.json").exists()
+    wait_for(lambda: _stores() <= before, 120, "the killed run's store to end with it")
     killed_at = int((ckpt / "latest").read_text().strip().removeprefix("step-"))
     assert 0 < killed_at < STEPS
 
-    second = run_python(  # forked by the session's server, which has imported what the demo imports
+    second = run_python(
         _demo(ckpt, tmp_path / "second.json", "--resume", str(ckpt), "--address", ray_cluster.address)[1:],
         timeout=900,
         env=env,
