@@ -93,7 +93,8 @@ def _decode_row(blob: Any, field: str) -> Any:
 
 
 def _getter(fields: Any) -> Callable[[str], Any]:
-    return fields.get if hasattr(fields, "batch_size") else fields.__getitem__
+    get: Callable[[str], Any] = fields.get if hasattr(fields, "batch_size") else fields.__getitem__
+    return get
 
 
 def _rows(value: Any, n: int) -> list[Any] | None:
@@ -313,7 +314,8 @@ def _empty_rows(value: Any) -> list[int]:
     if value.layout == torch.jagged:
         if any(s == 0 for s in value.shape[2:]):
             return list(range(value.shape[0]))
-        return (value.offsets().diff() == 0).nonzero().flatten().tolist()
+        empty: list[int] = (value.offsets().diff() == 0).nonzero().flatten().tolist()
+        return empty
     return [i for i, r in enumerate(value.unbind()) if r.numel() == 0]
 
 

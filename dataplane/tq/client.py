@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dataplane import api, stream
-from dataplane._tq_controller import visible_fields
+from dataplane._tq_controller import SamplerSpec, Tags, visible_fields
 from dataplane.errors import BatchTimeoutError, KeyNotFoundError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.samplers import SequentialSampler as _StoreSequential
@@ -130,7 +130,13 @@ class _RunHere(Sampler):
         return [by_gi[gi] for gi in sampled]
 
 
-def store_sampler(sampler: Any, partition_id: str, task_name: str, config: dict[str, Any]) -> Sampler | None:
+# What names a sampler: an instance or a class of TransferQueue's, the store's, or a shared spec.
+SamplerLike = Sampler | BaseSampler | type[BaseSampler] | SamplerSpec | None
+
+
+def store_sampler(
+    sampler: SamplerLike, partition_id: str, task_name: str, config: dict[str, Any]
+) -> Sampler | None:
     """The store sampler for a TransferQueue sampler (an instance, a class, or a spec from the
     shared config): sequential and rank-aware run in the store's index (rank-aware through
     ``dp_rank`` / ``batch_index``), the others in this process."""
@@ -157,7 +163,7 @@ _KNOWN = {
 }
 
 
-def sampler_spec(sampler: Any) -> dict[str, Any] | None:
+def sampler_spec(sampler: object) -> SamplerSpec | None:
     """A plain description of a known TransferQueue sampler (what the controller shares with every
     process), or None for the default. A sampler class of your own is not shared: it is code, and
     processes attach with the config only (pass it per call: ``sampling_config={"sampler": ...}``)."""
@@ -174,7 +180,7 @@ def sampler_spec(sampler: Any) -> dict[str, Any] | None:
             "cluster share the config, never code; pass your own per call with "
             "get_meta(..., sampling_config={'sampler': ...})"
         )
-    params = {}
+    params: dict[str, int] = {}
     if not isinstance(sampler, type):
         for attr in ("n_samples_per_prompt", "dp_size"):
             if hasattr(sampler, attr):
@@ -182,7 +188,7 @@ def sampler_spec(sampler: Any) -> dict[str, Any] | None:
     return {"name": cls.__name__, "params": params}
 
 
-def sampler_from_spec(spec: dict[str, Any]) -> BaseSampler:
+def sampler_from_spec(spec: SamplerSpec) -> BaseSampler:
     return _KNOWN[spec["name"]](**spec.get("params", {}))
 
 
@@ -262,7 +268,7 @@ class TransferQueueClient:
 
     def _resolve(
         self, partition_id: str, keys: list[str] | None
-    ) -> tuple[dict[str, dict], dict[str, list[str]]]:
+    ) -> tuple[dict[str, Tags], dict[str, list[str]]]:
         """The partition's ``{key: tag}`` and the fields each of ``keys`` (all when None) holds."""
         from dataplane.client import stream_ops as _stream_ops
 
@@ -380,7 +386,7 @@ class TransferQueueClient:
                 "Only int or list of int are allowed as `global_indexes`, "
                 f"not {type(global_indexes).__name__}"
             )
-        keys = _session.ask("keys", partition_id, global_indexes)
+        keys: list[str] = _session.ask("keys", partition_id, global_indexes)
         for gi, key in zip(global_indexes, keys, strict=True):
             if key is None:
                 raise UnknownIndexError(

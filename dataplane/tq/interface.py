@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dataplane import api as _api
-from dataplane._tq_controller import visible_fields
+from dataplane._tq_controller import CONTROLLER_NAMESPACE, Tags, visible_fields
 from dataplane.errors import CheckpointError, FieldNotFoundError, StoreNotInitializedError
 from dataplane.meta import KVBatchMeta as _StoreMeta
 from dataplane.server.checkpoint_files import MANIFEST, shard_files
@@ -49,8 +49,8 @@ def _as_dict(conf: Any) -> dict[str, Any]:
     return dict(conf)
 
 
-def _flatten(d: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
-    out: dict[tuple, Any] = {}
+def _flatten(d: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping) and v:
             out.update(_flatten(v, (*prefix, str(k))))
@@ -108,7 +108,7 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
 
     if not ray.is_initialized():
         _api.init(**options)  # joins or starts Ray, then attaches to or starts the store
-    existing = _session._find(_session.CONTROLLER_NAMESPACE)
+    existing = _session._find(CONTROLLER_NAMESPACE)
     if existing is not None:  # another process initialised it: attach, its config wins
         shared = _session.attach()
     else:
@@ -166,7 +166,7 @@ def get_metrics_endpoint() -> str | None:
 
 
 def _wrap(meta: _StoreMeta) -> KVBatchMeta:
-    fields = visible_fields(meta.fields)
+    fields = None if meta.fields is None else visible_fields(meta.fields)
     return KVBatchMeta._trusted(meta.keys, meta._tag_list, meta._pid, fields)  # type: ignore[return-value]
 
 
@@ -200,7 +200,7 @@ def _record_schema(partition_id: str, fields: Any, n: int) -> None:
 
 
 def kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+    key: str, partition_id: str, fields: Any = None, tag: Tags | None = None, data_parser: Any = None
 ) -> KVBatchMeta:
     """TransferQueue's ``kv_put``: upsert one row (a dict of tensors without the batch dim, or a
     TensorDict of one row); ``fields=None`` updates the tag only. Returns the row's meta."""
@@ -216,7 +216,7 @@ def kv_batch_put(
     keys: list[str],
     partition_id: str,
     fields: Any = None,
-    tags: list[dict] | None = None,
+    tags: list[Tags] | None = None,
     data_parser: Any = None,
 ) -> KVBatchMeta:
     """TransferQueue's ``kv_batch_put``: upsert rows; new fields add columns to existing keys."""
@@ -291,7 +291,7 @@ def kv_batch_get_by_meta(
     return _layout.to_layout(td, layout)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
     """TransferQueue's ``kv_list``: ``{partition: {key: tag}}``."""
     _session.attach()
     return _api.kv_list(partition_id)
@@ -311,7 +311,7 @@ async def _attach() -> None:
 
 
 async def async_kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+    key: str, partition_id: str, fields: Any = None, tag: Tags | None = None, data_parser: Any = None
 ) -> KVBatchMeta:
     _check_put(fields, tag, data_parser)
     await _attach()
@@ -327,7 +327,7 @@ async def async_kv_batch_put(
     keys: list[str],
     partition_id: str,
     fields: Any = None,
-    tags: list[dict] | None = None,
+    tags: list[Tags] | None = None,
     data_parser: Any = None,
 ) -> KVBatchMeta:
     _check_put(fields, tags, data_parser)
@@ -371,7 +371,7 @@ async def async_kv_batch_get_by_meta(
     return _layout.to_layout(td, layout)
 
 
-async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
     await _attach()
     return await _api.async_kv_list(partition_id)
 
