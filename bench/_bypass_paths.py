@@ -17,10 +17,15 @@ work on the host slows them alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench._bypass_data import OUT, check_output
 from bench._driver_cost import pickled_bytes
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from controlplane import RayWorkerGroup
 
 
 @dataclass
@@ -30,11 +35,11 @@ class Point:
     payload_bytes: int  # as asked (--payload); the batch's real size is ``rows * row_nbytes(seq)``
     rows: int
     seq: int
-    producers: Any  # RayWorkerGroup of BypassProducer
-    consumers: Any  # RayWorkerGroup of BypassConsumer
+    producers: RayWorkerGroup  # of BypassProducer
+    consumers: RayWorkerGroup  # of BypassConsumer
     partition: str  # prefix; each path adds its name
 
-    def prompts(self) -> Any:
+    def prompts(self) -> TensorDict:
         """The producers' input: the row ids (what a rollout's prompts batch would be)."""
         import torch
         from tensordict import TensorDict
