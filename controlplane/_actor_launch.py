@@ -98,7 +98,8 @@ def master_addr_port(slot: BundleSlot) -> tuple[str, int]:
     strategy = PlacementGroupSchedulingStrategy(
         placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
     )
-    return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=120)
+    found: tuple[str, int] = ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=120)
+    return found
 
 
 def check_worker_env(worker_env: dict[str, str] | None) -> None:

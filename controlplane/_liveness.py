@@ -5,15 +5,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import WorkerDiedError
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
 
-def actor_id_hex(handle: Any) -> str:
-    return handle._actor_id.hex()
+def actor_id_hex(handle: ActorHandle) -> str:
+    hex_id: str = handle._actor_id.hex()
+    return hex_id
 
 
 def dead_worker_error(rank: int, name: str, cause: BaseException | str) -> WorkerDiedError:

@@ -207,7 +207,8 @@ class BatchFuture:
 
     def _fetch(self, which: list[int], timeout: float) -> list[Any]:
         try:
-            return ray.get([self.refs[i] for i in which], timeout=timeout)
+            values: list[Any] = ray.get([self.refs[i] for i in which], timeout=timeout)
+            return values
         except ray.exceptions.GetTimeoutError as exc:
             raise self._timeout(which, timeout) from exc
 
@@ -344,7 +345,7 @@ def future_maker(value: Any) -> FutureMaker | None:
     if value is None or isinstance(value, BatchFuture | list | tuple) or batch.is_tensordict(value):
         return None
     cls = type(value)
-    hook = getattr(cls, "make_future", None)
+    hook: FutureMaker | None = getattr(cls, "make_future", None)
     if callable(hook):
         return hook
     ftype = getattr(cls, "future_type", None)

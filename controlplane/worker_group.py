@@ -494,7 +494,10 @@ class RayWorkerGroup(WorkerGroup):
 
     def execute_all_sync(self, method_name: str, *args: object, **kwargs: object) -> list[Any]:
         """:meth:`execute_all_async`, then wait for every result."""
-        return self._wait(self.execute_all_async(method_name, *args, **kwargs), method=method_name)
+        results: list[Any] = self._wait(
+            self.execute_all_async(method_name, *args, **kwargs), method=method_name
+        )
+        return results
 
     def execute_rank_zero_async(self, method_name: str, *args: object, **kwargs: object) -> ObjectRef:
         """Call ``method_name`` on rank 0 only; returns its ``ObjectRef``.
