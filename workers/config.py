@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-from typing import Any
 
 from workers import checkpoints
 
@@ -163,14 +162,14 @@ class TrainerConfig:
         """A setting as its writer knows it: ``TrainerConfig.dp`` or ``--dp``."""
         return _flag(field) if self._from_cli(field) else f"TrainerConfig.{field}"
 
-    def _said(self, field: str, value: Any = dataclasses.MISSING) -> str:
+    def _said(self, field: str, value: object = dataclasses.MISSING) -> str:
         """A setting and its value: ``dp=3`` or ``--dp 3`` (a switch: ``--colocate``)."""
         value = getattr(self, field) if value is dataclasses.MISSING else value
         if not self._from_cli(field):
             return f"{field}={value!r}"
         return _flag(field) if isinstance(value, bool) else f"{_flag(field)} {value}"
 
-    def check_resume(self) -> tuple[pathlib.Path, dict[str, Any]]:
+    def check_resume(self) -> tuple[pathlib.Path, checkpoints.TrainerState]:
         """The checkpoint ``resume`` names and its trainer state, checked against these settings and
         before anything starts (it reads files only: no torch, no Ray).
 

@@ -35,6 +35,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
+from dataplane.bridge import Span
 from dataplane.meta import check_partition
 from workers.bridge import StreamReport, count, nbytes_of, tqbridge, traffic
 from workers.engine import (
@@ -262,7 +263,7 @@ class RewardWorker(RoleWorker):
         tags = [{"uid": int(u)} for u in data["uid"].tolist()]
         dp.kv_batch_put(keys, partition_id, fields=data, tags=tags)
         count("written_bytes", nbytes_of(data))
-        span = {
+        span: Span = {
             "task": "prompts",
             "method": "make_stream_prompts",
             "partition": partition_id,
