@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from controlplane.errors import WorkerDiedError
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,10 @@ class LivenessProbe:
     with ``RayActorError`` as soon as Ray knows it died.
     """
 
-    def __init__(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+    def __init__(self, workers: Sequence[ActorHandle], names: Sequence[str]) -> None:
         self._workers = list(workers)
         self._names = list(names)
-        self._pending: dict[int, Any] = {}
+        self._pending: dict[int, ObjectRef] = {}
 
     def poll(self, timeout_s: float) -> WorkerDiedError | None:
         """Return an error for the first dead worker found within ``timeout_s``, else None."""

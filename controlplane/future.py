@@ -301,7 +301,7 @@ FutureMaker: TypeAlias = Callable[[list[ray.ObjectRef], Callable[[list[Any]], An
 _PLAIN = (list, tuple, dict, str, bytes, int, float, bool)
 
 
-def is_batch_future(value: Any) -> bool:
+def is_batch_future(value: object) -> bool:
     """True for a ``BatchFuture`` or a foreign batch future (duck typing verl's ``DataProtoFuture``):
     an object with a ``get()`` method and a non-empty list of ``ray.ObjectRef`` in ``futures``.
 
@@ -322,7 +322,7 @@ def is_batch_future(value: Any) -> bool:
     return isinstance(refs, list | tuple) and bool(refs) and all(isinstance(r, ray.ObjectRef) for r in refs)
 
 
-def future_maker(value: Any) -> FutureMaker | None:
+def future_maker(value: object) -> FutureMaker | None:
     """How a non-blocking call whose batch argument is ``value`` wraps its per-rank results.
 
     Looked up on the batch's class, first match wins:
