@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+from typing import Any
 
 from workers import checkpoints
 
@@ -84,11 +85,11 @@ class TrainerConfig:
     n: int = 8
     dp: int = 2
     seed: int = 0
-    task: dict = dataclasses.field(
+    task: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"vocab_size": 16, "prompt_len": 4, "response_len": 8}
     )
-    model: dict = dataclasses.field(default_factory=dict)
-    actor: dict = dataclasses.field(default_factory=dict)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    actor: dict[str, Any] = dataclasses.field(default_factory=dict)
     num_shards: int = 2
     use_gpu: bool = False
     mode: str = "sync"

@@ -49,7 +49,7 @@ class DriverDataError(TypeError):
         )
         self.method, self.where, self.kind = method, where, kind
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[object, ...]:
         # Rebuilt from its fields (args holds only the message), so str() is the message after pickle too.
         return (DriverDataError, (self.method, self.where, self.kind))
 

@@ -160,7 +160,8 @@ class GRPOTrainer:
         self.run = 1  # the runs of this training so far (a resumed run is the next)
         self.resumed_from: int | None = None
         self._restored_counts: dict[str, dict[str, int]] = {}
-        self._resumed: tuple[dict[int, list], int, int] | None = None  # (in flight, launched, next step)
+        # (in flight, launched, next step)
+        self._resumed: tuple[dict[int, list[tuple[str, Any]]], int, int] | None = None
         self._groups: Groups | None = None
         self._owns_groups = groups is None
         self._store0 = 0  # the workers' store bytes before this trainer (reused groups count on)
@@ -290,7 +291,9 @@ class GRPOTrainer:
             )
 
     # ---- stream mode --------------------------------------------------------------------------
-    def _request(self, index: int, task: str, batch_size: int, fields: list[str], groups: bool = False):
+    def _request(
+        self, index: int, task: str, batch_size: int, fields: list[str], groups: bool = False
+    ) -> dp.StreamRequest:
         sampler = dp.GroupSampler("uid", self.cfg.n) if groups else None
         return dp.StreamRequest(
             f"grpo-{index}", task, batch_size, fields, sampler=sampler, timeout_s=self.cfg.stream_timeout_s
