@@ -18,7 +18,11 @@ block by block, without holding the batch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
 
 FIELDS = ("row", "responses", "old_log_probs", "advantages")
 OUT = "new_log_probs"
@@ -57,7 +61,7 @@ def row_nbytes(seq: int) -> int:
     return BYTES_PER_TOKEN * seq + ROW_ID_BYTES
 
 
-def _parts(rows: Any, seq: int, step: int) -> dict[str, tuple[Any, Any]]:
+def _parts(rows: torch.Tensor, seq: int, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per field: (row part ``[n]``, column part ``[seq]``) of the step's values."""
     import torch
 
@@ -73,7 +77,7 @@ def _parts(rows: Any, seq: int, step: int) -> dict[str, tuple[Any, Any]]:
     }
 
 
-def make_rows(rows: Any, seq: int, step: int, into: Any = None) -> Any:
+def make_rows(rows: torch.Tensor, seq: int, step: int, into: TensorDict | None = None) -> TensorDict:
     """The step's rows ``rows`` (an int64 tensor of row ids) as a TensorDict of ``len(rows)`` rows.
 
     ``into``: a TensorDict of the same rows and ``seq`` to write into (warm memory: the workers
@@ -111,9 +115,9 @@ class RowBuffers:
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, int], Any] = {}
+        self.buffers: dict[tuple[int, int], TensorDict] = {}
 
-    def make(self, rows: Any, seq: int, step: int) -> Any:
+    def make(self, rows: torch.Tensor, seq: int, step: int) -> TensorDict:
         key = (len(rows), seq)
         if key not in self.buffers:
             self.buffers.clear()  # a new point: drop the previous shape's memory
@@ -122,7 +126,7 @@ class RowBuffers:
         return make_rows(rows, seq, step, into=self.buffers[key])
 
 
-def compute(td: Any) -> Any:
+def compute(td: TensorDict) -> TensorDict:
     """The consumer's step: ``new_log_probs = old_log_probs * 2 + advantages``, one row per input row."""
     from tensordict import TensorDict
 
@@ -131,7 +135,7 @@ def compute(td: Any) -> Any:
     return TensorDict({OUT: out}, batch_size=td.batch_size)
 
 
-def densify(td: Any, seq: int) -> Any:
+def densify(td: TensorDict, seq: int) -> TensorDict:
     """Jagged (nested) fields, as TransferQueue returns dense ones, as dense views: ``row`` ``[n]``,
     every other field ``[n, seq]``."""
     from tensordict import TensorDict
@@ -146,7 +150,7 @@ def densify(td: Any, seq: int) -> Any:
     return TensorDict(columns, batch_size=[n])
 
 
-def check_rows(path: str, td: Any, step: int) -> None:
+def check_rows(path: str, td: TensorDict, step: int) -> None:
     """Spot-check every row a worker received: its id's first and last token of every field.
 
     Cheap (two columns per field), so it runs on every step: a row delivered to the wrong place, a
@@ -166,7 +170,7 @@ def check_rows(path: str, td: Any, step: int) -> None:
                 raise BypassCheckError(path, name, int(rows[i]), f"token {t} of step {step} is wrong")
 
 
-def check_output(path: str, out: Any, n_rows: int, seq: int, step: int) -> None:
+def check_output(path: str, out: torch.Tensor, n_rows: int, seq: int, step: int) -> None:
     """Check the step's whole output (``[n_rows, seq]`` for rows ``0..n_rows-1``) exactly, in blocks.
 
     Raises:

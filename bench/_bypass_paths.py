@@ -17,10 +17,16 @@ work on the host slows them alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench._bypass_data import OUT, check_output
 from bench._driver_cost import pickled_bytes
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+    from controlplane import RayWorkerGroup
 
 
 @dataclass
@@ -30,11 +36,11 @@ class Point:
     payload_bytes: int  # as asked (--payload); the batch's real size is ``rows * row_nbytes(seq)``
     rows: int
     seq: int
-    producers: Any  # RayWorkerGroup of BypassProducer
-    consumers: Any  # RayWorkerGroup of BypassConsumer
+    producers: RayWorkerGroup  # of BypassProducer
+    consumers: RayWorkerGroup  # of BypassConsumer
     partition: str  # prefix; each path adds its name
 
-    def prompts(self) -> Any:
+    def prompts(self) -> TensorDict:
         """The producers' input: the row ids (what a rollout's prompts batch would be)."""
         import torch
         from tensordict import TensorDict
@@ -42,7 +48,7 @@ class Point:
         return TensorDict({"row": torch.arange(self.rows, dtype=torch.int64)}, batch_size=[self.rows])
 
 
-def dispatched_bytes(n: int, *args: Any) -> int:
+def dispatched_bytes(n: int, *args: object) -> int:
     """Pickled bytes of ``args`` as a PROTO dispatch sends them to ``n`` ranks (batches chunked)."""
     from controlplane import batch
 
@@ -50,7 +56,7 @@ def dispatched_bytes(n: int, *args: Any) -> int:
     return sum(pickled_bytes(tuple(pieces[i] for pieces in per_arg)) for i in range(n))
 
 
-def collected_bytes(result: Any, n: int) -> int:
+def collected_bytes(result: object, n: int) -> int:
     """Pickled bytes of the per-rank results behind ``result`` (a list per rank, or a concatenated batch)."""
     if isinstance(result, list):
         return sum(pickled_bytes(r) for r in result)
@@ -80,7 +86,7 @@ class BypassPath:
     def close(self) -> None:
         self.last = {}
 
-    def _check(self, out: Any, step: int) -> None:
+    def _check(self, out: torch.Tensor, step: int) -> None:
         check_output(self.name, out, self.point.rows, self.point.seq, step)
 
     @property

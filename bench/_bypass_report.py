@@ -14,9 +14,13 @@ import json
 import pathlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import _common
+
+if TYPE_CHECKING:
+    from bench._bypass_paths import Point
+    from bench.bypass import BypassConfig
 
 MiB = 2**20
 # The bypass targets (on a quiet 2-core machine at 256 MiB and 4 workers); see bench/README.md.
@@ -42,7 +46,7 @@ class Report:
     """A run's records plus what a reader needs to trust them."""
 
     records: list[dict[str, Any]]
-    config: Any
+    config: BypassConfig
     notes: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     machine: dict[str, Any] = field(default_factory=_common.machine_facts)
@@ -60,7 +64,7 @@ class Progress:
         ...     bar.at(point, "store"); bar.update()
     """
 
-    def __init__(self, cfg: Any, paths: list[str]) -> None:
+    def __init__(self, cfg: BypassConfig, paths: list[str]) -> None:
         self.total = len(cfg.workers) * len(cfg.payloads) * (cfg.warmup + cfg.steps) * len(paths)
         self.bar: Any = None
         if cfg.progress:
@@ -71,11 +75,11 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()
 
-    def at(self, point: Any, path: str) -> None:
+    def at(self, point: Point, path: str) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"{point.payload_bytes // MiB} MiB, {point.consumers.world_size} workers, {path}"

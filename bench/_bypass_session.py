@@ -14,15 +14,25 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bench import _common
 from bench._bypass_data import row_nbytes, seq_for
 from bench._bypass_paths import PATH_CLASSES, BypassPath, Point
-from bench._bypass_worker import BypassConsumer, BypassProducer
+from bench._bypass_worker import BypassConsumer, BypassProducer, WorkerPlace
 from bench._driver_cost import peak_rss_growth
 from bench._rawzmq import RawZmq
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from bench._bypass_report import Progress
+    from bench.bypass import BypassConfig
+    from controlplane import RayResourcePool, RayWorkerGroup, SubRayResourcePool
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +50,32 @@ class Session:
         ...     records = measure_point(s, consumers, 256 * 2**20, progress)
     """
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: BypassConfig) -> None:
         self.cfg = cfg
         self.notes: list[str] = []
         self.started_ray = self.owns_store = self.owns_tq = False
-        self.tq: Any = None
-        self.producers: Any = None
-        self.producer_nodes: list[dict[str, Any]] = []
+        self.tq: ModuleType | None = None  # transfer_queue, when this run measures it
+        self._producers: RayWorkerGroup | None = None
+        self.producer_nodes: list[WorkerPlace] = []
         self.store_name = cfg.store_name
         self.store_nodes: list[str] = []
         self.raw = False
         self.paths = [p for p in cfg.paths if p != "tq"]
-        self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its slice), until stopped
-        self._pool: Any = None  # one pool of 1-CPU bundles that every group of the run shares
-        self._spawned: dict[int, Any] = {}  # consumer groups started ahead, by size
-        self._attached: dict[int, list[dict[str, Any]]] = {}  # and where their workers run
+        # id(group) -> (group, its slice), until stopped
+        self._groups: dict[int, tuple[RayWorkerGroup, SubRayResourcePool]] = {}
+        # one pool of 1-CPU bundles that every group of the run shares
+        self._pool: RayResourcePool | None = None
+        self._spawned: dict[int, RayWorkerGroup] = {}  # consumer groups started ahead, by size
+        self._attached: dict[int, list[WorkerPlace]] = {}  # and where their workers run
         self.setup_s: dict[str, float] = {}  # seconds per phase outside the timed steps
         self._stack = contextlib.ExitStack()
+
+    @property
+    def producers(self) -> RayWorkerGroup:
+        """The producer group (started when the session is entered)."""
+        if self._producers is None:
+            raise RuntimeError("bypass: the producers start when the session is entered")
+        return self._producers
 
     # ---- setup and teardown ----------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -72,7 +91,7 @@ class Session:
                 tq_start = _Background(self._start_tq, "TransferQueue start (tq.init)")
             try:
                 self._timed("store", self._start_store)
-                self.producers = self._timed("producers", lambda: self._spawn(BypassProducer, cfg.producers))
+                self._producers = self._timed("producers", lambda: self._spawn(BypassProducer, cfg.producers))
                 attaching = [self.producers.attach(*self._attach_args)]
                 first = cfg.workers[0]
                 self._spawned[first] = self._timed("consumers", lambda: self._spawn(BypassConsumer, first))
@@ -97,10 +116,10 @@ class Session:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._timed("teardown", self._stack.close)
 
-    def _timed(self, phase: str, fn: Any) -> Any:
+    def _timed(self, phase: str, fn: Callable[[], T]) -> T:
         """Run ``fn``, adding its seconds to ``setup_s[phase]`` (where a slow start goes, in the run file)."""
         start = time.perf_counter()
         try:
@@ -128,7 +147,7 @@ class Session:
         import dataplane as dp
 
         self.owns_store = not dp.is_initialized()
-        options = {"num_shards": self.cfg.shards}
+        options: dict[str, Any] = {"num_shards": self.cfg.shards}
         if self.cfg.warm_idle_s is not None:
             options["warm_idle_s"] = self.cfg.warm_idle_s
         info = dp.init(name=self.cfg.store_name, transport=DP_TRANSPORT[self.cfg.transport], **options)
@@ -165,7 +184,7 @@ class Session:
             client.close()
             tqi._TQ_CLIENT = None
 
-    def _spawn(self, cls: type, n: int) -> Any:
+    def _spawn(self, cls: type, n: int) -> RayWorkerGroup:
         """Start ``n`` workers of ``cls`` on the first ``n`` bundles of the run's pool; stopped with the run.
 
         Producers and every consumer group share one pool of 1-CPU bundles, as many as the largest
@@ -189,7 +208,7 @@ class Session:
         self._stack.callback(self._stop, wg)
         return wg
 
-    def _shared_pool(self) -> Any:
+    def _shared_pool(self) -> RayResourcePool:
         """The run's pool, placed on first use and removed at the end (after every group on it)."""
         if self._pool is None:
             from controlplane import RayResourcePool
@@ -207,7 +226,9 @@ class Session:
     def _attach_args(self) -> tuple[str, str]:
         return self.store_name, DP_TRANSPORT[self.cfg.transport]
 
-    def _finish_attach(self, groups: list[Any], attaching: list[list[Any]]) -> list[list[dict[str, Any]]]:
+    def _finish_attach(
+        self, groups: list[RayWorkerGroup], attaching: list[list[ObjectRef]]
+    ) -> list[list[WorkerPlace]]:
         """Wait for the groups' ``attach`` calls (then attach them to TransferQueue); where workers run."""
         import ray
 
@@ -226,12 +247,12 @@ class Session:
             log.info("%d workers on %s", len(found), sorted({n["node_ip"] for n in found}))
         return nodes
 
-    def _stop(self, wg: Any) -> None:
+    def _stop(self, wg: RayWorkerGroup) -> None:
         if id(wg) in self._groups:
             _stop_group(self._groups.pop(id(wg))[0])
 
     @contextlib.contextmanager
-    def consumers(self, n: int) -> Iterator[tuple[Any, list[dict[str, Any]]]]:
+    def consumers(self, n: int) -> Iterator[tuple[RayWorkerGroup, list[WorkerPlace]]]:
         """A consumer group of ``n`` workers for the points of one group size; stopped afterwards."""
         wg = self._spawned.pop(n, None) or self._timed("consumers", lambda: self._spawn(BypassConsumer, n))
         try:
@@ -246,13 +267,13 @@ class Session:
 class _Background:
     """Run ``fn`` in a thread; ``join`` waits with a deadline and re-raises what it raised."""
 
-    def __init__(self, fn: Any, what: str) -> None:
+    def __init__(self, fn: Callable[[], object], what: str) -> None:
         self.what = what
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(fn,), name=f"bypass: {what}", daemon=True)
         self.thread.start()
 
-    def _run(self, fn: Any) -> None:
+    def _run(self, fn: Callable[[], object]) -> None:
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller by join()
@@ -271,7 +292,7 @@ class _Background:
             raise self.error
 
 
-def _stop_group(wg: Any) -> None:
+def _stop_group(wg: RayWorkerGroup | None) -> None:
     """Detach the workers' clients (best effort) and kill them (their bundles stay the run's)."""
     if wg is not None:
         try:
@@ -284,7 +305,9 @@ def _stop_group(wg: Any) -> None:
 # ---------------------------------------------------------------------------- one point
 
 
-def measure_point(session: Session, consumers: tuple[Any, list], payload: int, progress: Any) -> list[dict]:
+def measure_point(
+    session: Session, consumers: tuple[RayWorkerGroup, list[WorkerPlace]], payload: int, progress: Progress
+) -> list[dict[str, Any]]:
     """Every path at one payload on one consumer group, interleaved; returns one record per path.
 
     Raises:
@@ -316,7 +339,7 @@ def measure_point(session: Session, consumers: tuple[Any, list], payload: int, p
 
 
 def _rounds(
-    session: Session, point: Point, paths: dict[str, BypassPath], raw: RawZmq | None, progress: Any
+    session: Session, point: Point, paths: dict[str, BypassPath], raw: RawZmq | None, progress: Progress
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Warm-up and timed rounds, each visiting every path (order rotated); seconds and RSS growths."""
     cfg = session.cfg
@@ -339,7 +362,7 @@ def _rounds(
     return seconds, rss
 
 
-def _point_facts(session: Session, point: Point, consumer_nodes: list[dict[str, Any]]) -> dict[str, Any]:
+def _point_facts(session: Session, point: Point, consumer_nodes: list[WorkerPlace]) -> dict[str, Any]:
     """What every record of a point shares: its sizes, groups, transport and where each process ran."""
     node_ids = {
         "producers": [n["node_id"] for n in session.producer_nodes],
@@ -370,7 +393,7 @@ def _timed(path: BypassPath, step: int, check: bool) -> float:
     return time.perf_counter() - start
 
 
-def _store_traffic(session: Session, consumers: Any, reset: bool) -> int:
+def _store_traffic(session: Session, consumers: RayWorkerGroup, reset: bool) -> int:
     """Bytes the workers moved through the store since the last reset (puts, bridged gets and writes)."""
     total = 0
     for group in (session.producers, consumers):
@@ -386,7 +409,7 @@ def _wire_sizes(point: Point) -> list[int]:
     return [point.rows // n_p * row] * n_p + [point.rows // n_c * row] * n_c + [point.rows // n_c * out] * n_c
 
 
-def _raw_reference(session: Session, point: Point, consumer_nodes: list[dict[str, Any]]) -> RawZmq:
+def _raw_reference(session: Session, point: Point, consumer_nodes: list[WorkerPlace]) -> RawZmq:
     """The raw pyzmq pair: sender on producer 0's node, receiver on another node where there is one."""
     src = session.producer_nodes[0]["node_id"]
     dst = next((n["node_id"] for n in consumer_nodes if n["node_id"] != src), consumer_nodes[0]["node_id"])

@@ -19,13 +19,28 @@ Every consumer spot-checks the rows it received (``check_rows``) on every step.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from bench._bypass_data import FIELDS, RowBuffers, check_rows, compute, densify
 from controlplane import Dispatch, Worker, register
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
-def _nbytes(td: Any) -> int:
+    from dataplane import KVBatchMeta
+
+
+class WorkerPlace(TypedDict):
+    """Where a worker runs, as its ``attach`` reports it."""
+
+    rank: int
+    pid: int
+    node_id: str
+    node_ip: str
+    store_transport: str  # shm, zmq or mixed: this worker's path to the shards
+
+
+def _nbytes(td: Any) -> int:  # (a TensorDict of tensors only)
     return sum(v.numel() * v.element_size() for v in td.values())
 
 
@@ -42,7 +57,7 @@ class _BypassWorker(Worker):
     # Not blocking: the driver starts every group's attach at once and waits for them together, so
     # the workers' imports (torch, the store's client) overlap instead of running group by group.
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def attach(self, store_name: str, transport: str) -> dict[str, Any]:
+    def attach(self, store_name: str, transport: str) -> WorkerPlace:
         """Attach to the driver's store (never start one); return where this worker runs. Untimed."""
         import ray
 
@@ -109,17 +124,17 @@ class BypassProducer(_BypassWorker):
     """
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    def produce_floor(self, prompts: Any, step: int) -> int:
+    def produce_floor(self, prompts: TensorDict, step: int) -> int:
         """Floor: make the rows and drop them; return the row count only."""
         return len(self.rows.make(prompts["row"], self.seq, step))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def produce_classic(self, prompts: Any, step: int) -> Any:
+    def produce_classic(self, prompts: TensorDict, step: int) -> TensorDict:
         """Classic: return the rows for the driver to concatenate."""
         return self.rows.make(prompts["row"], self.seq, step)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def produce_store(self, prompts: Any, step: int, partition: str) -> Any:
+    def produce_store(self, prompts: TensorDict, step: int, partition: str) -> KVBatchMeta:
         """Store: write the rows under keys ``r<row id>``; return their ``KVBatchMeta``."""
         import dataplane as dp
 
@@ -128,7 +143,7 @@ class BypassProducer(_BypassWorker):
         return dp.kv_batch_put([f"r{i}" for i in prompts["row"].tolist()], partition, td)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def produce_tq(self, prompts: Any, step: int, partition: str) -> Any:
+    def produce_tq(self, prompts: TensorDict, step: int, partition: str) -> Any:
         """TransferQueue: the same through ``transfer_queue.kv_batch_put``; returns its ``KVBatchMeta``."""
         td = self.rows.make(prompts["row"], self.seq, step)
         return self.tq.kv_batch_put([f"r{i}" for i in prompts["row"].tolist()], partition, td)
@@ -144,7 +159,7 @@ class BypassConsumer(_BypassWorker):
     """
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    def step_floor(self, prompts: Any, step: int, check: bool = False) -> Any:
+    def step_floor(self, prompts: TensorDict, step: int, check: bool = False) -> TensorDict | int:
         """Floor: make this chunk's rows here, compute; return the output only when ``check``."""
         td = self.rows.make(prompts["row"], self.seq, step)
         check_rows("floor", td, step)
@@ -152,7 +167,7 @@ class BypassConsumer(_BypassWorker):
         return out if check else len(out)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def step(self, data: Any, step: int, path: str = "classic") -> Any:
+    def step(self, data: TensorDict, step: int, path: str = "classic") -> TensorDict:
         """Classic (``data`` is the rows) and store (``data`` is a ``KVBatchMeta``, bridged) alike."""
         check_rows(path, data, step)
         return compute(data)

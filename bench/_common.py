@@ -22,14 +22,37 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 GB = 10**9
+T = TypeVar("T")
+
+
+class Throughput(TypedDict):
+    """Repeated transfers of one size, as ``throughput`` summarises them."""
+
+    best_gbps: float
+    median_gbps: float
+    best_s: float
+    median_s: float
+    n: int
+    seconds: list[float]
+
+
+class Latency(TypedDict):
+    """Single-call latencies, as ``latency`` summarises them (microseconds)."""
+
+    p50_us: float
+    p90_us: float
+    min_us: float
+    n: int
+
+
 _REPORTED_DISTRIBUTIONS = ("torch", "ray", "tensordict", "numpy", "pyzmq", "transferqueue", "rlplane")
 
 
 @contextlib.contextmanager
-def ray_for_run(join: Callable[[], Any]) -> Iterator[bool]:
+def ray_for_run(join: Callable[[], object]) -> Iterator[bool]:
     """Ray for one benchmark run; yields whether the run joined it (and so shuts it down at the end).
 
     A process that has joined Ray already (a notebook, the test suite) runs the benchmark on that Ray
@@ -53,14 +76,14 @@ def ray_for_run(join: Callable[[], Any]) -> Iterator[bool]:
         ray.shutdown()
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
     """Run ``fn()`` once and return ``(seconds, result)`` measured with ``time.perf_counter``."""
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
 
 
-def throughput(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+def throughput(nbytes: int, seconds: Sequence[float]) -> Throughput:
     """Summarise repeated transfers of ``nbytes`` as GB/s: best of N and median, plus the raw times.
 
     Example:
@@ -92,7 +115,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def latency(samples: Sequence[float]) -> dict[str, Any]:
+def latency(samples: Sequence[float]) -> Latency:
     """Summarise single-call latencies (seconds) as p50 / p90 / min in microseconds."""
     return {
         "p50_us": percentile(samples, 50) * 1e6,
@@ -102,7 +125,7 @@ def latency(samples: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def measure_latency(fn: Callable[[], Any], n: int, warmup: int) -> dict[str, Any]:
+def measure_latency(fn: Callable[[], object], n: int, warmup: int) -> Latency:
     """Call ``fn`` ``warmup`` times untimed, then ``n`` times timed; return :func:`latency` of those."""
     for _ in range(warmup):
         fn()

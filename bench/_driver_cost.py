@@ -10,10 +10,12 @@ import ctypes.util
 import pickle
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def pickled_bytes(obj: Any) -> int:
+def pickled_bytes(obj: object) -> int:
     """Size of ``obj`` pickled with protocol 5, out-of-band buffers included (what Ray ships for it).
 
     A torch tensor that is a view pickles its whole storage, so a slice of a batch costs the batch.
@@ -45,7 +47,7 @@ def _malloc_trim() -> None:
             pass
 
 
-def peak_rss_growth(fn: Callable[[], Any]) -> tuple[int | None, Any]:
+def peak_rss_growth(fn: Callable[[], T]) -> tuple[int | None, T]:
     """Run ``fn``; return (peak RSS during it minus RSS before it, or None where unmeasurable; its result).
 
     The peak is the kernel's high-water mark ``VmHWM``, reset by writing 5 to

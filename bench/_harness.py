@@ -6,10 +6,16 @@ Used by ``bench._paths`` and ``bench.store_throughput``; runs in the driver.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from bench import _common
-from bench._reader import Reader
+from bench._reader import Reader, Summary
+
+if TYPE_CHECKING:
+    import torch
+    from ray.actor import ActorHandle
+    from tensordict import TensorDict
 
 PARTITION = "bench"
 LATENCY_PARTITION = "bench-latency"
@@ -46,7 +52,7 @@ class Config:
         return self.rows * self.cols * self.fields * 4
 
 
-def make_payload(cfg: Config) -> Any:
+def make_payload(cfg: Config) -> TensorDict:
     """The benchmark batch: ``fields`` float32 columns of shape ``[rows, cols]``, fixed seed."""
     import torch
     from tensordict import TensorDict
@@ -56,14 +62,14 @@ def make_payload(cfg: Config) -> Any:
     return TensorDict(columns, batch_size=[cfg.rows])
 
 
-def make_small_row() -> dict[str, Any]:
+def make_small_row() -> dict[str, torch.Tensor]:
     """One sample for the latency test: 2 fields of 64 float32 (the bare Ray call ships it too)."""
     import torch
 
     return {"a": torch.randn(LATENCY_COLS), "b": torch.randn(LATENCY_COLS)}
 
 
-def check_summary(path: str, got: dict[str, Any], expected: dict[str, Any]) -> None:
+def check_summary(path: str, got: Summary, expected: Summary) -> None:
     """Raise if a reader's summary (bytes, sampled values) differs from the payload's."""
     if got["nbytes"] != expected["nbytes"] or got["samples"] != expected["samples"]:
         raise RuntimeError(
@@ -72,7 +78,7 @@ def check_summary(path: str, got: dict[str, Any], expected: dict[str, Any]) -> N
         )
 
 
-def new_reader(cfg: Config) -> Any:
+def new_reader(cfg: Config) -> ActorHandle:
     """A fresh reader actor, waited for (up to ``call_timeout_s``) so its start-up is never timed."""
     import ray
 
@@ -88,13 +94,13 @@ def call(cfg: Config, ref: Any) -> Any:
     return ray.get(ref, timeout=cfg.call_timeout_s)
 
 
-def bare_latency(cfg: Config, reader: Any, arg: dict[str, Any] | None) -> dict[str, Any]:
+def bare_latency(cfg: Config, reader: ActorHandle, arg: dict[str, torch.Tensor] | None) -> _common.Latency:
     """p50/p90 of ``ray.get(reader.noop.remote(arg))`` (or ``noop.remote()`` when ``arg`` is None)."""
     remote = (lambda: reader.noop.remote()) if arg is None else (lambda: reader.noop.remote(arg))
     return _common.measure_latency(lambda: call(cfg, remote()), cfg.latency_iters, cfg.latency_warmup)
 
 
-def kv_latency(cfg: Config, api: Any, small: dict[str, Any]) -> dict[str, Any]:
+def kv_latency(cfg: Config, api: ModuleType, small: dict[str, torch.Tensor]) -> dict[str, _common.Latency]:
     """p50/p90 of single-key ``api.kv_put`` (fresh keys) then ``api.kv_batch_get`` of those keys."""
     n = cfg.latency_warmup + cfg.latency_iters
     keys = [f"lat{i}" for i in range(n)]

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
-def shard_entries(stats: Any) -> list[dict[str, Any]]:
+def shard_entries(stats: object) -> list[dict[str, Any]]:
     """The per-shard dicts in ``dp.stats()``, whether it is a list, ``{"shards": ...}`` or ``{id: {...}}``."""
     if isinstance(stats, dict) and "shards" in stats:
         stats = stats["shards"]
@@ -58,7 +62,7 @@ def _process_memory(pid: int) -> dict[str, int]:
     return out
 
 
-def shard_memory(dp: Any) -> dict[str, Any]:
+def shard_memory(dp: ModuleType) -> dict[str, Any]:
     """Sums over the shards: ``dp.stats()`` byte accounting and their processes' RSS (with parts).
 
     See the module docstring for what each figure counts.
@@ -81,7 +85,9 @@ def shard_memory(dp: Any) -> dict[str, Any]:
     return out
 
 
-def _wait_released(dp: Any, baseline: dict[str, Any], limit: float, wait_s: float) -> tuple[dict, float]:
+def _wait_released(
+    dp: ModuleType, baseline: dict[str, Any], limit: float, wait_s: float
+) -> tuple[dict[str, Any], float]:
     """Poll the shards' memory until it is within ``limit`` bytes of ``baseline`` or ``wait_s`` passes."""
     start = time.perf_counter()
     while True:
@@ -93,7 +99,7 @@ def _wait_released(dp: Any, baseline: dict[str, Any], limit: float, wait_s: floa
 
 
 def store_memory(
-    dp: Any, keys: list[str], partition_id: str, td: Any, payload_bytes: int, wait_s: float
+    dp: ModuleType, keys: list[str], partition_id: str, td: TensorDict, payload_bytes: int, wait_s: float
 ) -> dict[str, Any]:
     """Shard memory empty, holding ``td`` under ``keys``, and after clear (polled up to ``wait_s``).
 

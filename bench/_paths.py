@@ -15,10 +15,18 @@ Readers are ``bench._reader.Reader`` actors, one per path.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from bench import _common, _memory
 from bench._harness import PARTITION, Config, bare_latency, call, check_summary, kv_latency, new_reader
+from bench._reader import Summary
+
+if TYPE_CHECKING:
+    import torch
+    from ray import ObjectRef
+    from tensordict import TensorDict
 
 
 class BenchPath:
@@ -26,7 +34,9 @@ class BenchPath:
 
     name = "?"
 
-    def __init__(self, cfg: Config, td: Any, expected: dict[str, Any], small: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: Config, td: TensorDict, expected: Summary, small: dict[str, torch.Tensor]
+    ) -> None:
         self.cfg, self.td, self.expected, self.small = cfg, td, expected, small
         self.keys = [f"k{i}" for i in range(cfg.rows)]
         self.reader: Any = None
@@ -47,7 +57,7 @@ class BenchPath:
             ray.kill(self.reader)
             self.reader = None
 
-    def _latency(self, api: Any = None) -> dict[str, Any]:
+    def _latency(self, api: ModuleType | None = None) -> dict[str, _common.Latency]:
         """Bare Ray actor-call latency with this path's reader, then ``api``'s single-key latency.
 
         ``bare_ray`` ships the same two tensors as the single-key put; ``bare_ray_no_arg`` is the
@@ -59,7 +69,9 @@ class BenchPath:
         }
         return {**out, **kv_latency(self.cfg, api, self.small)} if api is not None else out
 
-    def _kv_round(self, put: Any, read: Any, clear: Any) -> dict[str, float]:
+    def _kv_round(
+        self, put: Callable[[], object], read: Callable[[], ObjectRef], clear: Callable[[], object]
+    ) -> dict[str, float]:
         put_s, _ = _common.timed(put)
         get_s, got = _common.timed(lambda: call(self.cfg, read()))
         check_summary(self.name, got, self.expected)

@@ -16,7 +16,18 @@ reply costs the same for every path. What "held" means per path, so the comparis
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+
+class Summary(TypedDict):
+    """What a reader saw: the bytes, each field's first and last element, where the bytes live."""
+
+    nbytes: int
+    samples: dict[str, list[float]]
+    backing: NotRequired[dict[str, str]]  # per field, the mapping that holds it (probe=True)
 
 
 def backing(address: int) -> str:
@@ -33,7 +44,7 @@ def backing(address: int) -> str:
     return "?"
 
 
-def summarize_fields(td: Any, *, copy: bool = False, probe: bool = False) -> dict[str, Any]:
+def summarize_fields(td: Any, *, copy: bool = False, probe: bool = False) -> Summary:
     """Byte count and first/last element of every field of ``td`` (dense or jagged nested tensors).
 
     With ``copy=True`` each field is cloned first (the bytes end up in this process's own memory).
@@ -53,7 +64,7 @@ def summarize_fields(td: Any, *, copy: bool = False, probe: bool = False) -> dic
         nbytes += flat.numel() * flat.element_size()
         samples[name] = [float(flat[0]), float(flat[-1])] if flat.numel() else []
         del flat
-    out = {"nbytes": nbytes, "samples": samples}
+    out: Summary = {"nbytes": nbytes, "samples": samples}
     if probe:
         out["backing"] = where
     return out
@@ -65,11 +76,11 @@ class Reader:
     def pid(self) -> int:
         return os.getpid()
 
-    def noop(self, x: Any = None) -> None:
+    def noop(self, x: object = None) -> None:
         """The bare Ray actor call that single-key latencies are compared against (with and without x)."""
         return None
 
-    def read_ray(self, refs: list[Any], probe: bool = False) -> dict[str, Any]:
+    def read_ray(self, refs: list[ObjectRef], probe: bool = False) -> Summary:
         import ray
 
         # The reference arrives wrapped in a list so Ray does not resolve it before the call.
@@ -81,7 +92,7 @@ class Reader:
 
         tq.init()
 
-    def read_tq(self, keys: list[str], partition_id: str, probe: bool = False) -> dict[str, Any]:
+    def read_tq(self, keys: list[str], partition_id: str, probe: bool = False) -> Summary:
         import transfer_queue as tq
 
         return summarize_fields(tq.kv_batch_get(keys, partition_id), probe=probe)
@@ -93,7 +104,7 @@ class Reader:
 
     def read_store(
         self, keys: list[str], partition_id: str, copy: bool | None = None, probe: bool = False
-    ) -> dict[str, Any]:
+    ) -> Summary:
         import dataplane as dp
 
         kwargs: dict[str, Any] = {} if copy is None else {"copy": copy}

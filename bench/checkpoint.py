@@ -35,12 +35,15 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bench import _common
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def _fsync_tree(path: str) -> None:
                 os.close(fd)
 
 
-def _payload(cfg: argparse.Namespace) -> Any:
+def _payload(cfg: argparse.Namespace) -> TensorDict:
     import torch
     from tensordict import TensorDict
 
@@ -87,7 +90,7 @@ class Disk:
     into fresh memory. A round runs right before each system's save, so that every figure meets the
     same weather on a shared machine; the ratios use the best round of each."""
 
-    def __init__(self, payload: Any, workdir: str) -> None:
+    def __init__(self, payload: TensorDict, workdir: str) -> None:
         self.data = memoryview(payload["x"].numpy().reshape(-1).view(np.uint8))
         self.path = os.path.join(workdir, "disk.bin")
         self.writes: list[float] = []
@@ -117,12 +120,12 @@ class Disk:
             raise RuntimeError("the disk read back other bytes")
         os.unlink(path)
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> dict[str, _common.Throughput]:
         n = len(self.data)
         return {"write": _common.throughput(n, self.writes), "read": _common.throughput(n, self.reads)}
 
 
-def _check_rows(get: Any, payload: Any, keys: list[str]) -> None:
+def _check_rows(get: Callable[[list[str]], TensorDict], payload: TensorDict, keys: list[str]) -> None:
     """A load gave back the payload's bytes (first and last rows compared)."""
     import torch
 
@@ -135,7 +138,7 @@ def _check_rows(get: Any, payload: Any, keys: list[str]) -> None:
         raise RuntimeError("a load gave back other bytes than were saved")
 
 
-def run_store(cfg: argparse.Namespace, payload: Any, workdir: str, disk: Disk) -> dict[str, Any]:
+def run_store(cfg: argparse.Namespace, payload: TensorDict, workdir: str, disk: Disk) -> dict[str, Any]:
     import dataplane as dp
 
     nbytes = payload["x"].numel() * 4
@@ -179,7 +182,7 @@ def _tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
 
 
-def run_tq(cfg: argparse.Namespace, payload: Any, workdir: str, disk: Disk) -> dict[str, Any]:
+def run_tq(cfg: argparse.Namespace, payload: TensorDict, workdir: str, disk: Disk) -> dict[str, Any]:
     """TransferQueue's checkpoint of the same rows, each written by its own ``kv_put``.
 
     Rows of one ``kv_batch_put`` stay views of the batch's received buffer in its storage units, and

@@ -29,7 +29,7 @@ import argparse
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench import _common
@@ -51,7 +51,7 @@ def _fill(put_batch, pid: str, rows: int, chunk: int = 20_000) -> None:
         put_batch(keys, pid, TensorDict({FIELD: torch.arange(start, start + n)}, [n]))
 
 
-def _next_batch_latency(take, calls: int) -> dict[str, Any]:
+def _next_batch_latency(take: Callable[[], int], calls: int) -> _common.Latency:
     samples = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -101,7 +101,9 @@ def _consumer_class(system: str, poll_s: float):
     return Consumer
 
 
-def _wakeup(system: str, put_one, rounds: int, poll_s: float) -> dict[str, Any]:
+def _wakeup(
+    system: str, put_one: Callable[[str, str, str], object], rounds: int, poll_s: float
+) -> _common.Latency:
     import ray
 
     consumer = _consumer_class(system, poll_s).remote()

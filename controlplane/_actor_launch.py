@@ -16,12 +16,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane._config import RANK_ENV_KEYS
 from controlplane._devices import accelerator_resource, local_ranks_by_node
 from controlplane.resource_pool import BundleSlot, RayResourcePool, ResourcePool
 from controlplane.worker import get_free_port, get_node_ip
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+    from controlplane.class_with_init_args import RayClassWithInitArgs
 
 # Environment a group sets for each rank (what Worker reads, plus verl's extras); user-provided
 # worker_env may not override these.
@@ -49,7 +55,7 @@ def slot_node_ids(slots: Sequence[BundleSlot]) -> list[str]:
     """The node id each slot's bundle was placed on (placement groups must be ready)."""
     import ray.util
 
-    tables: dict[Any, dict[int, str]] = {}
+    tables: dict[PlacementGroup, dict[int, str]] = {}
     nodes = []
     for slot in slots:
         pg = slot.placement_group
@@ -98,7 +104,8 @@ def master_addr_port(slot: BundleSlot) -> tuple[str, int]:
     strategy = PlacementGroupSchedulingStrategy(
         placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index
     )
-    return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=120)
+    found: tuple[str, int] = ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=120)
+    return found
 
 
 def check_worker_env(worker_env: dict[str, str] | None) -> None:
@@ -140,7 +147,7 @@ def rank_env(
     return env
 
 
-def actor_class_name(ray_cls: Any) -> str:
+def actor_class_name(ray_cls: object) -> str:
     """``Foo`` for ``ray.remote(Foo)`` (Ray names the wrapper ``ActorClass(Foo)``)."""
     name = type(ray_cls).__name__
     match = re.fullmatch(r"ActorClass\((.+)\)", name)
@@ -148,7 +155,7 @@ def actor_class_name(ray_cls: Any) -> str:
 
 
 def launch_workers(
-    ray_cls_with_init: Any,
+    ray_cls_with_init: RayClassWithInitArgs,
     places: Sequence[RankPlace],
     *,
     prefix: str,
@@ -160,7 +167,7 @@ def launch_workers(
     worker_env: dict[str, str] | None,
     namespace: str | None = None,
     device_name: str = "cuda",
-) -> tuple[list[Any], list[str]]:
+) -> tuple[list[ActorHandle], list[str]]:
     """Start one actor per place (without waiting); returns handles and names in rank order.
 
     The runtime environment of a ``@ray.remote(runtime_env=...)`` class and of
@@ -195,7 +202,7 @@ def launch_workers(
     return workers, names
 
 
-def _base_runtime_env(ray_cls_with_init: Any) -> dict[str, Any]:
+def _base_runtime_env(ray_cls_with_init: RayClassWithInitArgs) -> dict[str, Any]:
     """The class's ``@ray.remote`` runtime env overlaid with ``update_options``' (env vars merged)."""
     defaults = getattr(ray_cls_with_init.cls, "_default_options", None) or {}  # @ray.remote(...) options
     decorated = dict(defaults.get("runtime_env") or {})
@@ -211,7 +218,7 @@ def _base_runtime_env(ray_cls_with_init: Any) -> dict[str, Any]:
 class LaunchedGroup:
     """What :func:`launch_group` started: actors and names in rank order, and the rendezvous."""
 
-    workers: list[Any]
+    workers: list[ActorHandle]
     names: list[str]
     master_addr: str
     master_port: int
@@ -219,7 +226,7 @@ class LaunchedGroup:
 
 def launch_group(
     pool: ResourcePool,
-    ray_cls_with_init: Any,
+    ray_cls_with_init: RayClassWithInitArgs,
     *,
     name_prefix: str,
     bin_pack: bool,

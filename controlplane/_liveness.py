@@ -5,15 +5,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from controlplane.errors import WorkerDiedError
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
 
-def actor_id_hex(handle: Any) -> str:
-    return handle._actor_id.hex()
+def actor_id_hex(handle: ActorHandle) -> str:
+    hex_id: str = handle._actor_id.hex()
+    return hex_id
 
 
 def dead_worker_error(rank: int, name: str, cause: BaseException | str) -> WorkerDiedError:
@@ -28,10 +33,10 @@ class LivenessProbe:
     with ``RayActorError`` as soon as Ray knows it died.
     """
 
-    def __init__(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+    def __init__(self, workers: Sequence[ActorHandle], names: Sequence[str]) -> None:
         self._workers = list(workers)
         self._names = list(names)
-        self._pending: dict[int, Any] = {}
+        self._pending: dict[int, ObjectRef] = {}
 
     def poll(self, timeout_s: float) -> WorkerDiedError | None:
         """Return an error for the first dead worker found within ``timeout_s``, else None."""

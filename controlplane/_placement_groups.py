@@ -11,9 +11,12 @@ import ipaddress
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import ControlPlaneError, ResourceShortageError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +185,7 @@ def check_feasible(store: Sequence[int], spec: dict[str, float], strategy: str, 
     )
 
 
-def holders(exclude: Sequence[Any] = ()) -> list[str]:
+def holders(exclude: Sequence[PlacementGroup] = ()) -> list[str]:
     """What holds CPUs and GPUs now: placed placement groups (not those in ``exclude``) and actors
     outside any placement group, each as ``kind 'name' (resources)``; best effort (empty if Ray does
     not tell)."""
@@ -232,7 +235,7 @@ def ip_sort_key(ip: str) -> tuple[int, int, int | str]:
         return (1, 0, ip)
 
 
-def _node_ip_of(pg: Any, ip_by_node: dict[str, str]) -> str:
+def _node_ip_of(pg: PlacementGroup, ip_by_node: dict[str, str]) -> str:
     import ray.util
 
     table = ray.util.placement_group_table(pg)
@@ -240,7 +243,7 @@ def _node_ip_of(pg: Any, ip_by_node: dict[str, str]) -> str:
     return "" if node_id is None else ip_by_node.get(node_id, "")
 
 
-def sort_by_node_ip(pgs: Sequence[Any]) -> list[Any]:
+def sort_by_node_ip(pgs: Sequence[PlacementGroup]) -> list[PlacementGroup]:
     """Placement groups ordered by the IP of their bundle-0 node, numerically; ties keep order."""
     ip_by_node = {node["NodeID"]: node["NodeManagerAddress"] for node in _alive_nodes()}
     keyed = [(ip_sort_key(_node_ip_of(pg, ip_by_node)), i, pg) for i, pg in enumerate(pgs)]
@@ -255,7 +258,7 @@ def create_placement_groups(
     name_prefix: str,
     detached: bool,
     timeout_s: float,
-) -> list[Any]:
+) -> list[PlacementGroup]:
     """One placement group per node entry; wait until all are placed or the deadline passes.
 
     Raises:
@@ -307,7 +310,7 @@ def create_placement_groups(
     return sort_by_node_ip(pgs)
 
 
-def remove_placement_groups(pgs: Sequence[Any], timeout_s: float = 30.0) -> None:
+def remove_placement_groups(pgs: Sequence[PlacementGroup], timeout_s: float = 30.0) -> None:
     """Remove placement groups and wait (up to ``timeout_s``) until Ray reports them removed."""
     import time
 

@@ -33,9 +33,12 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from controlplane import _config
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 # Attribute set by enable_auto_padding on objects that take attributes (TensorDict, user classes).
 AUTO_PADDING_ATTR = "_controlplane_auto_padding"
@@ -49,7 +52,7 @@ class AutoPadList(list[Any]):
     _controlplane_auto_padding = True
 
 
-def is_tensordict(x: Any) -> bool:
+def is_tensordict(x: object) -> TypeGuard[TensorDictBase]:
     """True if ``x`` is a TensorDict.
 
     Checked through ``sys.modules``: a TensorDict can only exist once tensordict is imported, and
@@ -78,7 +81,7 @@ def enable_auto_padding(batch: Any) -> Any:
     return batch
 
 
-def auto_padding_requested(batch: Any) -> bool:
+def auto_padding_requested(batch: object) -> bool:
     """True if padding ``batch`` to a multiple of the ranks was asked for, by any of:
 
     * ``enable_auto_padding(batch)`` (or the class attribute ``_controlplane_auto_padding = True``);
@@ -97,7 +100,7 @@ def auto_padding_requested(batch: Any) -> bool:
     return _batch_wants_padding(batch)
 
 
-def _batch_wants_padding(batch: Any) -> bool:
+def _batch_wants_padding(batch: object) -> bool:
     """The batch's own say (duck typing verl's ``DataProto``, which is never imported here)."""
     ask = getattr(batch, "is_padding_enabled", None)
     if callable(ask):
@@ -106,12 +109,12 @@ def _batch_wants_padding(batch: Any) -> bool:
     return isinstance(meta, dict) and bool(meta.get(VERL_AUTO_PADDING_KEY, False))
 
 
-def _is_generic_batch(x: Any) -> bool:
+def _is_generic_batch(x: object) -> bool:
     cls = type(x)
     return callable(getattr(cls, "chunk", None)) and callable(getattr(cls, "concat", None))
 
 
-def is_batch(x: Any) -> bool:
+def is_batch(x: object) -> bool:
     """True if ``x`` follows the batch protocol (can be chunked along its first dimension)."""
     if is_tensordict(x):
         return len(x.batch_size) > 0
@@ -128,13 +131,13 @@ def length(x: Any) -> int | None:
         return None
 
 
-def _tensordict_length(td: Any) -> int:
+def _tensordict_length(td: TensorDictBase) -> int:
     if not td.batch_size:
         raise TypeError("a TensorDict with an empty batch_size has no samples to count")
     return int(td.batch_size[0])
 
 
-def allows_uneven(x: Any) -> bool:
+def allows_uneven(x: object) -> bool:
     """True if ``x`` accepts chunks of different sizes (so it never needs padding)."""
     if is_tensordict(x) or isinstance(x, list | tuple):
         return False

@@ -19,15 +19,30 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from controlplane.decorator import MAGIC_ATTR, Execute, get_dispatch_fn, get_execute_fn_name
 from controlplane.dispatch import CHUNK_INFO_KWARG, PADDING_KWARG, ChunkInfo, unpad_result
 from controlplane.future import BatchFuture, wrap_future
 from controlplane.per_rank import mark_dispatched
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
 logger = logging.getLogger(__name__)
+
+
+class BindableGroup(Protocol):
+    """What a group method needs of its group: its size and a wait for per-rank refs (the execute
+    method, ``execute_all_async`` or ``execute_rank_zero_async``, is looked up by name)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def _wait(
+        self, refs: ObjectRef | Sequence[ObjectRef], timeout: float | None = None, method: str | None = None
+    ) -> Any: ...
 
 
 class GroupMethod:
@@ -35,7 +50,7 @@ class GroupMethod:
 
     def __init__(
         self,
-        worker_group: Any,
+        worker_group: BindableGroup,
         method_name: str,
         *,
         dispatch_fn: Callable[..., Any],
@@ -98,7 +113,7 @@ class Launched(NamedTuple):
     """A started group call: ``refs`` (a list per rank, or rank 0's single ref), the samples
     padding added, and what the dispatch chunked."""
 
-    refs: Any
+    refs: ObjectRef | list[ObjectRef]
     pad: int
     info: ChunkInfo | None
 
@@ -111,7 +126,7 @@ def _size_future(future: BatchFuture, info: ChunkInfo) -> None:
 
 
 def bind_group_method(
-    worker_group: Any,
+    worker_group: BindableGroup,
     method_name: str,
     *,
     dispatch_fn: Callable[..., Any],
@@ -185,7 +200,7 @@ def missing_method_hint(user_cls: type, name: str) -> str:
     return f"{cls_name} has no method {name!r}{hint}; its @register methods: {registered}"
 
 
-def bind_worker_methods(worker_group: Any, user_cls: type, prefix: str = "") -> list[str]:
+def bind_worker_methods(worker_group: BindableGroup, user_cls: type, prefix: str = "") -> list[str]:
     """Set ``worker_group.<prefix><name>`` for every ``@register`` method of ``user_cls``.
 
     The remote method called on each actor is ``<prefix><name>`` too (a colocated class

@@ -52,8 +52,8 @@ class BridgedCall:
     """
 
     func: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
     collect: bool
     replicated: bool
     call_on_empty: bool
@@ -68,16 +68,16 @@ class WorkerBridge(Protocol):
     async def arun(self, call: BridgedCall) -> Any: ...
 
 
-def find_bridge(args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerBridge | None:
+def find_bridge(args: tuple[object, ...], kwargs: dict[str, object]) -> WorkerBridge | None:
     """The bridge of the first argument whose class implements the protocol, else ``None``."""
     for value in (*args, *kwargs.values()):
-        bridge = getattr(type(value), BRIDGE_ATTR, None)
+        bridge: WorkerBridge | None = getattr(type(value), BRIDGE_ATTR, None)
         if bridge is not None:
             return bridge
     return None
 
 
-def collect_rule(dispatch_mode: Any) -> Callable[[Any], bool]:
+def collect_rule(dispatch_mode: object) -> Callable[[object], bool]:
     """``worker -> bool``: does this worker write per-row outputs back under ``dispatch_mode``?
 
     A mesh dispatch (``make_nd_compute_dispatch_fn``): the ranks registered as collect ranks of
@@ -89,7 +89,7 @@ def collect_rule(dispatch_mode: Any) -> Callable[[Any], bool]:
         if mesh is None:
             return lambda _worker: True
 
-        def on_mesh(worker: Any) -> bool:
+        def on_mesh(worker: object) -> bool:
             query = getattr(worker, "query_collect_info", None)
             return True if query is None else bool(query(mesh))
 
@@ -99,7 +99,7 @@ def collect_rule(dispatch_mode: Any) -> Callable[[Any], bool]:
     return lambda _worker: True
 
 
-def _replicated(dispatch_mode: Any) -> bool:
+def _replicated(dispatch_mode: object) -> bool:
     return dispatch_mode is Dispatch.ONE_TO_ALL or dispatch_mode is Dispatch.ALL_TO_ALL
 
 
@@ -112,7 +112,7 @@ def unwrap(func: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]
 
 
 def bridged(
-    func: Callable[..., Any], dispatch_mode: Any = None, *, call_on_empty: bool = False
+    func: Callable[..., Any], dispatch_mode: object = None, *, call_on_empty: bool = False
 ) -> Callable[..., Any]:
     """``func`` wrapped so that a call with a bridging argument goes through that argument's bridge.
 
@@ -130,7 +130,7 @@ def bridged(
     replicated = _replicated(dispatch_mode)
     name = getattr(func, "__qualname__", repr(func))
 
-    def make_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> BridgedCall:
+    def make_call(args: tuple[object, ...], kwargs: dict[str, object]) -> BridgedCall:
         collect = is_collect(args[0]) if args else True
         return BridgedCall(func, args, kwargs, collect, replicated, call_on_empty, name)
 

@@ -13,10 +13,14 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
 
-def check_init_args(user_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_init_args(user_cls: type, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """Refuse constructor arguments ``user_cls.__init__`` cannot take, before any actor starts.
 
     Only what is certainly wrong is refused: unknown keyword names (unless the constructor takes
@@ -67,7 +71,7 @@ def check_actor_options(options: dict[str, Any]) -> None:
         raise unknown_kwargs_error("Ray actor options", unknown, known)
 
 
-def unwrap_actor_class(cls: Any) -> type:
+def unwrap_actor_class(cls: object) -> type:
     """The user's Python class behind ``ray.remote(cls)`` (or ``cls`` itself if not wrapped)."""
     meta = getattr(cls, "__ray_metadata__", None)
     if meta is None:
@@ -76,7 +80,8 @@ def unwrap_actor_class(cls: Any) -> type:
         return cls
     modified = meta.modified_class
     # Ray wraps the class in a subclass; its first base is the user's class.
-    return modified.__bases__[0] if modified.__bases__ else modified
+    user_cls: type = modified.__bases__[0] if modified.__bases__ else modified
+    return user_cls
 
 
 class ClassWithInitArgs:
@@ -151,16 +156,16 @@ class RayClassWithInitArgs(ClassWithInitArgs):
 
     def __call__(
         self,
-        placement_group: Any = None,
+        placement_group: PlacementGroup | None = None,
         placement_group_bundle_idx: int = 0,
         use_gpu: bool = True,
         num_gpus: float = 1,
-        sharing_with: Any = None,
+        sharing_with: ActorHandle | None = None,
         device_name: str = "cuda",
         *,
         num_cpus: float | None = None,
         options: dict[str, Any] | None = None,
-    ) -> Any:
+    ) -> ActorHandle:
         """Start one actor and return its handle.
 
         Args:
@@ -192,7 +197,7 @@ class RayClassWithInitArgs(ClassWithInitArgs):
 
     def actor_options(
         self,
-        placement_group: Any = None,
+        placement_group: PlacementGroup | None = None,
         placement_group_bundle_idx: int = 0,
         *,
         use_gpu: bool = True,
@@ -235,7 +240,7 @@ class RayClassWithInitArgs(ClassWithInitArgs):
         return opts
 
 
-def _call(actor: Any, method: str) -> Any:
+def _call(actor: ActorHandle, method: str) -> Any:
     import ray
 
     if not hasattr(actor, method):

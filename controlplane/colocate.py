@@ -35,7 +35,8 @@ from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithIni
 from controlplane.decorator import MAGIC_ATTR
 from controlplane.worker import Worker
 
-RoleSpecs = dict[str, tuple[type, tuple[Any, ...], dict[str, Any]]]
+# role -> (its class, the constructor's positional and keyword arguments)
+RoleSpecs = dict[str, tuple[type, tuple[object, ...], dict[str, object]]]
 
 
 class RoleHost(Worker):
@@ -53,13 +54,13 @@ class RoleHost(Worker):
             self._role_instances[role] = cls(*args, **kwargs)
         return self._role_instances
 
-    def _role_method(self, role: str, method: str) -> Any:
+    def _role_method(self, role: str, method: str) -> Callable[..., Any]:
         worker = self._role_instances.get(role)
         if worker is None:
             raise ValueError(
                 f"no role {role!r} in {type(self).__name__}; roles: {sorted(self._role_instances)}"
             )
-        fn = getattr(worker, method, None)
+        fn: Callable[..., Any] | None = getattr(worker, method, None)
         if fn is None or not callable(fn):
             raise AttributeError(f"role {role!r} ({type(worker).__name__}) has no method {method!r}")
         return fn
@@ -74,9 +75,9 @@ class RoleHost(Worker):
         return self._mesh_answer(mesh_name, "dispatch", super().query_dispatch_info)
 
     def query_collect_info(self, mesh_name: str) -> bool:
-        return self._mesh_answer(mesh_name, "collect", super().query_collect_info)
+        return bool(self._mesh_answer(mesh_name, "collect", super().query_collect_info))
 
-    def _mesh_answer(self, mesh_name: str, kind: str, own: Callable[[str], Any]) -> Any:
+    def _mesh_answer(self, mesh_name: str, kind: str, own: Callable[[str], int]) -> int:
         if mesh_name in self.get_dispatch_collect()[kind]:
             return own(mesh_name)
         answers = {
@@ -93,7 +94,7 @@ class RoleHost(Worker):
             )
         return next(iter(answers.values()))
 
-    def _role_mesh_info(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def _role_mesh_info(self) -> dict[str, dict[str, dict[str, int]]]:
         return {
             role: worker.get_dispatch_collect()
             for role, worker in self._role_instances.items()
@@ -115,7 +116,7 @@ class ColocatedWorker(RoleHost):
 
 
 # ---- building the classes ------------------------------------------------------------------
-def role_classes(user_cls: Any) -> dict[str, type]:
+def role_classes(user_cls: object) -> dict[str, type]:
     """``{role: user class}`` of a colocated or fused class (empty for any other class).
 
     Example:
@@ -152,7 +153,7 @@ def has_async_methods(cls: type) -> bool:
     return any(inspect.iscoroutinefunction(fn) for _, fn in inspect.getmembers(cls, callable))
 
 
-def _forwarder(role: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _forwarder(role: str, name: str, fn: Callable[..., object]) -> Callable[..., Any]:
     """A method of the host running ``<role instance>.<name>``; it carries the role's
     ``@register`` settings so the group binds it with the role's dispatch/execute/blocking.
     Futures are resolved by the role's own wrapper, so the forwarder passes arguments as is."""
@@ -171,7 +172,9 @@ def _forwarder(role: str, name: str, fn: Callable[..., Any]) -> Callable[..., An
     return forward
 
 
-def prefixed_methods(specs: RoleSpecs, base: type, reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
+def prefixed_methods(
+    specs: RoleSpecs, base: type, reserved: frozenset[str] = frozenset()
+) -> dict[str, Callable[..., Any]]:
     """``{f"{role}_{method}": forwarder}`` for every ``@register`` method of every role.
 
     Raises:
@@ -179,7 +182,7 @@ def prefixed_methods(specs: RoleSpecs, base: type, reserved: frozenset[str] = fr
             with an attribute of ``base`` (role ``get`` + method ``pid`` would hide ``get_pid``)
             or with a name in ``reserved``.
     """
-    methods: dict[str, Any] = {}
+    methods: dict[str, Callable[..., Any]] = {}
     owner: dict[str, str] = {}
     for role, (cls, _, _) in specs.items():
         for name in registered_methods(cls):
@@ -196,10 +199,10 @@ def prefixed_methods(specs: RoleSpecs, base: type, reserved: frozenset[str] = fr
     return methods
 
 
-def host_namespace(specs: RoleSpecs, base: type, reserved: frozenset[str] = frozenset()) -> dict[str, Any]:
+def host_namespace(specs: RoleSpecs, base: type, reserved: frozenset[str] = frozenset()) -> dict[str, object]:
     """Class attributes of a generated host class: the specs, the prefixed methods and, when a
     role has ``async def`` methods, the async entry point (only then: it makes the actor async)."""
-    namespace: dict[str, Any] = {"_role_specs": specs, "__module__": base.__module__}
+    namespace: dict[str, object] = {"_role_specs": specs, "__module__": base.__module__}
     namespace.update(prefixed_methods(specs, base, reserved))
     if any(has_async_methods(cls) for cls, _, _ in specs.values()):
         namespace["_colocated_call_async"] = _colocated_call_async

@@ -56,16 +56,19 @@ _DISPATCH_REGISTRY: dict[Dispatch, dict[str, Callable[..., Any]]] = {
     },
 }
 
+# A call's positional and keyword arguments (a user's values, passed to the method).
+Arguments = tuple[tuple[object, ...], dict[str, object]]
+
 _EXECUTE_FN_NAMES = {Execute.ALL: "execute_all_async", Execute.RANK_ZERO: "execute_rank_zero_async"}
 
 
-def _check_fns(dispatch_fn: Any, collect_fn: Any) -> None:
+def _check_fns(dispatch_fn: object, collect_fn: object) -> None:
     for key, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
         if not callable(fn):
             raise TypeError(f"{key} must be callable, got {type(fn).__name__}")
 
 
-def _validate_dispatch_mode(mode: Any) -> None:
+def _validate_dispatch_mode(mode: object) -> None:
     if isinstance(mode, Dispatch):
         if mode not in _DISPATCH_REGISTRY:
             raise ValueError(
@@ -137,13 +140,13 @@ def get_execute_fn_name(mode: Execute) -> str:
     return _EXECUTE_FN_NAMES[mode]
 
 
-def _materialize_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _materialize_args(args: tuple[object, ...], kwargs: dict[str, object]) -> Arguments:
     return tuple(materialize(a) for a in args), {k: materialize(v) for k, v in kwargs.items()}
 
 
-def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _warn_if_blocking_a_loop(
+    func: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+) -> None:
     """A sync method of an async actor runs on its event loop: waiting there for a future whose
     producer is queued on the same actor would stall until the future's deadline."""
     try:
@@ -158,9 +161,7 @@ def _warn_if_blocking_a_loop(func: Callable[..., Any], args: tuple[Any, ...], kw
         )
 
 
-async def _materialize_args_async(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+async def _materialize_args_async(args: tuple[object, ...], kwargs: dict[str, object]) -> Arguments:
     args = tuple([await materialize_async(a) for a in args])
     return args, {k: await materialize_async(v) for k, v in kwargs.items()}
 

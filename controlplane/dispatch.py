@@ -18,13 +18,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import ray
 
 from controlplane import batch
 from controlplane.future import BatchFuture, FutureMaker, future_maker
 from controlplane.per_rank import Broadcast, PerRank
+
+T = TypeVar("T")
 
 PADDING_KWARG = "_controlplane_pad"
 CHUNK_INFO_KWARG = "_controlplane_chunks"
@@ -42,8 +44,8 @@ class ChunkInfo(NamedTuple):
 class Split(NamedTuple):
     """What ``split_batches`` made of the arguments (see there)."""
 
-    args: list[list[Any]]
-    kwargs: dict[str, list[Any]]
+    args: list[list[object]]
+    kwargs: dict[str, list[object]]
     pad: int
     sizes: list[int] | None
     uneven: bool
@@ -67,8 +69,8 @@ class MeshGroup(Group, Protocol):
 
 
 # What a dispatch function returns: the positional and keyword arguments, each a list with one
-# entry per rank.
-Dispatched = tuple[tuple[Any, ...], dict[str, Any]]
+# entry per rank (the caller's values, passed along).
+Dispatched = tuple[tuple[object, ...], dict[str, object]]
 
 
 def _arg_name(key: int | str) -> str:
@@ -120,26 +122,26 @@ def dispatch_rank_zero(worker_group: Group, *args: Any, **kwargs: Any) -> Dispat
     return dispatch_one_to_all(worker_group, *args, **kwargs)
 
 
-def collect_all(worker_group: Group, outputs: list[Any]) -> list[Any]:
+def collect_all(worker_group: Group, outputs: list[T]) -> list[T]:
     """The per-rank outputs as a list in rank order (``ObjectRef``s when not blocking)."""
     return list(outputs)
 
 
-def collect_dp_compute(worker_group: Group, outputs: list[Any]) -> list[Any]:
+def collect_dp_compute(worker_group: Group, outputs: list[T]) -> list[T]:
     """The per-rank outputs as a list; checks there is one per rank."""
     if len(outputs) != worker_group.world_size:
         raise ValueError(f"expected {worker_group.world_size} outputs (one per rank), got {len(outputs)}")
     return list(outputs)
 
 
-def collect_rank_zero(worker_group: Group, output: Any) -> Any:
+def collect_rank_zero(worker_group: Group, output: T) -> T:
     """Rank 0's single output, unchanged."""
     return output
 
 
 # ------------------------------------------------------------------ chunking
 def split_batches(
-    n: int, args: Sequence[Any], kwargs: dict[str, Any], *, mode: str, replicate_first: bool = False
+    n: int, args: Sequence[object], kwargs: dict[str, object], *, mode: str, replicate_first: bool = False
 ) -> Split:
     """Chunk every batch argument into ``n`` pieces, replicate the others.
 
@@ -158,7 +160,7 @@ def split_batches(
             not divide ``n`` without padding (the message names the sizes).
         TypeError: a batch that cannot be chunked or padded.
     """
-    items: list[tuple[int | str, Any]] = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    items: list[tuple[int | str, object]] = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     if replicate_first:
         items = items[1:]
     batch_keys = [key for key, value in items if _is_batch_arg(key, value)]
@@ -193,7 +195,7 @@ def split_batches(
     return Split(args_out, kwargs_out, pad, sizes, uneven, maker)
 
 
-def _no_batch_message(mode: str, items: list[tuple[int | str, Any]]) -> str:
+def _no_batch_message(mode: str, items: list[tuple[int | str, object]]) -> str:
     """Why a split mode found nothing to split: what each argument was, and for a dict what to do.
 
     Example:
@@ -217,13 +219,13 @@ def _no_batch_message(mode: str, items: list[tuple[int | str, Any]]) -> str:
     return text
 
 
-def _is_batch_arg(key: int | str, value: Any) -> bool:
+def _is_batch_arg(key: int | str, value: object) -> bool:
     if batch.is_tensordict(value) and not value.batch_size:
         raise TypeError(f"{_arg_name(key)} is a TensorDict with an empty batch_size: no samples to chunk")
     return batch.is_batch(value)
 
 
-def _piece_sizes(pieces: list[Any]) -> list[int] | None:
+def _piece_sizes(pieces: list[object]) -> list[int] | None:
     sizes = [batch.length(p) for p in pieces]
     known = [s for s in sizes if s is not None]
     return known if len(known) == len(sizes) else None
@@ -237,7 +239,7 @@ def _proto(mode: str, replicate_first: bool = False) -> Callable[..., Dispatched
         args_out, split_kwargs, pad, sizes, uneven, maker = split_batches(
             n, args, kwargs, mode=mode, replicate_first=replicate_first
         )
-        kwargs_out: dict[str, Any] = split_kwargs  # the per-rank lists, then the reserved kwargs
+        kwargs_out: dict[str, object] = {**split_kwargs}  # the per-rank lists, then the reserved kwargs
         kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(sizes, uneven, maker)
         if pad:
             kwargs_out[PADDING_KWARG] = pad
@@ -270,7 +272,7 @@ def collect_dp_compute_proto(worker_group: Group, outputs: list[Any]) -> Any:
     return concat_outputs(outputs, range(len(outputs)))
 
 
-def collect_dp_compute_metric(worker_group: Group, outputs: list[Any]) -> list[Any]:
+def collect_dp_compute_metric(worker_group: Group, outputs: list[T]) -> list[T]:
     """One output per rank, not concatenated (metrics)."""
     return collect_dp_compute(worker_group, outputs)
 
@@ -280,7 +282,7 @@ collect_dp_compute_metric.per_rank = True  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ unpadding
-def unpad_result(collect_fn: Callable[..., Any], result: Any, pad: int, sizes: list[int] | None) -> Any:
+def unpad_result(collect_fn: Callable[..., object], result: Any, pad: int, sizes: list[int] | None) -> Any:
     """Remove ``pad`` padded samples from a collected result (driver side).
 
     Concatenated results (batches, lists, futures) lose their last ``pad`` samples. Per-rank
@@ -340,14 +342,14 @@ class NdComputeDispatch:
             dp_size, args, kwargs, mode=f"nd compute (mesh {self.mesh_name!r})"
         )
 
-        def scatter(pieces: list[Any]) -> list[Any]:
+        def scatter(pieces: list[object]) -> list[object]:
             if all(p is pieces[0] for p in pieces):  # replicated argument: no put needed
                 return [pieces[0]] * len(dp_of_rank)
             refs = [ray.put(p) for p in pieces]  # one put per dp shard
             return [refs[d] for d in dp_of_rank]
 
         args_out = tuple(scatter(p) for p in args_chunks)
-        kwargs_out: dict[str, Any] = {k: scatter(p) for k, p in kwargs_chunks.items()}
+        kwargs_out: dict[str, object] = {k: scatter(p) for k, p in kwargs_chunks.items()}
         rank_sizes = None if sizes is None else [sizes[d] for d in dp_of_rank]
         kwargs_out[CHUNK_INFO_KWARG] = ChunkInfo(rank_sizes, uneven, maker)
         if pad:

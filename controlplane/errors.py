@@ -165,7 +165,8 @@ def make_call_error(
         >>> isinstance(e, KeyError), str(e).split(" (")[0]
         (True, "W.f failed on rank 1 of 2: KeyError: 'k'")
     """
-    return _dual_class(type(cause))(method, failed_ranks, cause, message, **kwargs)
+    error: WorkerCallError = _dual_class(type(cause))(method, failed_ranks, cause, message, **kwargs)
+    return error
 
 
 __all__ = [

@@ -207,7 +207,8 @@ class BatchFuture:
 
     def _fetch(self, which: list[int], timeout: float) -> list[Any]:
         try:
-            return ray.get([self.refs[i] for i in which], timeout=timeout)
+            values: list[Any] = ray.get([self.refs[i] for i in which], timeout=timeout)
+            return values
         except ray.exceptions.GetTimeoutError as exc:
             raise self._timeout(which, timeout) from exc
 
@@ -300,7 +301,7 @@ FutureMaker: TypeAlias = Callable[[list[ray.ObjectRef], Callable[[list[Any]], An
 _PLAIN = (list, tuple, dict, str, bytes, int, float, bool)
 
 
-def is_batch_future(value: Any) -> bool:
+def is_batch_future(value: object) -> bool:
     """True for a ``BatchFuture`` or a foreign batch future (duck typing verl's ``DataProtoFuture``):
     an object with a ``get()`` method and a non-empty list of ``ray.ObjectRef`` in ``futures``.
 
@@ -321,7 +322,7 @@ def is_batch_future(value: Any) -> bool:
     return isinstance(refs, list | tuple) and bool(refs) and all(isinstance(r, ray.ObjectRef) for r in refs)
 
 
-def future_maker(value: Any) -> FutureMaker | None:
+def future_maker(value: object) -> FutureMaker | None:
     """How a non-blocking call whose batch argument is ``value`` wraps its per-rank results.
 
     Looked up on the batch's class, first match wins:
@@ -344,7 +345,7 @@ def future_maker(value: Any) -> FutureMaker | None:
     if value is None or isinstance(value, BatchFuture | list | tuple) or batch.is_tensordict(value):
         return None
     cls = type(value)
-    hook = getattr(cls, "make_future", None)
+    hook: FutureMaker | None = getattr(cls, "make_future", None)
     if callable(hook):
         return hook
     ftype = getattr(cls, "future_type", None)

@@ -31,12 +31,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Generic, TypeVar
 
-RankCall = tuple[tuple[Any, ...], dict[str, Any]]
+T = TypeVar("T")
+
+# The positional and keyword arguments of one rank's call (a user's values, passed along).
+RankCall = tuple[tuple[object, ...], dict[str, object]]
 
 
-class PerRank(list[Any]):
+class PerRank(list[T]):
     """One value per rank: rank ``i`` of a group receives ``self[i]``.
 
     A ``list`` subclass, so code that indexes per-rank lists keeps working with it.
@@ -45,7 +48,7 @@ class PerRank(list[Any]):
         >>> wg.execute_all_sync("seed", PerRank([11, 12, 13, 14]))   # world_size 4
     """
 
-    def __init__(self, values: Iterable[Any] = ()) -> None:
+    def __init__(self, values: Iterable[T] = ()) -> None:
         if isinstance(values, Broadcast):
             raise TypeError("PerRank(Broadcast(...)) is contradictory; pass one or the other")
         super().__init__(values)
@@ -54,7 +57,7 @@ class PerRank(list[Any]):
         return f"PerRank({list.__repr__(self)})"
 
 
-class Broadcast:
+class Broadcast(Generic[T]):
     """A value every rank receives whole, even a list of ``world_size`` items.
 
     Example:
@@ -63,7 +66,7 @@ class Broadcast:
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: T) -> None:
         self.value = value
 
     def __repr__(self) -> str:
@@ -74,11 +77,11 @@ class Broadcast:
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and values may be unhashable
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (Broadcast, (self.value,))
 
 
-def _is_wrapped(value: Any) -> bool:
+def _is_wrapped(value: object) -> bool:
     return isinstance(value, PerRank | Broadcast)
 
 
@@ -86,7 +89,7 @@ def _arg_label(key: int | str) -> str:
     return f"positional argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
 
 
-def _check_length(value: PerRank, world_size: int, where: str) -> None:
+def _check_length(value: PerRank[object], world_size: int, where: str) -> None:
     if len(value) != world_size:
         raise ValueError(
             f"{where} is PerRank with {len(value)} values, but the group has world_size {world_size}; "
@@ -94,7 +97,7 @@ def _check_length(value: PerRank, world_size: int, where: str) -> None:
         )
 
 
-def resolve(value: Any, rank: int, world_size: int, where: str = "an argument") -> Any:
+def resolve(value: object, rank: int, world_size: int, where: str = "an argument") -> object:
     """What ``rank`` receives for ``value``: unwraps ``PerRank`` (entry ``rank``) and ``Broadcast``.
 
     Nested wrappers (a dispatch function's per-rank list holding a caller's wrapper) are
@@ -103,21 +106,22 @@ def resolve(value: Any, rank: int, world_size: int, where: str = "an argument") 
     Raises:
         ValueError: a ``PerRank`` whose length is not ``world_size`` (the message names ``where``).
     """
-    while _is_wrapped(value):
+    while True:
         if isinstance(value, Broadcast):
             value = value.value
-        else:
+        elif isinstance(value, PerRank):
             _check_length(value, world_size, where)
             value = value[rank]
-    return value
+        else:
+            return value
 
 
-def _is_per_rank_list(value: Any, world_size: int) -> bool:
+def _is_per_rank_list(value: object, world_size: int) -> bool:
     return isinstance(value, list) and len(value) == world_size
 
 
 def split_for_ranks(
-    args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, method_name: str = "method"
+    args: tuple[object, ...], kwargs: dict[str, object], world_size: int, method_name: str = "method"
 ) -> list[RankCall]:
     """The ``(args, kwargs)`` each rank is called with (the rule of this module's docstring).
 
@@ -136,8 +140,8 @@ def split_for_ranks(
     explicit = any(_is_wrapped(v) for v in values)
     if not explicit:
         if values and all(_is_per_rank_list(v, world_size) for v in values):
-            args = tuple(PerRank(a) for a in args)
-            kwargs = {k: PerRank(v) for k, v in kwargs.items()}
+            args = tuple(_mark(a) for a in args)
+            kwargs = {k: _mark(v) for k, v in kwargs.items()}
         else:  # verl: not every argument is a per-rank list, so everything is broadcast
             return [(tuple(args), dict(kwargs)) for _ in range(world_size)]
     return [
@@ -150,7 +154,7 @@ def split_for_ranks(
 
 
 def for_rank_zero(
-    args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int, method_name: str = "method"
+    args: tuple[object, ...], kwargs: dict[str, object], world_size: int, method_name: str = "method"
 ) -> RankCall:
     """The ``(args, kwargs)`` rank 0 is called with: arguments whole, wrappers resolved for rank 0.
 
@@ -163,7 +167,12 @@ def for_rank_zero(
     )
 
 
-def mark_dispatched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _mark(value: object) -> object:
+    """A list as ``PerRank`` (one entry per rank); anything else as it is."""
+    return PerRank(value) if isinstance(value, list) and not isinstance(value, PerRank) else value
+
+
+def mark_dispatched(args: tuple[object, ...], kwargs: dict[str, object]) -> RankCall:
     """Wrap a dispatch function's per-rank lists in ``PerRank`` (the binding calls this).
 
     A dispatch function returns one list entry per rank for every argument; wrapping them makes
@@ -175,11 +184,7 @@ def mark_dispatched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         >>> mark_dispatched(([1, 2],), {"x": 3})
         ((PerRank([1, 2]),), {'x': 3})
     """
-
-    def mark(value: Any) -> Any:
-        return PerRank(value) if isinstance(value, list) and not isinstance(value, PerRank) else value
-
-    return tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
+    return tuple(_mark(a) for a in args), {k: _mark(v) for k, v in kwargs.items()}
 
 
 __all__ = ["Broadcast", "PerRank"]

@@ -19,9 +19,12 @@ import secrets
 import string
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from controlplane._placement_groups import check_fits, create_placement_groups, remove_placement_groups
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 class BundleSlot(NamedTuple):
     """One process's place: a placement group and the bundle index inside it."""
 
-    placement_group: Any
+    placement_group: PlacementGroup
     bundle_index: int
 
 
@@ -147,7 +150,7 @@ class RayResourcePool(ResourcePool):
         self.detached = detached
         self.accelerator_type = accelerator_type
         self.placement_timeout_s = placement_timeout_s
-        self.pgs: list[Any] | None = None
+        self.pgs: list[PlacementGroup] | None = None
         self._strategy: str | None = None
         self._device_resource: str | None = None  # the accelerator the placement groups hold
 
@@ -169,7 +172,7 @@ class RayResourcePool(ResourcePool):
 
     def get_placement_groups(
         self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
-    ) -> list[Any]:
+    ) -> list[PlacementGroup]:
         """Create (once) and return the placement groups, sorted by node IP.
 
         ``device_name`` (default: the pool's) picks the accelerator resource of the bundles when
@@ -232,7 +235,7 @@ class RayResourcePool(ResourcePool):
         remove_placement_groups(self.pgs or [])
         self.pgs = None
 
-    def _compat_key(self) -> tuple[Any, ...]:
+    def _compat_key(self) -> tuple[Hashable, ...]:
         return (self.use_gpu, self.max_colocate_count, self.detached, self.accelerator_type, self.device_name)
 
 
@@ -251,7 +254,7 @@ class SubRayResourcePool(RayResourcePool):
 
     def __init__(
         self,
-        placement_groups: Sequence[Any],
+        placement_groups: Sequence[PlacementGroup],
         start_bundle_index: int,
         subgroup_world_size: int,
         **kwargs: Any,
@@ -278,7 +281,7 @@ class SubRayResourcePool(RayResourcePool):
 
     def get_placement_groups(
         self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
-    ) -> list[Any]:
+    ) -> list[PlacementGroup]:
         return list(self.pgs or [])
 
     def bundle_slots(self, strategy: str = "STRICT_PACK", device_name: str | None = None) -> list[BundleSlot]:
@@ -298,8 +301,8 @@ class SubRayResourcePool(RayResourcePool):
         raise TypeError("SubRayResourcePool does not own its placement groups; remove the parent pool")
 
 
-def _unique_pgs(slots: Sequence[BundleSlot]) -> list[Any]:
-    seen: dict[Any, None] = {}
+def _unique_pgs(slots: Sequence[BundleSlot]) -> list[PlacementGroup]:
+    seen: dict[PlacementGroup, None] = {}
     for slot in slots:
         seen.setdefault(slot.placement_group, None)
     return list(seen)

@@ -42,7 +42,8 @@ def get_node_ip() -> str:
         import ray
 
         if ray.is_initialized():
-            return ray.util.get_node_ip_address()
+            ip: str = ray.util.get_node_ip_address()
+            return ip
     except Exception as exc:  # pragma: no cover - Ray not usable here
         logger.debug("ray node ip unavailable: %s", exc)
     return socket.gethostbyname(socket.gethostname())
@@ -52,10 +53,11 @@ def get_free_port() -> int:
     """A TCP port that was free a moment ago on this host."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-class DispatchCollectInfo(dict[str, dict[str, Any]]):
+class DispatchCollectInfo(dict[str, dict[str, int]]):
     """``Worker.get_dispatch_collect``'s result, in verl's format.
 
     ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}``: a plain
@@ -65,7 +67,7 @@ class DispatchCollectInfo(dict[str, dict[str, Any]]):
 
     _ALIASES = {"dispatch": "dispatch_dp_rank", "collect": "collect_dp_rank"}
 
-    def __missing__(self, key: str) -> Any:
+    def __missing__(self, key: str) -> dict[str, int]:
         if key in self._ALIASES:
             return self[self._ALIASES[key]]
         raise KeyError(key)
@@ -161,7 +163,8 @@ class Worker:
     def get_node_id(self) -> str:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        node_id: str = ray.get_runtime_context().get_node_id()
+        return node_id
 
     def get_pid(self) -> int:
         return os.getpid()
@@ -189,7 +192,7 @@ class Worker:
         self._dispatch_dp_rank[mesh_name] = dp_rank
         self._collect_dp_rank[mesh_name] = bool(is_collect)
 
-    def _check_mesh_free(self, mesh_name: str, dp_rank: Any, is_collect: Any) -> None:
+    def _check_mesh_free(self, mesh_name: str, dp_rank: object, is_collect: object) -> None:
         # verl refuses any second registration of a name, even with equal values; so do we, so
         # that copying two roles' meshes under one name cannot silently keep the first.
         if mesh_name in self._dispatch_dp_rank or mesh_name in self._collect_dp_rank:

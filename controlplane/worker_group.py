@@ -19,7 +19,7 @@ import inspect
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from controlplane._actor_launch import launch_group
 from controlplane._liveness import AlivenessWatcher, LivenessProbe, actor_id_hex, dead_worker_error
@@ -27,7 +27,17 @@ from controlplane.class_with_init_args import ClassWithInitArgs, RayClassWithIni
 from controlplane.errors import WorkerDiedError
 from controlplane.resource_pool import ResourcePool
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
 logger = logging.getLogger(__name__)
+
+
+class _Remote(Protocol):
+    """A worker method as the group calls it (an actor method, or ``_RoutedMethod``)."""
+
+    def remote(self, *args: object, **kwargs: object) -> ObjectRef: ...
 
 
 class WorkerGroup:
@@ -38,12 +48,12 @@ class WorkerGroup:
     subclass decides what to start on it.
     """
 
-    def __init__(self, resource_pool: ResourcePool | None, **kwargs: Any) -> None:
+    def __init__(self, resource_pool: ResourcePool | None, **kwargs: object) -> None:
         if kwargs:  # a misspelt option must not be dropped silently
             from controlplane._strict import init_parameter_names, unknown_kwargs_error
 
             raise unknown_kwargs_error(f"{type(self).__name__}()", kwargs, init_parameter_names(type(self)))
-        self._workers: list[Any] = []
+        self._workers: list[ActorHandle] = []
         self._worker_names: list[str] = []
         self._dispatch_info: dict[str, list[int]] = {}
         self._collect_info: dict[str, list[bool]] = {}
@@ -52,7 +62,7 @@ class WorkerGroup:
         self._watcher: AlivenessWatcher | None = None
 
     # ---- membership ---------------------------------------------------------------------
-    def _set_workers(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+    def _set_workers(self, workers: Sequence[ActorHandle], names: Sequence[str]) -> None:
         """Replace the members; cached mesh info belongs to the old members and is dropped."""
         self._workers = list(workers)
         self._worker_names = list(names)
@@ -67,7 +77,7 @@ class WorkerGroup:
         return len(self._workers)
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[ActorHandle]:
         return list(self._workers)
 
     @property
@@ -105,6 +115,7 @@ class WorkerGroup:
         return list(self._collect_info[mesh_name])
 
     def _query_all(self, method_name: str, mesh_name: str) -> list[Any]:
+        # (what the workers reported: checked by the callers)
         info = self._wait(self.execute_all_async(method_name, [mesh_name] * self.world_size))
         if len(info) != self.world_size:
             raise RuntimeError(f"mesh {mesh_name!r}: {len(info)} answers for {self.world_size} workers")
@@ -138,10 +149,12 @@ class WorkerGroup:
         if error is not None:
             raise error
 
-    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def execute_all_async(self, method_name: str, *args: object, **kwargs: object) -> list[ObjectRef]:
         raise NotImplementedError
 
-    def _wait(self, refs: Any, timeout: float | None = None, method: str | None = None) -> Any:
+    def _wait(
+        self, refs: ObjectRef | Sequence[ObjectRef], timeout: float | None = None, method: str | None = None
+    ) -> Any:
         raise NotImplementedError
 
 
@@ -190,7 +203,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         detached: bool = False,
         worker_names: Sequence[str] | None = None,
-        worker_handles: Sequence[Any] | None = None,
+        worker_handles: Sequence[ActorHandle] | None = None,
         *,
         master_addr: str | None = None,
         master_port: int | None = None,
@@ -202,9 +215,9 @@ class RayWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         device_name: str | None = None,
         ray_wait_register_center_timeout: float | None = None,
-        profile_steps: Any = None,
-        worker_nsight_options: Any = None,
-        **kwargs: Any,
+        profile_steps: object = None,
+        worker_nsight_options: object = None,
+        **kwargs: object,
     ) -> None:
         from controlplane._devices import accelerator_resource
 
@@ -228,7 +241,7 @@ class RayWorkerGroup(WorkerGroup):
         self.name_prefix = name_prefix if name_prefix is not None else secrets.token_hex(3)
         self._role: str | None = None
         self._role_async: frozenset[str] = frozenset()
-        self._method_cache: dict[str, list[Any]] = {}
+        self._method_cache: dict[str, list[_Remote]] = {}
         self.wg_dict: dict[str, RayWorkerGroup] | None = None
         if (master_addr is None) != (master_port is None):
             raise ValueError("give both master_addr and master_port, or neither")
@@ -256,7 +269,7 @@ class RayWorkerGroup(WorkerGroup):
         if ray_cls_with_init is not None:
             self._bind(ray_cls_with_init.user_cls)
 
-    def _set_workers(self, workers: Sequence[Any], names: Sequence[str]) -> None:
+    def _set_workers(self, workers: Sequence[ActorHandle], names: Sequence[str]) -> None:
         self._method_cache = {}  # handles of the old members
         super()._set_workers(workers, names)
 
@@ -278,7 +291,7 @@ class RayWorkerGroup(WorkerGroup):
         logger.info("group %s: %d workers ready (%s)", self.name_prefix, self.world_size, self._worker_names)
 
     def _attach(
-        self, names: Sequence[str] | None, handles: Sequence[Any] | None, namespace: str | None
+        self, names: Sequence[str] | None, handles: Sequence[ActorHandle] | None, namespace: str | None
     ) -> None:
         import ray
 
@@ -306,6 +319,7 @@ class RayWorkerGroup(WorkerGroup):
         return bind_worker_methods(self, user_cls)
 
     def __getattr__(self, name: str) -> Any:
+        # (Any: the worker methods bound onto the group are set per instance, unseen by mypy.)
         # Only reached when normal lookup failed: say why a worker method is not a group method.
         message = f"{type(self).__name__!r} object has no attribute {name!r}"
         user_cls = self.__dict__.get("_bound_cls")
@@ -320,7 +334,7 @@ class RayWorkerGroup(WorkerGroup):
         cls,
         name_prefix: str | None = None,
         worker_names: Sequence[str] | None = None,
-        worker_handles: Sequence[Any] | None = None,
+        worker_handles: Sequence[ActorHandle] | None = None,
         ray_cls_with_init: RayClassWithInitArgs | None = None,
         namespace: str | None = None,
         **kwargs: Any,
@@ -440,7 +454,7 @@ class RayWorkerGroup(WorkerGroup):
             setattr(self, role, self.wg_dict[role])
 
     # ---- execution -------------------------------------------------------------------------
-    def _actor_methods(self, method_name: str) -> list[Any]:
+    def _actor_methods(self, method_name: str) -> list[_Remote]:
         methods = self._method_cache.get(method_name)
         if methods is None:
             if self._role is None:
@@ -451,7 +465,7 @@ class RayWorkerGroup(WorkerGroup):
             self._method_cache[method_name] = methods
         return methods
 
-    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def execute_all_async(self, method_name: str, *args: object, **kwargs: object) -> list[ObjectRef]:
         """Call ``method_name`` on every rank; returns one ``ObjectRef`` per rank, in rank order.
 
         Arguments follow verl's rule (see :mod:`controlplane.per_rank`): when every positional
@@ -478,11 +492,14 @@ class RayWorkerGroup(WorkerGroup):
 
     execute_all = execute_all_async
 
-    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def execute_all_sync(self, method_name: str, *args: object, **kwargs: object) -> list[Any]:
         """:meth:`execute_all_async`, then wait for every result."""
-        return self._wait(self.execute_all_async(method_name, *args, **kwargs), method=method_name)
+        results: list[Any] = self._wait(
+            self.execute_all_async(method_name, *args, **kwargs), method=method_name
+        )
+        return results
 
-    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def execute_rank_zero_async(self, method_name: str, *args: object, **kwargs: object) -> ObjectRef:
         """Call ``method_name`` on rank 0 only; returns its ``ObjectRef``.
 
         As in verl, the arguments reach rank 0 whole: a list of length ``world_size`` is *not*
@@ -505,10 +522,12 @@ class RayWorkerGroup(WorkerGroup):
 
     execute_rank_zero = execute_rank_zero_async
 
-    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def execute_rank_zero_sync(self, method_name: str, *args: object, **kwargs: object) -> Any:
         return self._wait(self.execute_rank_zero_async(method_name, *args, **kwargs), method=method_name)
 
-    def _wait(self, refs: Any, timeout: float | None = None, method: str | None = None) -> Any:
+    def _wait(
+        self, refs: ObjectRef | Sequence[ObjectRef], timeout: float | None = None, method: str | None = None
+    ) -> Any:
         """``ray.get`` of per-rank results that reports a failure once, naming the rank(s).
 
         Args:
@@ -579,10 +598,10 @@ class _RoutedMethod:
 
     __slots__ = ("_entry", "_role", "_method")
 
-    def __init__(self, entry: Any, role: str, method: str) -> None:
+    def __init__(self, entry: _Remote, role: str, method: str) -> None:
         self._entry, self._role, self._method = entry, role, method
 
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
+    def remote(self, *args: object, **kwargs: object) -> ObjectRef:
         return self._entry.remote(self._role, self._method, *args, **kwargs)
 
 

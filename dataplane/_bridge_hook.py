@@ -9,21 +9,24 @@ cycle). The package imports this module, so the hook is in place wherever a meta
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest
+
+if TYPE_CHECKING:
+    from dataplane.bridge import BridgedCall
 
 
 class WorkerBridgeForwarder:
     """Forwards ``run`` / ``arun`` to ``dataplane.bridge.WorkerBridge``, imported on first use."""
 
-    def run(self, call: Any) -> Any:
+    def run(self, call: BridgedCall) -> Any:
         from dataplane.bridge import WorkerBridge
 
         return WorkerBridge().run(call)
 
-    async def arun(self, call: Any) -> Any:
+    async def arun(self, call: BridgedCall) -> Any:
         from dataplane.bridge import WorkerBridge
 
         return await WorkerBridge().arun(call)

@@ -24,12 +24,16 @@ CPU-seconds per process, twice per ``tq.init``; this module needs numpy and the 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast, overload
 
 import numpy as np
 
 from dataplane import api
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
@@ -40,7 +44,38 @@ CONTROLLER_NAMESPACE = "transfer_queue"
 ROWS_FIELD_PREFIX = "__tq_rows__:"
 
 
-def visible_fields(fields: Any) -> list[str]:
+class FieldSchema(TypedDict, total=False):
+    """One field's entry of TransferQueue's ``field_schema``."""
+
+    dtype: object  # a torch.dtype; None for a non-tensor field or one of unknown dtype
+    shape: tuple[int, ...] | None  # a row's shape (a torch.Size); None when rows differ
+    is_nested: bool
+    is_non_tensor: bool
+    per_sample_shapes: list[tuple[int, ...] | None]  # each row's shape, in a BatchMeta's schema only
+
+
+Schema = dict[str, FieldSchema]
+
+
+class SamplerSpec(TypedDict):
+    """A known TransferQueue sampler by class name, with its constructor's parameters."""
+
+    name: str
+    params: NotRequired[dict[str, int]]
+
+
+class TQConfig(TypedDict):
+    """The config every process of the cluster attaches with."""
+
+    store: str  # the store's name
+    polling_mode: bool
+    sampler: SamplerSpec | None
+
+
+Tags = dict[str, object]  # one row's tags: a user's values, passed along
+
+
+def visible_fields(fields: Iterable[str]) -> list[str]:
     """``fields`` less ``dataplane.tq``'s hidden ones."""
     return [f for f in fields if not f.startswith(ROWS_FIELD_PREFIX)]
 
@@ -109,24 +144,25 @@ class FieldSchemas:
     """Per partition and field: dtype, row shape (None once rows differ), nested, non-tensor."""
 
     def __init__(self) -> None:
-        self._by_pid: dict[str, dict[str, dict[str, Any]]] = {}
+        self._by_pid: dict[str, Schema] = {}
 
-    def record(self, partition_id: str, schema: dict[str, dict[str, Any]]) -> None:
+    def record(self, partition_id: str, schema: Schema) -> None:
         mine = self._by_pid.setdefault(partition_id, {})
         for name, new in schema.items():
             old = mine.get(name)
-            entry = {k: v for k, v in new.items() if k != "per_sample_shapes"}
+            entry = new.copy()
+            entry.pop("per_sample_shapes", None)
             if old is not None and (old.get("is_nested") or old.get("shape") != entry.get("shape")):
                 entry["shape"], entry["is_nested"] = None, not entry.get("is_non_tensor", False)
             if old is not None and old.get("dtype") is not None:
                 entry["dtype"] = old["dtype"]  # TransferQueue's controller keeps the first put's dtype
             mine[name] = entry
 
-    def get(self, partition_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+    def get(self, partition_id: str, fields: list[str]) -> Schema:
         """Each field's schema; a field no TransferQueue call wrote gets an entry of unknown dtype."""
         mine = self._by_pid.get(partition_id, {})
-        unknown = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
-        return {f: dict(mine.get(f, unknown)) for f in fields}
+        unknown: FieldSchema = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
+        return {f: mine.get(f, unknown).copy() for f in fields}
 
     def forget(self, partition_id: str) -> None:
         self._by_pid.pop(partition_id, None)
@@ -141,11 +177,15 @@ class ProductionTable:
     def __init__(self, rows: dict[int, np.ndarray], num_columns: int) -> None:
         self._rows, self.num_columns = rows, num_columns
 
-    def __getitem__(self, item: Any) -> Any:
+    @overload
+    def __getitem__(self, item: tuple[int, int]) -> int: ...
+    @overload
+    def __getitem__(self, item: int) -> np.ndarray: ...
+    def __getitem__(self, item: tuple[int, int] | int) -> int | np.ndarray:
         if isinstance(item, tuple):
             gi, col = item
             row = self._rows.get(int(gi))
-            return 0 if row is None else row[col]
+            return 0 if row is None else int(row[col])
         row = self._rows.get(int(item))
         return np.zeros(self.num_columns, dtype=np.int8) if row is None else row
 
@@ -160,12 +200,12 @@ class Snapshot:
     partition_id: str
     keys_mapping: dict[str, int] = field(default_factory=dict)
     global_indexes: set[int] = field(default_factory=set)
-    custom_meta: dict[int, dict] = field(default_factory=dict)
+    custom_meta: dict[int, Tags] = field(default_factory=dict)
     field_name_mapping: dict[str, int] = field(default_factory=dict)
     production_status: ProductionTable = field(default_factory=lambda: ProductionTable({}, 0))
 
 
-def snapshot(partition_id: str, indexes_of: Any) -> Snapshot:
+def snapshot(partition_id: str, indexes_of: Callable[[str, list[str]], list[int]]) -> Snapshot:
     """The partition's keys (with their global indexes), tags, fields and which row holds which."""
     from dataplane.client import stream_ops as _stream_ops
 
@@ -196,17 +236,17 @@ class Controller:
     """The actor (see the module docstring). ``primary`` is None for the one in TransferQueue's
     namespace (it keeps the indexes); the other gets its handle and asks it."""
 
-    def __init__(self, config: dict[str, Any], primary: Any = None) -> None:
+    def __init__(self, config: TQConfig, primary: ActorHandle | None = None) -> None:
         api.init(name=config["store"], attach_only=True)
-        self._config = dict(config)
+        self._config = config.copy()
         self._primary = primary
         self._indexes = GlobalIndexes()
         self._schemas = FieldSchemas()
 
     # -- config --------------------------------------------------------------------------------
 
-    def get_config(self) -> dict[str, Any]:
-        return dict(self._config)
+    def get_config(self) -> TQConfig:
+        return self._config.copy()
 
     def ping(self) -> bool:
         return True
@@ -217,15 +257,18 @@ class Controller:
         if self._primary is not None:
             import ray
 
-            return ray.get(self._primary.indexes.remote(partition_id, keys, create))
+            found: list[int | None] = ray.get(self._primary.indexes.remote(partition_id, keys, create))
+            return found
         return self._indexes.of(partition_id, keys, create)
 
-    def describe(
-        self, partition_id: str, keys: list[str], fields: list[str]
-    ) -> tuple[list[int], dict[str, dict[str, Any]]]:
+    def _created(self, partition_id: str, keys: list[str]) -> list[int]:
+        return cast("list[int]", self.indexes(partition_id, keys, True))  # created: none is None
+
+    def describe(self, partition_id: str, keys: list[str], fields: list[str]) -> tuple[list[int], Schema]:
         """Indexes for ``keys`` (created as needed) and the schemas of ``fields``: one round trip
         for a ``BatchMeta``."""
-        return self._indexes.of(partition_id, keys, True), self._schemas.get(partition_id, fields)  # type: ignore[return-value]
+        gis = cast("list[int]", self._indexes.of(partition_id, keys, True))  # created: none is None
+        return gis, self._schemas.get(partition_id, fields)
 
     def new_rows(self, partition_id: str, n: int) -> tuple[list[int], list[str]]:
         return self._indexes.new_rows(partition_id, n)
@@ -236,10 +279,10 @@ class Controller:
     def locate(self, indexes: list[int]) -> list[tuple[str, str] | None]:
         return self._indexes.locate(indexes)
 
-    def record_schema(self, partition_id: str, schema: dict[str, dict[str, Any]]) -> None:
+    def record_schema(self, partition_id: str, schema: Schema) -> None:
         self._schemas.record(partition_id, schema)
 
-    def schemas(self, partition_id: str, fields: list[str]) -> dict[str, dict[str, Any]]:
+    def schemas(self, partition_id: str, fields: list[str]) -> Schema:
         return self._schemas.get(partition_id, fields)
 
     def forget(self, partition_id: str, keys: list[str] | None = None) -> None:
@@ -260,5 +303,5 @@ class Controller:
             self._primary.forget.remote(partition_id)
 
     def get_partition_snapshot(self, partition_id: str) -> Snapshot | None:
-        snap = snapshot(partition_id, lambda pid, keys: self.indexes(pid, keys, True))
+        snap = snapshot(partition_id, self._created)
         return snap if snap.keys_mapping or partition_id in api.kv_list() else None

@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, TypedDict, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -61,6 +61,27 @@ from dataplane.errors import (
 )
 from dataplane.meta import KVBatchMeta
 from dataplane.stream import StreamRequest, StreamResult
+
+
+class BridgedCall(Protocol):
+    """A bridged method's call as the controller hands it over (``controlplane.bridge.BridgedCall``:
+    this package never imports the controller, so it names what it reads)."""
+
+    @property
+    def func(self) -> Callable[..., Any]: ...  # the user's method: returns whatever it returns
+    @property
+    def args(self) -> tuple[object, ...]: ...
+    @property
+    def kwargs(self) -> dict[str, object]: ...
+    @property
+    def collect(self) -> bool: ...  # this rank writes per-row outputs back
+    @property
+    def replicated(self) -> bool: ...  # every rank received the same arguments
+    @property
+    def call_on_empty(self) -> bool: ...
+    @property
+    def name(self) -> str: ...
+
 
 # ---------------------------------------------------------------------------- byte counters
 
@@ -276,7 +297,7 @@ def _written(meta: KVBatchMeta, rows: TensorDict, extra: dict[str, Any], stored:
     return _result_meta(meta, written, stored.fields, extra)
 
 
-def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
+def _run_meta(call: BridgedCall, meta: KVBatchMeta) -> Any:
     new_args, new_kwargs = _replace(call.args, call.kwargs, KVBatchMeta, lambda m: _fetch(m, call.name))
     inputs = _inputs_of(new_args, new_kwargs)
     output = call.func(*new_args, **new_kwargs)
@@ -287,7 +308,7 @@ def _run_meta(call: Any, meta: KVBatchMeta) -> Any:
     return _written(meta, rows, out.extra, api.kv_batch_put(meta.keys, meta._pid, fields=rows))
 
 
-async def _arun_meta(call: Any, meta: KVBatchMeta) -> Any:
+async def _arun_meta(call: BridgedCall, meta: KVBatchMeta) -> Any:
     new_args, new_kwargs = await _async_swap(call.args, call.kwargs, call.name)
     inputs = _inputs_of(new_args, new_kwargs)
     output = await call.func(*new_args, **new_kwargs)
@@ -299,6 +320,19 @@ async def _arun_meta(call: Any, meta: KVBatchMeta) -> Any:
 
 
 # ---------------------------------------------------------------------------- streaming
+
+
+class Span(TypedDict):
+    """One batch a collect rank processed; times are wall-clock (``time.time()``) seconds."""
+
+    task: str
+    method: str
+    partition: str
+    rank: int
+    rows: int
+    called: float  # the call began
+    start: float  # the batch was taken
+    end: float  # its outputs were written
 
 
 @dataclasses.dataclass
@@ -317,7 +351,7 @@ class StreamReport(StreamResult):
     Concatenating reports (the controller's collect) adds the counts and joins the lists.
     """
 
-    spans: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    spans: list[Span] = dataclasses.field(default_factory=list)
     outputs: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -368,7 +402,7 @@ def _effective_request(request: StreamRequest, replicated: bool) -> StreamReques
 class _StreamCall:
     """One stream call on one rank: the batch taken, the timings, and the report."""
 
-    def __init__(self, call: Any, request: StreamRequest) -> None:
+    def __init__(self, call: BridgedCall, request: StreamRequest) -> None:
         self.called = time.time()
         self.call = call
         self.request = _effective_request(request, call.replicated)
@@ -419,7 +453,7 @@ class _StreamCall:
         return report
 
 
-def _run_stream(call: Any, request: StreamRequest) -> StreamReport:
+def _run_stream(call: BridgedCall, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(stream.request.next_batch()):
         return stream.report()
@@ -442,7 +476,7 @@ def _run_stream(call: Any, request: StreamRequest) -> StreamReport:
     return stream.report(output)
 
 
-async def _arun_stream(call: Any, request: StreamRequest) -> StreamReport:
+async def _arun_stream(call: BridgedCall, request: StreamRequest) -> StreamReport:
     stream = _StreamCall(call, request)
     if not stream.took(await stream.request.async_next_batch()):
         return stream.report()
@@ -472,7 +506,7 @@ class WorkerBridge:
     ``call`` has ``func``, ``args``, ``kwargs``, ``collect``, ``replicated``, ``call_on_empty``
     and ``name``."""
 
-    def run(self, call: Any) -> Any:
+    def run(self, call: BridgedCall) -> Any:
         request = _first_request(call.args, call.kwargs)
         _ensure_store()
         count("calls", 1)
@@ -480,7 +514,7 @@ class WorkerBridge:
             return _run_stream(call, request)
         return _run_meta(call, _meta_arg(call.args, call.kwargs))
 
-    async def arun(self, call: Any) -> Any:
+    async def arun(self, call: BridgedCall) -> Any:
         request = _first_request(call.args, call.kwargs)
         _ensure_store()
         count("calls", 1)

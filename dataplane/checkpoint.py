@@ -44,9 +44,9 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -65,6 +65,10 @@ from dataplane.server.checkpoint_files import (
     write_small,
 )
 from dataplane.wire import protocol as _protocol
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +213,7 @@ class _Shards:
     """One Ray call on every shard actor (shard ``i`` gets ``args[i]``)."""
 
     method: str
-    args: list[tuple[Any, ...]]
+    args: Sequence[tuple[object, ...]]
     path: str
 
 
@@ -229,7 +233,7 @@ class _Counter:
         return value
 
 
-def _actors(num: int) -> list[Any]:
+def _actors(num: int) -> list[ActorHandle]:
     import ray
 
     config = current_client().config
@@ -257,7 +261,7 @@ class _Driver:
         except StopIteration as stop:
             self.step, self.info = None, stop.value
 
-    def submit(self, step: _Shards) -> list[Any]:
+    def submit(self, step: _Shards) -> list[ObjectRef]:
         """The Ray calls of a ``_Shards`` step, sent."""
         return [
             getattr(a, step.method).remote(*self.count.add(args))
@@ -317,7 +321,7 @@ async def _ado(d: _Driver) -> Any:
     return _collect(step, refs, d.timeout_s)
 
 
-def _collect(step: _Shards, refs: list[Any], timeout_s: float) -> list[Any]:
+def _collect(step: _Shards, refs: list[ObjectRef], timeout_s: float) -> list[Any]:
     """Every shard's answer once all are in; the first failure (or who did not answer) otherwise."""
     import ray
 
@@ -418,7 +422,7 @@ def _save_flow(
     return CheckpointInfo(final, done.partitions, data_bytes, count.bytes, metadata, elapsed, left_out)
 
 
-def _check_metadata(metadata: Any) -> dict[str, Any]:
+def _check_metadata(metadata: object) -> dict[str, Any]:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
@@ -589,7 +593,7 @@ def _read_manifest(final: str, count: _Counter) -> dict[str, Any]:
     return manifest
 
 
-def _check_files(final: str, files: Any, num_shards: Any) -> None:
+def _check_files(final: str, files: object, num_shards: object) -> None:
     """Every file the manifest lists exists with the size it was written with (before any reading)."""
     if type(num_shards) is not int or num_shards < 1 or not isinstance(files, dict):
         raise CheckpointError(

@@ -83,7 +83,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
@@ -101,6 +101,8 @@ from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.samplers import Sampler
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 WAIT_SLICE_S = 0.5  # the background thread waits for rows at most this long per call, then re-checks
 _THREAD_NAME = "dataplane-stream"
@@ -134,7 +136,7 @@ class _Pipe:
 
     def __init__(self, ahead: int) -> None:
         self.cond = threading.Condition()
-        self.items: deque[tuple[int, list[Any]] | _End | BaseException] = deque()
+        self.items: deque[tuple[int, list[StreamBatch]] | _End | BaseException] = deque()
         self.free = ahead  # batches the thread may still fetch before the consumer takes one
         self.stop = False
         self.thread: threading.Thread | None = None
@@ -230,6 +232,14 @@ def _as_stream_batch(td: Any) -> Any:
     if type(td) is TensorDict:
         td.__class__ = StreamBatch
     return td
+
+
+class _Attach(TypedDict):
+    """How a spawned DataLoader worker reaches the store of the process that made the dataset."""
+
+    address: str  # the Ray cluster's GCS address
+    name: str  # the store's name
+    allow_pickle: bool
 
 
 class StreamingDataset(IterableDataset):
@@ -344,7 +354,7 @@ class StreamingDataset(IterableDataset):
         self.prefetch = prefetch
         self.timeout_s = timeout_s
         self._next_index = 0  # the batch index the next pass starts at (in this process)
-        self._attach: dict[str, Any] | None = None  # how a spawned DataLoader worker reaches the store
+        self._attach: _Attach | None = None  # how a spawned DataLoader worker reaches the store
 
     def __repr__(self) -> str:
         return (
@@ -354,7 +364,7 @@ class StreamingDataset(IterableDataset):
         )
 
     @staticmethod
-    def collate(item: Any) -> Any:
+    def collate(item: T) -> T:
         """A DataLoader ``collate_fn`` that hands each item over as it is (the default one, with
         ``batch_size=None``, does too for the ``StreamBatch`` items of this dataset)."""
         return item
@@ -434,7 +444,7 @@ class StreamingDataset(IterableDataset):
             }
         return state
 
-    def _fetch(self, index: int, pipe: _Pipe | None) -> list[Any] | None:
+    def _fetch(self, index: int, pipe: _Pipe | None) -> list[StreamBatch] | None:
         """The micro-batches of batch ``index`` ([] when drained), or None if ``pipe`` was stopped."""
         meta = self._take(index, pipe)
         if meta is None:
@@ -445,7 +455,7 @@ class StreamingDataset(IterableDataset):
             return None
         td = _as_stream_batch(_api.kv_batch_get_by_meta(meta))
         step = self.micro_batch_size or meta.size
-        parts = []
+        parts: list[StreamBatch] = []
         for lo in range(0, meta.size, step):
             part = td[lo : lo + step] if step < meta.size else td
             part.set_non_tensor(self.meta_key, meta.select_keys(meta.keys[lo : lo + step]))
@@ -475,7 +485,7 @@ class StreamingDataset(IterableDataset):
                     ) from exc
 
 
-def _check_int(what: str, value: Any, low: int) -> None:
+def _check_int(what: str, value: object, low: int) -> None:
     if type(value) is not int:
         raise ArgumentTypeError(what, f"StreamingDataset: {what} must be an int, not {type(value).__name__}")
     if value < low:
@@ -492,7 +502,7 @@ class _StreamIterator:
         self._offset = offset
         self._stride = stride
         self._threaded = ds.prefetch > 0
-        self._parts: deque[Any] = deque()
+        self._parts: deque[StreamBatch] = deque()
         self._done = False
         self._pipe: _Pipe | None = None
         if self._threaded:
@@ -511,7 +521,7 @@ class _StreamIterator:
     def __iter__(self) -> _StreamIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> StreamBatch:
         if self._parts:
             return self._parts.popleft()
         if self._done:
@@ -530,7 +540,7 @@ class _StreamIterator:
         self._parts.extend(parts)
         return self._parts.popleft()
 
-    def _next_batch(self) -> tuple[int, list[Any]] | None:
+    def _next_batch(self) -> tuple[int, list[StreamBatch]] | None:
         if not self._threaded:  # prefetch=0: fetch here
             parts = self._ds._fetch(self._index, None)
             if not parts:
@@ -565,7 +575,7 @@ class _StreamIterator:
     def __enter__(self) -> _StreamIterator:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

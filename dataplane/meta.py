@@ -21,7 +21,7 @@ from dataplane.codec.plain import plain_value as _plain
 from dataplane.errors import ArgumentTypeError, KeyNotFoundError
 
 
-def check_partition(partition_id: Any, caller: str | None = None) -> str:
+def check_partition(partition_id: object, caller: str | None = None) -> str:
     """``partition_id`` if it is a str, else ``ArgumentTypeError`` (a ``TypeError``) naming ``caller``
     and the type given.
 
@@ -50,7 +50,7 @@ def _unique(items: Iterable[str], what: str) -> None:
         seen.add(item)
 
 
-def _str_list(value: Any, attr: str, noun: str, what: str) -> list[str]:
+def _str_list(value: object, attr: str, noun: str, what: str) -> list[str]:
     """A private list copy of ``value`` if it is a sequence of unique str, else raise (naming ``attr``)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"KVBatchMeta {attr} must be a list of str, got {type(value).__name__}")

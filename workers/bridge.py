@@ -45,7 +45,7 @@ __all__ = [BridgeError.__name__, "bridged_register", "tqbridge"]  # (named once,
 
 
 def tqbridge(
-    dispatch_mode: Any = None, *, call_on_empty: bool = False
+    dispatch_mode: object = None, *, call_on_empty: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Let a method take a ``KVBatchMeta`` or a ``dp.StreamRequest`` in place of its data.
 
@@ -109,8 +109,11 @@ def tqbridge(
 
 
 def bridged_register(
-    dispatch_mode: Any = Dispatch.ALL_TO_ALL, *, call_on_empty: bool = False, **register_kwargs: Any
-) -> Callable[..., Any]:
+    dispatch_mode: Dispatch | dict[str, Callable[..., Any]] = Dispatch.ALL_TO_ALL,
+    *,
+    call_on_empty: bool = False,
+    **register_kwargs: Any,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``@register(dispatch_mode=M, ...)`` with the bridge's ``call_on_empty`` option in one decorator.
 
     Args:

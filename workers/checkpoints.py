@@ -30,7 +30,7 @@ import json
 import os
 import pathlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:  # imported where used: `rlplane demo --resume` checks a checkpoint without torch or Ray
     from workers.bridge import StreamReport
@@ -45,6 +45,29 @@ SAME_SETTINGS = (
     "prompts_per_step", "n", "dp", "seed", "task", "model", "actor", "max_staleness", "stream_chunks",
     "rollout_chunks",
 )  # fmt: skip
+
+
+class LedgerEntry(TypedDict):
+    """The prompts one step trained: their uid tags, the rows its update took, the run that trained it."""
+
+    step: int
+    uids: list[int]
+    rows: int
+    run: int
+
+
+class TrainerState(TypedDict):
+    """``trainer.json``: what a run needs to resume before step ``step``."""
+
+    version: int
+    run: int
+    step: int
+    launched: int  # the last step launched (its stages may be in flight)
+    settings: dict[str, Any]  # the run's TrainerConfig, as JSON values
+    history: list[dict[str, float]]  # each trained step's metrics
+    stream_counts: dict[str, dict[str, int]]  # task -> rows / consumed
+    ledger: list[LedgerEntry]
+    inflight: dict[str, list[tuple[str, dict[str, Any]]]]  # step -> (task, its StreamReport as JSON)
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> pathlib.Path:
@@ -65,7 +88,7 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
         os.close(fd)
 
 
-def write_state(step: pathlib.Path, state: dict[str, Any]) -> None:
+def write_state(step: pathlib.Path, state: TrainerState) -> None:
     _write_atomic(step / "trainer.json", json.dumps(state, indent=1))
 
 
@@ -79,7 +102,7 @@ class ResumeError(ValueError):
     with other settings. The message names the directory and what is wrong."""
 
 
-def latest(root: str | os.PathLike[str]) -> tuple[pathlib.Path, dict[str, Any]]:
+def latest(root: str | os.PathLike[str]) -> tuple[pathlib.Path, TrainerState]:
     """The newest complete checkpoint under ``root`` and its trainer state (files only: no torch, no Ray).
 
     Raises:
@@ -96,7 +119,7 @@ def latest(root: str | os.PathLike[str]) -> tuple[pathlib.Path, dict[str, Any]]:
     # Each message begins with root, the directory the caller named (the CLI puts --resume before it).
     newest = f"{root}: the newest checkpoint, {step.name},"
     try:
-        state = json.loads((step / "trainer.json").read_text())
+        state: TrainerState = json.loads((step / "trainer.json").read_text())
     except (OSError, ValueError) as exc:
         raise ResumeError(f"{newest} has no readable trainer.json ({exc})") from None
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -108,7 +131,7 @@ def latest(root: str | os.PathLike[str]) -> tuple[pathlib.Path, dict[str, Any]]:
     return step, state
 
 
-def _plain(name: str, value: Any) -> str:
+def _plain(name: str, value: object) -> str:
     return f"{name}={value!r}"
 
 
@@ -116,7 +139,7 @@ def check_settings(
     saved: dict[str, Any],
     current: dict[str, Any],
     where: pathlib.Path,
-    said: Callable[[str, Any], str] = _plain,
+    said: Callable[[str, object], str] = _plain,
 ) -> None:
     """Raise ``ResumeError`` naming the settings that differ from those of the checkpointed run
     (``said(name, value)`` writes one: ``dp=3`` by default; ``rlplane demo`` writes its flags)."""
@@ -150,11 +173,11 @@ def _ranges(steps: list[int]) -> str:
     return f"{min(steps)}-{max(steps)}" if steps else "none"
 
 
-def check_ledger(ledger: list[dict[str, Any]], steps: int, prompts_per_step: int, n: int) -> tuple[bool, str]:
+def check_ledger(ledger: list[LedgerEntry], steps: int, prompts_per_step: int, n: int) -> tuple[bool, str]:
     """Whether every prompt of steps ``0 .. steps-1`` was trained exactly once (each step's update took
     all ``prompts_per_step * n`` rows of its prompts, no step trained twice, none missing), and the
     line that says so."""
-    per_step: dict[int, list[dict[str, Any]]] = {}
+    per_step: dict[int, list[LedgerEntry]] = {}
     for entry in ledger:
         per_step.setdefault(entry["step"], []).append(entry)
     problems = []

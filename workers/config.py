@@ -118,11 +118,11 @@ class TrainerConfig:
     n: int = 8
     dp: int = 2
     seed: int = 0
-    task: dict = dataclasses.field(
+    task: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"vocab_size": 16, "prompt_len": 4, "response_len": 8}
     )
-    model: dict = dataclasses.field(default_factory=dict)
-    actor: dict = dataclasses.field(default_factory=dict)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    actor: dict[str, Any] = dataclasses.field(default_factory=dict)
     num_shards: int = 2
     use_gpu: bool = False
     mode: str = "sync"
@@ -196,14 +196,14 @@ class TrainerConfig:
         """A setting as its writer knows it: ``TrainerConfig.dp`` or ``--dp``."""
         return _flag(field) if self._from_cli(field) else f"TrainerConfig.{field}"
 
-    def _said(self, field: str, value: Any = dataclasses.MISSING) -> str:
+    def _said(self, field: str, value: object = dataclasses.MISSING) -> str:
         """A setting and its value: ``dp=3`` or ``--dp 3`` (a switch: ``--colocate``)."""
         value = getattr(self, field) if value is dataclasses.MISSING else value
         if not self._from_cli(field):
             return f"{field}={value!r}"
         return _flag(field) if isinstance(value, bool) else f"{_flag(field)} {value}"
 
-    def check_resume(self) -> tuple[pathlib.Path, dict[str, Any]]:
+    def check_resume(self) -> tuple[pathlib.Path, checkpoints.TrainerState]:
         """The checkpoint ``resume`` names and its trainer state, checked against these settings and
         before anything starts (it reads files only: no torch, no Ray).
 

@@ -135,7 +135,10 @@ def _rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: " | ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+
+    def fmt(r: list[str]) -> str:
+        return " | ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=True)).rstrip()
+
     line = "-" * len(fmt(["-" * w for w in widths]))
     head = [fmt(header), line] if any(header) else []
     return "\n".join([line, *head, *(fmt(r) for r in rows), line])

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dataplane as dp
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from controlplane.binding import GroupMethod, Launched
 
 __all__ = ["DriverDataError", "MetadataOnlyGroup"]
 
@@ -44,12 +49,12 @@ class DriverDataError(TypeError):
         )
         self.method, self.where, self.kind = method, where, kind
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[object, ...]:
         # Rebuilt from its fields (args holds only the message), so str() is the message after pickle too.
         return (DriverDataError, (self.method, self.where, self.kind))
 
 
-def check_metadata(value: Any, method: str, where: str) -> None:
+def check_metadata(value: object, method: str, where: str) -> None:
     """Raise :class:`DriverDataError` if ``value`` holds anything but metadata.
 
     Example:
@@ -159,7 +164,7 @@ class PendingCall:
         label: ``"<group>.<method>"``.
     """
 
-    def __init__(self, guard: MetadataOnlyGroup, label: str, bound: Any, launched: Any) -> None:
+    def __init__(self, guard: MetadataOnlyGroup, label: str, bound: GroupMethod, launched: Launched) -> None:
         self._guard = guard
         self.label = label
         self._bound = bound
@@ -174,7 +179,7 @@ class PendingCall:
         return f"<pending {self.label} ({'collected' if self._collected else 'in flight'})>"
 
     @property
-    def refs(self) -> list[Any]:
+    def refs(self) -> list[ObjectRef]:
         """The per-rank ``ObjectRef`` s (one for a rank-zero method)."""
         return list(self._refs)
 

@@ -35,6 +35,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 from controlplane import Dispatch, Worker, make_nd_compute_dispatch_fn, register
+from dataplane.bridge import Span
 from dataplane.meta import check_partition
 from workers.bridge import StreamReport, count, nbytes_of, tqbridge, traffic
 from workers.engine import (
@@ -90,9 +91,9 @@ class ActorRolloutRefWorker(RoleWorker):
 
     def __init__(
         self,
-        task: dict,
-        model: dict | None = None,
-        actor: dict | None = None,
+        task: dict[str, Any],
+        model: dict[str, Any] | None = None,
+        actor: dict[str, Any] | None = None,
         seed: int = 0,
         device: str = "cpu",
     ) -> None:
@@ -157,18 +158,21 @@ class ActorRolloutRefWorker(RoleWorker):
             stream += 4099 * call
         gen = torch.Generator().manual_seed(_sampling_seed(self.seed, step, stream))
         out = self.rollout.generate(batch.select("prompts"), n=1, generator=gen)
-        return out.select("responses", "response_mask", "rollout_log_probs")
+        picked: TensorDict = out.select("responses", "response_mask", "rollout_log_probs")
+        return picked
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         """``old_log_probs`` under the current weights."""
-        return self._model_ready().compute_log_prob(batch)
+        out: TensorDict = self._model_ready().compute_log_prob(batch)
+        return out
 
     @register(dispatch_mode=_ON_ACTOR_MESH)
     def compute_ref_log_prob(self, batch: TensorDict) -> TensorDict:
         """``ref_log_probs`` of the frozen initial policy."""
         self._model_ready()
-        return self.reference.compute_ref_log_prob(batch)
+        out: TensorDict = self.reference.compute_ref_log_prob(batch)
+        return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_state(self, path: str) -> bool:
@@ -209,7 +213,7 @@ class RewardWorker(RoleWorker):
         seed: the prompt stream.
     """
 
-    def __init__(self, task: dict, seed: int = 0) -> None:
+    def __init__(self, task: dict[str, Any], seed: int = 0) -> None:
         super().__init__()
         self.task = CountingTask(**task)
         self.reward = PatternReward(self.task)
@@ -262,7 +266,7 @@ class RewardWorker(RoleWorker):
         tags = [{"uid": int(u)} for u in data["uid"].tolist()]
         dp.kv_batch_put(keys, partition_id, fields=data, tags=tags)
         count("written_bytes", nbytes_of(data))
-        span = {
+        span: Span = {
             "task": "prompts",
             "method": "make_stream_prompts",
             "partition": partition_id,

@@ -53,7 +53,8 @@ def run_in_actor(cfg: Any, timeout_s: float) -> tuple[dict[str, Any], dict[str, 
     """
     runner = _TaskRunnerActor.remote()
     try:
-        return ray.get(runner.run.remote(cfg), timeout=timeout_s)
+        result: tuple[dict[str, Any], dict[str, Any]] = ray.get(runner.run.remote(cfg), timeout=timeout_s)
+        return result
     except ray.exceptions.GetTimeoutError as exc:
         raise TimeoutError(f"the trainer actor did not finish within {timeout_s:.0f}s") from exc
     finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+from typing import Any, TypedDict
 
 __all__ = [
     "STEP_COLORS",
@@ -66,7 +66,14 @@ def timeline_path(summary_path: str | pathlib.Path) -> pathlib.Path:
     return path.with_name(stem + ".json")
 
 
-def overlap(spans: list[dict[str, Any]]) -> dict[str, Any]:
+class Overlap(TypedDict):
+    """How the tasks' spans overlapped (``overlap``)."""
+
+    busy_s: dict[str, float]  # per task, the seconds it worked
+    overlap_s: float  # the seconds during which two or more tasks worked at once
+
+
+def overlap(spans: list[dict[str, Any]]) -> Overlap:
     """Busy seconds per task and the seconds during which two or more tasks worked at once.
 
     Example:
@@ -99,7 +106,7 @@ def write(runs: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path:
     return out
 
 
-def _lanes(spans: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+def _lanes(spans: list[dict[str, Any]]) -> list[tuple[str, object]]:
     order = {t: i for i, t in enumerate(TASK_ORDER)}
     lanes = {(s["task"], s.get("rank")) for s in spans}
     return sorted(lanes, key=lambda lane: (order.get(lane[0], len(order)), lane[0], str(lane[1])))

@@ -156,11 +156,12 @@ class GRPOTrainer:
         self.history: list[dict[str, float]] = []
         self.timeline: list[dict[str, Any]] = []  # spans: see workers.timeline
         self.stream_counts: dict[str, dict[str, int]] = {}  # stream mode: task -> rows / consumed
-        self.ledger: list[dict[str, Any]] = []  # with checkpoints: the prompts each step trained
+        self.ledger: list[checkpoints.LedgerEntry] = []  # with checkpoints: the prompts each step trained
         self.run = 1  # the runs of this training so far (a resumed run is the next)
         self.resumed_from: int | None = None
         self._restored_counts: dict[str, dict[str, int]] = {}
-        self._resumed: tuple[dict[int, list], int, int] | None = None  # (in flight, launched, next step)
+        # (in flight, launched, next step)
+        self._resumed: tuple[dict[int, list[tuple[str, Any]]], int, int] | None = None
         self._groups: Groups | None = None
         self._owns_groups = groups is None
         self._store0 = 0  # the workers' store bytes before this trainer (reused groups count on)
@@ -282,7 +283,7 @@ class GRPOTrainer:
         return timed
 
     @staticmethod
-    def _expect(result: Any, batch: dp.KVBatchMeta, what: str) -> None:
+    def _expect(result: object, batch: dp.KVBatchMeta, what: str) -> None:
         # Cheap sanity on the metadata that came back: the same rows, in order.
         if not isinstance(result, dp.KVBatchMeta) or result.keys != batch.keys:
             raise RuntimeError(
@@ -290,7 +291,9 @@ class GRPOTrainer:
             )
 
     # ---- stream mode --------------------------------------------------------------------------
-    def _request(self, index: int, task: str, batch_size: int, fields: list[str], groups: bool = False):
+    def _request(
+        self, index: int, task: str, batch_size: int, fields: list[str], groups: bool = False
+    ) -> dp.StreamRequest:
         sampler = dp.GroupSampler("uid", self.cfg.n) if groups else None
         return dp.StreamRequest(
             f"grpo-{index}", task, batch_size, fields, sampler=sampler, timeout_s=self.cfg.stream_timeout_s
@@ -340,7 +343,12 @@ class GRPOTrainer:
             counts = {task: dp.consumption(pid, task) for task in STREAM_TASKS}
             if self.cfg.checkpoint_dir or self.cfg.resume:  # the prompts this step trained (uid tags)
                 uids = sorted({tag["uid"] for tag in dp.kv_list(pid).get(pid, {}).values()})
-                entry = {"step": index, "uids": uids, "rows": counts["update"]["consumed"], "run": self.run}
+                entry: checkpoints.LedgerEntry = {
+                    "step": index,
+                    "uids": uids,
+                    "rows": counts["update"]["consumed"],
+                    "run": self.run,
+                }
                 self.ledger.append(entry)
         finally:
             dp.clear_partition(pid)
@@ -417,7 +425,7 @@ class GRPOTrainer:
         path.mkdir(parents=True, exist_ok=True)
         self.actor.save_state(str(path / "actor.pt"))
         dp.save_checkpoint(path / "store", metadata={"step": index})
-        state = {
+        state: checkpoints.TrainerState = {
             "version": checkpoints.STATE_VERSION,
             "run": self.run,
             "step": index,
@@ -427,7 +435,7 @@ class GRPOTrainer:
             "stream_counts": self.stream_counts,
             "ledger": self.ledger,
             "inflight": {
-                str(step): [[task, checkpoints.report_to_json(call.report)] for task, call in calls]
+                str(step): [(task, checkpoints.report_to_json(call.report)) for task, call in calls]
                 for step, calls in inflight.items()
             },
         }
@@ -435,7 +443,7 @@ class GRPOTrainer:
         checkpoints.mark_latest(root, index)
         logger.info("checkpoint before step %d saved in %s", index, path)
 
-    def _resume(self, path: pathlib.Path, state: dict[str, Any]) -> None:
+    def _resume(self, path: pathlib.Path, state: checkpoints.TrainerState) -> None:
         """Continue from the checkpoint in ``path`` (``TrainerConfig.check_resume``): the policy, the
         store (the steps in flight, with what each stage took), the metrics and the ledger so far."""
         self.actor.load_state(str(path / "actor.pt"))

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -30,6 +30,9 @@ from dataplane.meta import KVBatchMeta, check_partition
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.protocol import MAX_COUNT, MAX_LEASE_S
 from dataplane.wire.requests import INDEX, Call
+
+if TYPE_CHECKING:
+    from dataplane.samplers import Sampler
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
 
@@ -52,7 +55,7 @@ class Take:
     def may_hold_rows(self) -> bool:
         return self.sent and not self.refused
 
-    def answered(self, res: Any) -> None:
+    def answered(self, res: object) -> None:
         """A reply came: a refusal (not a lost connection) means the index took nothing for us."""
         self.refused = isinstance(res, BaseException) and not isinstance(res, ShardUnavailableError)
 
@@ -75,7 +78,7 @@ def _check_stream_args(partition_id: Any, task_name: Any, batch_size: Any, field
     return names
 
 
-def _check_task(task_name: Any, caller: str) -> str:
+def _check_task(task_name: object, caller: str) -> str:
     """``task_name`` as sent: a non-empty str, else named before anything is sent (msgpack would
     refuse another type on the way, or the index on arrival, with neither's names)."""
     if type(task_name) is str and task_name:
@@ -83,7 +86,7 @@ def _check_task(task_name: Any, caller: str) -> str:
     raise ArgumentTypeError("task_name", f"{caller}: task_name must be a non-empty str, not {task_name!r}")
 
 
-def _check_fields(fields: Any, caller: str) -> list[str] | None:
+def _check_fields(fields: object, caller: str) -> list[str] | None:
     """``fields`` as sent: None, or a list of str (one str is a list of one)."""
     if fields is None:
         return None
@@ -127,7 +130,7 @@ def next_batch(
     task_name: str,
     batch_size: int,
     fields: Any,
-    sampler: Any,
+    sampler: object,
     timeout_s: float | None,
     dp_rank: int | None,
     dp_size: int | None,
@@ -188,7 +191,7 @@ class _Asked:
 def _next_client_side(
     route: Route,
     ask: _Asked,
-    sampler: Any,
+    sampler: Sampler,
     batch_size: int,
     timeout_s: float | None,
     take: Take,

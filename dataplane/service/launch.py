@@ -25,13 +25,16 @@ import logging
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataplane.config import NAMESPACE, StoreConfig
 from dataplane.errors import SchedulingError, StoreNotInitializedError
 from dataplane.service.connect import command
 from dataplane.service.liveness import ray_says_dead
 from dataplane.transport.auth import Credentials
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,8 @@ INDEX_MAX_MESSAGE_BYTES = 1 << 30  # metadata only: keys, fields and tags of one
 class ServiceHandle:
     """The actors of a service this process started (so it can stop them)."""
 
-    index: Any  # None when the index is already gone
-    shards: list[Any] = field(default_factory=list)
+    index: ActorHandle | None  # None when the index is already gone
+    shards: list[ActorHandle] = field(default_factory=list)
     stopped: bool = False
 
     def stop(self) -> None:

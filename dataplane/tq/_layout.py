@@ -14,7 +14,15 @@ those values, so numpy byte strings travel as bytes (no pickle).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+# What a put takes: a TensorDict, or a mapping of field name to that field's rows.
+Columns: TypeAlias = "TensorDict | Mapping[str, object]"
 
 LAYOUTS = ("jagged", "dense")
 
@@ -25,7 +33,7 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def jagged(value: Any) -> Any:
+def jagged(value: torch.Tensor) -> torch.Tensor:
     """A dense ``[B, L, ...]`` tensor as a jagged nested tensor ``[B, j, ...]`` viewing it."""
     import torch
 
@@ -37,7 +45,7 @@ def jagged(value: Any) -> Any:
     return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=length, max_seqlen=length)
 
 
-def to_layout(td: Any, layout: str) -> Any:
+def to_layout(td: TensorDict, layout: str) -> TensorDict:
     """``td`` with TransferQueue's layout (``jagged``) or as the store returned it (``dense``)."""
     import torch
     from tensordict import TensorDict
@@ -63,7 +71,7 @@ def per_row_values(data: Any) -> Any:
     if not (hasattr(data, "batch_size") and hasattr(data, "keys")):
         return data
     n = int(data.batch_size[0]) if len(data.batch_size) else None
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     changed = False
     for name in data.keys():
         value = data.get(name)

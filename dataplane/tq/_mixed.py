@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
@@ -38,6 +38,19 @@ from dataplane import api as _api
 from dataplane._tq_controller import ROWS_FIELD_PREFIX
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import FieldNotFoundError, SchemaError, SchemaMismatchError
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+    from dataplane._tq_controller import Tags
+    from dataplane.meta import KVBatchMeta
+    from dataplane.tq._layout import Columns
+
+T = TypeVar("T")
+
+# How a refused field is stored: ``[kind, dtype, dims per row]`` (from ``SchemaMismatchError.stored``).
+StoredAs = list[Any]
 
 # A put learns one field's stored type per refusal; a put of more fields than this is refused as is.
 # (Nothing is remembered between puts: a partition cleared and written again may store the field with
@@ -48,6 +61,7 @@ __all__ = [
     "async_put",
     "async_put_row",
     "async_restore",
+    "field_names",
     "hidden",
     "pack_rows",
     "put",
@@ -64,7 +78,7 @@ def hidden(name: str) -> str:
 # ---- rows <-> bytes -------------------------------------------------------------------------------
 
 
-def _encode_row(row: Any) -> bytes:
+def _encode_row(row: torch.Tensor) -> bytes:
     import torch
 
     flat = row.detach().contiguous().reshape(-1)
@@ -72,7 +86,7 @@ def _encode_row(row: Any) -> bytes:
     return msgspec.msgpack.encode([str(row.dtype).removeprefix("torch."), list(row.shape), raw])
 
 
-def _decode_row(blob: Any, field: str) -> Any:
+def _decode_row(blob: bytes, field: str) -> torch.Tensor:
     import torch
 
     from dataplane.codec.column_types import torch_dtype
@@ -92,11 +106,17 @@ def _decode_row(blob: Any, field: str) -> Any:
 # ---- what a put holds -----------------------------------------------------------------------------
 
 
-def _getter(fields: Any) -> Callable[[str], Any]:
-    return fields.get if hasattr(fields, "batch_size") else fields.__getitem__
+def field_names(fields: Columns) -> list[str]:
+    """The names of a put's or a read's columns (a TensorDict's top-level keys are strings)."""
+    return [name for name in fields.keys() if isinstance(name, str)]
 
 
-def _rows(value: Any, n: int) -> list[Any] | None:
+def _getter(fields: Columns) -> Callable[[str], object]:
+    get: Callable[[str], object] = fields.get if hasattr(fields, "batch_size") else fields.__getitem__
+    return get
+
+
+def _rows(value: object, n: int) -> list[torch.Tensor] | None:
     """The ``n`` tensor rows of a column, or None for a column that is not one of tensors."""
     import torch
 
@@ -117,7 +137,7 @@ def _rows(value: Any, n: int) -> list[Any] | None:
     return None
 
 
-def _family(value: Any, n: int) -> list[Any] | None:
+def _family(value: object, n: int) -> list[str | int] | None:
     """``["tensor", dtype, dims per row]`` of a column of tensor rows of one dtype, else None."""
     import torch
 
@@ -129,7 +149,7 @@ def _family(value: Any, n: int) -> list[Any] | None:
     return ["tensor", str(rows[0].dtype).removeprefix("torch."), rows[0].dim()]
 
 
-def _has_empty_row(value: Any, n: int) -> bool:
+def _has_empty_row(value: object, n: int) -> bool:
     """Whether a column of tensor rows has a row of no elements (cheap for dense and jagged ones)."""
     import torch
 
@@ -147,7 +167,7 @@ def _has_empty_row(value: Any, n: int) -> bool:
     return any(r.numel() == 0 for r in value.unbind())
 
 
-def _plan(fields: Any, n: int, retyped: dict[str, list[Any]]) -> Any:
+def _plan(fields: Columns, n: int, retyped: dict[str, StoredAs]) -> Columns:
     """What to write for ``fields``: the same object when nothing is retyped (``retyped``: the type
     each refused field is stored as) and no tensor row is empty, else a dict of columns with
     placeholders and hidden rows."""
@@ -156,9 +176,9 @@ def _plan(fields: Any, n: int, retyped: dict[str, list[Any]]) -> Any:
     from dataplane.codec.column_types import torch_dtype
 
     get = _getter(fields)
-    changes: dict[str, Any] = {}
-    for name in list(fields.keys()):
-        if not isinstance(name, str) or name.startswith(ROWS_FIELD_PREFIX):
+    changes: dict[str, object] = {}
+    for name in field_names(fields):
+        if name.startswith(ROWS_FIELD_PREFIX):
             continue
         value = get(name)
         stored = retyped.get(name)
@@ -173,12 +193,12 @@ def _plan(fields: Any, n: int, retyped: dict[str, list[Any]]) -> Any:
             changes[hidden(name)] = [_encode_row(r) for r in rows]
     if not changes:
         return fields
-    out = {name: get(name) for name in list(fields.keys())}
+    out = {name: get(name) for name in field_names(fields)}
     out.update(changes)
     return out
 
 
-def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError, retyped: dict[str, list[Any]]) -> bool:
+def _learn(pid: str, fields: Columns, n: int, exc: SchemaMismatchError, retyped: dict[str, StoredAs]) -> bool:
     """Note in ``retyped`` the type a refused put's field is stored as; whether the put can be
     written again.
 
@@ -189,8 +209,8 @@ def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError, retyped: dic
     name = exc.field
     kind, _, rest = str(exc.stored).partition(":")
     dtype, _, dims = rest.partition(":")
-    stored: list[Any] = [kind, dtype, int(dims) if dims.isdigit() else dims]
-    if name.startswith(ROWS_FIELD_PREFIX) or name not in list(fields.keys()):
+    stored: StoredAs = [kind, dtype, int(dims) if dims.isdigit() else dims]
+    if name.startswith(ROWS_FIELD_PREFIX) or name not in field_names(fields):
         return False
     value = _getter(fields)(name)
     if _rows(value, n) is None or stored[0] != "tensor":
@@ -212,8 +232,12 @@ def _learn(pid: str, fields: Any, n: int, exc: SchemaMismatchError, retyped: dic
 
 
 def put(
-    pid: str, fields: Any, n: int, write: Callable[[Any], Any], retyped: dict[str, list[Any]] | None = None
-) -> Any:
+    pid: str,
+    fields: Columns | None,
+    n: int,
+    write: Callable[[Columns | None], T],
+    retyped: dict[str, StoredAs] | None = None,
+) -> T:
     """``write(columns)`` (a store put of ``n`` rows), with retyped rows and hidden rows as planned;
     a put refused for a field stored with another dtype is written again with placeholders."""
     if fields is None:
@@ -230,11 +254,11 @@ def put(
 
 async def async_put(
     pid: str,
-    fields: Any,
+    fields: Columns | None,
     n: int,
-    write: Callable[[Any], Awaitable[Any]],
-    retyped: dict[str, list[Any]] | None = None,
-) -> Any:
+    write: Callable[[Columns | None], Awaitable[T]],
+    retyped: dict[str, StoredAs] | None = None,
+) -> T:
     """``put`` for an async ``write``."""
     if fields is None:
         return await write(None)
@@ -248,30 +272,34 @@ async def async_put(
     return await write(_plan(fields, n, retyped))
 
 
-def _as_batch(row: Any) -> Any:
+def _as_batch(row: Columns) -> Columns:
     """A ``kv_put`` row (tensors without the batch dim, or a TensorDict of batch size 1) as a batch of one."""
     import torch
 
     if hasattr(row, "batch_size"):
-        return row if len(row.batch_size) and row.batch_size[0] == 1 else row.unsqueeze(0)
+        td = cast("TensorDict", row)
+        return td if len(td.batch_size) and td.batch_size[0] == 1 else td.unsqueeze(0)
+    assert isinstance(row, Mapping)
     return {
         k: v.unsqueeze(0) if isinstance(v, torch.Tensor) and not v.is_nested else [v] for k, v in row.items()
     }
 
 
-def _row_is_plain(row: Any) -> bool:
+def _row_is_plain(row: Columns) -> bool:
     """Whether a ``kv_put`` row goes to the store as it is: no empty tensor row."""
     batch = _as_batch(row)
     get = _getter(batch)
-    return not any(_has_empty_row(get(name), 1) for name in list(batch.keys()))
+    return not any(_has_empty_row(get(name), 1) for name in field_names(batch))
 
 
-def put_row(key: str, pid: str, row: Any, tags: Any, write_row: Callable[[], Any]) -> Any:
+def put_row(
+    key: str, pid: str, row: Columns | None, tags: list[Tags] | None, write_row: Callable[[], KVBatchMeta]
+) -> KVBatchMeta:
     """``kv_put``: ``write_row()`` as it is when the row needs nothing of this module, else a batch
     put of one row as ``put`` writes it."""
     if row is None or not isinstance(row, Mapping) and not hasattr(row, "batch_size"):
         return write_row()
-    retyped: dict[str, list[Any]] = {}
+    retyped: dict[str, StoredAs] = {}
     if _row_is_plain(row):
         try:
             return write_row()
@@ -282,12 +310,16 @@ def put_row(key: str, pid: str, row: Any, tags: Any, write_row: Callable[[], Any
 
 
 async def async_put_row(
-    key: str, pid: str, row: Any, tags: Any, write_row: Callable[[], Awaitable[Any]]
-) -> Any:
+    key: str,
+    pid: str,
+    row: Columns | None,
+    tags: list[Tags] | None,
+    write_row: Callable[[], Awaitable[KVBatchMeta]],
+) -> KVBatchMeta:
     """``put_row`` for an async ``write_row``."""
     if row is None or not isinstance(row, Mapping) and not hasattr(row, "batch_size"):
         return await write_row()
-    retyped: dict[str, list[Any]] = {}
+    retyped: dict[str, StoredAs] = {}
     if _row_is_plain(row):
         try:
             return await write_row()
@@ -302,7 +334,7 @@ async def async_put_row(
 # ---- reads ----------------------------------------------------------------------------------------
 
 
-def _empty_rows(value: Any) -> list[int]:
+def _empty_rows(value: object) -> list[int]:
     """Positions of the rows of no elements in a read's tensor field (placeholders, or empty rows)."""
     import torch
 
@@ -313,11 +345,12 @@ def _empty_rows(value: Any) -> list[int]:
     if value.layout == torch.jagged:
         if any(s == 0 for s in value.shape[2:]):
             return list(range(value.shape[0]))
-        return (value.offsets().diff() == 0).nonzero().flatten().tolist()
+        empty: list[int] = (value.offsets().diff() == 0).nonzero().flatten().tolist()
+        return empty
     return [i for i, r in enumerate(value.unbind()) if r.numel() == 0]
 
 
-def pack_rows(rows: list[Any]) -> Any:
+def pack_rows(rows: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
     """Rows as TransferQueue packs them (see the module docstring); rows of one dtype and shape are
     stacked dense (``dataplane.tq``'s layouts make them jagged on request)."""
     import torch
@@ -336,7 +369,7 @@ def pack_rows(rows: list[Any]) -> Any:
     return list(rows)
 
 
-def _hidden_rows(keys: list[str], pid: str, name: str) -> dict[str, Any]:
+def _hidden_rows(keys: list[str], pid: str, name: str) -> dict[str, bytes]:
     """``{key: blob}`` of the keys among ``keys`` that hold hidden rows of ``name``."""
     from dataplane.client import stream_ops as _stream_ops
 
@@ -353,12 +386,12 @@ def _hidden_rows(keys: list[str], pid: str, name: str) -> dict[str, Any]:
     return dict(zip(have, got.get(field).tolist(), strict=True))
 
 
-def restore(td: Any, keys: list[str], pid: str, drop_hidden: bool) -> Any:
+def restore(td: TensorDict, keys: list[str], pid: str, drop_hidden: bool) -> TensorDict:
     """A store read of ``keys`` with each placeholder replaced by its hidden row (the rows repacked as
     TransferQueue packs them); hidden fields dropped when the caller did not select them."""
     from tensordict import TensorDict
 
-    names = list(td.keys())
+    names = field_names(td)
     present = {n for n in names if n.startswith(ROWS_FIELD_PREFIX)}
     todo = {}
     for name in names:
@@ -391,10 +424,11 @@ def restore(td: Any, keys: list[str], pid: str, drop_hidden: bool) -> Any:
     return TensorDict(out, batch_size=td.batch_size, device=td.device)
 
 
-async def async_restore(td: Any, keys: list[str], pid: str, drop_hidden: bool) -> Any:
+async def async_restore(td: TensorDict, keys: list[str], pid: str, drop_hidden: bool) -> TensorDict:
     """``restore`` from a coroutine: its reads (only where a placeholder was read) in a thread."""
-    if not any(n.startswith(ROWS_FIELD_PREFIX) for n in td.keys()) and not any(
-        _empty_rows(td.get(n)) for n in td.keys()
+    names = field_names(td)
+    if not any(n.startswith(ROWS_FIELD_PREFIX) for n in names) and not any(
+        _empty_rows(td.get(n)) for n in names
     ):
         return td
     return await asyncio.to_thread(restore, td, keys, pid, drop_hidden)

@@ -10,10 +10,13 @@ Calls to the controller have a deadline (``DATAPLANE_TQ_CONTROLLER_TIMEOUT_S``, 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 from dataplane import api
-from dataplane._tq_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, Controller
+from dataplane._tq_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, Controller, TQConfig
 from dataplane.config import tq_controller_timeout_s
 from dataplane.errors import StoreNotInitializedError
 
@@ -21,9 +24,9 @@ from dataplane.errors import StoreNotInitializedError
 class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.controller: Any = None  # handle of the controller in CONTROLLER_NAMESPACE
-        self.config: dict[str, Any] | None = None
-        self.started: list[Any] = []  # controller actors this process created (tq.close kills them)
+        self.controller: ActorHandle | None = None  # handle of the controller in CONTROLLER_NAMESPACE
+        self.config: TQConfig | None = None
+        self.started: list[ActorHandle] = []  # controller actors this process created (tq.close kills them)
 
 
 state = _State()
@@ -33,7 +36,7 @@ def timeout_s() -> float:
     return tq_controller_timeout_s()
 
 
-def _find(namespace: str) -> Any:
+def _find(namespace: str) -> ActorHandle | None:
     import ray
 
     named = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
@@ -46,7 +49,7 @@ def _find(namespace: str) -> Any:
         return None
 
 
-def start_controllers(config: dict[str, Any]) -> Any:
+def start_controllers(config: TQConfig) -> ActorHandle:
     """The controller in TransferQueue's namespace (and one in the caller's when it differs): found,
     or started by this process. Returns the handle of the first once those it started are up.
 
@@ -84,7 +87,7 @@ def start_controllers(config: dict[str, Any]) -> Any:
     return primary
 
 
-def _wait_started(handles: list[Any]) -> None:
+def _wait_started(handles: list[ActorHandle]) -> None:
     """Until every controller in ``handles`` has run its constructor (both start at once)."""
     import ray
 
@@ -99,15 +102,15 @@ def _wait_started(handles: list[Any]) -> None:
         ) from exc
 
 
-def attach() -> dict[str, Any]:
+def attach() -> TQConfig:
     """Make sure this process is attached (store and controller); returns the shared config.
 
     Raises:
         StoreNotInitializedError: Ray is not initialised in this process, or no store runs.
     """
-    config = state.config
-    if config is not None and api.is_initialized():
-        return config
+    known = state.config
+    if known is not None and api.is_initialized():
+        return known
     with state.lock:
         if state.config is not None and api.is_initialized():
             return state.config
@@ -125,23 +128,23 @@ def attach() -> dict[str, Any]:
             info = api.init(attach_only=True) if not api.is_initialized() else api._state.info
             assert info is not None
             handle = start_controllers(default_config(info.extra.get("name", "dataplane")))
-        config = call(handle, "get_config")
+        config: TQConfig = call(handle, "get_config")
         api.init(name=config["store"], attach_only=True)
         state.controller, state.config = handle, config
         return config
 
 
-def default_config(store: str) -> dict[str, Any]:
+def default_config(store: str) -> TQConfig:
     return {"store": store, "polling_mode": False, "sampler": None}
 
 
-def controller() -> Any:
+def controller() -> ActorHandle:
     attach()
     return state.controller
 
 
-def call(handle: Any, method: str, *args: Any) -> Any:
-    """One controller call, waited for with a deadline."""
+def call(handle: ActorHandle, method: str, *args: object) -> Any:
+    """One controller call, waited for with a deadline (its answer is what ``method`` returns)."""
     import ray
 
     ref = getattr(handle, method).remote(*args)
@@ -154,12 +157,12 @@ def call(handle: Any, method: str, *args: Any) -> Any:
         ) from exc
 
 
-def ask(method: str, *args: Any) -> Any:
+def ask(method: str, *args: object) -> Any:
     """``call`` on this process's controller (attaching first)."""
     return call(controller(), method, *args)
 
 
-def tell(method: str, *args: Any) -> None:
+def tell(method: str, *args: object) -> None:
     """A controller call whose answer nobody waits for (bookkeeping: schemas, forgetting indexes).
 
     Calls from one process run in the order they were made, so this process's next ``ask`` sees it.

@@ -3,7 +3,8 @@ them raises ``NotImplementedError`` naming what to use instead."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import NoReturn
 
 # name -> what to use instead
 ALTERNATIVES = {
@@ -28,7 +29,7 @@ def unsupported(name: str) -> type:
     """A class named ``name`` whose construction (and ``.remote``) raises NotImplementedError."""
     message = _message(name)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(message)
 
     return type(
@@ -43,10 +44,10 @@ def unsupported(name: str) -> type:
     )
 
 
-def unsupported_function(name: str) -> Any:
+def unsupported_function(name: str) -> Callable[..., NoReturn]:
     message = _message(name)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(message)
 
     refuse.__name__ = refuse.__qualname__ = name

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from dataplane import api, stream
-from dataplane._tq_controller import visible_fields
+from dataplane._tq_controller import SamplerSpec, Tags, visible_fields
 from dataplane.errors import BatchTimeoutError, KeyNotFoundError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.samplers import SequentialSampler as _StoreSequential
@@ -44,15 +44,24 @@ from dataplane.tq.metadata import BatchMeta, extract_field_schema, kept_schema
 from dataplane.tq.sampler import BaseSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler
 from dataplane.tq.sampler import SequentialSampler as TQSequentialSampler
 
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+    from dataplane.meta import KVBatchMeta
+    from dataplane.tq._layout import Columns
+
+T = TypeVar("T")
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_FETCH_TIMEOUT_S = 5.0  # a non-polling fetch waits this long for rows (TransferQueue: 5 s)
 
 
-def _putter(keys: list[str], pid: str, tags: list[Any] | None) -> Any:
+def _putter(keys: list[str], pid: str, tags: list[Tags] | None) -> Callable[[Columns | None], KVBatchMeta]:
     """A put of ``keys``' columns into ``pid`` (with ``tags``), for ``_mixed.put`` to call."""
 
-    def put(cols: Any) -> Any:
+    def put(cols: Columns | None) -> KVBatchMeta:
         return api.kv_batch_put(keys, pid, cols, tags)
 
     return put
@@ -67,7 +76,7 @@ class UnknownIndexError(KeyNotFoundError, RuntimeError):
     """A global index no TransferQueue call handed out (or of another partition, or cleared)."""
 
 
-def no_data_parser(data_parser: Any) -> None:
+def no_data_parser(data_parser: object) -> None:
     if data_parser is not None:
         raise NotImplementedError(
             "data_parser is not supported: it is code shipped to and run by TransferQueue's storage "
@@ -82,10 +91,10 @@ class _PartitionTags:
     """``get_custom_meta(indexes) -> {index: tag}`` over the ready rows (what TransferQueue's
     samplers read from the controller's partition)."""
 
-    def __init__(self, tags: dict[int, dict[str, Any]]) -> None:
+    def __init__(self, tags: dict[int, Tags]) -> None:
         self._tags = tags
 
-    def get_custom_meta(self, global_indexes: Sequence[int]) -> dict[int, dict[str, Any]]:
+    def get_custom_meta(self, global_indexes: Sequence[int]) -> dict[int, Tags]:
         return {gi: self._tags.get(gi, {}) for gi in global_indexes}
 
 
@@ -130,7 +139,13 @@ class _RunHere(Sampler):
         return [by_gi[gi] for gi in sampled]
 
 
-def store_sampler(sampler: Any, partition_id: str, task_name: str, config: dict[str, Any]) -> Sampler | None:
+# What names a sampler: an instance or a class of TransferQueue's, the store's, or a shared spec.
+SamplerLike = Sampler | BaseSampler | type[BaseSampler] | SamplerSpec | None
+
+
+def store_sampler(
+    sampler: SamplerLike, partition_id: str, task_name: str, config: dict[str, Any]
+) -> Sampler | None:
     """The store sampler for a TransferQueue sampler (an instance, a class, or a spec from the
     shared config): sequential and rank-aware run in the store's index (rank-aware through
     ``dp_rank`` / ``batch_index``), the others in this process."""
@@ -157,7 +172,7 @@ _KNOWN = {
 }
 
 
-def sampler_spec(sampler: Any) -> dict[str, Any] | None:
+def sampler_spec(sampler: object) -> SamplerSpec | None:
     """A plain description of a known TransferQueue sampler (what the controller shares with every
     process), or None for the default. A sampler class of your own is not shared: it is code, and
     processes attach with the config only (pass it per call: ``sampling_config={"sampler": ...}``)."""
@@ -174,7 +189,7 @@ def sampler_spec(sampler: Any) -> dict[str, Any] | None:
             "cluster share the config, never code; pass your own per call with "
             "get_meta(..., sampling_config={'sampler': ...})"
         )
-    params = {}
+    params: dict[str, int] = {}
     if not isinstance(sampler, type):
         for attr in ("n_samples_per_prompt", "dp_size"):
             if hasattr(sampler, attr):
@@ -182,7 +197,7 @@ def sampler_spec(sampler: Any) -> dict[str, Any] | None:
     return {"name": cls.__name__, "params": params}
 
 
-def sampler_from_spec(spec: dict[str, Any]) -> BaseSampler:
+def sampler_from_spec(spec: SamplerSpec) -> BaseSampler:
     return _KNOWN[spec["name"]](**spec.get("params", {}))
 
 
@@ -201,19 +216,19 @@ class TransferQueueClient:
     def __init__(
         self,
         client_id: str | None = None,
-        controller_info: Any = None,
+        controller_info: object = None,
         zmq_io_threads: int | None = None,
         zmq_max_sockets: int | None = None,
     ) -> None:
         self.client_id = client_id or "dataplane.tq"
 
-    def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: Any = None) -> None:
+    def initialize_storage_manager(self, manager_type: str = "SimpleStorage", config: object = None) -> None:
         """TransferQueue's storage backend choice: this store is the backend; nothing to do."""
 
     # -- helpers ------------------------------------------------------------------------------
 
     @staticmethod
-    def _run_coroutine(coro: Any) -> Any:
+    def _run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine to completion from sync code (TransferQueue's helper of the same name)."""
         return asyncio.run(coro)
 
@@ -246,7 +261,7 @@ class TransferQueueClient:
         self,
         partition_id: str,
         keys: list[str],
-        tags: list[dict[str, Any]],
+        tags: list[Tags],
         fields: list[str],
         status: Sequence[int] | None = None,
     ) -> BatchMeta:
@@ -262,7 +277,7 @@ class TransferQueueClient:
 
     def _resolve(
         self, partition_id: str, keys: list[str] | None
-    ) -> tuple[dict[str, dict], dict[str, list[str]]]:
+    ) -> tuple[dict[str, Tags], dict[str, list[str]]]:
         """The partition's ``{key: tag}`` and the fields each of ``keys`` (all when None) holds."""
         from dataplane.client import stream_ops as _stream_ops
 
@@ -380,7 +395,7 @@ class TransferQueueClient:
                 "Only int or list of int are allowed as `global_indexes`, "
                 f"not {type(global_indexes).__name__}"
             )
-        keys = _session.ask("keys", partition_id, global_indexes)
+        keys: list[str] = _session.ask("keys", partition_id, global_indexes)
         for gi, key in zip(global_indexes, keys, strict=True):
             if key is None:
                 raise UnknownIndexError(
@@ -390,7 +405,7 @@ class TransferQueueClient:
                 )
         return keys
 
-    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
         """``{partition: {key: tag}}`` for one partition or all."""
         _session.attach()
         return api.kv_list(partition_id)
@@ -407,10 +422,10 @@ class TransferQueueClient:
 
     def put(
         self,
-        data: Any,
+        data: TensorDict,
         metadata: BatchMeta | None = None,
         partition_id: str | None = None,
-        data_parser: Callable[[Any], Any] | None = None,
+        data_parser: Callable[..., object] | None = None,
     ) -> BatchMeta:
         """Write ``data`` into ``metadata`` 's rows (or new rows of ``partition_id``), with the meta's
         tags; returns the meta with the new fields added and every row produced."""
@@ -419,7 +434,9 @@ class TransferQueueClient:
         if metadata is None:
             if partition_id is None:
                 raise ValueError("partition_id must be provided if metadata is not given")
-            metadata = self.get_meta(list(data.keys()), int(data.batch_size[0]), partition_id, mode="insert")
+            metadata = self.get_meta(
+                _mixed.field_names(data), int(data.batch_size[0]), partition_id, mode="insert"
+            )
         if not metadata or metadata.size == 0:
             raise ValueError("metadata cannot be none or empty")
         if int(data.batch_size[0]) != metadata.size:
@@ -434,7 +451,7 @@ class TransferQueueClient:
             _session.tell("record_schema", pid, kept_schema(schema))
         return metadata.add_fields(data)
 
-    def get_data(self, metadata: BatchMeta, *, layout: str = "jagged") -> Any:
+    def get_data(self, metadata: BatchMeta, *, layout: str = "jagged") -> TensorDict:
         """The rows of ``metadata`` (its fields), a TensorDict in TransferQueue's layout (tensor
         fields jagged; ``layout="dense"``: as the store returns them). Empty meta or no fields:
         an empty TensorDict."""
@@ -453,7 +470,7 @@ class TransferQueueClient:
         return _layout.to_layout(_scatter(parts, metadata.size, fields), layout)
 
     @staticmethod
-    def _read(keys: list[str], pid: str, fields: list[str]) -> Any:
+    def _read(keys: list[str], pid: str, fields: list[str]) -> TensorDict:
         return _mixed.restore(api.kv_batch_get(keys, pid, fields), keys, pid, drop_hidden=False)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
@@ -484,7 +501,7 @@ class TransferQueueClient:
         order = sorted(range(len(keys)), key=lambda i: gis[i])
         return [keys[i] for i in order], [gis[i] for i in order], known
 
-    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
+    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(global indexes, 1 where task_name consumed the row)`` over the partition's rows."""
         import torch
 
@@ -496,7 +513,9 @@ class TransferQueueClient:
         status = torch.tensor([int(k in done) for k in keys], dtype=torch.int8)
         return torch.tensor(gis, dtype=torch.int64), status
 
-    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
+    def get_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(global indexes, [rows, fields] 1 where the row holds the field)``."""
         import torch
 
@@ -560,26 +579,26 @@ class TransferQueueClient:
         mode: str = "fetch",
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
-        socket: Any = None,
+        socket: object = None,
     ) -> BatchMeta:
         return await asyncio.to_thread(
             self.get_meta, data_fields, batch_size, partition_id, mode, task_name, sampling_config
         )
 
-    async def async_set_custom_meta(self, metadata: BatchMeta, socket: Any = None) -> None:
+    async def async_set_custom_meta(self, metadata: BatchMeta, socket: object = None) -> None:
         await asyncio.to_thread(self.set_custom_meta, metadata)
 
     async def async_put(
         self,
-        data: Any,
+        data: TensorDict,
         metadata: BatchMeta | None = None,
         partition_id: str | None = None,
-        data_parser: Callable[[Any], Any] | None = None,
+        data_parser: Callable[..., object] | None = None,
     ) -> BatchMeta:
         no_data_parser(data_parser)
         return await asyncio.to_thread(self.put, data, metadata, partition_id)
 
-    async def async_get_data(self, metadata: BatchMeta, *, layout: str = "jagged") -> Any:
+    async def async_get_data(self, metadata: BatchMeta, *, layout: str = "jagged") -> TensorDict:
         return await asyncio.to_thread(self.get_data, metadata, layout=layout)
 
     async def async_clear_partition(self, partition_id: str) -> None:
@@ -589,13 +608,13 @@ class TransferQueueClient:
         await asyncio.to_thread(self.clear_samples, metadata)
 
     async def async_get_consumption_status(
-        self, task_name: str, partition_id: str, socket: Any = None
-    ) -> tuple[Any, Any]:
+        self, task_name: str, partition_id: str, socket: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return await asyncio.to_thread(self.get_consumption_status, task_name, partition_id)
 
     async def async_get_production_status(
-        self, data_fields: list[str], partition_id: str, socket: Any = None
-    ) -> tuple[Any, Any]:
+        self, data_fields: list[str], partition_id: str, socket: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return await asyncio.to_thread(self.get_production_status, data_fields, partition_id)
 
     async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
@@ -605,32 +624,32 @@ class TransferQueueClient:
         return await asyncio.to_thread(self.check_production_status, data_fields, partition_id)
 
     async def async_reset_consumption(
-        self, partition_id: str, task_name: str | None = None, socket: Any = None
+        self, partition_id: str, task_name: str | None = None, socket: object = None
     ) -> bool:
         return await asyncio.to_thread(self.reset_consumption, partition_id, task_name)
 
-    async def async_get_partition_list(self, socket: Any = None) -> list[str]:
+    async def async_get_partition_list(self, socket: object = None) -> list[str]:
         return await asyncio.to_thread(self.get_partition_list)
 
     async def async_kv_retrieve_meta(
-        self, keys: list[str] | str, partition_id: str, create: bool = False, socket: Any = None
+        self, keys: list[str] | str, partition_id: str, create: bool = False, socket: object = None
     ) -> BatchMeta:
         return await asyncio.to_thread(self.kv_retrieve_meta, keys, partition_id, create)
 
     async def async_kv_retrieve_keys(
-        self, global_indexes: list[int] | int, partition_id: str, socket: Any = None
+        self, global_indexes: list[int] | int, partition_id: str, socket: object = None
     ) -> list[str]:
         return await asyncio.to_thread(self.kv_retrieve_keys, global_indexes, partition_id)
 
     async def async_kv_list(
-        self, partition_id: str | None = None, socket: Any = None
-    ) -> dict[str, dict[str, Any]]:
+        self, partition_id: str | None = None, socket: object = None
+    ) -> dict[str, dict[str, Tags]]:
         return await asyncio.to_thread(self.kv_list, partition_id)
 
-    async def async_save_controller_checkpoint(self, path: str, socket: Any = None) -> None:
+    async def async_save_controller_checkpoint(self, path: str, socket: object = None) -> None:
         self.save_controller_checkpoint(path)
 
-    async def async_load_controller_checkpoint(self, path: str, socket: Any = None) -> None:
+    async def async_load_controller_checkpoint(self, path: str, socket: object = None) -> None:
         self.load_controller_checkpoint(path)
 
     async def async_save_storage_checkpoint(
@@ -650,7 +669,7 @@ _CONTROLLER_CHECKPOINT = (
 )
 
 
-def _key_list(keys: Any) -> list[str]:
+def _key_list(keys: object) -> list[str]:
     if isinstance(keys, str):
         return [keys]
     if not isinstance(keys, (list, tuple)):
@@ -662,12 +681,12 @@ def _key_list(keys: Any) -> list[str]:
     return list(keys)
 
 
-def _rows(data: Any, positions: list[int]) -> Any:
+def _rows(data: TensorDict, positions: list[int]) -> TensorDict:
     """The rows at ``positions`` of a TensorDict batch (nested fields row by row)."""
     import torch
     from tensordict import TensorDict
 
-    out: dict[str, Any] = {}
+    out: dict[str | tuple[str, ...], object] = {}  # (a TensorDict's keys)
     index = torch.tensor(positions, dtype=torch.int64)
     for name in data.keys():
         value = data.get(name)
@@ -682,14 +701,14 @@ def _rows(data: Any, positions: list[int]) -> Any:
     return TensorDict(out, batch_size=[len(positions)])
 
 
-def _scatter(parts: list[tuple[list[int], Any]], size: int, fields: list[str]) -> Any:
+def _scatter(parts: list[tuple[list[int], TensorDict]], size: int, fields: list[str]) -> TensorDict:
     """One TensorDict of ``size`` rows from per-partition reads (their rows at ``positions``)."""
     import torch
     from tensordict import TensorDict
 
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name in fields:
-        rows: list[Any] = [None] * size
+        rows: list[object] = [None] * size
         for positions, td in parts:
             value = td.get(name)
             values = value.unbind() if isinstance(value, torch.Tensor) else value.tolist()

@@ -14,10 +14,10 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from dataplane import api as _api
-from dataplane._tq_controller import visible_fields
+from dataplane._tq_controller import CONTROLLER_NAMESPACE, SamplerSpec, Tags, visible_fields
 from dataplane.errors import CheckpointError, FieldNotFoundError, StoreNotInitializedError
 from dataplane.meta import KVBatchMeta as _StoreMeta
 from dataplane.server.checkpoint_files import MANIFEST, shard_files
@@ -25,19 +25,25 @@ from dataplane.tq import _layout, _mixed, _session
 from dataplane.tq.client import TransferQueueClient, no_data_parser, sampler_spec
 from dataplane.tq.metadata import KVBatchMeta, kept_schema, mapping_schema
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from tensordict import TensorDict
+
+    from dataplane.tq._layout import Columns
+
 logger = logging.getLogger(__name__)
 
 # TransferQueue's module state, for code that looks at it (its checkpoint tests do).
 _TQ_CLIENT: TransferQueueClient | None = None
-_TQ_CONTROLLER: Any = None
-_TQ_STORAGE: Any = None
+_TQ_CONTROLLER: ActorHandle | None = None
+_TQ_STORAGE: object = None  # TransferQueue's storage manager: this store has none
 
 # TransferQueue config keys this module honours, and the StoreConfig option each one sets.
 _STORE_KEYS = {("backend", "SimpleStorage", "num_data_storage_units"): "num_shards"}
 _DEFAULT_KEYS = {("backend", "storage_backend"): "SimpleStorage"}  # accepted when left at the default
 
 
-def _as_dict(conf: Any) -> dict[str, Any]:
+def _as_dict(conf: object) -> dict[str, Any]:
     if conf is None:
         return {}
     if type(conf).__name__ in ("DictConfig", "ListConfig"):
@@ -49,8 +55,8 @@ def _as_dict(conf: Any) -> dict[str, Any]:
     return dict(conf)
 
 
-def _flatten(d: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
-    out: dict[tuple, Any] = {}
+def _flatten(d: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping) and v:
             out.update(_flatten(v, (*prefix, str(k))))
@@ -59,11 +65,11 @@ def _flatten(d: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
     return out
 
 
-def _read_conf(conf: Any) -> tuple[dict[str, Any], bool, Any]:
+def _read_conf(conf: object) -> tuple[dict[str, Any], bool, object]:
     """``(store options, polling_mode, sampler)`` from TransferQueue's config layout; the keys with
     no meaning here are named in one warning."""
     flat = _flatten(_as_dict(conf))
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {}  # StoreConfig options, by name
     polling, sampler = False, None
     ignored = []
     for path, value in flat.items():
@@ -86,7 +92,15 @@ def _read_conf(conf: Any) -> tuple[dict[str, Any], bool, Any]:
     return options, polling, sampler
 
 
-def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
+class InitResult(TypedDict):
+    """What ``init`` says took effect."""
+
+    store: dict[str, int]  # the StoreConfig options taken from the config
+    polling_mode: bool
+    sampler: SamplerSpec | None
+
+
+def init(conf: object = None, *, config: object = None) -> InitResult:
     """Attach to the store, or start an embedded one (TransferQueue's ``tq.init``).
 
     ``conf`` (or ``config``) may be a dict or an OmegaConf config in TransferQueue's layout; the
@@ -108,7 +122,7 @@ def init(conf: Any = None, *, config: Any = None) -> dict[str, Any]:
 
     if not ray.is_initialized():
         _api.init(**options)  # joins or starts Ray, then attaches to or starts the store
-    existing = _session._find(_session.CONTROLLER_NAMESPACE)
+    existing = _session._find(CONTROLLER_NAMESPACE)
     if existing is not None:  # another process initialised it: attach, its config wins
         shared = _session.attach()
     else:
@@ -166,23 +180,23 @@ def get_metrics_endpoint() -> str | None:
 
 
 def _wrap(meta: _StoreMeta) -> KVBatchMeta:
-    fields = visible_fields(meta.fields)
+    fields = None if meta.fields is None else visible_fields(meta.fields)
     return KVBatchMeta._trusted(meta.keys, meta._tag_list, meta._pid, fields)  # type: ignore[return-value]
 
 
-def _check_put(fields: Any, tags: Any, data_parser: Any) -> None:
+def _check_put(fields: object, tags: object, data_parser: object) -> None:
     no_data_parser(data_parser)
     if fields is None and tags is None:
         raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
 
 
-def _put_done(partition_id: str, fields: Any, meta: _StoreMeta) -> KVBatchMeta:
+def _put_done(partition_id: str, fields: Columns | None, meta: _StoreMeta) -> KVBatchMeta:
     """After a KV put: tell the controller the schema of what was written; the meta, wrapped."""
     _record_schema(partition_id, fields, len(meta.keys))
     return _wrap(meta)
 
 
-def _row(fields: Any) -> Any:
+def _row(fields: Columns | None) -> Columns | None:
     """kv_put's one row: nested tensors are refused as in TransferQueue."""
     if isinstance(fields, Mapping) and not hasattr(fields, "batch_size"):
         for name, value in fields.items():
@@ -193,14 +207,18 @@ def _row(fields: Any) -> Any:
     return fields
 
 
-def _record_schema(partition_id: str, fields: Any, n: int) -> None:
+def _record_schema(partition_id: str, fields: Columns | None, n: int) -> None:
     """Tell the controller the schema of what a KV put wrote (for ``BatchMeta.field_schema``)."""
     if fields is not None:
         _session.tell("record_schema", partition_id, kept_schema(mapping_schema(fields, n)))
 
 
 def kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+    key: str,
+    partition_id: str,
+    fields: Columns | None = None,
+    tag: Tags | None = None,
+    data_parser: object = None,
 ) -> KVBatchMeta:
     """TransferQueue's ``kv_put``: upsert one row (a dict of tensors without the batch dim, or a
     TensorDict of one row); ``fields=None`` updates the tag only. Returns the row's meta."""
@@ -215,9 +233,9 @@ def kv_put(
 def kv_batch_put(
     keys: list[str],
     partition_id: str,
-    fields: Any = None,
-    tags: list[dict] | None = None,
-    data_parser: Any = None,
+    fields: Columns | None = None,
+    tags: list[Tags] | None = None,
+    data_parser: object = None,
 ) -> KVBatchMeta:
     """TransferQueue's ``kv_batch_put``: upsert rows; new fields add columns to existing keys."""
     _check_put(fields, tags, data_parser)
@@ -231,7 +249,9 @@ def kv_batch_put(
     return _put_done(partition_id, fields, meta)
 
 
-def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldNotFoundError) -> list[str]:
+def _held_by_all(
+    keys: list[str] | str, partition_id: str, select_fields: Any, error: FieldNotFoundError
+) -> list[str]:
     """The selected fields every key holds; a field no key holds is left out (TransferQueue does, and
     verl's trainers ask for optional fields that way); one only some keys hold raises ``error``."""
     from dataplane.client import stream_ops as _stream_ops
@@ -245,11 +265,11 @@ def _held_by_all(keys: Any, partition_id: str, select_fields: Any, error: FieldN
     return [f for f in fields if held[f] == len(keys)]
 
 
-def _key_list(keys: Any) -> list[str]:
+def _key_list(keys: list[str] | str) -> list[str]:
     return [keys] if isinstance(keys, str) else list(keys)
 
 
-def _empty(keys: Any) -> Any:
+def _empty(keys: list[str] | str) -> TensorDict:
     from tensordict import TensorDict
 
     return TensorDict({}, batch_size=[1 if isinstance(keys, str) else len(keys)])
@@ -261,7 +281,7 @@ def kv_batch_get(
     select_fields: list[str] | str | None = None,
     *,
     layout: str = "jagged",
-) -> Any:
+) -> TensorDict:
     """TransferQueue's ``kv_batch_get``: rows in key order, in TransferQueue's layout (tensor fields
     jagged; ``layout="dense"``: as the store returns them); without ``select_fields`` the fields
     every key holds. A missing key raises ``KeyNotFoundError`` (a ``ValueError``); a selected field
@@ -280,7 +300,7 @@ def kv_batch_get(
 
 def kv_batch_get_by_meta(
     meta: KVBatchMeta, select_fields: list[str] | str | None = None, *, layout: str = "jagged"
-) -> Any:
+) -> TensorDict:
     """TransferQueue's ``kv_batch_get_by_meta``: ``kv_batch_get`` of the meta's keys and fields."""
     _layout.check_layout(layout)
     _session.attach()
@@ -291,7 +311,7 @@ def kv_batch_get_by_meta(
     return _layout.to_layout(td, layout)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
     """TransferQueue's ``kv_list``: ``{partition: {key: tag}}``."""
     _session.attach()
     return _api.kv_list(partition_id)
@@ -311,7 +331,11 @@ async def _attach() -> None:
 
 
 async def async_kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+    key: str,
+    partition_id: str,
+    fields: Columns | None = None,
+    tag: Tags | None = None,
+    data_parser: object = None,
 ) -> KVBatchMeta:
     _check_put(fields, tag, data_parser)
     await _attach()
@@ -326,9 +350,9 @@ async def async_kv_put(
 async def async_kv_batch_put(
     keys: list[str],
     partition_id: str,
-    fields: Any = None,
-    tags: list[dict] | None = None,
-    data_parser: Any = None,
+    fields: Columns | None = None,
+    tags: list[Tags] | None = None,
+    data_parser: object = None,
 ) -> KVBatchMeta:
     _check_put(fields, tags, data_parser)
     await _attach()
@@ -347,7 +371,7 @@ async def async_kv_batch_get(
     select_fields: list[str] | str | None = None,
     *,
     layout: str = "jagged",
-) -> Any:
+) -> TensorDict:
     _layout.check_layout(layout)
     await _attach()
     try:
@@ -361,7 +385,7 @@ async def async_kv_batch_get(
 
 async def async_kv_batch_get_by_meta(
     meta: KVBatchMeta, select_fields: list[str] | str | None = None, *, layout: str = "jagged"
-) -> Any:
+) -> TensorDict:
     _layout.check_layout(layout)
     await _attach()
     if isinstance(select_fields, str):
@@ -371,7 +395,7 @@ async def async_kv_batch_get_by_meta(
     return _layout.to_layout(td, layout)
 
 
-async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
     await _attach()
     return await _api.async_kv_list(partition_id)
 
@@ -433,7 +457,15 @@ _SU_DIR = "simple_storage"
 _SU_INFO = "storage_unit_info.json"
 
 
-def _storage_units(shards: int) -> list[dict[str, Any]]:
+class _StorageUnit(TypedDict):
+    """One entry of TransferQueue's ``storage_unit_info.json``."""
+
+    position: int
+    storage_unit_id: str
+    files: list[str]
+
+
+def _storage_units(shards: int) -> list[_StorageUnit]:
     """TransferQueue's ``storage_unit_info.json`` for a checkpoint of ``shards`` shards."""
     return [
         {"position": s, "storage_unit_id": f"shard-{s}", "files": list(shard_files(s))} for s in range(shards)
@@ -482,7 +514,7 @@ def _check_storage_units(path: Path) -> None:
         )
 
 
-def _write_json(path: Path, value: Any) -> None:
+def _write_json(path: Path, value: object) -> None:
     """``value`` as JSON at ``path``, atomically (a temp file renamed over it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:

@@ -25,30 +25,38 @@ import itertools
 import logging
 import operator
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
+from dataplane._tq_controller import FieldSchema, Schema
 from dataplane.errors import KeyNotFoundError
 from dataplane.meta import KVBatchMeta as _StoreMeta
 
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
 logger = logging.getLogger(__name__)
+
+H = TypeVar("H", bound=Hashable)
 
 
 class KeysNotInBatchError(KeyNotFoundError, RuntimeError):
     """``select_keys`` named keys this batch does not hold (a ``RuntimeError`` as in TransferQueue)."""
 
 
-def values_equal(a: Any, b: Any) -> bool:
+def values_equal(a: object, b: object) -> bool:
     """Equality of two ``extra_info`` values that also holds for tensors and arrays."""
     if type(a) is not type(b):
         return False
     if type(a).__module__.startswith("torch") and hasattr(a, "equal"):
         return bool(a.equal(b))
-    if isinstance(a, np.ndarray):
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
     try:
         return bool(a == b)
@@ -58,7 +66,7 @@ def values_equal(a: Any, b: Any) -> bool:
 
 def merge_extra_info(infos: Sequence[dict[str, Any]], where: str) -> dict[str, Any]:
     """The union of batch-level ``extra_info`` dicts; a key with two different values raises."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     keysets = {frozenset(info) for info in infos}
     if len(keysets) > 1:
         logger.warning("%s: extra_info key sets differ across chunks; keeping the union of keys", where)
@@ -161,7 +169,7 @@ class KVBatchMeta(_StoreMeta):
             )
         return self._derive([pos[k] for k in wanted], self.fields)
 
-    def reorder(self, indexes: Sequence[Any]) -> KVBatchMeta:  # type: ignore[override]
+    def reorder(self, indexes: Sequence[SupportsIndex]) -> KVBatchMeta:  # type: ignore[override]
         """Put the rows in the order ``indexes`` gives, in place (row ``i`` becomes ``indexes[i]``).
 
         Raises:
@@ -192,7 +200,7 @@ class KVBatchMeta(_StoreMeta):
         return [self._derive(part, self.fields) for part in _even_parts(self.size, chunks)]
 
     @classmethod
-    def concat(cls, data: Sequence[_StoreMeta]) -> KVBatchMeta:  # type: ignore[override]
+    def concat(cls, data: Sequence[_StoreMeta]) -> KVBatchMeta:
         """Join batches in order; empty ones are skipped, no batches gives an empty batch.
 
         Raises:
@@ -214,8 +222,8 @@ class KVBatchMeta(_StoreMeta):
         return cls(keys, tags, pid, base_fields, extra)
 
 
-def _counts(items: Sequence[Any]) -> dict[Any, int]:
-    out: dict[Any, int] = defaultdict(int)
+def _counts(items: Sequence[H]) -> dict[H, int]:
+    out: dict[H, int] = defaultdict(int)
     for item in items:
         out[item] += 1
     return out
@@ -233,7 +241,7 @@ def _even_parts(n: int, chunks: int) -> Iterator[range]:
 # ---- BatchMeta ------------------------------------------------------------------------------
 
 
-def _schema_of(value: Any, batch_size: int, name: str) -> dict[str, Any]:
+def _schema_of(value: torch.Tensor | Sequence[object], batch_size: int, name: str) -> FieldSchema:
     """One field's schema entry (TransferQueue's layout) from a batch of values."""
     import torch
 
@@ -241,7 +249,7 @@ def _schema_of(value: Any, batch_size: int, name: str) -> dict[str, Any]:
         rows = value.unbind()
         if len(rows) != batch_size:
             raise ValueError(f"field {name!r} holds {len(rows)} rows, expected batch size {batch_size}")
-        shapes = [tuple(r.shape) for r in rows]
+        shapes: list[tuple[int, ...] | None] = [tuple(r.shape) for r in rows]
         return {
             "dtype": value.dtype,
             "shape": None,
@@ -264,7 +272,7 @@ def _schema_of(value: Any, batch_size: int, name: str) -> dict[str, Any]:
     return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
 
 
-def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
+def extract_field_schema(data: Any) -> Schema:
     """``{field: {dtype, shape, is_nested, is_non_tensor[, per_sample_shapes]}}`` of a TensorDict batch."""
     n = int(data.batch_size[0])
     if n == 0:
@@ -272,14 +280,14 @@ def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
     return {name: _schema_of(data.get(name), n, name) for name in data.keys()}
 
 
-def mapping_schema(fields: Any, n: int) -> dict[str, dict[str, Any]]:
+def mapping_schema(fields: Any, n: int) -> Schema:
     """The schema of a put's ``fields`` (a TensorDict, or a mapping of ``n``-row columns; a row of
     tensors without the batch dim when ``n`` is 1 and they are not batched); columns whose layout it
     cannot read are left out (the store took them; only their schema is unknown)."""
     import torch
 
     get = fields.get if hasattr(fields, "batch_size") else fields.__getitem__
-    out = {}
+    out: Schema = {}
     for name in list(fields.keys()):
         value = get(name)
         if (
@@ -295,13 +303,15 @@ def mapping_schema(fields: Any, n: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def kept_schema(schema: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def kept_schema(schema: Schema) -> Schema:
     """A schema as the controller keeps it: per field, without per-row shapes (a nested field whose
     rows all have one shape is kept with that shape)."""
-    out = {}
+    out: Schema = {}
     for name, meta in schema.items():
-        entry = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
-        shapes = {tuple(s) for s in meta.get("per_sample_shapes") or ()}
+        entry = meta.copy()
+        entry.pop("per_sample_shapes", None)
+        # (a put's schema: every row of a nested field has a shape)
+        shapes = {tuple(s) for s in meta.get("per_sample_shapes") or () if s is not None}
         if meta.get("is_nested") and shapes:
             entry["shape"] = next(iter(shapes)) if len(shapes) == 1 else None
             entry["is_nested"] = len(shapes) > 1
@@ -330,17 +340,18 @@ class _SampleView:
         return int(self._batch.production_status[self._i])
 
     @property
-    def custom_meta(self) -> MappingProxyType:
+    def custom_meta(self) -> MappingProxyType[str, Any]:
         return MappingProxyType(self._batch.custom_meta[self._i])
 
     @property
-    def fields(self) -> MappingProxyType:
+    def fields(self) -> MappingProxyType[str, MappingProxyType[str, object]]:
         """Each field's schema for this row (a nested field's ``shape`` is this row's shape)."""
-        out = {}
+        out: dict[str, MappingProxyType[str, object]] = {}
         for name, meta in self._batch.field_schema.items():
-            row = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
-            if meta.get("per_sample_shapes") is not None:
-                row["shape"] = meta["per_sample_shapes"][self._i]
+            row = meta.copy()
+            shapes = row.pop("per_sample_shapes", None)
+            if shapes is not None:
+                row["shape"] = shapes[self._i]
             out[name] = MappingProxyType(row)
         return MappingProxyType(out)
 
@@ -410,8 +421,8 @@ class BatchMeta:
         self,
         global_indexes: Sequence[int] | None = None,
         partition_ids: Sequence[str] | None = None,
-        field_schema: dict[str, dict[str, Any]] | None = None,
-        production_status: Any = None,
+        field_schema: Schema | None = None,
+        production_status: npt.ArrayLike | None = None,
         extra_info: dict[str, Any] | None = None,
         custom_meta: Sequence[dict[str, Any]] | None = None,
         _custom_backend_meta: Sequence[dict[str, Any]] | None = None,
@@ -419,7 +430,7 @@ class BatchMeta:
     ) -> None:
         self.global_indexes = list(global_indexes or [])
         self.partition_ids = list(partition_ids or [])
-        self.field_schema = {k: dict(v) for k, v in (field_schema or {}).items()}
+        self.field_schema = {k: v.copy() for k, v in (field_schema or {}).items()}
         self.extra_info = dict(extra_info or {})
         n = len(self.global_indexes)
         if len(self.partition_ids) != n:
@@ -450,10 +461,10 @@ class BatchMeta:
 
     # -- pickling: one tuple in slot order; a read-only status array (Ray's zero-copy) is copied --
 
-    def __getstate__(self) -> tuple[Any, ...]:
+    def __getstate__(self) -> tuple[object, ...]:
         return tuple(getattr(self, slot, None) for slot in self.__slots__)
 
-    def __setstate__(self, state: Sequence[Any]) -> None:
+    def __setstate__(self, state: Sequence[object]) -> None:
         values = dict(zip(self.__slots__, state, strict=False))
         status = values.get("production_status")
         if isinstance(status, np.ndarray) and not status.flags.writeable:
@@ -491,18 +502,18 @@ class BatchMeta:
         """The rows' keys on this store, when this meta came from the store (else None)."""
         return None if self._keys is None else list(self._keys)
 
-    def get_dtypes(self, field_name: str) -> list[Any]:
+    def get_dtypes(self, field_name: str) -> list[object]:
         """The field's dtype, once per row. Raises KeyError for an unknown field."""
         return [self._field(field_name).get("dtype")] * self.size
 
-    def get_shapes(self, field_name: str) -> list[Any]:
+    def get_shapes(self, field_name: str) -> list[tuple[int, ...] | None]:
         """The field's shape per row. Raises KeyError for an unknown field."""
         meta = self._field(field_name)
         if meta.get("per_sample_shapes") is not None:
             return list(meta["per_sample_shapes"])
         return [meta.get("shape")] * self.size
 
-    def _field(self, name: str) -> dict[str, Any]:
+    def _field(self, name: str) -> FieldSchema:
         if name not in self.field_schema:
             raise KeyError(f"Field {name!r} not found in field_schema (fields: {self.field_names})")
         return self.field_schema[name]
@@ -554,7 +565,7 @@ class BatchMeta:
 
     # -- fields and rows ----------------------------------------------------------------------
 
-    def add_fields(self, tensor_dict: Any, set_all_ready: bool = True) -> BatchMeta:
+    def add_fields(self, tensor_dict: TensorDict, set_all_ready: bool = True) -> BatchMeta:
         """Record the fields of ``tensor_dict`` (a batch of this meta's size), in place; by default
         mark every row produced. Returns this meta."""
         n = int(tensor_dict.batch_size[0])
@@ -569,7 +580,7 @@ class BatchMeta:
         return self
 
     def _take(self, idx: Sequence[int], extra_info: dict[str, Any] | None = None) -> BatchMeta:
-        schema = {}
+        schema: Schema = {}
         for name, meta in self.field_schema.items():
             new = copy.deepcopy(meta)
             if meta.get("per_sample_shapes") is not None:
@@ -612,7 +623,7 @@ class BatchMeta:
         """A deep copy."""
         return self._take(range(self.size), copy.deepcopy(self.extra_info))
 
-    def __getitem__(self, item: Any) -> BatchMeta:
+    def __getitem__(self, item: object) -> BatchMeta:
         if isinstance(item, (int, np.integer)):
             i = int(item) + (self.size if item < 0 else 0)
             if not 0 <= i < self.size:
@@ -713,7 +724,7 @@ class BatchMeta:
             keys,
         )
 
-    def reorder(self, indices: Sequence[Any]) -> None:
+    def reorder(self, indices: Sequence[SupportsIndex]) -> None:
         """Put the rows in the order ``indices`` gives, in place.
 
         Raises:
@@ -760,17 +771,17 @@ def _per_row(values: Sequence[dict[str, Any]] | None, n: int, what: str) -> list
     return out
 
 
-def _merged_field(name: str, meta: dict[str, Any], parts: Sequence[BatchMeta]) -> dict[str, Any]:
+def _merged_field(name: str, meta: FieldSchema, parts: Sequence[BatchMeta]) -> FieldSchema:
     """A field's schema over concatenated metas: nested if any part is, per-row shapes joined."""
     nested = any(m.field_schema.get(name, {}).get("is_nested", False) for m in parts)
-    out = {
+    out: FieldSchema = {
         "dtype": meta.get("dtype"),
         "shape": None if nested else meta.get("shape"),
         "is_nested": nested,
         "is_non_tensor": meta.get("is_non_tensor", False),
     }
     if nested or any(m.field_schema.get(name, {}).get("per_sample_shapes") for m in parts):
-        shapes: list[Any] = []
+        shapes: list[tuple[int, ...] | None] = []
         for m in parts:
             own = m.field_schema.get(name, {})
             shapes.extend(own.get("per_sample_shapes") or [own.get("shape")] * m.size)

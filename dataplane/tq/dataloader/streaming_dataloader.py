@@ -3,14 +3,19 @@ hands out its ``(TensorDict, BatchMeta)`` micro-batches unchanged."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+from tensordict import TensorDict
 
 from dataplane.tq.dataloader.streaming_dataset import StreamingDataset
+from dataplane.tq.metadata import BatchMeta
+
+T = TypeVar("T")
 
 
-def _identity(item: Any) -> Any:
+def _identity(item: T) -> T:
     return item
 
 
@@ -30,10 +35,10 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
         self,
         dataset: StreamingDataset,
         num_workers: int = 0,
-        collate_fn: Any = None,
+        collate_fn: Callable[[tuple[TensorDict, BatchMeta]], object] | None = None,
         pin_memory: bool = False,
-        worker_init_fn: Any = None,
-        multiprocessing_context: Any = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: object = None,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
@@ -63,7 +68,7 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
         """Switch the dataset to ``partition_id``."""
         self.dataset.step(partition_id)
 
-    def get_buffer(self) -> list:
+    def get_buffer(self) -> list[tuple[TensorDict, BatchMeta]]:
         """The dataset's buffered ``(TensorDict, BatchMeta)`` batches."""
         return self.dataset.buffer
 

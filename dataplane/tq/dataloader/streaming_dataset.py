@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -21,7 +21,14 @@ from torch.utils.data import IterableDataset
 from dataplane.errors import BatchTimeoutError
 from dataplane.tq.metadata import BatchMeta
 
+if TYPE_CHECKING:
+    from dataplane.tq.client import TransferQueueClient
+
 logger = logging.getLogger(__name__)
+
+# TransferQueue's hooks, called with keyword arguments (see default_fetch_batch_fn, chunk_batch_fn)
+FetchBatchFn = Callable[..., tuple[TensorDict | None, BatchMeta]]
+ProcessBatchFn = Callable[..., Iterable[tuple[TensorDict, BatchMeta]]]
 
 
 def _wait_s() -> float:
@@ -52,7 +59,7 @@ class StreamingDataset(IterableDataset):
 
     def __init__(
         self,
-        config: Any,
+        config: object,
         batch_size: int,
         micro_batch_size: int,
         data_fields: list[str],
@@ -60,8 +67,8 @@ class StreamingDataset(IterableDataset):
         task_name: str,
         dp_rank: int,
         should_check_consumption_status: bool = False,
-        fetch_batch_fn: Callable | None = None,
-        process_batch_fn: Callable | None = None,
+        fetch_batch_fn: FetchBatchFn | None = None,
+        process_batch_fn: ProcessBatchFn | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -83,9 +90,9 @@ class StreamingDataset(IterableDataset):
         self.sampling_config = {"dp_rank": dp_rank, "task_name": task_name}
         self.buffer: list[tuple[TensorDict, BatchMeta]] = []
         self.batch_index = 0
-        self._tq_client: Any = None
+        self._tq_client: TransferQueueClient | None = None
 
-    def _client(self) -> Any:
+    def _client(self) -> TransferQueueClient:
         if self._tq_client is None:
             from dataplane.tq.interface import get_client
 
@@ -131,7 +138,7 @@ class StreamingDataset(IterableDataset):
 
 
 def default_fetch_batch_fn(
-    tq_client: Any,
+    tq_client: TransferQueueClient,
     data_fields: list[str],
     batch_size: int,
     partition_id: str,

@@ -12,7 +12,11 @@ the same rows in every process).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import Any
+
+# (sampled, consumed) global indexes
+Picked = tuple[list[int], list[int]]
 
 
 class BaseSampler(ABC):
@@ -31,16 +35,16 @@ class BaseSampler(ABC):
     """
 
     def __init__(self) -> None:
-        self._states: dict[Any, Any] = {}
+        # partition -> task -> dp_rank -> batch_index -> what was sampled for it (RankAwareSampler
+        # keeps the sampled list, as TransferQueue's does)
+        self._states: dict[str, dict[str, dict[Hashable, dict[Hashable, Picked | list[int]]]]] = {}
 
     @abstractmethod
-    def sample(
-        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
-    ) -> tuple[list[int], list[int]]:
+    def sample(self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any) -> Picked:
         """``(sampled, consumed)``: the rows to hand out now and those to mark consumed."""
         raise NotImplementedError(f"{type(self).__name__} must implement sample()")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
+    def __call__(self, *args: Any, **kwargs: Any) -> Picked:
         return self.sample(*args, **kwargs)
 
     def has_cached_result(
@@ -66,10 +70,15 @@ class BaseSampler(ABC):
     def load_checkpoint(self, state: dict[str, Any]) -> None:
         self._states = state["_states"]
 
-    def _cached(self, partition_id: str, task_name: str, dp_rank: Any, batch_index: Any) -> Any:
-        return self._states.get(partition_id, {}).get(task_name, {}).get(dp_rank, {}).get(batch_index)
+    def _cached(
+        self, partition_id: str, task_name: str, dp_rank: Hashable, batch_index: Hashable
+    ) -> Picked | None:
+        found = self._states.get(partition_id, {}).get(task_name, {}).get(dp_rank, {}).get(batch_index)
+        return found if isinstance(found, tuple) else None
 
-    def _cache(self, partition_id: str, task_name: str, dp_rank: Any, batch_index: Any, value: Any) -> None:
+    def _cache(
+        self, partition_id: str, task_name: str, dp_rank: Hashable, batch_index: Hashable, value: Picked
+    ) -> None:
         by_rank = self._states.setdefault(partition_id, {}).setdefault(task_name, {})
         by_rank.setdefault(dp_rank, {})[batch_index] = value
 

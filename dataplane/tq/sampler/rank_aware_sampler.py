@@ -37,9 +37,9 @@ class RankAwareSampler(BaseSampler):
         if dp_rank < 0:
             raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
         by_batch = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
-        if batch_index in by_batch:
-            picked = by_batch[batch_index]
-            return picked, picked
+        cached = by_batch.get(batch_index)
+        if isinstance(cached, list):
+            return cached, cached
         picked = list(ready_indexes[:batch_size])
         if len(picked) < batch_size:
             return [], []

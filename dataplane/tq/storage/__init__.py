@@ -3,9 +3,6 @@
 (``simple_storage``). TransferQueue's storage backends have no equivalent: the store is the
 backend."""
 
-from dataplane.errors import KeyNotFoundError as StorageKeyNotFoundError  # noqa: F401 - simple_storage takes it from here
-
-# after the name above: simple_storage imports it from here
 from dataplane.tq.storage import simple_storage
 from dataplane.tq.storage.simple_storage import *  # noqa: F403 - StorageUnitData and TransferQueue's names
 

@@ -11,12 +11,11 @@ samples. It is a local container only; the store's shards hold the store's rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+from dataplane.errors import KeyNotFoundError as StorageKeyNotFoundError
 from dataplane.tq._unsupported import unsupported
-from dataplane.tq.storage import StorageKeyNotFoundError
 
 SimpleStorageUnit = unsupported("SimpleStorageUnit")
 
@@ -40,9 +39,9 @@ class StorageUnitData:
     """
 
     def __init__(self, storage_size: int | None = None) -> None:
-        self.field_data: dict[str, dict[Any, Any]] = {}
+        self.field_data: dict[str, dict[int, object]] = {}  # field -> global index -> the value
         self.storage_size = storage_size
-        self._active_keys: set[Any] = set()
+        self._active_keys: set[int] = set()
 
     @property
     def active_key_count(self) -> int:
@@ -66,14 +65,14 @@ class StorageUnitData:
     def ssd_fallback_values_total(self) -> int:
         return 0
 
-    def get_data(self, fields: list[str], global_indexes: list) -> dict[str, list]:
+    def get_data(self, fields: list[str], global_indexes: list[int]) -> dict[str, list[object]]:
         """``{field: [value per global index, in the order given]}``.
 
         Raises:
             ValueError: a field was never put (names the fields held).
             StorageKeyNotFoundError: a global index is not held for a field (a ``KeyError``).
         """
-        out: dict[str, list] = {}
+        out: dict[str, list[object]] = {}
         for name in fields:
             column = self.field_data.get(name)
             if column is None:
@@ -90,7 +89,7 @@ class StorageUnitData:
             out[name] = [column[k] for k in global_indexes]
         return out
 
-    def put_data(self, field_data: dict[str, Any], global_indexes: list) -> None:
+    def put_data(self, field_data: Mapping[str, Sequence[object]], global_indexes: list[int]) -> None:
         """Store ``field_data[field][i]`` at ``global_indexes[i]``, replacing what was there.
 
         Nothing is stored when the call raises.
@@ -117,7 +116,7 @@ class StorageUnitData:
             column.update(zip(global_indexes, values, strict=True))
         self._active_keys.update(global_indexes)
 
-    def clear(self, keys: Iterable[Any]) -> None:
+    def clear(self, keys: Iterable[int]) -> None:
         """Drop every field of these global indexes; indexes not held are ignored."""
         keys = list(keys)
         for column in self.field_data.values():
