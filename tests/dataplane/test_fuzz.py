@@ -598,7 +598,7 @@ def _check_index(core: IndexCore) -> list[str]:
 
 def _index_state(core: IndexCore) -> Any:
     parts = {
-        pid: {k: (repr(m.tag), sorted(m.fields)) for k, m in part.keys.items()}
+        pid: {k: (repr(part.keys.tag(k)), sorted(held)) for k, held in part.keys.items()}
         for pid, part in core.partitions.items()
     }
     schemas = {

@@ -52,11 +52,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
         pid = body.partition
         pids = [pid] if pid is not None else list(self.partitions)
         return _protocol.ListReply(
-            {
-                p: {k: dict(m.tag) for k, m in self.partitions[p].keys.items()}
-                for p in pids
-                if p in self.partitions
-            }
+            {p: part.keys.page(0, len(part.keys))[0] for p in pids if (part := self.partitions.get(p))}
         )
 
     def op_resolve(self, body: _protocol.Resolve) -> _protocol.ResolveReply:
@@ -66,7 +62,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
             return _protocol.ResolveReply(partition=False, known={}, error=str(self.missing(body.partition)))
         return _protocol.ResolveReply(
             partition=True,
-            known={k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
+            known={k: sorted(part.keys[k]) for k in body.keys if k in part.keys},
             cleared=[k for k in body.keys if k not in part.keys and k in part.cleared],
             cleared_kept=CLEARED_KEYS_KEPT,
         )

@@ -107,6 +107,16 @@ class ReadyKeys:
             for index in self.indexes.values():
                 index.discard(key)
 
+    def discard_all(self, keys: list[str]) -> None:
+        """``discard`` of each of ``keys`` (a take: no call per key while no group index is kept)."""
+        if self.indexes:
+            for key in keys:
+                self.discard(key)
+            return
+        pop = self.keys.pop
+        for key in keys:
+            pop(key, None)
+
     def put_first(self, keys: list[str]) -> None:
         back = [k for k in dict.fromkeys(keys) if k not in self.keys]
         if back:

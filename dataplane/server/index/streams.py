@@ -14,9 +14,11 @@ waiting (``server.index.actor``).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,22 @@ class Lease:
     deadline: float  # time.monotonic()
 
 
+Tag = Callable[[str], dict[Any, Any]]  # a key's tag (read-only)
+
+
+def _no_tag(key: str) -> dict[Any, Any]:
+    return {}
+
+
+def shrink(holder: set[str] | dict[str, Any], n: int) -> int:
+    """Remove up to ``n`` items of ``holder`` (any ones); how many went."""
+    take = min(n, len(holder))
+    pop = holder.popitem if isinstance(holder, dict) else holder.pop
+    for _ in range(take):
+        pop()
+    return take
+
+
 Slot = tuple[frozenset[str], int | None, int | None]  # a rank-aware call's (fields, dp_rank, batch_index)
 
 
@@ -62,16 +80,20 @@ class Task:
 
 
 class PartitionStreams:
-    """The streaming state of one partition; ``keys`` is the index's key -> metadata mapping."""
+    """The streaming state of one partition; ``keys`` is the index's key -> fields mapping (a
+    ``KeyTable``), ``tag`` answers a key's tag."""
 
-    def __init__(self, keys: dict[str, Any]) -> None:
+    def __init__(self, keys: Mapping[str, AbstractSet[str]], tag: Tag | None = None) -> None:
         self.keys = keys
+        self._tag_of: Tag = tag or _no_tag
+        # The keys holding every one of some fields, in order (a KeyTable's walk runs at C speed).
+        self._having: Callable[[AbstractSet[str]], Iterable[str]] = getattr(keys, "having", self._scan)
         self.tasks: dict[str, Task] = {}
         self.by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
         self.finished = False
 
     # ---- updates from writers -------------------------------------------------------------------
-    def on_commit(self, key: str, before: set[str], now: set[str]) -> None:
+    def on_commit(self, key: str, before: AbstractSet[str], now: AbstractSet[str]) -> None:
         """``key`` now holds ``now`` (it held ``before``): append it to streams it just became ready for."""
         if not self.by_fields or len(now) == len(before):
             return
@@ -100,14 +122,18 @@ class PartitionStreams:
             task = self.tasks[task_name] = Task()
         stream = task.streams.get(fields)
         if stream is None:  # first ask for these fields: one scan, then commits keep it current
-            ready = (k for k, meta in self.keys.items() if fields <= meta.fields and k not in task.consumed)
+            ready = self._having(fields)
+            if task.consumed:
+                ready = itertools.filterfalse(task.consumed.__contains__, ready)
             stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, ready))
             self.by_fields.setdefault(fields, []).append((task, stream))
         return task, stream
 
-    def _tag(self, key: str) -> dict[str, Any]:
-        tag: dict[str, Any] = self.keys[key].tag
-        return tag
+    def _scan(self, fields: AbstractSet[str]) -> Iterator[str]:
+        return (k for k, held in self.keys.items() if fields <= held)
+
+    def _tag(self, key: str) -> dict[Any, Any]:
+        return self._tag_of(key)
 
     def on_retag(self, key: str) -> None:
         """``key``'s tags changed: streams that index ready rows by group file it again."""
@@ -147,7 +173,7 @@ class PartitionStreams:
         if choice is None or (not choice and not final):
             return None
         parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
-        chosen = [k for part in parts.values() for k in part]
+        chosen = next(iter(parts.values())) if len(parts) == 1 else [k for p in parts.values() for k in p]
         self._check_ready(stream, chosen, type(sampler).__name__)
         mine = parts.get(dp_rank, [])
         if len(mine) > batch_size:
@@ -205,7 +231,7 @@ class PartitionStreams:
         that would be ready for them is leased (a lease that runs out gives its rows back)."""
         if not self.finished:
             return False
-        return not any(fields <= self.keys[k].fields for k in task.leased if k in self.keys)
+        return not any(fields <= self.keys[k] for k in task.leased if k in self.keys)
 
     # ---- giving back and acknowledging ------------------------------------------------------------
     def release(self, task_name: str, take: str) -> int | None:
@@ -271,10 +297,12 @@ class PartitionStreams:
 
     @staticmethod
     def _check_ready(stream: Stream, keys: list[str], who: str) -> None:
-        if len(set(keys)) != len(keys):
+        chosen = set(keys)
+        if len(chosen) != len(keys):
             raise WireError(f"{who} chose a key twice")
-        bad = [k for k in keys if k not in stream.ready]
-        if bad:
+        ready = stream.ready.keys
+        if not ready.keys() >= chosen:  # (one C-level pass; the list below only on a refusal)
+            bad = [k for k in keys if k not in ready]
             raise WireError(
                 f"{who} chose {len(bad)} key(s) that are not ready for this task (not all of "
                 f"{sorted(stream.fields)} written, already consumed, or unknown): {bad[:5]}"
@@ -289,8 +317,7 @@ class PartitionStreams:
     def consume(self, task: Task, keys: list[str]) -> None:
         task.consumed.update(keys)
         for stream in task.streams.values():
-            for key in keys:
-                stream.ready.discard(key)
+            stream.ready.discard_all(keys)
 
     def unconsume(self, task_name: str, keys: list[str]) -> int:
         """Give back keys whose batch never reached its consumer's code; how many went back.
@@ -308,7 +335,7 @@ class PartitionStreams:
             return 0
         task.consumed.difference_update(keys)
         for stream in task.streams.values():
-            back = [k for k in keys if k in self.keys and stream.fields <= self.keys[k].fields]
+            back = [k for k in keys if k in self.keys and stream.fields <= self.keys[k]]
             if back:  # first in line again
                 stream.ready.put_first(back)
         return len(keys)
@@ -326,7 +353,24 @@ class PartitionStreams:
             task.leases.clear()
             task.leased.clear()
             for stream in task.streams.values():
-                stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
+                stream.ready.replace(self._having(stream.fields))
+
+    # ---- a dropped partition, freed in slices (``IndexRecords.free_some``) -------------------------
+    def drain(self, n: int) -> int:
+        """Forget up to about ``n`` keys of the streaming state; how many went (0: it is empty)."""
+        gone = 0
+        for task in self.tasks.values():
+            holders: list[Any] = [task.consumed, task.leased]
+            for stream in task.streams.values():
+                holders.append(stream.ready.keys)
+                holders.extend(index.gid for index in stream.ready.indexes.values())
+            for holder in holders:
+                gone += shrink(holder, n - gone)
+                if gone >= n:
+                    return gone
+        self.tasks.clear()  # (what is left holds no more than the takes and caches it remembers)
+        self.by_fields.clear()
+        return gone
 
     # ---- checkpoints (server.index.checkpoint) --------------------------------------------------
     def snapshot(self, now: float) -> dict[str, Any]:
@@ -434,8 +478,8 @@ class PartitionStreams:
         ):  # every consumed key came through it: O(1)
             produced, done = len(stream.ready) + len(consumed), len(consumed)
         else:
-            produced = sum(1 for meta in self.keys.values() if fields <= meta.fields)
-            done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k].fields)
+            produced = sum(1 for _ in self._having(fields))
+            done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k])
         ready = produced - done
         return ConsumptionReply(
             total=len(self.keys),
@@ -449,4 +493,4 @@ class PartitionStreams:
         )
 
 
-__all__ = ["Lease", "PartitionStreams", "Stream", "Task"]
+__all__ = ["Lease", "PartitionStreams", "Stream", "Task", "shrink"]

@@ -1,0 +1,79 @@
+"""The index's keys at scale, on its core and its loop (no Ray): records with no object per key,
+and a dropped partition freed in slices between requests."""
+
+from __future__ import annotations
+
+import gc
+import uuid
+
+import pytest
+
+from dataplane.server.index.actor import IndexServer
+from dataplane.server.index.core import IndexCore
+from dataplane.server.index.records import FREE_SLICE
+from dataplane.transport.auth import Credentials
+from dataplane.wire import protocol as _protocol
+
+
+def _commit(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags=None) -> None:
+    core.op_commit(_protocol.IndexCommit(partition=pid, keys=keys, fields=fields, tags=tags))
+
+
+def test_keys_cost_no_object_of_their_own_and_share_their_field_sets():
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(20_000)]
+    _commit(core, "warm", ["w"], ["x"])  # (the partition's own objects are not per key)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(0, len(keys), 5_000):
+        _commit(core, "warm", keys[i : i + 5_000], ["x"])
+    _commit(core, "warm", keys[:100], ["y"], tags=[{"i": i} for i in range(100)])
+    gc.collect()
+    assert len(gc.get_objects()) - before < 200  # (a record per key would be tens of thousands)
+    table = core.partitions["warm"].keys
+    assert len({id(table[k]) for k in keys[100:]}) == 1 and table[keys[0]] == {"x", "y"}
+    assert len({id(table[k]) for k in keys[:100]}) == 1  # the grown set, interned too
+    assert table.tag(keys[5]) == {"i": 5} and table.tag(keys[500]) == {}  # tags only where given
+
+
+def test_a_cleared_partition_is_gone_at_once_and_freed_in_slices():
+    core = IndexCore()
+    n = 3 * FREE_SLICE + 5
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "big", keys, ["x"])
+    core.op_next(_protocol.Next(partition="big", task="t", fields=["x"], batch_size=FREE_SLICE))
+    assert core.op_clear_partition(_protocol.OnePartition("big")).existed
+    assert "big" not in core.op_stats(_protocol.Stats()).partitions  # gone for every caller now
+    _commit(core, "big", ["fresh"], ["x"])  # a new partition of the name meanwhile
+    freed = []
+    while core.dropped:
+        freed.append(core.free_some())
+        assert freed[-1] <= FREE_SLICE
+    assert sum(freed) >= n and len(freed) > 3  # every key (and its consumer's state) a slice at a time
+    assert list(core.partitions["big"].keys) == ["fresh"]
+
+
+@pytest.fixture
+def creds() -> Credentials:
+    return Credentials.new(encrypt=False)
+
+
+def test_the_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile(creds: Credentials):
+    core = IndexCore()
+    _commit(core, "big", [f"k{i}" for i in range(2 * FREE_SLICE + 1)], ["x"])
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    try:
+        assert server.poll_timeout_ms() > 0  # idle: the loop waits for requests
+        core.op_clear_partition(_protocol.OnePartition("big"))
+        passes = 0
+        while core.dropped:
+            assert server.poll_timeout_ms() == 0  # work left: poll for requests, do not wait
+            table = core.dropped[0].keys
+            left = len(table)
+            server.after_poll()  # one pass of the loop after its poll: one slice, then requests again
+            assert left - len(table) <= FREE_SLICE
+            passes += 1
+        assert passes >= 3 and server.poll_timeout_ms() > 0
+    finally:
+        server.start()  # (its loop closes the sockets as it stops)
+        server.stop()
