@@ -1,5 +1,6 @@
 """The index's keys at scale, on its core and its loop (no Ray): records with no object per key,
-and a dropped partition freed in slices between requests."""
+listings in pages whose cursors survive clears and compaction, and a dropped partition freed in
+slices between requests."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import uuid
 
 import pytest
 
+from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
+from dataplane.server.index.keytable import COMPACT_MIN_HOLES
 from dataplane.server.index.records import FREE_SLICE
 from dataplane.transport.auth import Credentials
 from dataplane.wire import protocol as _protocol
@@ -17,6 +20,19 @@ from dataplane.wire import protocol as _protocol
 
 def _commit(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags=None) -> None:
     core.op_commit(_protocol.IndexCommit(partition=pid, keys=keys, fields=fields, tags=tags))
+
+
+def _page(core: IndexCore, pid: str, limit: int, cursor: str | None = None) -> tuple[list[str], str | None]:
+    got = core.op_list(_protocol.ListKeys(pid, limit=limit, cursor=cursor))
+    return list(got.list.get(pid, {})), got.cursor
+
+
+def _all_pages(core: IndexCore, pid: str, limit: int) -> list[str]:
+    keys, cursor = _page(core, pid, limit)
+    while cursor is not None:
+        more, cursor = _page(core, pid, limit, cursor)
+        keys += more
+    return keys
 
 
 def test_keys_cost_no_object_of_their_own_and_share_their_field_sets():
@@ -34,6 +50,48 @@ def test_keys_cost_no_object_of_their_own_and_share_their_field_sets():
     assert len({id(table[k]) for k in keys[100:]}) == 1 and table[keys[0]] == {"x", "y"}
     assert len({id(table[k]) for k in keys[:100]}) == 1  # the grown set, interned too
     assert table.tag(keys[5]) == {"i": 5} and table.tag(keys[500]) == {}  # tags only where given
+
+
+def test_a_listing_pages_in_put_order_and_its_cursor_survives_clears_and_compaction():
+    core = IndexCore()
+    n = 3 * COMPACT_MIN_HOLES
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"], tags=[{"i": i} if i % 7 == 0 else None for i in range(n)])
+    first, cursor = _page(core, "p", 1000)
+    assert first == keys[:1000] and cursor is not None
+    page = core.op_list(_protocol.ListKeys("p", limit=3)).list["p"]
+    assert page == {"k0": {"i": 0}, "k1": {}, "k2": {}}
+    # Clear most keys, behind and ahead of the cursor (the rows are compacted), and put new ones.
+    gone = set(keys[500 : n - 100])
+    core.op_clear(_protocol.Clear("p", sorted(gone)))
+    assert len(core.partitions["p"].keys._names) < n  # compacted
+    _commit(core, "p", ["new0", "new1", keys[0]], ["x"])  # (k0 again: it keeps its place)
+    rest = []
+    while cursor is not None:
+        more, cursor = _page(core, "p", 7, cursor)
+        assert len(more) <= 7
+        rest += more
+    assert rest == [*keys[n - 100 :], "new0", "new1"]
+    assert _all_pages(core, "p", 64) == [k for k in keys if k not in gone] + ["new0", "new1"]
+    whole = core.op_list(_protocol.ListKeys("p")).list["p"]  # the whole form agrees
+    assert list(whole) == _all_pages(core, "p", 1000) and whole["k7"] == {"i": 7}
+
+
+def test_a_cursor_of_a_partition_cleared_since_is_refused_and_bad_pages_are_refused():
+    core = IndexCore()
+    _commit(core, "p", ["a", "b", "c"], ["x"])
+    _, cursor = _page(core, "p", 1)
+    core.op_clear_partition(_protocol.OnePartition("p"))
+    _commit(core, "p", ["a", "b", "c"], ["x"])  # a new partition of the same name
+    with pytest.raises(PartitionNotFoundError, match="cleared since this listing began"):
+        _page(core, "p", 1, cursor)
+    assert _page(core, "absent", 5) == ([], None)
+    names = core.op_list(_protocol.ListKeys(None, limit=0)).list
+    assert names == {"p": {}}
+    with pytest.raises(WireError, match="not a cursor"):
+        _page(core, "p", 1, "garbage")
+    with pytest.raises(WireError, match="one partition"):
+        core.op_list(_protocol.ListKeys(None, limit=5))
 
 
 def test_a_cleared_partition_is_gone_at_once_and_freed_in_slices():
