@@ -135,3 +135,21 @@ def test_the_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile(creds: Cr
     finally:
         server.start()  # (its loop closes the sockets as it stops)
         server.stop()
+
+
+def test_a_new_task_finds_the_ready_keys_in_put_order_whatever_fields_the_others_hold():
+    core = IndexCore()
+    _commit(core, "p", ["a", "b", "c", "d"], ["x"])
+    core.op_clear(_protocol.Clear("p", ["b"]))
+    _commit(core, "p", ["b"], ["x"])  # (put again: last now)
+    _commit(core, "p", ["c"], ["y"])
+
+    def first(task: str, fields: list[str]) -> list[str]:
+        got = core.op_ready(_protocol.Ready(partition="p", task=task, fields=fields))
+        assert got is not None
+        return [key for key, _ in got.rows]
+
+    assert first("all-x", ["x"]) == ["a", "c", "d", "b"]  # every key holds x (the key dict itself)
+    assert first("x-and-y", ["x", "y"]) == ["c"]  # some do (a walk over the rows)
+    _commit(core, "p", ["e"], ["y"])
+    assert first("y", ["y"]) == ["c", "e"]
