@@ -153,3 +153,21 @@ def test_a_new_task_finds_the_ready_keys_in_put_order_whatever_fields_the_others
     assert first("x-and-y", ["x", "y"]) == ["c"]  # some do (a walk over the rows)
     _commit(core, "p", ["e"], ["y"])
     assert first("y", ["y"]) == ["c", "e"]
+
+
+def test_keys_cleared_oldest_first_are_cut_off_the_front_and_every_lookup_still_holds():
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(3 * COMPACT_MIN_HOLES)]
+    _commit(core, "p", keys, ["x"])
+    _, cursor = _page(core, "p", 10)
+    table = core.partitions["p"].keys
+    cut = 9000  # (more holes than keys left: a compaction, were they not cut off the front)
+    for i in range(0, cut, 1000):  # a consumer clearing what it took, in batches
+        core.op_clear(_protocol.Clear("p", keys[i : i + 1000]))
+        assert len(table._names) == len(table)  # no hole kept
+    _commit(core, "p", [keys[-1], "new"], ["y"])
+    rest = keys[cut:]
+    assert list(table) == [*rest, "new"] and table[keys[-1]] == {"x", "y"} and table["new"] == {"y"}
+    assert keys[0] not in table and table[rest[0]] == {"x"}
+    assert _all_pages(core, "p", 999) == [*rest, "new"]
+    assert _page(core, "p", 2, cursor)[0] == rest[:2]  # a cursor from before the clears goes on

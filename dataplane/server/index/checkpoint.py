@@ -133,6 +133,7 @@ class IndexCheckpoints:
                 for key in missing.get(p.pid, ()):
                     if part.keys.remove(key):
                         part.streams.on_clear(key)
+                part.keys.settle()
                 parts.append(self._snapshot_state(p, part))
             os.unlink(path)
             entry = write_small(path, msgspec.msgpack.encode({"version": VERSION, "partitions": parts}))

@@ -12,7 +12,8 @@ object of its own besides its name:
 
 None of these is a container per key, so a full collection has a handful of objects to look at,
 whatever the table holds. A cleared key leaves a hole in its row; the rows are compacted when the
-holes outnumber the keys (``_compact``), and the sequence numbers survive it, so a listing's cursor
+holes outnumber the keys (``settle``; holes at the front, the keys cleared first, are cut off
+without renumbering anything), and the sequence numbers survive it, so a listing's cursor
 (``page``: the next sequence number) stays valid across clears and compactions.
 
 Plain class, no Ray (owned by ``server.index.records.PartMeta``).
@@ -37,10 +38,11 @@ class KeyTable(Mapping[str, frozenset[str]]):
     """A partition's keys in the order they came: key -> the fields it holds (a ``Mapping``), and
     its tag (``tag``)."""
 
-    __slots__ = ("_row", "_names", "_held", "_seqs", "_next", "_tags", "_sets", "_grown")
+    __slots__ = ("_row", "_base", "_names", "_held", "_seqs", "_next", "_tags", "_sets", "_grown")
 
     def __init__(self) -> None:
-        self._row: dict[str, int] = {}
+        self._row: dict[str, int] = {}  # key -> its row + _base (rows trimmed off the front shift _base)
+        self._base = 0
         self._names: list[str | None] = []
         self._held: list[frozenset[str] | None] = []
         self._seqs = array("q")
@@ -51,7 +53,7 @@ class KeyTable(Mapping[str, frozenset[str]]):
 
     # ---- Mapping ----------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> frozenset[str]:
-        held = self._held[self._row[key]]
+        held = self._held[self._row[key] - self._base]
         assert held is not None  # (a live row's)
         return held
 
@@ -110,7 +112,7 @@ class KeyTable(Mapping[str, frozenset[str]]):
         a new key; two lists, no object per key, so a commit leaves nothing for the garbage collector),
         the keys that existed and got a tag, and the distinct field sets the keys hold now."""
         fields = self.intern(fields)
-        row, names, held_at, seqs = self._row, self._names, self._held, self._seqs
+        row, names, held_at, seqs, base = self._row, self._names, self._held, self._seqs, self._base
         grew: list[str] = []
         before: list[frozenset[str]] = []
         sets: set[frozenset[str]] = set()
@@ -119,7 +121,7 @@ class KeyTable(Mapping[str, frozenset[str]]):
         for key in keys:
             at = row.get(key)
             if at is None:
-                row[key] = len(names)
+                row[key] = base + len(names)
                 names.append(key)
                 held_at.append(fields)
                 seqs.append(self._next + added)
@@ -128,10 +130,10 @@ class KeyTable(Mapping[str, frozenset[str]]):
                     grew.append(key)
                     before.append(_NOTHING)
                 continue
-            held = held_at[at]
+            held = held_at[at - base]
             assert held is not None
             if held is not fields and not fields <= held:
-                held_at[at] = now = self._grow(held, fields)
+                held_at[at - base] = now = self._grow(held, fields)
                 grew.append(key)
                 before.append(held)
                 held = now
@@ -153,17 +155,29 @@ class KeyTable(Mapping[str, frozenset[str]]):
         return grew, before, retagged, sets
 
     def remove(self, key: str) -> bool:
-        """Forget ``key``; whether it was here."""
+        """Forget ``key`` (its row becomes a hole; ``settle`` after a batch of these); whether it was here."""
         at = self._row.pop(key, None)
         if at is None:
             return False
-        self._names[at] = None
-        self._held[at] = None
+        self._names[at - self._base] = None
+        self._held[at - self._base] = None
         self._tags.pop(key, None)
-        holes = len(self._names) - len(self._row)
+        return True
+
+    def settle(self) -> None:
+        """After removals: the holes at the front are cut off (the oldest keys are the ones usually
+        cleared: no renumbering, one move of the rows), and the rows compacted when the holes left
+        outnumber the keys."""
+        names = self._names
+        front = 0
+        while front < len(names) and names[front] is None:
+            front += 1
+        if front:
+            del names[:front], self._held[:front], self._seqs[:front]
+            self._base += front
+        holes = len(names) - len(self._row)
         if holes >= COMPACT_MIN_HOLES and holes > len(self._row):
             self._compact()
-        return True
 
     def _compact(self) -> None:
         """Drop the holes; rows renumbered, sequence numbers kept."""
@@ -172,10 +186,11 @@ class KeyTable(Mapping[str, frozenset[str]]):
         self._held = [self._held[i] for i in keep]
         self._seqs = array("q", (self._seqs[i] for i in keep))
         self._row = {name: i for i, name in enumerate(self._names) if name is not None}
+        self._base = 0
 
     def restore(self, key: str, fields: frozenset[str], tag: Tag | None) -> None:
         """Append ``key`` holding ``fields`` with ``tag`` (a checkpoint's load; ``key`` is new)."""
-        self._row[key] = len(self._names)
+        self._row[key] = self._base + len(self._names)
         self._names.append(key)
         self._held.append(self.intern(fields))
         self._seqs.append(self._next)

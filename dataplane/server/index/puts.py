@@ -241,6 +241,7 @@ class IndexPuts(IndexRecords):
                     removed += 1
                     part.streams.on_clear(key)
                     _remember(part.cleared, key, CLEARED_KEYS_KEPT)
+            part.keys.settle()
         return _protocol.RemovedReply(removed)
 
     def op_clear_partition(self, body: _protocol.OnePartition) -> _protocol.ExistedReply:
