@@ -14,6 +14,7 @@ from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.keytable import COMPACT_MIN_HOLES
 from dataplane.server.index.records import FREE_SLICE
+from dataplane.server.index.streams import BUILD_SLICE
 from dataplane.transport.auth import Credentials
 from dataplane.wire import protocol as _protocol
 
@@ -132,6 +133,12 @@ def test_the_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile(creds: Cr
             assert left - len(table) <= FREE_SLICE
             passes += 1
         assert passes >= 3 and server.poll_timeout_ms() > 0
+        _commit(core, "big", [f"k{i}" for i in range(BUILD_SLICE + 1)], ["x"])
+        assert core.op_next(_protocol.Next(partition="big", task="t", fields=["x"], batch_size=1)) is None
+        assert server.poll_timeout_ms() == 0  # a stream being gathered: no wait either
+        server.after_poll()
+        server.after_poll()
+        assert not core.building and server.poll_timeout_ms() > 0
     finally:
         server.start()  # (its loop closes the sockets as it stops)
         server.stop()
@@ -171,3 +178,33 @@ def test_keys_cleared_oldest_first_are_cut_off_the_front_and_every_lookup_still_
     assert keys[0] not in table and table[rest[0]] == {"x"}
     assert _all_pages(core, "p", 999) == [*rest, "new"]
     assert _page(core, "p", 2, cursor)[0] == rest[:2]  # a cursor from before the clears goes on
+
+
+def _ready(core: IndexCore, task: str, fields: list[str]) -> list[str] | None:
+    got = core.op_ready(_protocol.Ready(partition="p", task=task, fields=fields, limit=1 << 20))
+    return None if got is None else [key for key, _ in got.rows]
+
+
+def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order():
+    core = IndexCore()
+    n = 2 * BUILD_SLICE + 10
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"])
+    x, xy = frozenset({"x"}), frozenset({"x", "y"})
+    first = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=3)
+    assert core.op_next(first) is None and _ready(core, "u", ["x", "y"]) is None  # gathering: wait
+    streams = core.partitions["p"].streams
+    t, u = streams.tasks["t"].streams[x], streams.tasks["u"].streams[xy]
+    assert core.op_consumption(_protocol.Consumption("p", "t")).ready == n  # right meanwhile
+    core.op_clear(_protocol.Clear("p", ["k1"]))  # ahead of the walk
+    _commit(core, "p", ["late1"], ["x"])  # after the stream was asked for
+    core.changed.clear()
+    while u.build is not None and u.build.cursor == 0:  # t whole, u's walk begun
+        core.build_some()
+    assert t.build is None and "p" in core.changed and core.op_next(first).keys == ["k0", "k2", "k3"]
+    _commit(core, "p", ["k0", keys[-1]], ["y"])  # behind u's walk, and ahead of it
+    _commit(core, "p", ["late2"], ["x", "y"])
+    while core.building:
+        core.build_some()
+    assert _ready(core, "t", ["x"]) == [*keys[4:], "late1", "late2"]
+    assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "late2"]  # as they became ready

@@ -174,7 +174,7 @@ class IndexServer(RequestServer):
                 del self._waiters[partition]
 
     def poll_timeout_ms(self) -> int:
-        if self.core.dropped:  # a slice of it after every poll, and polls that do not wait meanwhile
+        if self.core.dropped or self.core.building:  # a slice after every poll, polls that do not wait
             return 0
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
@@ -192,6 +192,7 @@ class IndexServer(RequestServer):
         """Answer the parked requests whose deadline passed; a request whose expiry fails is answered
         with that failure (``_fail``), and the others are still served."""
         self.core.free_some()  # one slice of a dropped partition, then requests again
+        self.core.build_some()  # one slice of a consumer's new stream over a big partition
         now = time.monotonic()
         if now >= self._freeze_due:
             self._freeze_due = now + FREEZE_S

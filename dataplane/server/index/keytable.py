@@ -26,7 +26,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from itertools import compress
-from typing import Any
+from typing import Any, cast
 
 COMPACT_MIN_HOLES = 4096  # holes tolerated before the rows are compacted (then: when they outnumber keys)
 
@@ -80,6 +80,24 @@ class KeyTable(Mapping[str, frozenset[str]]):
         if len(ok) == len(self._sets):
             return self._row  # (its order is the rows' order: both append, and compaction keeps it)
         return compress(self._names, map(ok.__contains__, self._held))  # type: ignore[arg-type]
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next new key gets."""
+        return self._next
+
+    def seq_of(self, key: str) -> int:
+        return self._seqs[self._row[key] - self._base]
+
+    def scan(self, fields: AbstractSet[str], start: int, end: int, limit: int) -> tuple[list[str], int]:
+        """The keys of sequence numbers ``start`` <= n < ``end`` that hold every one of ``fields``,
+        looking at ``limit`` rows at most, and the sequence number to go on from (``end``: done)."""
+        seqs = self._seqs
+        at = bisect_left(seqs, start)
+        stop = bisect_left(seqs, end, at, min(len(seqs), at + limit))
+        ok = {held for held in self._sets if fields <= held}
+        keys = compress(self._names[at:stop], map(ok.__contains__, self._held[at:stop]))
+        return cast(list[str], list(keys)), min(end, seqs[stop] if stop < len(seqs) else self._next)
 
     def field_sets(self) -> set[frozenset[str]]:
         """The distinct field sets the keys hold."""

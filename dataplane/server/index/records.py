@@ -98,10 +98,26 @@ class IndexRecords:
         # Partitions cleared or replaced, freed FREE_SLICE keys at a time between requests (``free_some``):
         # freeing a million keys at once would hold every other caller up for a tenth of a second.
         self.dropped: deque[PartMeta] = deque()
+        # Partitions with a consumer's new stream being gathered a slice at a time (``build_some``).
+        self.building: dict[str, PartMeta] = {}
 
     def drop(self, part: PartMeta) -> None:
         """``part`` is out of the index: free it in slices, between requests."""
         self.dropped.append(part)
+
+    def build_some(self) -> None:
+        """Gather one slice of a consumer's new stream over a big partition (``PartitionStreams.build_some``);
+        once one is complete its partition counts as changed, so the requests waiting on it are asked
+        again."""
+        while self.building:
+            pid, part = next(iter(self.building.items()))
+            worked, done = part.streams.build_some() if self.partitions.get(pid) is part else (False, False)
+            if done:
+                self.changed.add(pid)
+            if not part.streams.building or self.partitions.get(pid) is not part:
+                del self.building[pid]
+            if worked:
+                return
 
     def free_some(self, n: int = FREE_SLICE) -> int:
         """Free up to about ``n`` keys of the dropped partitions; how many went (0: none is left)."""

@@ -75,6 +75,7 @@ class IndexStreaming(IndexRecords):
             self._lease(body),
         )
         if got is None:
+            self._watch_build(body.partition, part)
             return None
         return self._batch_of(part, body, got)
 
@@ -92,6 +93,9 @@ class IndexStreaming(IndexRecords):
                 cached=True, finished=got.finished, keys=got.keys, tags=got.tags, fields=got.fields
             )
         task, stream = part.streams.stream(body.task, fields)
+        if stream.build is not None:
+            self._watch_build(body.partition, part)
+            return None
         drained = part.streams.drained(task, fields)
         if len(stream.ready) < body.min_rows and not drained:
             return None
@@ -114,6 +118,11 @@ class IndexStreaming(IndexRecords):
             self._lease(body),
         )
         return self._batch_of(part, body, got)
+
+    def _watch_build(self, pid: str, part: PartMeta) -> None:
+        """A stream of ``part`` is being gathered: the loop goes on with it between requests."""
+        if part.streams.building:
+            self.building[pid] = part
 
     @staticmethod
     def _batch(

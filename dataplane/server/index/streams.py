@@ -24,17 +24,32 @@ from typing import Any
 
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
+from dataplane.server.index.keytable import KeyTable
 from dataplane.server.index.ready import ReadyKeys
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
+BUILD_SLICE = 32768  # a new stream over more keys is gathered this many rows at a time, between requests
+
+
+@dataclass
+class Build:
+    """A new stream's ready keys gathered from a big partition a slice at a time, between requests
+    (``PartitionStreams.build_some``): the walk is at ``cursor`` (a sequence number of the partition's
+    keys); keys from ``end`` on came after the stream was asked for. A key that becomes ready where
+    the walk will not look (behind it, or past ``end``) waits in ``late``, to come after the walk's."""
+
+    cursor: int
+    end: int
+    late: dict[str, None] = field(default_factory=dict)
 
 
 @dataclass
 class Stream:
     fields: frozenset[str]
     ready: ReadyKeys
+    build: Build | None = None  # while its ready keys are being gathered (no take until they are)
 
 
 @dataclass
@@ -85,11 +100,15 @@ class PartitionStreams:
 
     def __init__(self, keys: Mapping[str, AbstractSet[str]], tag: Tag | None = None) -> None:
         self.keys = keys
+        self._table = keys if isinstance(keys, KeyTable) else None
         self._tag_of: Tag = tag or _no_tag
         # The keys holding every one of some fields, in order (a KeyTable's walk runs at C speed).
-        self._having: Callable[[AbstractSet[str]], Iterable[str]] = getattr(keys, "having", self._scan)
+        self._having: Callable[[AbstractSet[str]], Iterable[str]] = (
+            self._scan if self._table is None else self._table.having
+        )
         self.tasks: dict[str, Task] = {}
         self.by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
+        self.building: list[tuple[Task, Stream]] = []  # streams being gathered (``build_some``), oldest first
         self.finished = False
 
     # ---- updates from writers -------------------------------------------------------------------
@@ -100,14 +119,21 @@ class PartitionStreams:
         for fields, streams in self.by_fields.items():
             if fields <= now and not fields <= before:
                 for task, stream in streams:
-                    if key not in task.consumed:
+                    if key in task.consumed:
+                        continue
+                    build = stream.build
+                    if build is None:
                         stream.ready.add(key)
+                    elif self._table is not None and not build.cursor <= self._table.seq_of(key) < build.end:
+                        build.late[key] = None  # (else: the walk will find it)
 
     def on_clear(self, key: str) -> None:
         for task in self.tasks.values():
             task.consumed.discard(key)
             for stream in task.streams.values():
                 stream.ready.discard(key)
+                if stream.build is not None:
+                    stream.build.late.pop(key, None)
             take = task.leased.pop(key, None)
             if take is not None:
                 lease = task.leases[take]
@@ -122,12 +148,41 @@ class PartitionStreams:
             task = self.tasks[task_name] = Task()
         stream = task.streams.get(fields)
         if stream is None:  # first ask for these fields: one scan, then commits keep it current
-            ready = self._having(fields)
-            if task.consumed:
-                ready = itertools.filterfalse(task.consumed.__contains__, ready)
-            stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, ready))
+            if self._table is not None and len(self._table) > BUILD_SLICE:  # a slice at a time
+                stream = Stream(fields, ReadyKeys(self._tag), Build(0, self._table.next_seq))
+                self.building.append((task, stream))
+            else:
+                ready = self._having(fields)
+                if task.consumed:
+                    ready = itertools.filterfalse(task.consumed.__contains__, ready)
+                stream = Stream(fields, ReadyKeys(self._tag, ready))
+            task.streams[fields] = stream
             self.by_fields.setdefault(fields, []).append((task, stream))
         return task, stream
+
+    def build_some(self, n: int = BUILD_SLICE) -> tuple[bool, bool]:
+        """Gather the ready keys of the oldest stream being built from up to ``n`` more rows; whether
+        there was one, and whether it is complete now (its waiting consumers may take)."""
+        while self.building:
+            task, stream = self.building[0]
+            build = stream.build
+            if build is None or self._table is None or task.streams.get(stream.fields) is not stream:
+                self.building.pop(0)  # (reset, or restored from a checkpoint, meanwhile)
+                continue
+            keys, build.cursor = self._table.scan(stream.fields, build.cursor, build.end, n)
+            stream.ready.extend(itertools.filterfalse(task.consumed.__contains__, keys))
+            if build.cursor < build.end:
+                return True, False
+            stream.ready.extend(build.late)
+            stream.build = None
+            self.building.pop(0)
+            return True, True
+        return False, False
+
+    def build_all(self) -> None:
+        """Complete every stream being built (a checkpoint's snapshot, a claim: they need them whole)."""
+        while self.building:
+            self.build_some(1 << 62)
 
     def _scan(self, fields: AbstractSet[str]) -> Iterator[str]:
         return (k for k, held in self.keys.items() if fields <= held)
@@ -166,6 +221,8 @@ class PartitionStreams:
         if dp_rank is not None and batch_index is not None and slot in task.cache:
             keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
             return keys, next((t for t in map(task.leased.get, keys[:1]) if t is not None), None)
+        if stream.build is not None:  # its ready keys are still being gathered: wait
+            return None
         final = self.drained(task, fields)
         choice = sampler.sample(
             self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
@@ -201,6 +258,8 @@ class PartitionStreams:
         task, stream = self.stream(task_name, fields)
         if take is not None and take in task.takes:
             return task.takes[take], take if take in task.leases else None  # a retry of the same claim
+        if stream.build is not None:
+            self.build_all()
         self._check_ready(stream, keys, "the sampler")
         self.consume(task, keys)
         if dp_rank is not None and batch_index is not None:
@@ -318,6 +377,9 @@ class PartitionStreams:
         task.consumed.update(keys)
         for stream in task.streams.values():
             stream.ready.discard_all(keys)
+            if stream.build is not None and stream.build.late:
+                for key in keys:
+                    stream.build.late.pop(key, None)
 
     def unconsume(self, task_name: str, keys: list[str]) -> int:
         """Give back keys whose batch never reached its consumer's code; how many went back.
@@ -354,6 +416,7 @@ class PartitionStreams:
             task.leased.clear()
             for stream in task.streams.values():
                 stream.ready.replace(self._having(stream.fields))
+                stream.build = None
 
     # ---- a dropped partition, freed in slices (``IndexRecords.free_some``) -------------------------
     def drain(self, n: int) -> int:
@@ -378,6 +441,7 @@ class PartitionStreams:
         it took, each stream's ready keys in ready order, the rank-aware cache, the takes it
         remembers and its leases (unacknowledged keys, seconds left at ``now``); and ``finished``.
         ``restore`` of it answers ``take``, ``cached``, ``ack`` and ``counts`` exactly as this one does."""
+        self.build_all()
         return {
             "finished": self.finished,
             "tasks": [
@@ -426,6 +490,7 @@ class PartitionStreams:
                 task.leases[str(take)] = Lease(dict.fromkeys(keys), now + float(left))
                 task.leased.update(dict.fromkeys(keys, str(take)))
         self.tasks, self.by_fields, self.finished = tasks, by_fields, bool(state["finished"])
+        self.building = []
 
     def progress(self) -> Iterator[tuple[str, int, int, int, Stream | None]]:
         """Each consumer task's progress, in O(1) per task: its name, rows taken (leased ones
@@ -457,7 +522,7 @@ class PartitionStreams:
             self.finished
             and bool(self.tasks)
             and all(
-                not task.leased and not any(s.ready for s in task.streams.values())
+                not task.leased and not any(s.ready or s.build for s in task.streams.values())
                 for task in self.tasks.values()
             )
         )
@@ -474,11 +539,12 @@ class PartitionStreams:
             )
         stream = task.streams.get(fields) if task is not None else None
         if (
-            task is not None and stream is not None and len(task.streams) == 1
+            task is not None and stream is not None and len(task.streams) == 1 and stream.build is None
         ):  # every consumed key came through it: O(1)
             produced, done = len(stream.ready) + len(consumed), len(consumed)
         else:
-            produced = sum(1 for _ in self._having(fields))
+            having = self._having(fields)
+            produced = len(having) if isinstance(having, Mapping) else sum(1 for _ in having)
             done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k])
         ready = produced - done
         return ConsumptionReply(
@@ -493,4 +559,4 @@ class PartitionStreams:
         )
 
 
-__all__ = ["Lease", "PartitionStreams", "Stream", "Task", "shrink"]
+__all__ = ["BUILD_SLICE", "Build", "Lease", "PartitionStreams", "Stream", "Task", "shrink"]
