@@ -511,7 +511,8 @@ def _check_shard(core: ShardCore) -> list[str]:
     segs: dict[int, Any] = {}
     for pid, part in core.partitions.items():
         for key, row in part.rows.items():
-            for name, (seg, i) in row.items():
+            for name, code in row.items():
+                seg, i = part.loc(code)
                 if seg.live <= 0:
                     bad.append(f"{pid}/{key}/{name} is in a segment with live={seg.live}")
                 if not 0 <= i < seg.num_rows:
@@ -568,10 +569,10 @@ def _check_shard(core: ShardCore) -> list[str]:
 
 def _shard_state(core: ShardCore) -> Any:
     rows = {
-        (pid, key, name): (id(seg), i)
+        (pid, key, name): code
         for pid, part in core.partitions.items()
         for key, row in part.rows.items()
-        for name, (seg, i) in row.items()
+        for name, code in row.items()
     }
     specs = {pid: dict(part.specs) for pid, part in core.partitions.items()}
     return rows, specs, core.used, core.heap_bytes, core.pending, sorted(core._resv), sorted(core.pool.live)

@@ -1,13 +1,15 @@
 """The index's keys at scale, on its core and its loop (no Ray): records with no object per key,
-listings in pages whose cursors survive clears and compaction, and a dropped partition freed in
-slices between requests."""
+listings in pages whose cursors survive clears and compaction, and a dropped partition freed and a
+new consumer's stream over a big partition gathered in slices, with other requests answered between."""
 
 from __future__ import annotations
 
 import gc
+import threading
 import uuid
 
 import pytest
+import zmq
 
 from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.index.actor import IndexServer
@@ -16,7 +18,12 @@ from dataplane.server.index.keytable import COMPACT_MIN_HOLES
 from dataplane.server.index.records import FREE_SLICE
 from dataplane.server.index.streams import BUILD_SLICE
 from dataplane.transport.auth import Credentials
+from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
+from dataplane.wire.requests import reply
+
+from .conftest import wait_for
+from .test_loop_faults import REPLY_MS, _ask, _dealer, _rids
 
 
 def _commit(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags=None) -> None:
@@ -208,3 +215,43 @@ def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order(
         core.build_some()
     assert _ready(core, "t", ["x"]) == [*keys[4:], "late1", "late2"]
     assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "late2"]  # as they became ready
+
+
+def test_requests_are_answered_while_a_big_clear_is_freed_and_a_big_stream_is_gathered(
+    creds: Credentials, monkeypatch
+):
+    """Through the loop and its sockets: while a cleared partition's keys wait to be freed and a new
+    consumer's stream over a big partition waits to be gathered (held by a gate, so the order is
+    certain), a put, a 1-row take and a consumption of another partition are answered; the parked
+    take over the big partition is answered once its stream is whole."""
+    core = IndexCore()
+    _commit(core, "cleared", [f"c{i}" for i in range(2 * FREE_SLICE + 1)], ["x"])
+    big = [f"b{i}" for i in range(2 * BUILD_SLICE + 1)]
+    _commit(core, "big", big, ["x"])
+    go = threading.Event()
+    for name in ("free_some", "build_some"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda real=real: real() if go.is_set() else 0)
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    server.start()
+    ctx = zmq.Context()
+    try:
+        sock = _dealer(ctx, creds, server)
+        assert _ask(sock, "clear_partition", {"partition": "cleared"}).error is None
+        take = {"task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": 30.0}
+        rid = next(_rids)  # parked: its stream is being gathered
+        sock.send_multipart(_wire.encode_request(rid, "next", {**take, "partition": "big"}))
+        assert _ask(sock, "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]}).error is None
+        got = _ask(sock, "next", {**take, "partition": "small", "batch_size": 1})
+        assert reply(got.body, _protocol.BatchReply).keys == ["s"]
+        assert reply(_ask(sock, "consumption", {"partition": "small", "task": "t"}).body,
+                     _protocol.ConsumptionReply).consumed == 1  # fmt: skip
+        assert core.dropped and core.building  # all of it answered before either was done
+        go.set()
+        assert sock.poll(REPLY_MS)
+        parked = _wire.decode_raw_reply(sock.recv_multipart())[0]
+        assert parked.rid == rid and reply(parked.body, _protocol.BatchReply).keys == big[:2]
+        wait_for(lambda: not core.dropped, REPLY_MS / 1000, "the cleared partition to be freed")
+    finally:
+        server.stop()
+        ctx.destroy(linger=0)

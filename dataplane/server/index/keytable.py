@@ -31,7 +31,7 @@ from typing import Any, cast
 COMPACT_MIN_HOLES = 4096  # holes tolerated before the rows are compacted (then: when they outnumber keys)
 
 Tag = dict[str, Any]
-_NOTHING: frozenset[str] = frozenset()
+NOTHING: frozenset[str] = frozenset()  # what a new key held before its first commit
 
 
 class KeyTable(Mapping[str, frozenset[str]]):
@@ -146,7 +146,7 @@ class KeyTable(Mapping[str, frozenset[str]]):
                 added += 1
                 if fields:
                     grew.append(key)
-                    before.append(_NOTHING)
+                    before.append(NOTHING)
                 continue
             held = held_at[at - base]
             assert held is not None
@@ -248,4 +248,4 @@ class KeyTable(Mapping[str, frozenset[str]]):
         return out, (seqs[at] if at < end else None)
 
 
-__all__ = ["COMPACT_MIN_HOLES", "KeyTable"]
+__all__ = ["COMPACT_MIN_HOLES", "NOTHING", "KeyTable"]

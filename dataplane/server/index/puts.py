@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import ReservationExpiredError, SchemaMismatchError, WireError
+from dataplane.server.index.keytable import NOTHING as _NOTHING
 from dataplane.server.index.records import (
     CLEARED_KEYS_KEPT,
     CLEARED_PARTITIONS_KEPT,
@@ -208,9 +209,12 @@ class IndexPuts(IndexRecords):
         if streams.by_fields:  # (consumers' streams: rows that became ready, ready rows retagged)
             for key in retagged:
                 streams.on_retag(key)
-            held = part.keys.__getitem__
-            for key, old in zip(grew, before, strict=True):
-                streams.on_commit(key, old, held(key))
+            if grew and before.count(_NOTHING) == len(before):  # new keys only: all at once
+                streams.on_new(grew, part.keys[grew[0]])
+            else:
+                held = part.keys.__getitem__
+                for key, old in zip(grew, before, strict=True):
+                    streams.on_commit(key, old, held(key))
         tag = part.keys.tag
         out_tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{} for _ in keys]
         union = frozenset().union(*sets)

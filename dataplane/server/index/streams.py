@@ -30,7 +30,8 @@ from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
-BUILD_SLICE = 32768  # a new stream over more keys is gathered this many rows at a time, between requests
+BUILD_SLICE = 65536  # a new stream over more keys is gathered this many rows at a time, between requests
+# (one over fewer at once: a few milliseconds, and its first take answered in the same call)
 
 
 @dataclass
@@ -126,6 +127,17 @@ class PartitionStreams:
                         stream.ready.add(key)
                     elif self._table is not None and not build.cursor <= self._table.seq_of(key) < build.end:
                         build.late[key] = None  # (else: the walk will find it)
+
+    def on_new(self, keys: list[str], now: frozenset[str]) -> None:
+        """``keys``, new, hold ``now``: ``on_commit`` of each, at once (no call per key)."""
+        for fields, streams in self.by_fields.items():
+            if fields <= now:
+                for task, stream in streams:
+                    fresh = itertools.filterfalse(task.consumed.__contains__, keys) if task.consumed else keys
+                    if stream.build is None:
+                        stream.ready.extend(fresh)
+                    else:  # (new keys come after the walk's end)
+                        stream.build.late.update(dict.fromkeys(fresh))
 
     def on_clear(self, key: str) -> None:
         for task in self.tasks.values():
