@@ -15,6 +15,7 @@ from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.keytable import COMPACT_MIN_HOLES
+from dataplane.server.index.puts import ON_NEW_MIN
 from dataplane.server.index.records import FREE_SLICE
 from dataplane.server.index.streams import BUILD_SLICE
 from dataplane.transport.auth import Credentials
@@ -204,17 +205,19 @@ def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order(
     t, u = streams.tasks["t"].streams[x], streams.tasks["u"].streams[xy]
     assert core.op_consumption(_protocol.Consumption("p", "t")).ready == n  # right meanwhile
     core.op_clear(_protocol.Clear("p", ["k1"]))  # ahead of the walk
-    _commit(core, "p", ["late1"], ["x"])  # after the stream was asked for
+    late = [f"late{i}" for i in range(1, ON_NEW_MIN + 2)]
+    _commit(core, "p", late[:1], ["x"])  # after the stream was asked for: one key, then many at once
+    _commit(core, "p", late[1:], ["x"])
     core.changed.clear()
     while u.build is not None and u.build.cursor == 0:  # t whole, u's walk begun
         core.build_some()
     assert t.build is None and "p" in core.changed and core.op_next(first).keys == ["k0", "k2", "k3"]
     _commit(core, "p", ["k0", keys[-1]], ["y"])  # behind u's walk, and ahead of it
-    _commit(core, "p", ["late2"], ["x", "y"])
+    _commit(core, "p", ["both"], ["x", "y"])
     while core.building:
         core.build_some()
-    assert _ready(core, "t", ["x"]) == [*keys[4:], "late1", "late2"]
-    assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "late2"]  # as they became ready
+    assert _ready(core, "t", ["x"]) == [*keys[4:], *late, "both"]
+    assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "both"]  # as they became ready
 
 
 def test_requests_are_answered_while_a_big_clear_is_freed_and_a_big_stream_is_gathered(
@@ -255,3 +258,16 @@ def test_requests_are_answered_while_a_big_clear_is_freed_and_a_big_stream_is_ga
     finally:
         server.stop()
         ctx.destroy(linger=0)
+
+
+def test_a_commit_of_many_new_keys_makes_them_ready_at_once_for_the_streams_that_want_them():
+    core = IndexCore()
+    _commit(core, "p", ["a"], ["x"])
+    take = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=1)
+    assert core.op_next(take).keys == ["a"]
+    assert _ready(core, "u", ["x", "y"]) is None  # (a stream waiting for two fields)
+    new = [f"n{i}" for i in range(ON_NEW_MIN)]
+    _commit(core, "p", new, ["x"])
+    assert _ready(core, "t", ["x"]) == new and _ready(core, "u", ["x", "y"]) is None
+    _commit(core, "p", new[::-1], ["y"])  # (keys that exist: one at a time, in commit order)
+    assert _ready(core, "u", ["x", "y"]) == new[::-1]

@@ -27,6 +27,7 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
 MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
+ON_NEW_MIN = 64  # a commit of this many new keys or more appends them to the streams at once (``on_new``)
 
 
 def _remember(record: OrderedDict[str, None], name: str, bound: int) -> None:
@@ -209,7 +210,7 @@ class IndexPuts(IndexRecords):
         if streams.by_fields:  # (consumers' streams: rows that became ready, ready rows retagged)
             for key in retagged:
                 streams.on_retag(key)
-            if grew and before.count(_NOTHING) == len(before):  # new keys only: all at once
+            if len(grew) >= ON_NEW_MIN and before.count(_NOTHING) == len(before):  # new keys: at once
                 streams.on_new(grew, part.keys[grew[0]])
             else:
                 held = part.keys.__getitem__
@@ -260,4 +261,4 @@ class IndexPuts(IndexRecords):
         return _protocol.ExistedReply(existed)
 
 
-__all__ = ["MAX_EARLY_ABORTS", "IndexPuts"]
+__all__ = ["MAX_EARLY_ABORTS", "ON_NEW_MIN", "IndexPuts"]
