@@ -195,7 +195,7 @@ class ShardCheckpoints:
             locs: dict[str, list[tuple[Segment, int, int]]] = {}
             for key, fields in wanted.items():
                 row = part.rows.get(key) if part is not None else None
-                if row is None or any(f not in row for f in fields):
+                if row is None or not all(map(row.__contains__, fields)):  # (no Python frame per key)
                     missing.setdefault(pid, []).append(key)
                     continue
                 pos = len(keys)
