@@ -523,6 +523,9 @@ def _check_shard(core: ShardCore) -> list[str]:
                     )
                 refs[id(seg)] += 1
                 segs[id(seg)] = seg
+        kept = [seg for seg in part.segs.values() if id(seg) not in segs or seg.owner is not part]
+        if kept:  # (a segment no row of the partition names must be gone from its table)
+            bad.append(f"{pid} keeps {len(kept)} segment(s) that none of its rows names")
     for sid, seg in segs.items():
         if seg.live != refs[sid]:
             bad.append(f"a segment has live={seg.live} but {refs[sid]} rows refer to it")
