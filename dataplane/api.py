@@ -20,7 +20,7 @@ import atexit
 import logging
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import msgspec
@@ -29,8 +29,8 @@ from dataplane._units import format_bytes
 from dataplane.client import ops as _ops
 from dataplane.client.handle import StoreClient
 from dataplane.config import NAMESPACE, StoreConfig, client_transport_override
-from dataplane.errors import StoreNotInitializedError
-from dataplane.meta import KVBatchMeta, StoreInfo
+from dataplane.errors import InvalidArgumentError, StoreNotInitializedError
+from dataplane.meta import KVBatchMeta, KVListPage, StoreInfo
 from dataplane.service import connect as _connect
 from dataplane.service.launch import ServiceHandle, find_service, no_store_message, start_service, stop_named
 from dataplane.service.liveness import ray_says_dead
@@ -467,15 +467,71 @@ def kv_batch_get_by_meta(
     return kv_batch_get(keys, pid, fields, device=device, copy=copy, non_blocking=non_blocking)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
+def kv_list(
+    partition_id: str | None = None, *, limit: int | None = None, cursor: str | None = None
+) -> dict[str, dict[str, dict[Any, Any]]]:
     """``{partition: {key: tag}}`` for one partition (``{}`` if it does not exist) or all.
+
+    With ``limit``, one page of ``partition_id``: at most ``limit`` keys in the order they were put,
+    from ``cursor`` on, as a ``KVListPage`` (the same dict, and ``.cursor``: pass it to the next call;
+    None after the last page). A page costs the index what it returns, so listing a partition of
+    millions of keys holds up no other caller; keys put meanwhile come in later pages, cleared ones
+    are left out; a partition cleared since the first page raises ``PartitionNotFoundError``.
+    ``kv_iter_keys`` walks the pages for you. The whole form is asked for in pages too.
 
     Example:
         >>> dp.kv_list("train")
         {'train': {'a': {}, 'b': {}}}
+        >>> page = dp.kv_list("train", limit=1)
+        >>> page
+        {'train': {'a': {}}}
+        >>> last = dp.kv_list("train", limit=1, cursor=page.cursor)
+        >>> last, last.cursor
+        ({'train': {'b': {}}}, None)
     """
     client = current_client()
-    return client.run(_ops.list_keys(client.route, partition_id), "list")
+    return client.run(_list_op(client.route, partition_id, limit, cursor), "list")
+
+
+def _list_op(
+    route: _ops.Route, partition_id: str | None, limit: int | None, cursor: str | None
+) -> _ops.Op[dict[str, dict[str, dict[Any, Any]]]]:
+    """``kv_list``'s operation: the whole listing, or one page of it (a ``KVListPage``)."""
+    if limit is None:
+        if cursor is not None:
+            raise InvalidArgumentError("cursor", "kv_list: a cursor goes with a limit (the page size)")
+        return (yield from _ops.list_keys(route, partition_id))
+    listing, nxt = yield from _ops.list_page(route, _page_args(partition_id, limit), limit, cursor)
+    return KVListPage(listing, nxt)
+
+
+def _page_args(partition_id: str | None, limit: int) -> str:
+    if partition_id is None:
+        raise InvalidArgumentError("partition_id", "kv_list: a page lists one partition; name it")
+    if type(limit) is not int or limit < 1:
+        raise InvalidArgumentError("limit", f"kv_list: limit must be an int >= 1, got {limit!r}")
+    return partition_id
+
+
+def kv_iter_keys(partition_id: str, page_size: int = _ops.LIST_PAGE) -> Iterator[tuple[str, dict[Any, Any]]]:
+    """Every key of ``partition_id`` with its tag, in the order they were put, fetched ``page_size``
+    at a time (``kv_list`` with ``limit`` and ``cursor``): memory and each request stay bounded
+    however big the partition. A partition that does not exist yields nothing.
+
+    Example:
+        >>> for key, tag in dp.kv_iter_keys("train", page_size=10_000):
+        ...     print(key, tag)
+        a {}
+        b {}
+    """
+    client = current_client()
+    pid = _page_args(partition_id, page_size)
+    cursor: str | None = None
+    while True:
+        listing, cursor = client.run(_ops.list_page(client.route, pid, page_size, cursor), "list")
+        yield from listing.get(pid, {}).items()
+        if cursor is None:
+            return
 
 
 def kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
@@ -605,10 +661,12 @@ async def async_kv_batch_get_by_meta(
     return await async_kv_batch_get(keys, pid, fields, device=device, copy=copy, non_blocking=non_blocking)
 
 
-async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[Any, Any]]]:
-    """Async ``kv_list``."""
+async def async_kv_list(
+    partition_id: str | None = None, *, limit: int | None = None, cursor: str | None = None
+) -> dict[str, dict[str, dict[Any, Any]]]:
+    """Async ``kv_list`` (a page with ``limit``: a ``KVListPage``)."""
     client = current_client()
-    return await client.arun(_ops.list_keys(client.route, partition_id), "list")
+    return await client.arun(_list_op(client.route, partition_id, limit, cursor), "list")
 
 
 async def async_kv_clear(keys: Sequence[str] | str, partition_id: str) -> None:
@@ -649,6 +707,7 @@ __all__ = [
     "kv_batch_get_by_meta",
     "kv_batch_put",
     "kv_clear",
+    "kv_iter_keys",
     "kv_list",
     "kv_put",
     "stats",

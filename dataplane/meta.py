@@ -363,4 +363,14 @@ class StoreInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-__all__ = ["KVBatchMeta", "StoreInfo", "check_partition"]
+class KVListPage(dict[str, dict[str, dict[Any, Any]]]):
+    """One page of ``dp.kv_list(partition_id, limit=...)``: ``{partition: {key: tag}}`` as the whole
+    listing is, holding at most ``limit`` keys, and ``cursor``, where the next page starts (pass it
+    to ``kv_list``; None when this page was the last)."""
+
+    def __init__(self, listing: dict[str, dict[str, dict[Any, Any]]], cursor: str | None) -> None:
+        super().__init__(listing)
+        self.cursor = cursor
+
+
+__all__ = ["KVBatchMeta", "KVListPage", "StoreInfo", "check_partition"]

@@ -19,6 +19,7 @@ client fetches the ready rows, calls it, and claims the keys it chose.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -95,12 +96,7 @@ class Sampler:
 
 
 def _first(ready: ReadyRows, n: int) -> list[str]:
-    out: list[str] = []
-    for key in ready:
-        if len(out) == n:
-            break
-        out.append(key)
-    return out
+    return list(itertools.islice(ready, n))
 
 
 class SequentialSampler(Sampler):

@@ -768,10 +768,47 @@ def _raise_partial_clear(results: list[Result], shards: list[int], what: str) ->
     )
 
 
+LIST_PAGE = 16384  # keys per request of a whole listing: no reply (nor the index's work) grows past it
+
+
+def list_page(
+    route: Route, partition_id: str, limit: int, cursor: str | None
+) -> Op[tuple[dict[str, dict[str, _protocol.Tag]], str | None]]:
+    """``{partition_id: {key: tag}}`` of up to ``limit`` keys from ``cursor`` on (None: the first;
+    ``{}`` when the partition is not there), and the cursor of the next page (None: none left). A
+    partition cleared since ``cursor`` was given raises ``PartitionNotFoundError``."""
+    ask = _protocol.ListKeys(partition_id, limit=limit, cursor=cursor)
+    (res,) = yield [Call(INDEX, "list", ask)]
+    got = _reply(res, _protocol.ListReply)
+    return got.list, got.cursor
+
+
 def list_keys(route: Route, partition_id: str | None) -> Op[dict[str, dict[str, _protocol.Tag]]]:
-    """``{partition: {key: tag}}`` of one partition, or of all (``partition_id`` None)."""
-    (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(partition_id))]
-    return _reply(res, _protocol.ListReply).list
+    """``{partition: {key: tag}}`` of one partition, or of all (``partition_id`` None), asked for in
+    pages of ``LIST_PAGE`` keys. A partition cleared while it is listed is left out, as if cleared
+    before."""
+    if partition_id is None:
+        (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(None, limit=0))]
+        names = list(_reply(res, _protocol.ListReply).list)
+    else:
+        names = [partition_id]
+    out: dict[str, dict[str, _protocol.Tag]] = {}
+    for pid in names:
+        keys: dict[str, _protocol.Tag] = {}
+        cursor: str | None = None
+        while True:
+            (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(pid, limit=LIST_PAGE, cursor=cursor))]
+            if isinstance(res, PartitionNotFoundError) and cursor is not None:
+                break  # cleared meanwhile
+            got = _reply(res, _protocol.ListReply)
+            if pid not in got.list:  # not there (never written, or cleared)
+                break
+            keys.update(got.list[pid])
+            cursor = got.cursor
+            if cursor is None:
+                out[pid] = keys
+                break
+    return out
 
 
 def stats(
@@ -793,8 +830,10 @@ __all__ = [
     "check_keys",
     "clear",
     "clear_partition",
+    "LIST_PAGE",
     "get",
     "list_keys",
+    "list_page",
     "put",
     "stats",
 ]

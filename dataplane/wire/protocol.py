@@ -232,7 +232,13 @@ class Tasks(_Body):
 
 
 class ListKeys(_Body):
+    """Keys with their tags: of every partition, or of one; with ``limit``, one page of at most
+    ``limit`` keys of the named partition from ``cursor`` on (a ``ListReply.cursor``; None: its
+    first key). ``limit=0`` with no partition names every partition, with no keys."""
+
     partition: str | None = None
+    limit: Count | None = None
+    cursor: str | None = None
 
 
 class Resolve(_Body):
@@ -499,7 +505,10 @@ class TasksReply(_Reply):
 
 
 class ListReply(_Reply):
+    """``{partition: {key: tag}}``; for a page, where the next one starts (None: this was the last)."""
+
     list: dict[str, dict[str, Tag]]
+    cursor: str | None = None
 
 
 class ResolveReply(_Reply):

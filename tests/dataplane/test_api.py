@@ -148,6 +148,29 @@ def test_clear_keys_and_partition(kv, pid):
         dp.kv_batch_get(keys[3:], pid)
 
 
+def test_kv_list_pages_and_kv_iter_keys_walk_them(kv, pid):
+    keys = _keys(10)
+    dp.kv_batch_put(keys, pid, {"x": torch.arange(10)}, tags=[{"i": i} for i in range(10)])
+    page = dp.kv_list(pid, limit=4)
+    assert isinstance(page, dp.KVListPage) and page == {pid: {k: {"i": i} for i, k in enumerate(keys[:4])}}
+    dp.kv_clear(keys[4:6], pid)  # cleared after the first page: left out of the next
+    page = dp.kv_list(pid, limit=4, cursor=page.cursor)
+    assert list(page[pid]) == keys[6:] and page.cursor is None
+    assert [k for k, _ in dp.kv_iter_keys(pid, page_size=3)] == keys[:4] + keys[6:]
+    assert dict(dp.kv_iter_keys(pid))[keys[9]] == {"i": 9}
+    assert list(dp.kv_iter_keys("no-such-partition")) == [] and dp.kv_list("no-such", limit=2) == {}
+    for bad in ({"limit": 0}, {"cursor": "1.1"}):
+        with pytest.raises(dp.InvalidArgumentError):
+            dp.kv_list(pid, **bad)
+    with pytest.raises(dp.InvalidArgumentError, match="one partition"):
+        dp.kv_list(None, limit=3)
+    cursor = dp.kv_list(pid, limit=1).cursor
+    dp.clear_partition(pid)
+    dp.kv_batch_put(keys[:1], pid, {"x": torch.arange(1)})
+    with pytest.raises(dp.PartitionNotFoundError, match="cleared since this listing began"):
+        dp.kv_list(pid, limit=1, cursor=cursor)
+
+
 def test_get_with_device(kv, pid):
     dp.kv_batch_put(["a"], pid, {"x": torch.ones(1, 2)})
     out = dp.kv_batch_get(["a"], pid, device="cpu")

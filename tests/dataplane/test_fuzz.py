@@ -511,7 +511,8 @@ def _check_shard(core: ShardCore) -> list[str]:
     segs: dict[int, Any] = {}
     for pid, part in core.partitions.items():
         for key, row in part.rows.items():
-            for name, (seg, i) in row.items():
+            for name, code in row.items():
+                seg, i = part.loc(code)
                 if seg.live <= 0:
                     bad.append(f"{pid}/{key}/{name} is in a segment with live={seg.live}")
                 if not 0 <= i < seg.num_rows:
@@ -522,6 +523,9 @@ def _check_shard(core: ShardCore) -> list[str]:
                     )
                 refs[id(seg)] += 1
                 segs[id(seg)] = seg
+        kept = [seg for seg in part.segs.values() if id(seg) not in segs or seg.owner is not part]
+        if kept:  # (a segment no row of the partition names must be gone from its table)
+            bad.append(f"{pid} keeps {len(kept)} segment(s) that none of its rows names")
     for sid, seg in segs.items():
         if seg.live != refs[sid]:
             bad.append(f"a segment has live={seg.live} but {refs[sid]} rows refer to it")
@@ -568,10 +572,10 @@ def _check_shard(core: ShardCore) -> list[str]:
 
 def _shard_state(core: ShardCore) -> Any:
     rows = {
-        (pid, key, name): (id(seg), i)
+        (pid, key, name): code
         for pid, part in core.partitions.items()
         for key, row in part.rows.items()
-        for name, (seg, i) in row.items()
+        for name, code in row.items()
     }
     specs = {pid: dict(part.specs) for pid, part in core.partitions.items()}
     return rows, specs, core.used, core.heap_bytes, core.pending, sorted(core._resv), sorted(core.pool.live)
@@ -598,7 +602,7 @@ def _check_index(core: IndexCore) -> list[str]:
 
 def _index_state(core: IndexCore) -> Any:
     parts = {
-        pid: {k: (repr(m.tag), sorted(m.fields)) for k, m in part.keys.items()}
+        pid: {k: (repr(part.keys.tag(k)), sorted(held)) for k, held in part.keys.items()}
         for pid, part in core.partitions.items()
     }
     schemas = {

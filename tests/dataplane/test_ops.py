@@ -714,3 +714,28 @@ def test_partial_clear_keeps_the_first_failures_type():
         WireError, match=r"shards \[1\] freed their rows; the index forgot them; shard 0: malformed"
     ):
         op.send([err(WireError("malformed 'clear' request")), ok({"removed": 1}), ok({"removed": 2})])
+
+
+def test_a_whole_listing_is_asked_for_in_pages_and_leaves_out_a_partition_cleared_meanwhile(stores):
+    store = stores(1)
+    route = make_route(1)
+    keys = [f"k{i}" for i in range(2 * ops.LIST_PAGE + 3)]
+    store.index.op_commit(_protocol.IndexCommit(partition=PID, keys=keys, fields=["x"]))
+    store.index.op_commit(_protocol.IndexCommit(partition="q", keys=["a"], fields=["x"]))
+
+    listed = store.drive(ops.list_keys(route, PID))
+
+    assert list(listed[PID]) == keys
+    assert store.rounds == [[(INDEX, "list")]] * 3  # no reply holds more than a page
+    store.rounds.clear()
+    assert store.drive(ops.list_keys(route, None)) == {PID: listed[PID], "q": {"a": {}}}
+    assert len(store.rounds) == 1 + 3 + 1  # the names, then each partition's pages
+
+    # A partition cleared between two pages is left out, as if cleared before the listing.
+    op = ops.list_keys(route, PID)
+    first = store.serve(next(op))
+    store.index.op_clear_partition(_protocol.OnePartition(PID))
+    store.index.op_commit(_protocol.IndexCommit(partition=PID, keys=["new"], fields=["x"]))
+    with pytest.raises(StopIteration) as done:
+        op.send(store.serve(op.send(first)))
+    assert done.value.value == {}

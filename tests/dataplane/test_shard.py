@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
+import uuid
 from typing import Any
 
 import msgspec
@@ -13,8 +16,10 @@ import torch
 from dataplane.client.mappings import MappingCache
 from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
-from dataplane.server.shard.core import ShardCore
+from dataplane.server.shard.actor import ShardServer
+from dataplane.server.shard.core import DROP_SLICE, ShardCore
 from dataplane.server.shard.segments import ShmPool, size_class
+from dataplane.transport.auth import Credentials
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
@@ -323,3 +328,60 @@ def test_unbounded_shards_on_one_host_admit_against_its_available_memory_togethe
     finally:
         a.close()
         b.close()
+
+
+def test_rows_are_no_objects_to_the_collector_and_a_cleared_partition_goes_at_once_freed_in_slices():
+    """A million rows must not make the shard's garbage collector walk a million objects, nor a clear of
+    them hold up its loop: a row is a dict of ints (never tracked); a cleared partition's segments and
+    bytes go at once, its rows a slice at a time, and the shard serves meanwhile."""
+    core = ShardCore(0)
+    n = 2 * DROP_SLICE + 7
+    keys = [f"k{i}" for i in range(n)]
+    _put_ready(core, "warm", ["w"], {"x": torch.tensor([0])})
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(0, n, 5000):
+        chunk = keys[i : i + 5000]
+        _put_ready(core, "big", chunk, {"x": torch.arange(len(chunk)), "y": torch.ones(len(chunk))})
+    _put_ready(core, "big", keys[:10], {"x": torch.arange(10) + 100})  # (replacing rows: the other path)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 500  # (a tracked object per row would be tens of thousands)
+    body, frames = _get(core, "big", [keys[3], keys[-1], keys[5001]], ["x"])
+    got = np.frombuffer(_wire.column_from_wire(body.fields["x"].col, frames).data, np.int64).tolist()
+    assert got == [103, (n - 1) % 5000, 1]
+    assert call(core, "clear_partition", {"partition": "big"})[0].removed == n
+    st = core.stats()
+    assert "big" not in st.partitions and st.bytes_used == core.partitions["warm"].nbytes  # at once
+    assert core.dropped  # the rows themselves: later, between requests
+    freed = []
+    while core.dropped:
+        _put_ready(core, "other", [f"o{len(freed)}"], {"x": torch.tensor([len(freed)])})  # served between
+        freed.append(core.free_some())
+        assert freed[-1] <= DROP_SLICE
+    assert sum(freed) == n and len(freed) >= 3 and core.stats().partitions["other"] == len(freed)
+
+
+def test_the_shard_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile():
+    core = ShardCore(0)
+    server = ShardServer(
+        core, "127.0.0.1", f"sh-{uuid.uuid4().hex[:6]}", Credentials.new(encrypt=False),
+        rpc_timeout_s=10.0, lock=threading.Lock(),
+    )  # fmt: skip
+    try:
+        assert server.poll_timeout_ms() > 0  # idle: the loop waits for requests
+        _put_ready(
+            core, "big", [f"k{i}" for i in range(2 * DROP_SLICE + 1)], {"x": torch.zeros(2 * DROP_SLICE + 1)}
+        )
+        call(core, "clear_partition", {"partition": "big"})
+        passes = 0
+        while core.dropped:
+            assert server.poll_timeout_ms() == 0  # rows left to free: poll for requests, do not wait
+            left = len(core.dropped[0])
+            server.after_poll()  # one pass of the loop after its poll: one slice, then requests again
+            assert not core.dropped or left - len(core.dropped[0]) == DROP_SLICE
+            passes += 1
+        assert passes == 3 and server.poll_timeout_ms() > 0
+    finally:
+        server.start()  # (its loop closes the sockets as it stops)
+        server.stop()
+        core.close()

@@ -34,8 +34,20 @@ from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 
+FREEZE_S = 1.0  # how often the index freezes its heap (``freeze_heap``)
+
 # Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
 _TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
+
+
+def freeze_heap() -> None:
+    """Collect what came since the last call, then move every live object out of the collector's
+    sight (``gc.freeze``): a full collection then scans only the objects of the last ``FREEZE_S``,
+    not the index's records, however many keys it holds. What is frozen is freed by its reference
+    count as ever; only a reference cycle that becomes garbage after it was frozen is never freed
+    (the index's records hold none)."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(eq=False)
@@ -73,6 +85,7 @@ class IndexServer(RequestServer):
         self._seq = itertools.count()
         self.rows_taken = 0  # rows handed out to consumers (metrics)
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
+        self._freeze_due = 0.0
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
@@ -161,6 +174,8 @@ class IndexServer(RequestServer):
                 del self._waiters[partition]
 
     def poll_timeout_ms(self) -> int:
+        if self.core.dropped or self.core.building:  # a slice after every poll, polls that do not wait
+            return 0
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
         due = min(self._deadlines[0][0] if self._deadlines else math.inf, self.core.next_lease_due())
@@ -176,7 +191,12 @@ class IndexServer(RequestServer):
     def after_poll(self) -> None:
         """Answer the parked requests whose deadline passed; a request whose expiry fails is answered
         with that failure (``_fail``), and the others are still served."""
+        self.core.free_some()  # one slice of a dropped partition, then requests again
+        self.core.build_some()  # one slice of a consumer's new stream over a big partition
         now = time.monotonic()
+        if now >= self._freeze_due:
+            self._freeze_due = now + FREEZE_S
+            freeze_heap()
         self.core.expire_leases(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
@@ -278,7 +298,7 @@ class IndexActor:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
         self.core.node = f"{host_ip} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
-        gc.freeze()  # as the shards do (``ShardActor``): full collections scan only what came since
+        gc.freeze()  # as the shards do (``ShardActor``); the server goes on freezing (``freeze_heap``)
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
         )
@@ -313,4 +333,4 @@ class IndexActor:
         return True
 
 
-__all__ = ["IndexActor", "IndexServer"]
+__all__ = ["FREEZE_S", "IndexActor", "IndexServer", "freeze_heap"]

@@ -41,7 +41,7 @@ from dataplane.server.checkpoint_files import (
     read_small,
     write_small,
 )
-from dataplane.server.index.records import FieldSchema, KeyMeta, PartMeta
+from dataplane.server.index.records import FieldSchema, PartMeta
 from dataplane.wire import protocol as _protocol
 
 
@@ -70,6 +70,7 @@ class IndexCheckpoints:
     schemas: dict[str, dict[str, FieldSchema]]
     changed: set[str]
     queue_lease: Callable[[float, str, str, str], None]  # (``IndexCore.queue_lease``)
+    drop: Callable[[PartMeta], None]  # (``IndexRecords.drop``)
     node = ""  # where the index runs, for messages (``IndexActor`` sets it)
 
     _ckpt_ids = itertools.count(1)
@@ -99,17 +100,19 @@ class IndexCheckpoints:
 
     def _snapshot(self, pid: str, part: PartMeta) -> dict[str, Any]:
         layouts: dict[frozenset[str], int] = {}
+        names: list[str] = []
         layout = []
-        for meta in part.keys.values():
-            fields = frozenset(meta.fields)
-            layout.append(layouts.setdefault(fields, len(layouts)))
+        for key, held in part.keys.held_items():
+            names.append(key)
+            layout.append(layouts.setdefault(held, len(layouts)))
         schema = self.schemas.get(pid, {})
+        tag = part.keys.tag
         return {
             "pid": pid,
-            "keys": list(part.keys),
+            "keys": names,
             "layouts": [sorted(fields) for fields in layouts],
             "layout": layout,
-            "tags": [meta.tag for meta in part.keys.values()],
+            "tags": [tag(key) for key in names] if part.keys.tagged() else [{}] * len(names),
             "schema": [[name, entry.family] for name, entry in schema.items() if entry.confirmed],
             "streams": part.streams.snapshot(time.monotonic()),
         }
@@ -128,8 +131,9 @@ class IndexCheckpoints:
             for p in state.partitions:
                 part, _ = self._restore(p, path)
                 for key in missing.get(p.pid, ()):
-                    if part.keys.pop(key, None) is not None:
+                    if part.keys.remove(key):
                         part.streams.on_clear(key)
+                part.keys.settle()
                 parts.append(self._snapshot_state(p, part))
             os.unlink(path)
             entry = write_small(path, msgspec.msgpack.encode({"version": VERSION, "partitions": parts}))
@@ -167,8 +171,12 @@ class IndexCheckpoints:
             fields = p.fields_of()
             if len(p.tags) != len(p.keys) or len(set(p.keys)) != len(p.keys):
                 raise ValueError("keys and tags disagree, or a key repeats")
+            sets: dict[int, frozenset[str]] = {}  # (fields_of answers one list per layout: by its id)
             for key, tag, held in zip(p.keys, p.tags, fields, strict=True):
-                part.keys[key] = KeyMeta(tag=tag, fields=set(held))
+                got = sets.get(id(held))
+                if got is None:
+                    got = sets[id(held)] = frozenset(held)
+                part.keys.restore(key, got, tag)
             part.streams.restore(p.streams, time.monotonic())
             schema = {str(name): FieldSchema(list(family), confirmed=True) for name, family in p.schema}
         except (ValueError, KeyError, TypeError) as exc:
@@ -189,6 +197,9 @@ class IndexCheckpoints:
             raise CheckpointError("", f"the store now holds partitions {existing}; nothing was loaded")
         del self._ckpt()["loads"][body.load]
         for pid, (part, schema) in staged.items():
+            old = self.partitions.get(pid)
+            if old is not None:
+                self.drop(old)
             self.partitions[pid] = part
             self.schemas[pid] = schema
             self.changed.add(pid)  # consumers waiting on it look again

@@ -17,12 +17,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.index.checkpoint import IndexCheckpoints
 from dataplane.server.index.puts import IndexPuts
 from dataplane.server.index.records import CLEARED_KEYS_KEPT
 from dataplane.server.index.streaming import IndexStreaming
 from dataplane.wire import protocol as _protocol
+
+
+def _cursor(text: str) -> tuple[int, int]:
+    """A listing's cursor (``"<incarnation>.<sequence number>"``) read back (``WireError``: not one)."""
+    try:
+        incarnation, seq = (int(part) for part in text.split("."))
+    except ValueError:
+        raise WireError(f"list: {text!r} is not a cursor a listing returned") from None
+    return incarnation, seq
 
 
 class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
@@ -49,15 +59,38 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
         return (_protocol.Pending() if result is None else result), []  # a waiting op, run once
 
     def op_list(self, body: _protocol.ListKeys) -> _protocol.ListReply:
+        """Keys with their tags (``ListKeys``): a page costs what it returns, so a listing of a big
+        partition asked for in pages never holds up other requests; the whole form costs the
+        partition."""
         pid = body.partition
+        if body.limit is not None:
+            return self._list_page(pid, body.limit, body.cursor)
+        if body.cursor is not None:
+            raise WireError("list: a cursor goes with a limit")
         pids = [pid] if pid is not None else list(self.partitions)
         return _protocol.ListReply(
-            {
-                p: {k: dict(m.tag) for k, m in self.partitions[p].keys.items()}
-                for p in pids
-                if p in self.partitions
-            }
+            {p: part.keys.page(0, len(part.keys))[0] for p in pids if (part := self.partitions.get(p))}
         )
+
+    def _list_page(self, pid: str | None, limit: int, cursor: str | None) -> _protocol.ListReply:
+        if pid is None:
+            if limit or cursor is not None:
+                raise WireError("list: pages list one partition (name it); limit=0 alone names them all")
+            return _protocol.ListReply({p: {} for p in self.partitions})
+        part = self.partitions.get(pid)
+        start = 0
+        if cursor is not None:
+            incarnation, start = _cursor(cursor)
+            if part is None or part.incarnation != incarnation:
+                raise PartitionNotFoundError(
+                    pid,
+                    f"partition {pid!r} was cleared since this listing began (clear_partition); list it "
+                    "again from the start",
+                )
+        if part is None:
+            return _protocol.ListReply({})
+        keys, nxt = part.keys.page(start, limit)
+        return _protocol.ListReply({pid: keys}, None if nxt is None else f"{part.incarnation}.{nxt}")
 
     def op_resolve(self, body: _protocol.Resolve) -> _protocol.ResolveReply:
         """Which of ``keys`` the index knows, and which fields they hold (classifies a failed get)."""
@@ -66,7 +99,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
             return _protocol.ResolveReply(partition=False, known={}, error=str(self.missing(body.partition)))
         return _protocol.ResolveReply(
             partition=True,
-            known={k: sorted(part.keys[k].fields) for k in body.keys if k in part.keys},
+            known={k: sorted(part.keys[k]) for k in body.keys if k in part.keys},
             cleared=[k for k in body.keys if k not in part.keys and k in part.cleared],
             cleared_kept=CLEARED_KEYS_KEPT,
         )

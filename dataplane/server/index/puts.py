@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
 
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import ReservationExpiredError, SchemaMismatchError, WireError
+from dataplane.server.index.keytable import NOTHING as _NOTHING
 from dataplane.server.index.records import (
     CLEARED_KEYS_KEPT,
     CLEARED_PARTITIONS_KEPT,
     FieldSchema,
     IndexRecords,
-    KeyMeta,
     PartMeta,
 )
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
 MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
+ON_NEW_MIN = 64  # a commit of this many new keys or more appends them to the streams at once (``on_new``)
 
 
 def _remember(record: OrderedDict[str, None], name: str, bound: int) -> None:
@@ -205,28 +205,23 @@ class IndexPuts(IndexRecords):
         if part is None:  # (not setdefault: a PartMeta is not free to build, and commits are many)
             part = self.partitions[pid] = PartMeta()
         part.active = time.monotonic()
-        union: dict[str, None] = {}
-        out_tags: list[dict[str, Any]] = []
-        for i, key in enumerate(keys):
-            meta = part.keys.get(key)
-            existed = meta is not None
-            if meta is None:
-                meta = part.keys[key] = KeyMeta()
-            # (what the key held before matters only to consumers' streams: no copy when there are none)
-            before = set(meta.fields) if fields and part.streams.by_fields else meta.fields
-            meta.fields.update(fields)
-            tag = tags[i] if tags is not None else None
-            if tag:
-                meta.tag.update(tag)
-                if existed and part.streams.by_fields:  # a ready row's group may have changed
-                    part.streams.on_retag(key)
-            part.streams.on_commit(key, before, meta.fields)
-            out_tags.append(dict(meta.tag))
-            for f in meta.fields:
-                union[f] = None
+        grew, before, retagged, sets = part.keys.commit(keys, frozenset(fields), tags)
+        streams = part.streams
+        if streams.by_fields:  # (consumers' streams: rows that became ready, ready rows retagged)
+            for key in retagged:
+                streams.on_retag(key)
+            if len(grew) >= ON_NEW_MIN and before.count(_NOTHING) == len(before):  # new keys: at once
+                streams.on_new(grew, part.keys[grew[0]])
+            else:
+                held = part.keys.__getitem__
+                for key, old in zip(grew, before, strict=True):
+                    streams.on_commit(key, old, held(key))
+        tag = part.keys.tag
+        out_tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{} for _ in keys]
+        union = frozenset().union(*sets)
         self.changed.add(pid)
         order = list(self.schemas.get(pid, {}))
-        ordered = [f for f in order if f in union] + sorted(f for f in union if f not in order)
+        ordered = [f for f in order if f in union] + sorted(union.difference(order))
         return _protocol.CommitReply(ordered, out_tags)
 
     def op_commits(self, body: _protocol.Commits) -> _protocol.CommitsReply:
@@ -247,20 +242,23 @@ class IndexPuts(IndexRecords):
         removed = 0
         if part is not None:
             for key in body.keys:
-                if part.keys.pop(key, None) is not None:
+                if part.keys.remove(key):
                     removed += 1
                     part.streams.on_clear(key)
                     _remember(part.cleared, key, CLEARED_KEYS_KEPT)
+            part.keys.settle()
         return _protocol.RemovedReply(removed)
 
     def op_clear_partition(self, body: _protocol.OnePartition) -> _protocol.ExistedReply:
         pid = body.partition
-        existed = self.partitions.pop(pid, None) is not None
-        if existed:
+        part = self.partitions.pop(pid, None)
+        existed = part is not None
+        if part is not None:
+            self.drop(part)
             _remember(self.cleared, pid, CLEARED_PARTITIONS_KEPT)
         self.schemas.pop(pid, None)
         self.changed.add(pid)
         return _protocol.ExistedReply(existed)
 
 
-__all__ = ["MAX_EARLY_ABORTS", "IndexPuts"]
+__all__ = ["MAX_EARLY_ABORTS", "ON_NEW_MIN", "IndexPuts"]

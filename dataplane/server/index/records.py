@@ -1,7 +1,7 @@
 """The index's records, and the state that every group of its operations reads and changes.
 
-``KeyMeta`` (a key's tag and fields), ``PartMeta`` (a partition: keys, keys cleared lately, its
-consumers' streams) and ``FieldSchema`` (a field's family, decided once) are the metadata;
+``PartMeta`` (a partition: its keys with their fields and tags, a ``KeyTable``; keys cleared lately;
+its consumers' streams) and ``FieldSchema`` (a field's family, decided once) are the metadata;
 ``IndexRecords`` is the base of ``IndexCore`` that holds them beside the rest of the index's state
 (open puts, lease deadlines, takes given back) and builds the error for a partition that is not
 there. The operations are mixins over it, one module per group: ``index.puts`` (puts and clears),
@@ -18,19 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.errors import PartitionNotFoundError, did_you_mean
+from dataplane.server.index.keytable import KeyTable
 from dataplane.server.index.streams import PartitionStreams
 from dataplane.wire.protocol import WireSpec
 
 CLEARED_KEYS_KEPT = 4096  # cleared keys remembered per partition, so a get of one says "cleared"
 CLEARED_PARTITIONS_KEPT = 1024  # cleared partitions remembered, for the same reason
-
-
-@dataclass
-class KeyMeta:
-    """A key: its tag and the fields it holds."""
-
-    tag: dict[str, Any] = field(default_factory=dict)
-    fields: set[str] = field(default_factory=set)
+FREE_SLICE = 8192  # keys of a dropped partition freed at a time, between requests (a few milliseconds)
 
 
 @dataclass
@@ -38,7 +32,7 @@ class PartMeta:
     """A partition: its keys (in the order they came), the keys cleared lately, its consumers' streams,
     and when something last happened to it (a put, a take, an ack: ``time.monotonic()``)."""
 
-    keys: dict[str, KeyMeta] = field(default_factory=dict)
+    keys: KeyTable = field(default_factory=KeyTable)
     # The last CLEARED_KEYS_KEPT keys cleared from it, oldest first: a get of one says "cleared".
     cleared: OrderedDict[str, None] = field(default_factory=OrderedDict)
     streams: PartitionStreams = field(init=False)
@@ -47,7 +41,12 @@ class PartMeta:
     active: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.streams = PartitionStreams(self.keys)
+        self.streams = PartitionStreams(self.keys, self.keys.tag)
+
+    def drain(self, n: int) -> int:
+        """Forget up to about ``n`` keys of this dropped partition (streams first, then the keys, so each
+        key's name is freed with its last holder); how many went (0: nothing is left)."""
+        return self.streams.drain(n) or self.keys.drain(n)
 
 
 @dataclass
@@ -96,6 +95,38 @@ class IndexRecords:
         # The last CLEARED_PARTITIONS_KEPT partitions cleared, oldest first (for the error naming one).
         self.cleared: OrderedDict[str, None] = OrderedDict()
         self.leases_expired = 0  # leased rows given back because their lease ran out (metrics)
+        # Partitions cleared or replaced, freed FREE_SLICE keys at a time between requests (``free_some``):
+        # freeing a million keys at once would hold every other caller up for a tenth of a second.
+        self.dropped: deque[PartMeta] = deque()
+        # Partitions with a consumer's new stream being gathered a slice at a time (``build_some``).
+        self.building: dict[str, PartMeta] = {}
+
+    def drop(self, part: PartMeta) -> None:
+        """``part`` is out of the index: free it in slices, between requests."""
+        self.dropped.append(part)
+
+    def build_some(self) -> None:
+        """Gather one slice of a consumer's new stream over a big partition (``PartitionStreams.build_some``);
+        once one is complete its partition counts as changed, so the requests waiting on it are asked
+        again."""
+        while self.building:
+            pid, part = next(iter(self.building.items()))
+            worked, done = part.streams.build_some() if self.partitions.get(pid) is part else (False, False)
+            if done:
+                self.changed.add(pid)
+            if not part.streams.building or self.partitions.get(pid) is not part:
+                del self.building[pid]
+            if worked:
+                return
+
+    def free_some(self, n: int = FREE_SLICE) -> int:
+        """Free up to about ``n`` keys of the dropped partitions; how many went (0: none is left)."""
+        while self.dropped:
+            gone = self.dropped[0].drain(n)
+            if gone:
+                return gone
+            self.dropped.popleft()
+        return 0
 
     def missing(self, pid: str, message: str | None = None) -> PartitionNotFoundError:
         """The error for a partition that is not there: cleared (if remembered), or never written, with
@@ -111,8 +142,8 @@ class IndexRecords:
 __all__ = [
     "CLEARED_KEYS_KEPT",
     "CLEARED_PARTITIONS_KEPT",
+    "FREE_SLICE",
     "FieldSchema",
     "IndexRecords",
-    "KeyMeta",
     "PartMeta",
 ]

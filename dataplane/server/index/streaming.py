@@ -75,6 +75,7 @@ class IndexStreaming(IndexRecords):
             self._lease(body),
         )
         if got is None:
+            self._watch_build(body.partition, part)
             return None
         return self._batch_of(part, body, got)
 
@@ -92,10 +93,14 @@ class IndexStreaming(IndexRecords):
                 cached=True, finished=got.finished, keys=got.keys, tags=got.tags, fields=got.fields
             )
         task, stream = part.streams.stream(body.task, fields)
+        if stream.build is not None:
+            self._watch_build(body.partition, part)
+            return None
         drained = part.streams.drained(task, fields)
         if len(stream.ready) < body.min_rows and not drained:
             return None
-        rows = [(k, part.keys[k].tag) for k in itertools.islice(stream.ready, body.limit)]
+        tag = part.keys.tag
+        rows = [(k, tag(k)) for k in itertools.islice(stream.ready, body.limit)]
         return _protocol.ReadyReply(rows=rows, finished=drained)
 
     def op_claim(self, body: _protocol.Claim) -> _protocol.BatchReply:
@@ -114,11 +119,17 @@ class IndexStreaming(IndexRecords):
         )
         return self._batch_of(part, body, got)
 
+    def _watch_build(self, pid: str, part: PartMeta) -> None:
+        """A stream of ``part`` is being gathered: the loop goes on with it between requests."""
+        if part.streams.building:
+            self.building[pid] = part
+
     @staticmethod
     def _batch(
         part: PartMeta, keys: list[str], fields: list[str], lease: str | None = None
     ) -> _protocol.BatchReply:
-        tags = [dict(part.keys[k].tag) for k in keys]
+        tag = part.keys.tag
+        tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{} for _ in keys]
         return _protocol.BatchReply(keys, tags, fields, part.streams.finished, lease)
 
     # ---- delivery: giving back, leases, acknowledgements ----------------------------------------------
@@ -213,8 +224,8 @@ class IndexStreaming(IndexRecords):
         fields = _fieldset(body.fields)
         counts = part.streams.counts(body.task, fields)
         want = body.batch_size if op == "next" else body.min_rows
-        never = [f for f in sorted(fields) if not any(f in m.fields for m in part.keys.values())]
-        written = {f for m in part.keys.values() for f in m.fields}
+        written = frozenset().union(*part.keys.field_sets())
+        never = [f for f in sorted(fields) if f not in written]
         hint = f"; no row holds {never} (no put wrote them yet)" if never else ""
         if part.streams.finished and counts.leased:
             hint += (

@@ -14,25 +14,43 @@ waiting (``server.index.actor``).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
+from dataplane.server.index.keytable import KeyTable
 from dataplane.server.index.ready import ReadyKeys
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
+BUILD_SLICE = 65536  # a new stream over more keys is gathered this many rows at a time, between requests
+# (one over fewer at once: a few milliseconds, and its first take answered in the same call)
+
+
+@dataclass
+class Build:
+    """A new stream's ready keys gathered from a big partition a slice at a time, between requests
+    (``PartitionStreams.build_some``): the walk is at ``cursor`` (a sequence number of the partition's
+    keys); keys from ``end`` on came after the stream was asked for. A key that becomes ready where
+    the walk will not look (behind it, or past ``end``) waits in ``late``, to come after the walk's."""
+
+    cursor: int
+    end: int
+    late: dict[str, None] = field(default_factory=dict)
 
 
 @dataclass
 class Stream:
     fields: frozenset[str]
     ready: ReadyKeys
+    build: Build | None = None  # while its ready keys are being gathered (no take until they are)
 
 
 @dataclass
@@ -41,6 +59,22 @@ class Lease:
 
     keys: dict[str, None]
     deadline: float  # time.monotonic()
+
+
+Tag = Callable[[str], dict[Any, Any]]  # a key's tag (read-only)
+
+
+def _no_tag(key: str) -> dict[Any, Any]:
+    return {}
+
+
+def shrink(holder: set[str] | dict[str, Any], n: int) -> int:
+    """Remove up to ``n`` items of ``holder`` (any ones); how many went."""
+    take = min(n, len(holder))
+    pop = holder.popitem if isinstance(holder, dict) else holder.pop
+    for _ in range(take):
+        pop()
+    return take
 
 
 Slot = tuple[frozenset[str], int | None, int | None]  # a rank-aware call's (fields, dp_rank, batch_index)
@@ -62,30 +96,56 @@ class Task:
 
 
 class PartitionStreams:
-    """The streaming state of one partition; ``keys`` is the index's key -> metadata mapping."""
+    """The streaming state of one partition; ``keys`` is the index's key -> fields mapping (a
+    ``KeyTable``), ``tag`` answers a key's tag."""
 
-    def __init__(self, keys: dict[str, Any]) -> None:
+    def __init__(self, keys: Mapping[str, AbstractSet[str]], tag: Tag | None = None) -> None:
         self.keys = keys
+        self._table = keys if isinstance(keys, KeyTable) else None
+        self._tag_of: Tag = tag or _no_tag
+        # The keys holding every one of some fields, in order (a KeyTable's walk runs at C speed).
+        self._having: Callable[[AbstractSet[str]], Iterable[str]] = (
+            self._scan if self._table is None else self._table.having
+        )
         self.tasks: dict[str, Task] = {}
         self.by_fields: dict[frozenset[str], list[tuple[Task, Stream]]] = {}
+        self.building: list[tuple[Task, Stream]] = []  # streams being gathered (``build_some``), oldest first
         self.finished = False
 
     # ---- updates from writers -------------------------------------------------------------------
-    def on_commit(self, key: str, before: set[str], now: set[str]) -> None:
+    def on_commit(self, key: str, before: AbstractSet[str], now: AbstractSet[str]) -> None:
         """``key`` now holds ``now`` (it held ``before``): append it to streams it just became ready for."""
         if not self.by_fields or len(now) == len(before):
             return
         for fields, streams in self.by_fields.items():
             if fields <= now and not fields <= before:
                 for task, stream in streams:
-                    if key not in task.consumed:
+                    if key in task.consumed:
+                        continue
+                    build = stream.build
+                    if build is None:
                         stream.ready.add(key)
+                    elif self._table is not None and not build.cursor <= self._table.seq_of(key) < build.end:
+                        build.late[key] = None  # (else: the walk will find it)
+
+    def on_new(self, keys: list[str], now: frozenset[str]) -> None:
+        """``keys``, new, hold ``now``: ``on_commit`` of each, at once (no call per key)."""
+        for fields, streams in self.by_fields.items():
+            if fields <= now:
+                for task, stream in streams:
+                    fresh = itertools.filterfalse(task.consumed.__contains__, keys) if task.consumed else keys
+                    if stream.build is None:
+                        stream.ready.extend(fresh)
+                    else:  # (new keys come after the walk's end)
+                        stream.build.late.update(dict.fromkeys(fresh))
 
     def on_clear(self, key: str) -> None:
         for task in self.tasks.values():
             task.consumed.discard(key)
             for stream in task.streams.values():
                 stream.ready.discard(key)
+                if stream.build is not None:
+                    stream.build.late.pop(key, None)
             take = task.leased.pop(key, None)
             if take is not None:
                 lease = task.leases[take]
@@ -100,14 +160,47 @@ class PartitionStreams:
             task = self.tasks[task_name] = Task()
         stream = task.streams.get(fields)
         if stream is None:  # first ask for these fields: one scan, then commits keep it current
-            ready = (k for k, meta in self.keys.items() if fields <= meta.fields and k not in task.consumed)
-            stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, ready))
+            if self._table is not None and len(self._table) > BUILD_SLICE:  # a slice at a time
+                stream = Stream(fields, ReadyKeys(self._tag), Build(0, self._table.next_seq))
+                self.building.append((task, stream))
+            else:
+                ready = self._having(fields)
+                if task.consumed:
+                    ready = itertools.filterfalse(task.consumed.__contains__, ready)
+                stream = Stream(fields, ReadyKeys(self._tag, ready))
+            task.streams[fields] = stream
             self.by_fields.setdefault(fields, []).append((task, stream))
         return task, stream
 
-    def _tag(self, key: str) -> dict[str, Any]:
-        tag: dict[str, Any] = self.keys[key].tag
-        return tag
+    def build_some(self, n: int = BUILD_SLICE) -> tuple[bool, bool]:
+        """Gather the ready keys of the oldest stream being built from up to ``n`` more rows; whether
+        there was one, and whether it is complete now (its waiting consumers may take)."""
+        while self.building:
+            task, stream = self.building[0]
+            build = stream.build
+            if build is None or self._table is None or task.streams.get(stream.fields) is not stream:
+                self.building.pop(0)  # (reset, or restored from a checkpoint, meanwhile)
+                continue
+            keys, build.cursor = self._table.scan(stream.fields, build.cursor, build.end, n)
+            stream.ready.extend(itertools.filterfalse(task.consumed.__contains__, keys))
+            if build.cursor < build.end:
+                return True, False
+            stream.ready.extend(build.late)
+            stream.build = None
+            self.building.pop(0)
+            return True, True
+        return False, False
+
+    def build_all(self) -> None:
+        """Complete every stream being built (a checkpoint's snapshot, a claim: they need them whole)."""
+        while self.building:
+            self.build_some(1 << 62)
+
+    def _scan(self, fields: AbstractSet[str]) -> Iterator[str]:
+        return (k for k, held in self.keys.items() if fields <= held)
+
+    def _tag(self, key: str) -> dict[Any, Any]:
+        return self._tag_of(key)
 
     def on_retag(self, key: str) -> None:
         """``key``'s tags changed: streams that index ready rows by group file it again."""
@@ -140,6 +233,8 @@ class PartitionStreams:
         if dp_rank is not None and batch_index is not None and slot in task.cache:
             keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
             return keys, next((t for t in map(task.leased.get, keys[:1]) if t is not None), None)
+        if stream.build is not None:  # its ready keys are still being gathered: wait
+            return None
         final = self.drained(task, fields)
         choice = sampler.sample(
             self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
@@ -147,7 +242,7 @@ class PartitionStreams:
         if choice is None or (not choice and not final):
             return None
         parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
-        chosen = [k for part in parts.values() for k in part]
+        chosen = next(iter(parts.values())) if len(parts) == 1 else [k for p in parts.values() for k in p]
         self._check_ready(stream, chosen, type(sampler).__name__)
         mine = parts.get(dp_rank, [])
         if len(mine) > batch_size:
@@ -175,6 +270,8 @@ class PartitionStreams:
         task, stream = self.stream(task_name, fields)
         if take is not None and take in task.takes:
             return task.takes[take], take if take in task.leases else None  # a retry of the same claim
+        if stream.build is not None:
+            self.build_all()
         self._check_ready(stream, keys, "the sampler")
         self.consume(task, keys)
         if dp_rank is not None and batch_index is not None:
@@ -205,7 +302,7 @@ class PartitionStreams:
         that would be ready for them is leased (a lease that runs out gives its rows back)."""
         if not self.finished:
             return False
-        return not any(fields <= self.keys[k].fields for k in task.leased if k in self.keys)
+        return not any(fields <= self.keys[k] for k in task.leased if k in self.keys)
 
     # ---- giving back and acknowledging ------------------------------------------------------------
     def release(self, task_name: str, take: str) -> int | None:
@@ -271,10 +368,12 @@ class PartitionStreams:
 
     @staticmethod
     def _check_ready(stream: Stream, keys: list[str], who: str) -> None:
-        if len(set(keys)) != len(keys):
+        chosen = set(keys)
+        if len(chosen) != len(keys):
             raise WireError(f"{who} chose a key twice")
-        bad = [k for k in keys if k not in stream.ready]
-        if bad:
+        ready = stream.ready.keys
+        if not ready.keys() >= chosen:  # (one C-level pass; the list below only on a refusal)
+            bad = [k for k in keys if k not in ready]
             raise WireError(
                 f"{who} chose {len(bad)} key(s) that are not ready for this task (not all of "
                 f"{sorted(stream.fields)} written, already consumed, or unknown): {bad[:5]}"
@@ -289,8 +388,10 @@ class PartitionStreams:
     def consume(self, task: Task, keys: list[str]) -> None:
         task.consumed.update(keys)
         for stream in task.streams.values():
-            for key in keys:
-                stream.ready.discard(key)
+            stream.ready.discard_all(keys)
+            if stream.build is not None and stream.build.late:
+                for key in keys:
+                    stream.build.late.pop(key, None)
 
     def unconsume(self, task_name: str, keys: list[str]) -> int:
         """Give back keys whose batch never reached its consumer's code; how many went back.
@@ -308,7 +409,7 @@ class PartitionStreams:
             return 0
         task.consumed.difference_update(keys)
         for stream in task.streams.values():
-            back = [k for k in keys if k in self.keys and stream.fields <= self.keys[k].fields]
+            back = [k for k in keys if k in self.keys and stream.fields <= self.keys[k]]
             if back:  # first in line again
                 stream.ready.put_first(back)
         return len(keys)
@@ -326,7 +427,25 @@ class PartitionStreams:
             task.leases.clear()
             task.leased.clear()
             for stream in task.streams.values():
-                stream.ready.replace(k for k, meta in self.keys.items() if stream.fields <= meta.fields)
+                stream.ready.replace(self._having(stream.fields))
+                stream.build = None
+
+    # ---- a dropped partition, freed in slices (``IndexRecords.free_some``) -------------------------
+    def drain(self, n: int) -> int:
+        """Forget up to about ``n`` keys of the streaming state; how many went (0: it is empty)."""
+        gone = 0
+        for task in self.tasks.values():
+            holders: list[Any] = [task.consumed, task.leased]
+            for stream in task.streams.values():
+                holders.append(stream.ready.keys)
+                holders.extend(index.gid for index in stream.ready.indexes.values())
+            for holder in holders:
+                gone += shrink(holder, n - gone)
+                if gone >= n:
+                    return gone
+        self.tasks.clear()  # (what is left holds no more than the takes and caches it remembers)
+        self.by_fields.clear()
+        return gone
 
     # ---- checkpoints (server.index.checkpoint) --------------------------------------------------
     def snapshot(self, now: float) -> dict[str, Any]:
@@ -334,6 +453,7 @@ class PartitionStreams:
         it took, each stream's ready keys in ready order, the rank-aware cache, the takes it
         remembers and its leases (unacknowledged keys, seconds left at ``now``); and ``finished``.
         ``restore`` of it answers ``take``, ``cached``, ``ack`` and ``counts`` exactly as this one does."""
+        self.build_all()
         return {
             "finished": self.finished,
             "tasks": [
@@ -382,6 +502,7 @@ class PartitionStreams:
                 task.leases[str(take)] = Lease(dict.fromkeys(keys), now + float(left))
                 task.leased.update(dict.fromkeys(keys, str(take)))
         self.tasks, self.by_fields, self.finished = tasks, by_fields, bool(state["finished"])
+        self.building = []
 
     def progress(self) -> Iterator[tuple[str, int, int, int, Stream | None]]:
         """Each consumer task's progress, in O(1) per task: its name, rows taken (leased ones
@@ -413,7 +534,7 @@ class PartitionStreams:
             self.finished
             and bool(self.tasks)
             and all(
-                not task.leased and not any(s.ready for s in task.streams.values())
+                not task.leased and not any(s.ready or s.build for s in task.streams.values())
                 for task in self.tasks.values()
             )
         )
@@ -430,12 +551,13 @@ class PartitionStreams:
             )
         stream = task.streams.get(fields) if task is not None else None
         if (
-            task is not None and stream is not None and len(task.streams) == 1
+            task is not None and stream is not None and len(task.streams) == 1 and stream.build is None
         ):  # every consumed key came through it: O(1)
             produced, done = len(stream.ready) + len(consumed), len(consumed)
         else:
-            produced = sum(1 for meta in self.keys.values() if fields <= meta.fields)
-            done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k].fields)
+            having = self._having(fields)
+            produced = len(having) if isinstance(having, Mapping) else sum(1 for _ in having)
+            done = sum(1 for k in consumed if k in self.keys and fields <= self.keys[k])
         ready = produced - done
         return ConsumptionReply(
             total=len(self.keys),
@@ -449,4 +571,4 @@ class PartitionStreams:
         )
 
 
-__all__ = ["Lease", "PartitionStreams", "Stream", "Task"]
+__all__ = ["BUILD_SLICE", "Build", "Lease", "PartitionStreams", "Stream", "Task", "shrink"]

@@ -38,7 +38,7 @@ import zmq
 from dataplane.config import env_unix_lane
 from dataplane.errors import WireError
 from dataplane.server.dispatch import OpReply
-from dataplane.server.router import Peer, RequestServer
+from dataplane.server.router import POLL_MS, Peer, RequestServer
 from dataplane.server.shard.checkpoint import ShardCheckpoints
 from dataplane.server.shard.core import PutUndo, ShardCore
 from dataplane.server.shard.host_memory import HostMemory
@@ -149,9 +149,15 @@ class ShardServer(RequestServer):
             self._send_outbox()
         return None
 
+    def poll_timeout_ms(self) -> int:
+        return 0 if self.core.dropped else POLL_MS  # rows of a dropped partition left: a slice per pass
+
     def after_poll(self) -> None:
         # Each step guarded on its own: a failure in one answers the writers it concerns, and the
         # others still run (``RequestServer._guarded`` logs it).
+        if self.core.dropped:  # one slice of a dropped partition's rows, then requests again
+            with self._lock:
+                self._guarded("freeing a dropped partition's rows", self.core.free_some)
         if self._outbox:
             self._send_outbox()
         if type(self._index_conn) is _unix.Conn and self._index_conn.pending:  # the index's socket was full

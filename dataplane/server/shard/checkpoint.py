@@ -62,7 +62,7 @@ from dataplane.server.checkpoint_files import (
     shard_files,
     write_small,
 )
-from dataplane.server.shard.core import Segment, ShardCore, _Partition
+from dataplane.server.shard.core import Segment, ShardCore, _Partition, row_code
 from dataplane.server.shard.segments import ShmFile
 from dataplane.wire.frames import column_from_wire, column_to_wire
 from dataplane.wire.placement import shard_of
@@ -178,6 +178,7 @@ class ShardCheckpoints:
             os.close(dir_fd)
             with self.lock:
                 for seg in pinned:
+                    seg.pins -= 1
                     self.core._unref(seg)
         rows = {pid: len(keys) for pid, keys, _ in plan}
         return ShardSaveReply(files, rows, size, missing)
@@ -194,17 +195,18 @@ class ShardCheckpoints:
             locs: dict[str, list[tuple[Segment, int, int]]] = {}
             for key, fields in wanted.items():
                 row = part.rows.get(key) if part is not None else None
-                if row is None or any(f not in row for f in fields):
+                if row is None or not all(map(row.__contains__, fields)):  # (no Python frame per key)
                     missing.setdefault(pid, []).append(key)
                     continue
                 pos = len(keys)
                 keys.append(key)
                 for f in fields:
-                    seg, r = row[f]
+                    seg, r = part.loc(row[f])  # type: ignore[union-attr]
                     locs.setdefault(f, []).append((seg, r, pos))
                     if id(seg) not in pinned:
                         pinned[id(seg)] = seg
                         seg.live += 1  # released by ``_unref`` once written
+                        seg.pins += 1
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
@@ -303,6 +305,7 @@ class ShardCheckpoints:
                 seg = self._read_chunk(fd, bin_path, size, pid, chunk, rows, staged)
                 part = staged.parts.setdefault(pid, _Partition())
                 seg.owner = part  # (its bytes count in the partition's once the load commits)
+                part.segs[seg.sid] = seg
                 part.specs.setdefault(chunk.field, seg.spec)
                 if rows is not None:
                     keys = [keys[i] for i in rows]
@@ -312,7 +315,7 @@ class ShardCheckpoints:
                         raise CheckpointError(
                             bin_path, f"{bin_path}: key {key!r} of {pid!r} holds {chunk.field!r} twice"
                         )
-                    row[chunk.field] = (seg, r)
+                    row[chunk.field] = row_code(seg, r)
                 seg.live = len(keys)
         finally:
             os.close(fd)

@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,11 @@ from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 
+ROW_BITS = 32  # a row code is (segment id << ROW_BITS) | row: a put writes fewer than 2**32 rows
+ROW_MASK = (1 << ROW_BITS) - 1
+DROP_SLICE = 16384  # rows of a cleared partition freed at a time, between requests (``free_some``)
+_segment_ids = itertools.count(1)
+
 
 @dataclass(eq=False)
 class Segment:
@@ -75,8 +81,10 @@ class Segment:
     offsets: np.ndarray | None
     file: ShmFile | None
     shapes: np.ndarray | None = None  # ragged rows' shapes
-    live: int = 0
+    live: int = 0  # rows pointing at it, and the checkpoint saves that pinned it (``pins``)
     owner: _Partition | None = None  # whose bytes it counts in (``_Partition.nbytes``); set once attached
+    sid: int = field(default_factory=_segment_ids.__next__)  # its name in its partition's row codes
+    pins: int = 0  # checkpoint saves writing it (``ShardCheckpoints``): its bytes outlive its rows till then
 
     @property
     def accounted(self) -> int:
@@ -96,11 +104,25 @@ class Segment:
         return Column(self.spec, self.num_rows, data, self.offsets, self.shapes)
 
 
+def row_code(seg: Segment, i: int) -> int:
+    """Where a row's value of a field is: row ``i`` of ``seg``, as one int (``_Partition.loc``)."""
+    return seg.sid << ROW_BITS | i
+
+
 @dataclass
 class _Partition:
-    rows: dict[str, dict[str, tuple[Segment, int]]] = field(default_factory=dict)
+    """A partition's rows: key -> field -> a row code (``row_code``: a plain int, so a row is a dict of
+    ints that the garbage collector never tracks, however many keys the shard holds), and the
+    segments the codes name."""
+
+    rows: dict[str, dict[str, int]] = field(default_factory=dict)
     specs: dict[str, ColumnSpec] = field(default_factory=dict)
     nbytes: int = 0  # bytes of its live segments (``Segment.accounted``)
+    segs: dict[int, Segment] = field(default_factory=dict)  # sid -> its segments holding rows
+
+    def loc(self, code: int) -> tuple[Segment, int]:
+        """The segment and row a row code names."""
+        return self.segs[code >> ROW_BITS], code & ROW_MASK
 
 
 @dataclass
@@ -163,6 +185,7 @@ class ShardCore(Operations):
         self.pool = ShmPool(warm_idle_s, warm_retain_bytes, prefix=f"{name}-shard-{shard_id}")
         self.reservation_timeout_s = reservation_timeout_s
         self.partitions: dict[str, _Partition] = {}
+        self.dropped: deque[dict[str, dict[str, int]]] = deque()  # rows of dropped partitions (``free_some``)
         self.used = 0
         self.pending = 0
         self.heap_bytes = 0
@@ -317,8 +340,8 @@ class ShardCore(Operations):
             if row is None:
                 continue
             for name, seg in undo.segs.items():
-                loc = row.get(name)
-                if loc is not None and loc[0] is seg:
+                code = row.get(name)
+                if code is not None and code >> ROW_BITS == seg.sid:
                     del row[name]
                     self._unref(seg)
             if not row:
@@ -386,6 +409,9 @@ class ShardCore(Operations):
         made: dict[str, Segment] = {}
         if fields:
             self.rows_put += n
+        rows = part.rows
+        # New keys (the usual put): their rows made in one pass at C speed, no call per key.
+        fresh = bool(fields) and not any(map(rows.__contains__, keys))
         for name, entry in fields.items():
             spec = entry.spec
             part.specs.setdefault(name, spec)
@@ -401,15 +427,28 @@ class ShardCore(Operations):
             part.nbytes += accounted
             self.heap_bytes += seg.heap_bytes
             made[name] = seg
-            for i, key in enumerate(keys):
-                row = part.rows.get(key)
+            part.segs[seg.sid] = seg
+            base = row_code(seg, 0)
+            if fresh:
+                seg.live = n
+                continue
+            for key, code in zip(keys, range(base, base + n), strict=True):
+                row = rows.get(key)
                 if row is None:
-                    row = part.rows[key] = {}
+                    row = rows[key] = {}
                 old = row.get(name)
-                row[name] = (seg, i)
+                row[name] = code
                 seg.live += 1
                 if old is not None:
-                    self._unref(old[0])
+                    self._unref(part.segs[old >> ROW_BITS])
+        if fresh:
+            names = list(made)
+            codes = [range(row_code(seg, 0), row_code(seg, n)) for seg in made.values()]
+            if len(names) == 1:
+                rows.update(zip(keys, [{names[0]: c} for c in codes[0]], strict=True))
+            else:
+                made_rows = [dict(zip(names, c, strict=True)) for c in zip(*codes, strict=True)]
+                rows.update(zip(keys, made_rows, strict=True))
         return made
 
     def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
@@ -428,12 +467,14 @@ class ShardCore(Operations):
         self.pending -= resv.nbytes
         return resv
 
-    def _unref(self, seg: Segment) -> None:
-        seg.live -= 1
+    def _unref(self, seg: Segment, n: int = 1) -> None:
+        """``n`` fewer rows (or pins) hold ``seg``; freed with the last."""
+        seg.live -= n
         if seg.live == 0:
             self.used -= seg.accounted
             assert seg.owner is not None  # (a segment holding rows is attached to its partition)
             seg.owner.nbytes -= seg.accounted
+            seg.owner.segs.pop(seg.sid, None)
             self.heap_bytes -= seg.heap_bytes
             if seg.file is not None:
                 self.pool.release(seg.file)
@@ -443,7 +484,7 @@ class ShardCore(Operations):
     # ---- get --------------------------------------------------------------------------------
     def _resolve(
         self, pid: str, keys: list[str], fields: list[str] | None
-    ) -> tuple[list[dict[str, tuple[Segment, int]]], list[str]]:
+    ) -> tuple[_Partition, list[dict[str, int]], list[str]]:
         part = self.partitions.get(pid)
         if part is None:
             raise PartitionNotFoundError(pid)
@@ -455,34 +496,27 @@ class ShardCore(Operations):
             rows.append(row)
         if fields is None:  # the fields every requested key holds
             common = set(rows[0]).intersection(*rows[1:]) if rows else set()
-            return rows, [f for f in part.specs if f in common]
+            return part, rows, [f for f in part.specs if f in common]
         for name in fields:
             for key, row in zip(keys, rows, strict=True):
                 if name not in row:
                     raise FieldNotFoundError(key, pid, name)
-        return rows, fields
+        return part, rows, fields
 
     def op_get(self, body: _protocol.Get, bufs: list[memoryview]) -> tuple[_protocol.GetReply, list[Any]]:
         pid, keys = body.partition, body.keys
         if not keys:
             raise WireError("a get names at least one key")
-        rows, fields = self._resolve(pid, keys, body.fields)
+        part, rows, fields = self._resolve(pid, keys, body.fields)
         self.rows_got += len(keys)
         out: dict[str, _protocol.InlineRows | _protocol.SegmentRows] = {}
         frames: list[Any] = []
         for name in fields:
-            locs = [row[name] for row in rows]
-            segs: dict[int, int] = {}
-            order: list[Segment] = []
-            seg_of = np.empty(len(keys), dtype=np.int64)
-            row_of = np.empty(len(keys), dtype=np.int64)
-            for i, (seg, r) in enumerate(locs):
-                j = segs.get(id(seg))
-                if j is None:
-                    j = segs[id(seg)] = len(order)
-                    order.append(seg)
-                seg_of[i] = j
-                row_of[i] = r
+            codes = np.fromiter([row[name] for row in rows], dtype=np.int64, count=len(rows))
+            row_of = codes & ROW_MASK
+            sids, seg_of = np.unique(codes >> ROW_BITS, return_inverse=True)
+            seg_of = seg_of.reshape(-1).astype(np.int64, copy=False)
+            order = [part.segs[int(sid)] for sid in sids]
             if body.shm and all(s.file is not None for s in order):
                 out[name] = self._shm_entry(order, seg_of, row_of, frames, body.export)
             else:
@@ -529,8 +563,8 @@ class ShardCore(Operations):
                 row = part.rows.pop(key, None)
                 if row is not None:
                     removed += 1
-                    for seg, _ in row.values():
-                        self._unref(seg)
+                    for code in row.values():
+                        self._unref(part.segs[code >> ROW_BITS])
         self._cleared(removed, used)
         return _protocol.RemovedReply(removed), []
 
@@ -546,11 +580,31 @@ class ShardCore(Operations):
         return _protocol.RemovedReply(removed), []
 
     def drop_rows(self, part: _Partition) -> int:
-        """Let go of every row of ``part`` (no longer in ``partitions``); returns how many there were."""
-        for row in part.rows.values():
-            for seg, _ in row.values():
-                self._unref(seg)
-        return len(part.rows)
+        """Let go of every row of ``part`` (no longer in ``partitions``); returns how many there were.
+
+        Costs its segments, not its rows: each segment loses every row at once (a checkpoint save that
+        pinned one keeps it until written), and the rows themselves are freed ``DROP_SLICE`` at a time
+        between requests (``free_some``): a million at once would hold every other caller up."""
+        for seg in list(part.segs.values()):
+            self._unref(seg, seg.live - seg.pins)
+        n = len(part.rows)
+        if n:
+            self.dropped.append(part.rows)
+            part.rows = {}
+        return n
+
+    def free_some(self, n: int = DROP_SLICE) -> int:
+        """Free up to ``n`` rows of the partitions dropped; how many went (0: none is left)."""
+        while self.dropped:
+            rows = self.dropped[0]
+            take = min(n, len(rows))
+            for _ in range(take):
+                rows.popitem()
+            if not rows:
+                self.dropped.popleft()
+            if take:
+                return take
+        return 0
 
     def _cleared(self, rows: int, used_before: int) -> None:
         """Count a clear's rows and the bytes it freed (a segment is freed with its last row)."""

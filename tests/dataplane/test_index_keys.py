@@ -1,0 +1,273 @@
+"""The index's keys at scale, on its core and its loop (no Ray): records with no object per key,
+listings in pages whose cursors survive clears and compaction, and a dropped partition freed and a
+new consumer's stream over a big partition gathered in slices, with other requests answered between."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import uuid
+
+import pytest
+import zmq
+
+from dataplane.errors import PartitionNotFoundError, WireError
+from dataplane.server.index.actor import IndexServer
+from dataplane.server.index.core import IndexCore
+from dataplane.server.index.keytable import COMPACT_MIN_HOLES
+from dataplane.server.index.puts import ON_NEW_MIN
+from dataplane.server.index.records import FREE_SLICE
+from dataplane.server.index.streams import BUILD_SLICE
+from dataplane.transport.auth import Credentials
+from dataplane.wire import frames as _wire
+from dataplane.wire import protocol as _protocol
+from dataplane.wire.requests import reply
+
+from .conftest import wait_for
+from .test_loop_faults import REPLY_MS, _ask, _dealer, _rids
+
+
+def _commit(core: IndexCore, pid: str, keys: list[str], fields: list[str], tags=None) -> None:
+    core.op_commit(_protocol.IndexCommit(partition=pid, keys=keys, fields=fields, tags=tags))
+
+
+def _page(core: IndexCore, pid: str, limit: int, cursor: str | None = None) -> tuple[list[str], str | None]:
+    got = core.op_list(_protocol.ListKeys(pid, limit=limit, cursor=cursor))
+    return list(got.list.get(pid, {})), got.cursor
+
+
+def _all_pages(core: IndexCore, pid: str, limit: int) -> list[str]:
+    keys, cursor = _page(core, pid, limit)
+    while cursor is not None:
+        more, cursor = _page(core, pid, limit, cursor)
+        keys += more
+    return keys
+
+
+def test_keys_cost_no_object_of_their_own_and_share_their_field_sets():
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(20_000)]
+    _commit(core, "warm", ["w"], ["x"])  # (the partition's own objects are not per key)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(0, len(keys), 5_000):
+        _commit(core, "warm", keys[i : i + 5_000], ["x"])
+    _commit(core, "warm", keys[:100], ["y"], tags=[{"i": i} for i in range(100)])
+    gc.collect()
+    assert len(gc.get_objects()) - before < 200  # (a record per key would be tens of thousands)
+    table = core.partitions["warm"].keys
+    assert len({id(table[k]) for k in keys[100:]}) == 1 and table[keys[0]] == {"x", "y"}
+    assert len({id(table[k]) for k in keys[:100]}) == 1  # the grown set, interned too
+    assert table.tag(keys[5]) == {"i": 5} and table.tag(keys[500]) == {}  # tags only where given
+
+
+def test_a_listing_pages_in_put_order_and_its_cursor_survives_clears_and_compaction():
+    core = IndexCore()
+    n = 3 * COMPACT_MIN_HOLES
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"], tags=[{"i": i} if i % 7 == 0 else None for i in range(n)])
+    first, cursor = _page(core, "p", 1000)
+    assert first == keys[:1000] and cursor is not None
+    page = core.op_list(_protocol.ListKeys("p", limit=3)).list["p"]
+    assert page == {"k0": {"i": 0}, "k1": {}, "k2": {}}
+    # Clear most keys, behind and ahead of the cursor (the rows are compacted), and put new ones.
+    gone = set(keys[500 : n - 100])
+    core.op_clear(_protocol.Clear("p", sorted(gone)))
+    assert len(core.partitions["p"].keys._names) < n  # compacted
+    _commit(core, "p", ["new0", "new1", keys[0]], ["x"])  # (k0 again: it keeps its place)
+    rest = []
+    while cursor is not None:
+        more, cursor = _page(core, "p", 7, cursor)
+        assert len(more) <= 7
+        rest += more
+    assert rest == [*keys[n - 100 :], "new0", "new1"]
+    assert _all_pages(core, "p", 64) == [k for k in keys if k not in gone] + ["new0", "new1"]
+    whole = core.op_list(_protocol.ListKeys("p")).list["p"]  # the whole form agrees
+    assert list(whole) == _all_pages(core, "p", 1000) and whole["k7"] == {"i": 7}
+
+
+def test_a_cursor_of_a_partition_cleared_since_is_refused_and_bad_pages_are_refused():
+    core = IndexCore()
+    _commit(core, "p", ["a", "b", "c"], ["x"])
+    _, cursor = _page(core, "p", 1)
+    core.op_clear_partition(_protocol.OnePartition("p"))
+    _commit(core, "p", ["a", "b", "c"], ["x"])  # a new partition of the same name
+    with pytest.raises(PartitionNotFoundError, match="cleared since this listing began"):
+        _page(core, "p", 1, cursor)
+    assert _page(core, "absent", 5) == ([], None)
+    names = core.op_list(_protocol.ListKeys(None, limit=0)).list
+    assert names == {"p": {}}
+    with pytest.raises(WireError, match="not a cursor"):
+        _page(core, "p", 1, "garbage")
+    with pytest.raises(WireError, match="one partition"):
+        core.op_list(_protocol.ListKeys(None, limit=5))
+
+
+def test_a_cleared_partition_is_gone_at_once_and_freed_in_slices():
+    core = IndexCore()
+    n = 3 * FREE_SLICE + 5
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "big", keys, ["x"])
+    core.op_next(_protocol.Next(partition="big", task="t", fields=["x"], batch_size=FREE_SLICE))
+    assert core.op_clear_partition(_protocol.OnePartition("big")).existed
+    assert "big" not in core.op_stats(_protocol.Stats()).partitions  # gone for every caller now
+    _commit(core, "big", ["fresh"], ["x"])  # a new partition of the name meanwhile
+    freed = []
+    while core.dropped:
+        freed.append(core.free_some())
+        assert freed[-1] <= FREE_SLICE
+    assert sum(freed) >= n and len(freed) > 3  # every key (and its consumer's state) a slice at a time
+    assert list(core.partitions["big"].keys) == ["fresh"]
+
+
+@pytest.fixture
+def creds() -> Credentials:
+    return Credentials.new(encrypt=False)
+
+
+def test_the_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile(creds: Credentials):
+    core = IndexCore()
+    _commit(core, "big", [f"k{i}" for i in range(2 * FREE_SLICE + 1)], ["x"])
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    try:
+        assert server.poll_timeout_ms() > 0  # idle: the loop waits for requests
+        core.op_clear_partition(_protocol.OnePartition("big"))
+        passes = 0
+        while core.dropped:
+            assert server.poll_timeout_ms() == 0  # work left: poll for requests, do not wait
+            table = core.dropped[0].keys
+            left = len(table)
+            server.after_poll()  # one pass of the loop after its poll: one slice, then requests again
+            assert left - len(table) <= FREE_SLICE
+            passes += 1
+        assert passes >= 3 and server.poll_timeout_ms() > 0
+        _commit(core, "big", [f"k{i}" for i in range(BUILD_SLICE + 1)], ["x"])
+        assert core.op_next(_protocol.Next(partition="big", task="t", fields=["x"], batch_size=1)) is None
+        assert server.poll_timeout_ms() == 0  # a stream being gathered: no wait either
+        server.after_poll()
+        server.after_poll()
+        assert not core.building and server.poll_timeout_ms() > 0
+    finally:
+        server.start()  # (its loop closes the sockets as it stops)
+        server.stop()
+
+
+def test_a_new_task_finds_the_ready_keys_in_put_order_whatever_fields_the_others_hold():
+    core = IndexCore()
+    _commit(core, "p", ["a", "b", "c", "d"], ["x"])
+    core.op_clear(_protocol.Clear("p", ["b"]))
+    _commit(core, "p", ["b"], ["x"])  # (put again: last now)
+    _commit(core, "p", ["c"], ["y"])
+
+    def first(task: str, fields: list[str]) -> list[str]:
+        got = core.op_ready(_protocol.Ready(partition="p", task=task, fields=fields))
+        assert got is not None
+        return [key for key, _ in got.rows]
+
+    assert first("all-x", ["x"]) == ["a", "c", "d", "b"]  # every key holds x (the key dict itself)
+    assert first("x-and-y", ["x", "y"]) == ["c"]  # some do (a walk over the rows)
+    _commit(core, "p", ["e"], ["y"])
+    assert first("y", ["y"]) == ["c", "e"]
+
+
+def test_keys_cleared_oldest_first_are_cut_off_the_front_and_every_lookup_still_holds():
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(3 * COMPACT_MIN_HOLES)]
+    _commit(core, "p", keys, ["x"])
+    _, cursor = _page(core, "p", 10)
+    table = core.partitions["p"].keys
+    cut = 9000  # (more holes than keys left: a compaction, were they not cut off the front)
+    for i in range(0, cut, 1000):  # a consumer clearing what it took, in batches
+        core.op_clear(_protocol.Clear("p", keys[i : i + 1000]))
+        assert len(table._names) == len(table)  # no hole kept
+    _commit(core, "p", [keys[-1], "new"], ["y"])
+    rest = keys[cut:]
+    assert list(table) == [*rest, "new"] and table[keys[-1]] == {"x", "y"} and table["new"] == {"y"}
+    assert keys[0] not in table and table[rest[0]] == {"x"}
+    assert _all_pages(core, "p", 999) == [*rest, "new"]
+    assert _page(core, "p", 2, cursor)[0] == rest[:2]  # a cursor from before the clears goes on
+
+
+def _ready(core: IndexCore, task: str, fields: list[str]) -> list[str] | None:
+    got = core.op_ready(_protocol.Ready(partition="p", task=task, fields=fields, limit=1 << 20))
+    return None if got is None else [key for key, _ in got.rows]
+
+
+def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order():
+    core = IndexCore()
+    n = 2 * BUILD_SLICE + 10
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"])
+    x, xy = frozenset({"x"}), frozenset({"x", "y"})
+    first = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=3)
+    assert core.op_next(first) is None and _ready(core, "u", ["x", "y"]) is None  # gathering: wait
+    streams = core.partitions["p"].streams
+    t, u = streams.tasks["t"].streams[x], streams.tasks["u"].streams[xy]
+    assert core.op_consumption(_protocol.Consumption("p", "t")).ready == n  # right meanwhile
+    core.op_clear(_protocol.Clear("p", ["k1"]))  # ahead of the walk
+    late = [f"late{i}" for i in range(1, ON_NEW_MIN + 2)]
+    _commit(core, "p", late[:1], ["x"])  # after the stream was asked for: one key, then many at once
+    _commit(core, "p", late[1:], ["x"])
+    core.changed.clear()
+    while u.build is not None and u.build.cursor == 0:  # t whole, u's walk begun
+        core.build_some()
+    assert t.build is None and "p" in core.changed and core.op_next(first).keys == ["k0", "k2", "k3"]
+    _commit(core, "p", ["k0", keys[-1]], ["y"])  # behind u's walk, and ahead of it
+    _commit(core, "p", ["both"], ["x", "y"])
+    while core.building:
+        core.build_some()
+    assert _ready(core, "t", ["x"]) == [*keys[4:], *late, "both"]
+    assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "both"]  # as they became ready
+
+
+def test_requests_are_answered_while_a_big_clear_is_freed_and_a_big_stream_is_gathered(
+    creds: Credentials, monkeypatch
+):
+    """Through the loop and its sockets: while a cleared partition's keys wait to be freed and a new
+    consumer's stream over a big partition waits to be gathered (held by a gate, so the order is
+    certain), a put, a 1-row take and a consumption of another partition are answered; the parked
+    take over the big partition is answered once its stream is whole."""
+    core = IndexCore()
+    _commit(core, "cleared", [f"c{i}" for i in range(2 * FREE_SLICE + 1)], ["x"])
+    big = [f"b{i}" for i in range(2 * BUILD_SLICE + 1)]
+    _commit(core, "big", big, ["x"])
+    go = threading.Event()
+    for name in ("free_some", "build_some"):
+        real = getattr(core, name)
+        monkeypatch.setattr(core, name, lambda real=real: real() if go.is_set() else 0)
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    server.start()
+    ctx = zmq.Context()
+    try:
+        sock = _dealer(ctx, creds, server)
+        assert _ask(sock, "clear_partition", {"partition": "cleared"}).error is None
+        take = {"task": "t", "batch_size": 2, "fields": ["x"], "timeout_s": 30.0}
+        rid = next(_rids)  # parked: its stream is being gathered
+        sock.send_multipart(_wire.encode_request(rid, "next", {**take, "partition": "big"}))
+        assert _ask(sock, "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]}).error is None
+        got = _ask(sock, "next", {**take, "partition": "small", "batch_size": 1})
+        assert reply(got.body, _protocol.BatchReply).keys == ["s"]
+        assert reply(_ask(sock, "consumption", {"partition": "small", "task": "t"}).body,
+                     _protocol.ConsumptionReply).consumed == 1  # fmt: skip
+        assert core.dropped and core.building  # all of it answered before either was done
+        go.set()
+        assert sock.poll(REPLY_MS)
+        parked = _wire.decode_raw_reply(sock.recv_multipart())[0]
+        assert parked.rid == rid and reply(parked.body, _protocol.BatchReply).keys == big[:2]
+        wait_for(lambda: not core.dropped, REPLY_MS / 1000, "the cleared partition to be freed")
+    finally:
+        server.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_commit_of_many_new_keys_makes_them_ready_at_once_for_the_streams_that_want_them():
+    core = IndexCore()
+    _commit(core, "p", ["a"], ["x"])
+    take = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=1)
+    assert core.op_next(take).keys == ["a"]
+    assert _ready(core, "u", ["x", "y"]) is None  # (a stream waiting for two fields)
+    new = [f"n{i}" for i in range(ON_NEW_MIN)]
+    _commit(core, "p", new, ["x"])
+    assert _ready(core, "t", ["x"]) == new and _ready(core, "u", ["x", "y"]) is None
+    _commit(core, "p", new[::-1], ["y"])  # (keys that exist: one at a time, in commit order)
+    assert _ready(core, "u", ["x", "y"]) == new[::-1]
