@@ -10,6 +10,8 @@ Environment variables (read here only, each by one function; a value that does n
                                (``StoreConfig.transport``; also overrides a service's when attaching)
     DATAPLANE_ENGINE           "native" (default), "zmq" or "mooncake": the transfer engine of a store
                                this process starts (``StoreConfig.engine``)
+    DATAPLANE_MOONCAKE_PROTOCOL  "tcp" (default) or "rdma": the transport of the mooncake engine
+    DATAPLANE_MOONCAKE_DEVICE  the RDMA device the mooncake engine uses ("" by default: its choice)
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
     DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
                                default off): this process may write and read object columns
@@ -149,6 +151,18 @@ def tq_controller_timeout_s() -> float:
     """Seconds ``dataplane.tq`` waits for its TransferQueue controller actor to answer
     (``DATAPLANE_TQ_CONTROLLER_TIMEOUT_S``, default 60)."""
     return _env_float("DATAPLANE_TQ_CONTROLLER_TIMEOUT_S", 60.0)
+
+
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+
+
+def env_mooncake() -> tuple[str, str]:
+    """The mooncake engine's transport and RDMA device (``DATAPLANE_MOONCAKE_PROTOCOL``,
+    ``DATAPLANE_MOONCAKE_DEVICE``)."""
+    protocol = os.environ.get("DATAPLANE_MOONCAKE_PROTOCOL") or "tcp"
+    if protocol not in MOONCAKE_PROTOCOLS:
+        raise ValueError(f"DATAPLANE_MOONCAKE_PROTOCOL={protocol!r} is not one of {MOONCAKE_PROTOCOLS}")
+    return protocol, os.environ.get("DATAPLANE_MOONCAKE_DEVICE", "")
 
 
 def env_metrics() -> bool:

@@ -134,9 +134,10 @@ class StoreClient:
         self.liveness = Liveness(targets, on_dead=on_dead, remote_dead=remote_dead)
         args = (endpoints, creds, timeout, self.liveness, self.config.max_message_bytes)
         engine = None
-        if any(ep.engine for ep in endpoints.values()):
+        kinds = {s.get("engine_kind", "native") for s in shards if s.get("engine")}
+        if kinds:
             engine = start_client(
-                "native",  # (what a shard publishes an address of)
+                kinds.pop(),  # (every shard of a store runs the engine its config names)
                 creds.secret,
                 connections=self.config.engine_connections,
                 max_bytes=self.config.max_message_bytes,

@@ -67,6 +67,7 @@ class SyncTransport(Endpoints):
         self._lock = threading.Lock()
         self._closed = False
         self._forks = _forks[0]
+        self._lent = threading.local()  # .tickets: what this thread's call set wrote through the engine
 
     def _checkout(self) -> dict[int, Connection]:
         with self._lock:
@@ -94,6 +95,8 @@ class SyncTransport(Endpoints):
         else:
             timeout = deadline_of(calls, timeout)
         socks = self._checkout()
+        lent: list[int] = []
+        self._lent.tickets = lent
         try:
             if one is not None:
                 results = [self._call_one(socks, one, timeout)]
@@ -106,6 +109,9 @@ class SyncTransport(Endpoints):
             for sock in socks.values():
                 close_socket(sock)
             raise
+        finally:
+            if lent and self.engine is not None:  # every request of the set answered or given up
+                self.engine.release(lent)
         self._checkin(socks)
         return results
 
@@ -143,7 +149,8 @@ class SyncTransport(Endpoints):
         there = self.endpoints[c.target].engine
         if there is not None and self.engine is not None:
             try:
-                frames = _engine.offload(self.engine, there, frames, self.engine_min_bytes, deadline)
+                frames, lent = _engine.offload(self.engine, there, frames, self.engine_min_bytes, deadline)
+                self._lent.tickets.extend(lent)
             except (OSError, WireError) as exc:
                 waited = time.monotonic() - started
                 return self.unavailable(c.target, waited, f" (its transfer engine at {there}: {exc})")

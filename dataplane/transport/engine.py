@@ -14,8 +14,10 @@ a server, ``read`` one from it). ``StoreConfig.engine`` picks one (``DATAPLANE_E
 
 * ``native`` (default): ``transport.tcp_engine``, plain TCP split over several connections;
 * ``zmq``: no engine, every buffer in the zmq message (one stream per shard pair);
-* ``mooncake``: Mooncake's Transfer Engine (RDMA where a NIC supports it), when it can run here
-  (``engine_missing`` says what it lacks).
+* ``mooncake``: ``transport.mooncake_engine``, Mooncake's Transfer Engine (one-sided reads over
+  RDMA where a NIC supports it, its own TCP transport elsewhere), when it is installed
+  (``engine_missing`` says what it lacks). Its receiver pulls: a manifest also names the sender's
+  engine address and the buffers the sender has read since its last request (released then).
 
 An encrypting store (``encrypt=True``) moves every byte in its CURVE stream: no engine runs.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from dataplane.config import ENGINES
@@ -38,7 +41,9 @@ class EngineServer(Protocol):
 
     def stage(self, buf: memoryview) -> int: ...
 
-    def take(self, ticket: int, size: int) -> memoryview: ...
+    def take(self, ticket: int, size: int, origin: str) -> memoryview: ...
+
+    def release(self, tickets: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -47,10 +52,15 @@ class EngineClient(Protocol):
     """A client's end of an engine."""
 
     name: str
+    origin: str  # where a server pulls what this client wrote from ('' when it need not)
 
     def write(self, address: str, buf: memoryview, deadline: float) -> int: ...
 
     def read(self, address: str, ticket: int, size: int, deadline: float) -> memoryview: ...
+
+    def done(self, address: str) -> list[int]: ...
+
+    def release(self, tickets: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -73,7 +83,7 @@ def engine_missing(name: str) -> str:
             "install `pip install mooncake-transfer-engine-non-cuda` (the `rdma` extra) and its system "
             "library libibverbs1 (`apt-get install libibverbs1`)"
         )
-    return "the mooncake engine is not built into this release of the store yet; use engine='native'"
+    return ""
 
 
 def _check(name: str) -> None:
@@ -89,6 +99,10 @@ def start_server(
     _check(name)
     if name == "zmq":
         return None
+    if name == "mooncake":
+        from dataplane.transport.mooncake_engine import MooncakeEngineServer
+
+        return MooncakeEngineServer(host_ip, max_bytes=max_bytes, ttl_s=ttl_s, name=who)
     from dataplane.transport.tcp_engine import TcpEngineServer
 
     return TcpEngineServer(host_ip, secret, max_bytes=max_bytes, ttl_s=ttl_s, name=who)
@@ -99,6 +113,10 @@ def start_client(name: str, secret: str, *, connections: int, max_bytes: int) ->
     _check(name)
     if name == "zmq":
         return None
+    if name == "mooncake":
+        from dataplane.transport.mooncake_engine import MooncakeEngineClient
+
+        return MooncakeEngineClient(max_bytes=max_bytes)
     from dataplane.transport.tcp_engine import TcpEngineClient
 
     return TcpEngineClient(secret, connections=connections, max_bytes=max_bytes)
@@ -110,10 +128,11 @@ def _nbytes(frame: Any) -> int:
 
 def offload(
     engine: EngineClient, address: str, frames: list[Any], min_bytes: int, deadline: float
-) -> list[Any]:
+) -> tuple[list[Any], list[int]]:
     """``frames`` of a request to the server at ``address`` with every buffer of ``min_bytes`` or
     more written through ``engine`` and a manifest in front (which also says large reply buffers may
-    come the same way)."""
+    come the same way), and the tickets written: ``engine.release`` them once the request is
+    answered or given up."""
     refs: list[_bulk.Ref] = []
     out = list(frames)
     for i in range(1, len(out)):
@@ -121,7 +140,9 @@ def offload(
             view = memoryview(out[i]).cast("B")
             refs.append(_bulk.Ref(i, engine.write(address, view, deadline), view.nbytes))
             out[i] = b""
-    return [_bulk.encode_manifest(refs, accepts=True), *out]
+    origin = engine.origin if refs else ""
+    manifest = _bulk.encode_manifest(refs, accepts=True, origin=origin, done=engine.done(address))
+    return [manifest, *out], [r.ticket for r in refs]
 
 
 def restore(
@@ -141,13 +162,15 @@ def restore(
 def take_request(server: EngineServer, frames: list[Any], max_bytes: int) -> tuple[list[Any], bool]:
     """A request's frames as they were sent, and whether its client takes reply buffers by engine:
     the manifest read and dropped, every buffer it names taken from ``server``."""
-    refs, accepts = _bulk.decode_manifest(frames[0], len(frames) - 1, max_bytes)
+    m = _bulk.read_manifest(frames[0], len(frames) - 1, max_bytes)
+    if m.done:
+        server.release(m.done)
     out = frames[1:]
-    for ref in refs:
+    for ref in m.refs:
         if _nbytes(out[ref.frame]):
             raise WireError("a bulk manifest names a frame that is not empty")
-        out[ref.frame] = server.take(ref.ticket, ref.size)
-    return out, accepts
+        out[ref.frame] = server.take(ref.ticket, ref.size, m.origin)
+    return out, m.accepts
 
 
 def stage_reply(server: EngineServer, frames: list[Any], min_bytes: int) -> list[Any]:

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dataplane.codec import buffers as _buffers
@@ -103,8 +104,9 @@ class TcpEngineServer:
             self._out[ticket] = _Ticket(buf)
         return ticket
 
-    def take(self, ticket: int, size: int) -> memoryview:
-        """The buffer a client wrote whole under ``ticket`` (``size`` bytes), no longer held here."""
+    def take(self, ticket: int, size: int, origin: str = "") -> memoryview:
+        """The buffer a client wrote whole under ``ticket`` (``size`` bytes), no longer held here
+        (``origin``: unused, the client pushed it)."""
         with self._lock:
             t = self._in.get(ticket)
             if t is None or t.buf.nbytes != size or t.done != size:
@@ -114,6 +116,9 @@ class TcpEngineServer:
                 )
             del self._in[ticket]
         return t.buf
+
+    def release(self, tickets: Sequence[int]) -> None:
+        """(Nothing: a staged buffer is released once a client read it whole.)"""
 
     def close(self) -> None:
         self._closed = True
@@ -232,6 +237,7 @@ class TcpEngineClient:
     connections (one thread each) to an engine server, from a pool of open ones."""
 
     name = "native"
+    origin = ""  # (it pushes what it writes)
 
     def __init__(self, secret: str, *, connections: int, max_bytes: int) -> None:
         self._secret = secret
@@ -255,6 +261,12 @@ class TcpEngineClient:
         out = _buffers.take(size).data  # (warm pages: ``codec.buffers``)
         self._parts(address, _bulk.READ, ticket, out, deadline)
         return out
+
+    def done(self, address: str) -> list[int]:
+        return []  # (the server saw every read)
+
+    def release(self, tickets: Sequence[int]) -> None:
+        """(Nothing: a written buffer is the server's once sent.)"""
 
     def close(self) -> None:
         with self._lock:

@@ -5,7 +5,10 @@ A message whose large buffer frames travel through a transfer engine (``transpor
 with a **manifest** in front of its frames: ``[manifest, header, buf0, ...]``, each moved buffer
 left empty in place and described in the manifest by its frame position, the engine's ticket for it
 and its size. The manifest also says whether the sender takes large reply buffers the same way
-(``accepts``). Its first byte is 0, which no header (a msgpack array) starts with, so a message
+(``accepts``) and, for an engine whose receiver pulls the bytes itself (``transport.mooncake_engine``),
+where it can read them from (``origin``, the sender's engine address) and which of the receiver's
+staged buffers the sender has read since (``done``, so they are released before they expire). Its
+first byte is 0, which no header (a msgpack array) starts with, so a message
 with a manifest is never misread as one without.
 
 The native engine's stream (``transport.tcp_engine``): after the hello (a nonce from the server, the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,12 @@ from dataplane.wire.protocol import MAX_FRAMES
 MAGIC = b"\x00dpbulk1"
 _HEAD = struct.Struct("<8sBH")  # magic, flags, count
 _REF = struct.Struct("<HQQ")  # frame position (1 = the header's first buffer), ticket, size
+_LEN = struct.Struct("<H")
+_TICKET = struct.Struct("<Q")
 ACCEPTS = 1
+EXTRA = 2  # an origin and a done list follow the refs
+MAX_ORIGIN = 255  # bytes of an engine address
+MAX_DONE = 4096  # released tickets one manifest carries
 
 OP = struct.Struct("<BQQQQ")  # op, ticket, total, offset, length
 READ, WRITE = 1, 2
@@ -59,23 +68,42 @@ def is_manifest(frame: Any) -> bool:
     return view.nbytes >= _HEAD.size and view[0] == 0 and bytes(view[: len(MAGIC)]) == MAGIC
 
 
-def encode_manifest(refs: list[Ref], accepts: bool) -> bytes:
-    """The manifest frame of ``refs``; ``accepts``: the sender takes large reply buffers by engine.
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest: the moved buffers, whether the sender takes reply buffers by engine, the
+    sender's engine address ('' when the receiver need not reach it) and tickets it has read."""
+
+    refs: list[Ref]
+    accepts: bool
+    origin: str = ""
+    done: tuple[int, ...] = ()
+
+
+def encode_manifest(refs: list[Ref], accepts: bool, origin: str = "", done: Sequence[int] = ()) -> bytes:
+    """The manifest frame of ``refs``; ``accepts``: the sender takes large reply buffers by engine;
+    ``origin`` and ``done``: see the module's docstring (at most ``MAX_DONE`` are sent).
 
     Example:
         >>> m = encode_manifest([Ref(1, 7, 100)], accepts=True)
         >>> decode_manifest(m, frames=2, max_bytes=1 << 20)
         ([Ref(frame=1, ticket=7, size=100)], True)
     """
-    out = [_HEAD.pack(MAGIC, ACCEPTS if accepts else 0, len(refs))]
+    extra = bool(origin or done)
+    flags = (ACCEPTS if accepts else 0) | (EXTRA if extra else 0)
+    out = [_HEAD.pack(MAGIC, flags, len(refs))]
     out += [_REF.pack(r.frame, r.ticket, r.size) for r in refs]
+    if extra:
+        name = origin.encode()
+        if len(name) > MAX_ORIGIN:
+            raise WireError(f"an engine address of {len(name)} bytes (at most {MAX_ORIGIN})")
+        done = list(done)[:MAX_DONE]
+        out += [_LEN.pack(len(name)), name, _LEN.pack(len(done))]
+        out += [_TICKET.pack(t) for t in done]
     return b"".join(out)
 
 
 def decode_manifest(frame: Any, frames: int, max_bytes: int) -> tuple[list[Ref], bool]:
-    """A manifest's refs and ``accepts`` flag, every field checked: ``frames`` is how many frames
-    follow the manifest (header included), ``max_bytes`` the largest buffer the reader takes (-1:
-    no limit). ``WireError`` names what is wrong.
+    """A manifest's refs and ``accepts`` flag (``read_manifest``).
 
     Example:
         >>> decode_manifest(encode_manifest([Ref(0, 1, 8)], False), frames=2, max_bytes=64)
@@ -83,14 +111,29 @@ def decode_manifest(frame: Any, frames: int, max_bytes: int) -> tuple[list[Ref],
         ...
         dataplane.errors.WireError: a bulk manifest names frame 0: not a buffer frame of a message of 2
     """
+    m = read_manifest(frame, frames, max_bytes)
+    return m.refs, m.accepts
+
+
+def read_manifest(frame: Any, frames: int, max_bytes: int) -> Manifest:
+    """A manifest, every field checked: ``frames`` is how many frames
+    follow the manifest (header included), ``max_bytes`` the largest buffer the reader takes (-1:
+    no limit). ``WireError`` names what is wrong.
+
+    Example:
+        >>> read_manifest(encode_manifest([], True, "10.0.0.2:7", [5]), frames=1, max_bytes=64)
+        Manifest(refs=[], accepts=True, origin='10.0.0.2:7', done=(5,))
+    """
     view = memoryview(frame)
     if view.nbytes < _HEAD.size:
         raise WireError(f"a bulk manifest of {view.nbytes} bytes")
     magic, flags, count = _HEAD.unpack_from(view)
-    if magic != MAGIC or flags & ~ACCEPTS:
+    if magic != MAGIC or flags & ~(ACCEPTS | EXTRA):
         raise WireError("a bulk manifest of another format")
-    if count > MAX_FRAMES or view.nbytes != _HEAD.size + count * _REF.size:
+    end = _HEAD.size + count * _REF.size
+    if count > MAX_FRAMES or view.nbytes < end or (view.nbytes != end and not flags & EXTRA):
         raise WireError(f"a bulk manifest of {view.nbytes} bytes declaring {count} buffers")
+    origin, done = _extra(view, end) if flags & EXTRA else ("", ())
     refs: list[Ref] = []
     seen: set[int] = set()
     for i in range(count):
@@ -101,7 +144,23 @@ def decode_manifest(frame: Any, frames: int, max_bytes: int) -> tuple[list[Ref],
             raise WireError(f"a bulk manifest declares a buffer of {size} bytes (at most {max_bytes})")
         seen.add(pos)
         refs.append(Ref(pos, ticket, size))
-    return refs, bool(flags & ACCEPTS)
+    return Manifest(refs, bool(flags & ACCEPTS), origin, done)
+
+
+def _extra(view: memoryview, at: int) -> tuple[str, tuple[int, ...]]:
+    """The origin and done list that follow a manifest's refs at ``at``, their sizes checked."""
+    try:
+        (n,) = _LEN.unpack_from(view, at)
+        if n > MAX_ORIGIN:
+            raise WireError(f"a bulk manifest names an engine address of {n} bytes (at most {MAX_ORIGIN})")
+        origin = bytes(view[at + 2 : at + 2 + n]).decode()
+        (k,) = _LEN.unpack_from(view, at + 2 + n)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise WireError(f"a bulk manifest whose origin does not decode ({exc})") from None
+    start = at + 4 + n
+    if k > MAX_DONE or view.nbytes != start + k * _TICKET.size:
+        raise WireError(f"a bulk manifest of {view.nbytes} bytes declaring {k} released buffers")
+    return origin, tuple(_TICKET.unpack_from(view, start + i * _TICKET.size)[0] for i in range(k))
 
 
 def hello_proof(secret: str, nonce: bytes) -> bytes:
@@ -146,7 +205,9 @@ def split(size: int, parts: int, min_part: int) -> list[tuple[int, int]]:
 
 __all__ = [
     "ACCEPTS",
+    "EXTRA",
     "MAGIC",
+    "Manifest",
     "NONCE_BYTES",
     "OP",
     "READ",
@@ -158,5 +219,6 @@ __all__ = [
     "encode_manifest",
     "hello_proof",
     "is_manifest",
+    "read_manifest",
     "split",
 ]

@@ -43,6 +43,19 @@ def test_a_manifest_that_does_not_hold_is_refused(frame: bytes, frames: int, mat
         bulk.decode_manifest(frame, frames=frames, max_bytes=64)
 
 
+def test_a_manifest_carries_its_origin_and_released_tickets() -> None:
+    frame = bulk.encode_manifest([bulk.Ref(1, 9, 64)], accepts=True, origin="10.0.0.7:1234", done=[3, 4])
+    m = bulk.read_manifest(frame, frames=2, max_bytes=64)
+    assert (m.refs, m.accepts, m.origin, m.done) == ([bulk.Ref(1, 9, 64)], True, "10.0.0.7:1234", (3, 4))
+    assert bulk.decode_manifest(frame, frames=2, max_bytes=64) == ([bulk.Ref(1, 9, 64)], True)
+    with pytest.raises(WireError, match="released buffers"):  # a done list cut short
+        bulk.read_manifest(frame[:-1], frames=2, max_bytes=64)
+    with pytest.raises(WireError, match="released buffers"):  # bytes past its end
+        bulk.read_manifest(frame + b"\0", frames=2, max_bytes=64)
+    with pytest.raises(WireError, match="at most 255"):
+        bulk.encode_manifest([], accepts=False, origin="x" * 256)
+
+
 def test_split_covers_the_buffer_once() -> None:
     for size, parts, least in [(1, 4, 1), (10, 3, 1), (100, 4, 30), (1 << 20, 8, 1 << 10)]:
         ranges = bulk.split(size, parts, least)
@@ -69,7 +82,7 @@ def test_buffers_cross_whole_both_ways_over_several_connections(server) -> None:
         x = _payload(20 << 20)
         deadline = time.monotonic() + 60
         ticket = client.write(server.address, x, deadline)
-        assert bytes(server.take(ticket, x.nbytes)) == bytes(x)
+        assert bytes(server.take(ticket, x.nbytes, "")) == bytes(x)
         # Four ranges, each on a connection of its own or one a finished range gave back.
         assert len(bulk.split(x.nbytes, 4, MIN_PART)) == 4 and 1 <= len(client._pool[server.address]) <= 4
         y = _payload(9 << 20)
@@ -78,7 +91,7 @@ def test_buffers_cross_whole_both_ways_over_several_connections(server) -> None:
         with pytest.raises(WireError, match="no such ticket"):  # read once, then no longer held
             client.read(server.address, t, y.nbytes, deadline)
         with pytest.raises(WireError, match="not written whole"):  # taken once
-            server.take(ticket, x.nbytes)
+            server.take(ticket, x.nbytes, "")
     finally:
         client.close()
 
@@ -119,7 +132,7 @@ def test_a_peer_without_the_secret_is_closed_and_moves_no_byte(server) -> None:
     assert _until_closed(sock) == b""  # closed without a status
     sock.close()
     with pytest.raises(WireError):
-        server.take(1, 1024)
+        server.take(1, 1024, "")
 
 
 @pytest.mark.parametrize(
@@ -154,7 +167,7 @@ def test_the_server_holds_at_most_twice_its_largest_buffer_for_writers(server) -
     for s in [*socks, third]:
         s.close()
     with pytest.raises(WireError, match="not written whole"):  # a buffer begun and not finished
-        server.take(1, 64 << 20)
+        server.take(1, 64 << 20, "")
 
 
 def test_a_write_to_a_closed_server_is_an_os_error(server) -> None:
@@ -164,6 +177,57 @@ def test_a_write_to_a_closed_server_is_an_os_error(server) -> None:
     with pytest.raises(OSError):
         client.write(address, _payload(1 << 10), time.monotonic() + 5)
     client.close()
+
+
+# ---- the mooncake engine on loopback (where Mooncake's Transfer Engine is installed) -------------
+def _mooncake():
+    from dataplane.transport.engine import engine_missing
+
+    why = engine_missing("mooncake")
+    if why:
+        pytest.skip(why)
+    from dataplane.transport import mooncake_engine
+
+    return mooncake_engine
+
+
+def test_mooncake_moves_buffers_both_ways_and_releases_what_was_read() -> None:
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        deadline = time.monotonic() + 60
+        x = _payload(12 << 20)
+        ticket = client.write(server.address, x, deadline)  # lent: the server pulls it
+        assert bytes(server.take(ticket, x.nbytes, client.origin)) == bytes(x)
+        client.release([ticket])
+        with pytest.raises(WireError, match="could not read"):  # no longer registered
+            server.take(ticket, x.nbytes, client.origin)
+        y = _payload(5 << 20)
+        t = server.stage(y)
+        assert bytes(client.read(server.address, t, y.nbytes, deadline)) == bytes(y)
+        assert client.done(server.address) == [t] and client.done(server.address) == []
+        server.release([t])  # (what the next request's manifest does)
+        with pytest.raises(WireError, match="could not read"):
+            client.read(server.address, t, y.nbytes, deadline)
+        with pytest.raises(WireError, match="at most"):  # a declared size past the limit: nothing read
+            server.take(ticket, (64 << 20) + 1, client.origin)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_mooncake_staged_buffers_are_released_past_the_budget_oldest_first() -> None:
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=8 << 20, ttl_s=30.0, name="t-mooncake")
+    try:
+        bufs = [_payload((6 << 20) + i) for i in range(3)]  # 18 MiB staged; the budget is 16
+        tickets = [server.stage(b) for b in bufs[:2]]
+        assert set(server._staged.regions) == set(tickets)
+        server.stage(bufs[2])  # the oldest goes
+        assert tickets[0] not in server._staged.regions and tickets[1] in server._staged.regions
+    finally:
+        server.close()
 
 
 # ---- the store over tcp ----------------------------------------------------------------------------
@@ -180,10 +244,12 @@ def _rows(n: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("engine", ["native", "zmq"])
+@pytest.mark.parametrize("engine", ["native", "zmq", "mooncake"])
 def test_large_columns_cross_tcp_through_the_engine_exactly(ray_cluster, engine) -> None:
     import torch
 
+    if engine == "mooncake":
+        _mooncake()
     import dataplane as dp
     from dataplane.wire.requests import INDEX
 
@@ -207,9 +273,14 @@ def test_large_columns_cross_tcp_through_the_engine_exactly(ray_cluster, engine)
         assert list(got["text"]) == want["text"][::-1] and list(got["chat"]) == want["chat"][::-1]
         one = dp.kv_batch_get(keys[:1], "p")  # one row (512 KiB): in the message either way
         assert torch.equal(one["x"][0], want["x"][0])
-        # The large buffers crossed through the engine (its connections are open), or not at all.
-        pooled = {a: len(s) for a, s in (sync.engine._pool.items() if sync.engine else ())}
-        assert (sum(pooled.values()) > 0) == (engine == "native"), pooled
+        # The large buffers crossed through the engine (its connections are open, its reads of
+        # replies reported back), or not at all; nothing the client lent stays registered.
+        if engine == "native":
+            assert sum(len(s) for s in sync.engine._pool.values()) > 0, sync.engine._pool
+        elif engine == "mooncake":
+            assert sync.engine.name == "mooncake" and sync.engine._done and not sync.engine._lent.regions
+        else:
+            assert sync.engine is None
     finally:
         dp.close()
         handle.stop()

@@ -409,9 +409,10 @@ class ShardActor:
             lock=self._lock,
             max_message_bytes=limit,
         )
+        self._engine_kind = cfg.get("engine", "native")
         if not credentials.encrypt:  # (an encrypting store keeps every byte in its CURVE stream)
             self.server.engine = start_server(
-                cfg.get("engine", "native"),
+                self._engine_kind,
                 ip,
                 credentials.secret,
                 max_bytes=limit,
@@ -441,6 +442,7 @@ class ShardActor:
             "ipc": self.server.ipc,
             "unix": self.server.unix,
             "engine": None if self.server.engine is None else self.server.engine.address,
+            "engine_kind": self._engine_kind,
             "max_message_bytes": self._max_message_bytes,
             "host_ledger": self.core.host.ref(),  # (an unbounded shard's: see ``link_index``)
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
