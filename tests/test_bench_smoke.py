@@ -291,11 +291,13 @@ def test_transport_benchmark_without_root_or_address_says_how_and_exits_2(monkey
 
 def test_transport_benchmark_mooncake_engine_names_what_it_lacks(capsys) -> None:
     from bench import transport
+    from dataplane.transport.engine import engine_missing
 
+    if not engine_missing("mooncake"):
+        pytest.skip("Mooncake's Transfer Engine loads here (tests/dataplane/test_engine.py runs it)")
     assert transport.main(["--engine", "mooncake", "--address", "auto"]) == 2
     err = capsys.readouterr().err
-    assert "--engine mooncake" in err and "mooncake" in err.split(":", 1)[1]
-    assert "mooncake-transfer-engine-non-cuda" in err or "not built into this release" in err, err
+    assert "--engine mooncake" in err and "mooncake-transfer-engine-non-cuda" in err, err
 
 
 def test_a_store_on_an_engine_that_cannot_run_here_is_refused_naming_what_is_missing() -> None:
