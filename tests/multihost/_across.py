@@ -3,7 +3,8 @@ a shard on each host, a peer process on h2, and what each saw, printed as one JS
 
 MODE: ``auto`` (the default transport: each same-host shortcut where its namespace is shared; the
 tensor column's buffers through the transfer engine between hosts, its threshold lowered to 64 KiB)
-or ``tcp-encrypted`` (every byte over tcp, CURVE-encrypted between hosts: no engine). Rows of every
+or ``tcp-encrypted`` (every byte over tcp, CURVE-encrypted between hosts: no engine) or ``mooncake``
+(as ``auto``, the buffers through Mooncake's Transfer Engine over its TCP transport). Rows of every
 column kind cross both ways, and a checkpoint of the two live hosts is saved, the partition cleared
 and the checkpoint loaded back, every row read again from both hosts.
 """
@@ -88,6 +89,8 @@ def main(mode: str) -> None:
     ray.init(address="auto")
     transport, encrypt = ("tcp", True) if mode == "tcp-encrypted" else (None, False)
     kw = {"transport": transport} if transport else {}
+    if mode == "mooncake":
+        kw["engine"] = "mooncake"
     dp.init(num_shards=2, encrypt=encrypt, allow_pickle=True, engine_min_bytes=1 << 16, **kw)
     other = next(
         n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] != ray.util.get_node_ip_address()
@@ -119,8 +122,10 @@ def main(mode: str) -> None:
     report["streamed"] = sorted(taken) == sorted(far + near)
     # The hosts whose engines this process moved buffers with (connections it keeps open to them).
     engine = dp.current_client().sync.engine
-    pool = engine._pool if engine is not None else {}
+    pool = engine._pool if engine is not None and engine.name == "native" else {}
     report["engine_hosts"] = sorted({address.rsplit(":", 1)[0] for address, open_ in pool.items() if open_})
+    if engine is not None and engine.name == "mooncake":  # where its engine listens, what it still lends
+        report["mooncake"] = {"origin": engine.origin.rsplit(":", 1)[0], "lent": len(engine._lent.regions)}
     report["consumption"] = dp.consumption("p", "train")
     print(json.dumps(report))
     dp.close()

@@ -46,6 +46,24 @@ def test_the_same_host_shortcuts_are_taken_within_a_host_and_never_between(hosts
     assert (c["consumed"], c["ready"], c["leased"], c["drained"]) == (128, 0, 0, True), c
 
 
+def test_the_store_across_hosts_on_the_mooncake_engine(hosts) -> None:
+    from dataplane.transport.engine import engine_missing
+
+    why = engine_missing("mooncake")
+    if why:
+        pytest.skip(why)
+    report = _run(hosts, "mooncake")
+    h1, h2 = (h.ip for h in hosts.hosts)
+    for who, away in (("driver", h2), ("peer", h1)):
+        shard = _by_host(report[who])[away]
+        assert shard | {"host": 0} == {"host": 0, "shm": False, "lane": False, "ipc": False, "engine": True}
+    # The driver's engine listened on h1's address, and lends nothing once its calls were answered.
+    assert report["mooncake"] == {"origin": h1, "lent": 0}, report["mooncake"]
+    assert report["checkpoint"] and report["streamed"], report
+    c = report["consumption"]
+    assert (c["consumed"], c["ready"], c["leased"], c["drained"]) == (128, 0, 0, True), c
+
+
 def test_everything_over_encrypted_tcp_between_hosts(hosts) -> None:
     report = _run(hosts, "tcp-encrypted")
     for who in ("driver", "peer"):
