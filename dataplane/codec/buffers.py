@@ -86,6 +86,22 @@ class BufferPool:
 _pool = BufferPool(config.read_buffer_pool_bytes())
 
 
+_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux 5.14; the constant is newer than Python's)
+
+
+def take_faulted(nbytes: int) -> np.ndarray:
+    """``take(nbytes)`` with every page faulted in, in one pass: for a buffer several threads fill at
+    once (a transfer engine's connections), which fault fresh pages far slower together (each waits
+    on the others' faults) than one pass does; a pooled buffer's pages are present already (no cost)."""
+    arr = take(nbytes)
+    if isinstance(arr.base, mmap.mmap):
+        try:
+            arr.base.madvise(_POPULATE)
+        except OSError:  # (an older kernel: the threads that fill it fault its pages)
+            pass
+    return arr
+
+
 def take(nbytes: int) -> np.ndarray:
     """A uint8 output buffer of ``nbytes``: pooled above ``MIN_POOLED_BYTES``, plain below."""
     if nbytes < MIN_POOLED_BYTES:

@@ -135,7 +135,7 @@ def _pull(engine: Any, who: str, peer: str, ticket: int, size: int, max_bytes: i
     """``size`` bytes read from ``peer``'s registered memory at ``ticket`` into a warm buffer."""
     if max_bytes >= 0 and size > max_bytes:
         raise WireError(f"{who}: a buffer of {size} bytes is declared (at most {max_bytes})")
-    out = _buffers.take(size).data
+    out = _buffers.take_faulted(size).data  # (filled by the engine's own threads)
     addr = _address_of(out)
     if engine.register_memory(addr, size) != 0:
         raise WireError(f"{who}: Mooncake's engine refused to register {size} bytes")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -40,22 +39,6 @@ MAX_CONNECTIONS = 256  # connections one server serves at once; more are closed 
 MIN_PART = 4 << 20  # no range a connection moves is smaller (but one): fixed costs stay small
 _BUF = 4 << 20  # socket buffers: a few round trips of a fast link in flight
 _CHUNK = 16 << 20  # bytes one receive call waits for
-
-
-_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux 5.14; the constant is newer than Python's)
-
-
-def _warm(size: int) -> memoryview:
-    """A buffer of ``size`` bytes from the read pool, its pages all faulted in first: several
-    connections' threads receiving into fresh pages at once fault them far slower (each waits on the
-    others' faults) than one pass does, and a pooled buffer's pages are present already (no cost)."""
-    arr = _buffers.take(size)
-    if isinstance(arr.base, mmap.mmap):
-        try:
-            arr.base.madvise(_POPULATE)
-        except OSError:  # (an older kernel: the receiving threads fault them)
-            pass
-    return arr.data
 
 
 @dataclass
@@ -227,7 +210,7 @@ class TcpEngineServer:
                     if self._budget >= 0 and held + total > self._budget:
                         status = _bulk.TOO_LARGE
                     else:
-                        t = self._in[ticket] = _Ticket(_warm(total))
+                        t = self._in[ticket] = _Ticket(_buffers.take_faulted(total).data)
                 elif t.buf.nbytes != total:
                     status = _bulk.OUT_OF_RANGE
         if status != _bulk.OK or t is None:
@@ -275,7 +258,7 @@ class TcpEngineClient:
         """The ``size`` bytes the server at ``address`` staged under ``ticket``."""
         if self._max >= 0 and size > self._max:
             raise WireError(f"a reply declares a buffer of {size} bytes (at most {self._max})")
-        out = _warm(size)
+        out = _buffers.take_faulted(size).data
         self._parts(address, _bulk.READ, ticket, out, deadline)
         return out
 
