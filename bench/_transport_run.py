@@ -43,15 +43,28 @@ class Engine:
     connections: int = 1
 
 
-ENGINES = {
-    # The native engine's client holds one DEALER socket per shard (per calling thread): a column
-    # crosses one connection whatever its size.
-    "native": Engine("native", available=True, connections=1),
-    # Kept so the flag and its plumbing exist: the engine is added later.
-    "mooncake": Engine(
-        "mooncake", available=False, why_not="the mooncake engine is not available in this build yet"
-    ),
-}
+def _engines() -> dict[str, Engine]:
+    from dataplane.config import StoreConfig
+    from dataplane.transport.engine import engine_missing
+
+    conns = StoreConfig().engine_connections
+    return {
+        # The native engine: columns of 4 MiB or more split over ``engine_connections`` connections
+        # per shard pair (plain TCP), the rest in the zmq message.
+        "native": Engine("native", available=True, options={"engine": "native"}, connections=conns),
+        # Every byte in the zmq message: one stream per shard pair.
+        "zmq": Engine("zmq", available=True, options={"engine": "zmq"}, connections=1),
+        "mooncake": Engine(
+            "mooncake",
+            available=not engine_missing("mooncake"),
+            why_not=engine_missing("mooncake"),
+            options={"engine": "mooncake"},
+            connections=conns,
+        ),
+    }
+
+
+ENGINES = _engines()
 
 
 def far_node(here: str, shard_nodes: list[str]) -> tuple[int, str]:

@@ -28,6 +28,7 @@ Usage::
     rlplane bench bypass --quick                                  # 64 MiB, 2 workers, < 1 minute
     rlplane bench bypass --payload 64MiB,256MiB,1GiB --workers 2,4,8,16
     rlplane bench bypass --address auto --strategy spread         # on your Ray cluster
+    rlplane bench bypass --quick --testbed 3                      # across 3 hosts built here (root)
     rlplane bench bypass --transport zmq                          # the cross-node path, on one host
 
 From Python (``examples/``)::
@@ -266,6 +267,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BypassConfig, argparse.Names
     add("--ray-num-cpus", type=int, default=None, help="logical CPUs of a local Ray (default: enough)")
     add("--call-timeout-s", type=float, default=None, help="deadline of every group call (default 600)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--testbed", type=int, default=None, help="build a bed of N hosts here (root), run across them")
     add("--json", default=DEFAULT_JSON, help=f"records file (default {DEFAULT_JSON}; '' for none)")
     add("--plot", default=None, help="PNG chart (default: next to --json; '' for none)")
     args = parser.parse_args(argv)
@@ -305,6 +307,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BypassConfig, argparse.Names
 def main(argv: Sequence[str] | None = None) -> int:
     """Run from the command line: print the table, write the JSON and the PNG; return 0."""
     cfg, args = parse_args(argv)
+    if args.testbed:
+        from bench import _bypass_bed
+
+        rest = list(sys.argv[1:] if argv is None else argv)
+        at = next(i for i, a in enumerate(rest) if a.startswith("--testbed"))
+        del rest[at : at + (1 if "=" in rest[at] else 2)]
+        return _bypass_bed.run(args.testbed, rest, args.json, args.plot)
     result = run_report(cfg)
     print(report.render(result), flush=True)
     if args.json:

@@ -8,12 +8,14 @@ untimed warm-up round, then best of ``--repeat`` 3 rounds) between a driver on o
    open (``bench._rawtcp``); ``put`` = driver -> other host, ``get`` = back;
 2. **raw pyzmq**: one PUSH/PULL stream of the same bytes in one zero-copy frame (``bench._rawzmq``),
    each direction;
-3. **the store** (``--engine native``): a store of two shards, one per host; a ``[16, size / 16]``
+3. **the store** (``--engine``: ``native``, large buffers over plain TCP split across
+   ``engine_connections`` (4) connections per shard pair; ``zmq``, every byte in one zmq stream;
+   ``mooncake``, where it can run): a store of two shards, one per host; a ``[16, size / 16]``
    uint8 column whose keys all land on the other host's shard, ``kv_batch_put`` from the driver and
    ``kv_batch_get`` back into it (``--transport``: the client's transport, ``auto`` by default).
 
 Targets, per size: store put and get >= 0.8x raw TCP with as many connections as the store opens per
-shard pair (the native engine: 1), and >= 0.8x raw TCP's best over the connection counts.
+shard pair (native: 4, zmq: 1), and >= 0.8x raw TCP's best over the connection counts.
 
 Where: with no ``--address`` (as root) the run builds a test bed of two hosts on this machine
 (``bench.testbed``: network namespaces on a bridge, a Ray node each) and runs its driver on h1; with

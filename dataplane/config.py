@@ -8,6 +8,10 @@ Environment variables (read here only, each by one function; a value that does n
 ``ValueError`` naming the variable):
     DATAPLANE_TRANSPORT        "auto" (default), "shm", "zmq" or "tcp": this process's transport
                                (``StoreConfig.transport``; also overrides a service's when attaching)
+    DATAPLANE_ENGINE           "native" (default), "zmq" or "mooncake": the transfer engine of a store
+                               this process starts (``StoreConfig.engine``)
+    DATAPLANE_MOONCAKE_PROTOCOL  "tcp" (default) or "rdma": the transport of the mooncake engine
+    DATAPLANE_MOONCAKE_DEVICE  the RDMA device the mooncake engine uses ("" by default: its choice)
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
     DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
                                default off): this process may write and read object columns
@@ -78,6 +82,7 @@ def check_number(
 
 
 TRANSPORTS = ("auto", "shm", "zmq", "tcp")
+ENGINES = ("native", "zmq", "mooncake")  # transfer engines (``transport.engine``)
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -150,6 +155,18 @@ def tq_controller_timeout_s() -> float:
     return _env_float("DATAPLANE_TQ_CONTROLLER_TIMEOUT_S", 60.0)
 
 
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+
+
+def env_mooncake() -> tuple[str, str]:
+    """The mooncake engine's transport and RDMA device (``DATAPLANE_MOONCAKE_PROTOCOL``,
+    ``DATAPLANE_MOONCAKE_DEVICE``)."""
+    protocol = os.environ.get("DATAPLANE_MOONCAKE_PROTOCOL") or "tcp"
+    if protocol not in MOONCAKE_PROTOCOLS:
+        raise ValueError(f"DATAPLANE_MOONCAKE_PROTOCOL={protocol!r} is not one of {MOONCAKE_PROTOCOLS}")
+    return protocol, os.environ.get("DATAPLANE_MOONCAKE_DEVICE", "")
+
+
 def env_metrics() -> bool:
     """Whether a store this process starts exports metrics (``DATAPLANE_METRICS``; unset = on)."""
     return "DATAPLANE_METRICS" not in os.environ or env_flag("DATAPLANE_METRICS")
@@ -208,6 +225,13 @@ class StoreConfig:
             may appear). A per-process choice: an attaching client never takes it from the service.
         encrypt: CURVE-encrypt the tcp traffic between hosts (about 3x slower for bulk bytes on the zmq
             path); same-host traffic is authenticated but not encrypted either way.
+        engine: what moves buffers of ``engine_min_bytes`` or more between a client and a shard over tcp
+            (another host, or ``transport="tcp"``): "native" (plain TCP split over
+            ``engine_connections`` connections per shard pair), "zmq" (in the zmq message: one stream
+            per shard pair) or "mooncake" (Mooncake's Transfer Engine, where it is installed);
+            ``transport.engine``. An encrypting store keeps every byte in its CURVE stream.
+        engine_connections: connections (and threads) a client splits one large buffer over.
+        engine_min_bytes: buffers at least this large go through the engine.
         max_message_bytes: the largest frame a store socket accepts (a shard with a capacity accepts at
             most that much); a peer that sends more is disconnected.
         detached: actors outlive the creating process (``rlplane store start``).
@@ -232,6 +256,9 @@ class StoreConfig:
     reservation_timeout_s: float = 120.0
     allow_pickle: bool = False
     encrypt: bool = False
+    engine: str = "native"
+    engine_connections: int = 4
+    engine_min_bytes: int = 4 << 20
     max_message_bytes: int = 1 << 32
     detached: bool = False
     metrics: bool = True
@@ -245,6 +272,9 @@ class StoreConfig:
             raise InvalidArgumentError(
                 "transport", f"transport={self.transport!r} is not one of {TRANSPORTS}{maybe}"
             )
+        if self.engine not in ENGINES:
+            maybe = did_you_mean(str(self.engine), ENGINES)
+            raise InvalidArgumentError("engine", f"engine={self.engine!r} is not one of {ENGINES}{maybe}")
         for flag in _FLAGS:
             value = getattr(self, flag)
             if not isinstance(value, bool):
@@ -294,6 +324,7 @@ class StoreConfig:
             "rpc_timeout_s": _env_float("DATAPLANE_RPC_TIMEOUT", 60.0),
             "allow_pickle": env_allows_pickle(),
             "metrics": env_metrics(),
+            "engine": os.environ.get("DATAPLANE_ENGINE") or "native",
         }
         base.update({k: v for k, v in options.items() if v is not None or k in ("num_shards",)})
         return cls(**base)
@@ -331,6 +362,8 @@ _NUMBERS = (
     ("warm_retain_bytes", 0, INT64_MAX, True, False),
     ("reservation_timeout_s", 0, MAX_TIMEOUT_S, False, True),
     ("max_message_bytes", 1, INT64_MAX, True, False),
+    ("engine_connections", 1, 64, True, False),
+    ("engine_min_bytes", 1, INT64_MAX, True, False),
     ("metrics_partitions", -1, 2**31 - 1, True, False),  # -1: every partition
 )
 _OPTIONAL = frozenset({"num_shards", "capacity_bytes"})  # None: one shard per node / unbounded

@@ -115,6 +115,8 @@ def pytest_unconfigure(config) -> None:
 # xdist, so one worker and one ``ray start --head`` for the three, in this order (examples/README.md
 # starts the head; its first command must find none).
 FIRST_HOUR = ("tests/test_examples.py", "tests/test_readme.py", "tests/workers/test_printed_steps.py")
+# The multi-host modules share one test bed: one unit of work too.
+MULTIHOST = "tests/multihost/"
 
 
 def _module(nodeid: str) -> str:
@@ -139,9 +141,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run without xdist has no such hook
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the first-hour modules as one unit of work (xdist's ``loadgroup`` would
-    say so with marks, but its group names do not reach the scheduler under pytest 9.2, where an item's
-    nodeid is no longer the attribute it rewrites)."""
+    """``--dist loadfile`` with the first-hour modules as one unit of work, and the multi-host ones as
+    another (xdist's ``loadgroup`` would say so with marks, but its group names do not reach the
+    scheduler under pytest 9.2, where an item's nodeid is no longer the attribute it rewrites)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -149,6 +151,8 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = _module(nodeid)
+            if module.startswith(MULTIHOST):  # one test bed for them all (tests/multihost/conftest.py)
+                return MULTIHOST
             return "first-hour" if module in FIRST_HOUR else module
 
     return ModuleScheduling(config, log)

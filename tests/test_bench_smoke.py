@@ -318,11 +318,29 @@ def test_transport_benchmark_without_root_or_address_says_how_and_exits_2(monkey
     assert "needs root" in err and "--address auto" in err
 
 
-def test_transport_benchmark_mooncake_engine_is_not_there_yet(capsys) -> None:
+def test_transport_benchmark_mooncake_engine_names_what_it_lacks(capsys) -> None:
     from bench import transport
+    from dataplane.transport.engine import engine_missing
 
+    if not engine_missing("mooncake"):
+        pytest.skip("Mooncake's Transfer Engine loads here (tests/dataplane/test_engine.py runs it)")
     assert transport.main(["--engine", "mooncake", "--address", "auto"]) == 2
-    assert "mooncake engine is not available" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--engine mooncake" in err and "mooncake-transfer-engine-non-cuda" in err, err
+
+
+def test_a_store_on_an_engine_that_cannot_run_here_is_refused_naming_what_is_missing() -> None:
+    from dataplane.config import StoreConfig
+    from dataplane.errors import InvalidArgumentError
+    from dataplane.service.launch import start_service
+    from dataplane.transport.engine import EngineUnavailableError, engine_missing
+
+    with pytest.raises(InvalidArgumentError, match="engine='rdma' is not one of"):
+        StoreConfig(engine="rdma")
+    if not engine_missing("mooncake"):
+        pytest.skip("Mooncake's Transfer Engine loads here")
+    with pytest.raises(EngineUnavailableError, match="libibverbs1"):
+        start_service(StoreConfig(engine="mooncake"))  # refused before Ray is asked for anything
 
 
 def test_transport_benchmark_flags_and_checks() -> None:

@@ -31,6 +31,7 @@ from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics
 from dataplane.transport.auth import Credentials
 from dataplane.transport.clients import AsyncTransport, SyncTransport
+from dataplane.transport.engine import start_client
 from dataplane.transport.liveness import Liveness, Target
 from dataplane.transport.locality import Locality
 from dataplane.transport.sockets import Endpoint
@@ -121,6 +122,8 @@ class StoreClient:
                 curve and not ipc,
                 actor.get("unix") if lane else None,
                 max_frame=actor.get("max_message_bytes", -1),  # what the service takes (-1: unknown)
+                # Large buffers through the shard's transfer engine wherever they would cross tcp.
+                engine=None if ipc or lane or curve or i == INDEX else actor.get("engine"),
             )
             pid, start = actor.get("pid", -1), actor.get("pid_start", "")
             targets[i] = Target(name, pid, start, here.shares_pids(there), actor.get("actor_id", ""))
@@ -130,7 +133,16 @@ class StoreClient:
         on_dead = None if self.metrics is None else self.metrics.peer_dead
         self.liveness = Liveness(targets, on_dead=on_dead, remote_dead=remote_dead)
         args = (endpoints, creds, timeout, self.liveness, self.config.max_message_bytes)
-        self.sync = SyncTransport(*args)
+        engine = None
+        kinds = {s.get("engine_kind", "native") for s in shards if s.get("engine")}
+        if kinds:
+            engine = start_client(
+                kinds.pop(),  # (every shard of a store runs the engine its config names)
+                creds.secret,
+                connections=self.config.engine_connections,
+                max_bytes=self.config.max_message_bytes,
+            )
+        self.sync = SyncTransport(*args, engine=engine, engine_min_bytes=self.config.engine_min_bytes)
         self.asyn = AsyncTransport(*args)
         self.maps = MappingCache()
         # The operations map nothing themselves: they read and write shard files through this.

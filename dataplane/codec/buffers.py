@@ -4,8 +4,10 @@ Copying 64 MiB into freshly mapped pages runs at a fraction of memcpy speed on a
 page faults, not the copy, dominate), and every copy-out get needs a fresh output buffer. So large
 buffers come from a per-process pool: each is an anonymous mapping (with transparent huge pages
 asked for), handed out as a numpy array, and returned to the pool when the last array, memoryview
-or tensor built on it is garbage collected. The pool keeps at most ``max_bytes`` of idle buffers;
-a buffer beyond that is simply dropped (and unmapped once nothing references it).
+or tensor built on it is garbage collected. The pool keeps at most ``max_bytes`` of idle buffers:
+a buffer coming back makes room by dropping the idle ones that came back longest ago (a loop
+moving batches of one size finds its size pooled, whatever sizes came before); one larger than
+``max_bytes`` is simply dropped (each is unmapped once nothing references it).
 
     >>> buf = take(8 << 20)          # a uint8 array of 8 MiB
     >>> del buf                      # its mapping goes back to the pool for the next read
@@ -16,6 +18,7 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -32,6 +35,7 @@ class BufferPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._idle: dict[int, list[mmap.mmap]] = {}
+        self._since: OrderedDict[int, tuple[int, mmap.mmap]] = OrderedDict()  # id -> idle, oldest first
         self._idle_bytes = 0
         self._lock = threading.Lock()
 
@@ -47,6 +51,7 @@ class BufferPool:
             m = free.pop() if free else None
             if m is not None:
                 self._idle_bytes -= size
+                del self._since[id(m)]
         if m is None:
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
@@ -60,18 +65,41 @@ class BufferPool:
     def _give_back(self, m: mmap.mmap, size: int) -> None:
         # Runs while the dying array still exports ``m``: never close it here, only keep or drop it.
         with self._lock:
-            if self._idle_bytes + size <= self.max_bytes:
-                self._idle.setdefault(size, []).append(m)
-                self._idle_bytes += size
+            if size > self.max_bytes:
+                return
+            while self._idle_bytes + size > self.max_bytes:
+                old_size, old = self._since.popitem(last=False)[1]
+                self._idle[old_size].remove(old)
+                self._idle_bytes -= old_size
+            self._idle.setdefault(size, []).append(m)
+            self._since[id(m)] = (size, m)
+            self._idle_bytes += size
 
     def clear(self) -> None:
         """Drop every idle buffer (their memory goes back to the OS)."""
         with self._lock:
             self._idle.clear()
+            self._since.clear()
             self._idle_bytes = 0
 
 
 _pool = BufferPool(config.read_buffer_pool_bytes())
+
+
+_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux 5.14; the constant is newer than Python's)
+
+
+def take_faulted(nbytes: int) -> np.ndarray:
+    """``take(nbytes)`` with every page faulted in, in one pass: for a buffer several threads fill at
+    once (a transfer engine's connections), which fault fresh pages far slower together (each waits
+    on the others' faults) than one pass does; a pooled buffer's pages are present already (no cost)."""
+    arr = take(nbytes)
+    if isinstance(arr.base, mmap.mmap):
+        try:
+            arr.base.madvise(_POPULATE)
+        except OSError:  # (an older kernel: the threads that fill it fault its pages)
+            pass
+    return arr
 
 
 def take(nbytes: int) -> np.ndarray:

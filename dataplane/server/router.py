@@ -56,8 +56,11 @@ from dataplane.errors import ProtocolVersionError, WireError
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.transport import auth as _auth
+from dataplane.transport import engine as _engine
 from dataplane.transport import unix as _unix
+from dataplane.transport.engine import EngineServer
 from dataplane.transport.sockets import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
+from dataplane.wire import bulk as _bulk
 from dataplane.wire import frames as _wire
 from dataplane.wire.protocol import MAX_FRAMES
 
@@ -95,6 +98,15 @@ def _poll_seconds(timeout_ms: Any) -> float:
 REFUSALS = ("auth", "uid", "handshake_timeout", "evicted", "protocol_version", "malformed")
 
 
+def _refuse(exc: WireError) -> _wire.Handler:
+    """A handler that answers every request with ``exc``."""
+
+    def handler(req: Any, bufs: list[memoryview]) -> None:
+        raise exc
+
+    return handler
+
+
 class RequestServer:
     """Serves ``core``'s operations on authenticated ROUTER sockets and Unix-lane connections from a
     daemon thread."""
@@ -127,6 +139,11 @@ class RequestServer:
         self._socks: list[zmq.Socket[bytes]] = []
         self.ipc, self.tcp = self._bind(host_ip, max_message_bytes)
         self._max_message_bytes = max_message_bytes
+        # The transfer engine's server end (``transport.engine``), set before the loop starts by a
+        # service that runs one (a shard); buffers of ``engine_min_bytes`` or more of a reply to a
+        # client that takes them so go through it.
+        self.engine: EngineServer | None = None
+        self.engine_min_bytes = 1 << 62
         self._listener, self.unix = _unix.listen(f"{name}-{uuid.uuid4().hex[:12]}-u")
         self._listening = False  # (``_listen`` below)
         self._conns: dict[int, _unix.Conn] = {}  # accepted Unix-lane connections, by file descriptor
@@ -453,6 +470,15 @@ class RequestServer:
         metrics = self.metrics
         started = time.perf_counter() if metrics is not None else 0.0
         op = None  # once the header is read
+        frames = msg[1:]
+        accepts = False  # its client takes large reply buffers through the engine
+        if _bulk.is_manifest(frames[0]):
+            frames, accepts, failed = self._take(frames)
+            if failed is not None:
+                _, reply = _wire.answer(frames, _refuse(failed), who=self.name, refused=self._refused)
+                if reply is not None:
+                    self.deliver(sock, ident, reply)
+                return
 
         def handler(req: Any, bufs: list[memoryview]) -> OpReply | None:
             nonlocal op
@@ -465,12 +491,27 @@ class RequestServer:
             return self.serve(sock, ident, req.rid, req.op, body, bufs)
 
         _, reply = _wire.answer(
-            msg[1:], handler, max_frames=self._max_frames, who=self.name, refused=self._refused
+            frames, handler, max_frames=self._max_frames, who=self.name, refused=self._refused
         )
         if reply is not None:
+            if accepts and self.engine is not None:
+                reply = _engine.stage_reply(self.engine, reply, self.engine_min_bytes)
             self.deliver(sock, ident, reply)
         if metrics is not None:
             metrics.served(op, time.perf_counter() - started)
+
+    def _take(self, frames: list[Any]) -> tuple[list[Any], bool, WireError | None]:
+        """A request sent with a manifest (``wire.bulk``): its frames as they were sent, its buffers
+        taken from this server's engine; whether its client takes reply buffers the same way; or the
+        error it is answered with (a server with no engine, a manifest that does not hold)."""
+        rest = frames[1:] or [b""]
+        if self.engine is None:
+            return rest, False, WireError(f"{self.name} runs no transfer engine: a request named one")
+        try:
+            out, accepts = _engine.take_request(self.engine, frames, self._max_message_bytes)
+        except WireError as exc:
+            return rest, False, exc
+        return out, accepts, None
 
     def _refused(self, exc: BaseException) -> None:
         """A request refused before its op ran: of another protocol version, or malformed (a header

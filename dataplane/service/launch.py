@@ -261,6 +261,11 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     """
     import ray
 
+    from dataplane.transport.engine import EngineUnavailableError, engine_missing
+
+    why = engine_missing(cfg.engine)
+    if why:  # (said here, where the store starts, not in each shard's actor)
+        raise EngineUnavailableError(why)
     try:
         return _start_service(cfg)
     except ray.exceptions.ActorAlreadyExistsError:

@@ -32,7 +32,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dataplane.errors import ShardUnavailableError
+from dataplane.errors import ShardUnavailableError, WireError
+from dataplane.transport import engine as _engine
 from dataplane.transport import unix as _unix
 from dataplane.transport.sockets import (
     EVENTS,
@@ -44,6 +45,7 @@ from dataplane.transport.sockets import (
     recv_frames,
     send_frames,
 )
+from dataplane.wire import bulk as _bulk
 from dataplane.wire import frames as _wire
 from dataplane.wire.policy import DEAD, GiveUp, Probe, RequestPolicy, poll_ms
 from dataplane.wire.requests import Call, Result, deadline_of, decode_result, next_rid
@@ -65,6 +67,7 @@ class SyncTransport(Endpoints):
         self._lock = threading.Lock()
         self._closed = False
         self._forks = _forks[0]
+        self._lent = threading.local()  # .tickets: what this thread's call set wrote through the engine
 
     def _checkout(self) -> dict[int, Connection]:
         with self._lock:
@@ -92,6 +95,8 @@ class SyncTransport(Endpoints):
         else:
             timeout = deadline_of(calls, timeout)
         socks = self._checkout()
+        lent: list[int] = []
+        self._lent.tickets = lent
         try:
             if one is not None:
                 results = [self._call_one(socks, one, timeout)]
@@ -104,6 +109,9 @@ class SyncTransport(Endpoints):
             for sock in socks.values():
                 close_socket(sock)
             raise
+        finally:
+            if lent and self.engine is not None:  # every request of the set answered or given up
+                self.engine.release(lent)
         self._checkin(socks)
         return results
 
@@ -138,6 +146,14 @@ class SyncTransport(Endpoints):
                 self._drop(socks, None, c.target)
                 return self.gone(c.target, 0.0, " (the connection was closed)")
             return sock
+        there = self.endpoints[c.target].engine
+        if there is not None and self.engine is not None:
+            try:
+                frames, lent = _engine.offload(self.engine, there, frames, self.engine_min_bytes, deadline)
+                self._lent.tickets.extend(lent)
+            except (OSError, WireError) as exc:
+                waited = time.monotonic() - started
+                return self.unavailable(c.target, waited, f" (its transfer engine at {there}: {exc})")
         try:
             send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
@@ -156,12 +172,27 @@ class SyncTransport(Endpoints):
         frames = []
         while True:  # drain without an exception at the end: the poll said a message is there
             try:
-                frames.append(recv_frames(sock, NOBLOCK))
+                frames.append(self._restored(target, recv_frames(sock, NOBLOCK), started))
             except zmq.Again:
                 break
             if not sock.getsockopt(EVENTS) & POLLIN:
                 break
         return frames
+
+    def _restored(self, target: int, frames: list[Any], started: float) -> list[Any]:
+        """A reply's frames with the buffers its manifest names read through the engine (the frames
+        as they are when it has none); ``ShardUnavailableError`` when they cannot be read."""
+        if self.engine is None or not _bulk.is_manifest(frames[0]):
+            return frames
+        there = self.endpoints[target].engine
+        try:
+            if there is None:
+                raise WireError("a reply names a transfer engine this target does not run")
+            deadline = _engine.deadline_in(self.timeout)
+            return _engine.restore(self.engine, there, frames, self.max_message_bytes, deadline)
+        except (OSError, WireError) as exc:
+            waited = time.monotonic() - started
+            raise self.unavailable(target, waited, f" (its reply's buffers did not arrive: {exc})") from None
 
     def _call_many(self, socks: dict[int, Any], calls: list[Call], timeout: float) -> list[Result]:
         results: list[Result | None] = [None] * len(calls)
@@ -248,9 +279,11 @@ class SyncTransport(Endpoints):
                         return exc
                 else:
                     try:
-                        messages = [recv_frames(sock, NOBLOCK)]
+                        messages = [self._restored(c.target, recv_frames(sock, NOBLOCK), start)]
                     except zmq.Again:
                         messages = []
+                    except ShardUnavailableError as exc:
+                        return exc
                 for frames in messages:
                     got, result = decode_result(frames)
                     if policy.reply(got):
@@ -302,6 +335,8 @@ class SyncTransport(Endpoints):
             close_socket(sock)
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []

@@ -24,6 +24,7 @@ import zmq
 from dataplane.errors import RequestTooLargeError, ShardUnavailableError
 from dataplane.transport import auth as _auth
 from dataplane.transport import unix as _unix
+from dataplane.transport.engine import EngineClient
 from dataplane.transport.liveness import Liveness
 from dataplane.transport.shm import fd_limit_error
 from dataplane.wire import frames as _wire
@@ -90,6 +91,7 @@ class Endpoint:
     curve: bool = False  # CURVE (encrypted tcp) rather than PLAIN
     unix: str | None = None  # the same-host Unix lane (``transport.unix``), for callers that use it
     max_frame: int = -1  # the largest frame the target takes (-1: no limit known)
+    engine: str | None = None  # its transfer engine's address, for callers that move large buffers so
 
 
 @dataclass(eq=False, repr=False)  # (no repr: it would print the credentials)
@@ -104,6 +106,10 @@ class Endpoints:
     liveness: Liveness
     max_message_bytes: int = -1
     lane: bool = field(default=False, kw_only=True)
+    # What moves buffers of ``engine_min_bytes`` or more to and from a target with an engine address
+    # (``transport.engine``); None: every buffer in the message.
+    engine: EngineClient | None = field(default=None, kw_only=True)
+    engine_min_bytes: int = field(default=4 << 20, kw_only=True)
 
     def connect(self, ctx: zmq.Context[Any], target: int, timeout: float = 0.0) -> Any:
         """A connection to ``target``: over the Unix lane when this caller uses it and the target has

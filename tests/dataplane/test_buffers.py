@@ -42,6 +42,28 @@ def test_pool_keeps_at_most_max_bytes_and_sizes_do_not_mix() -> None:
     assert pool.idle_bytes == 0
 
 
+def test_a_buffer_coming_back_makes_room_by_dropping_the_oldest_idle_ones() -> None:
+    pool = BufferPool(max_bytes=8 * MiB)
+    first, second = pool.take(2 * MiB), pool.take(4 * MiB)
+    kept = second.ctypes.data
+    del first
+    gc.collect()
+    del second
+    gc.collect()
+    assert pool.idle_bytes == 6 * MiB
+    big = pool.take(6 * MiB)  # a new size: fresh
+    del big
+    gc.collect()  # back: the 2 MiB one (oldest) goes, then the 4 MiB one (8 MiB would not hold all)
+    assert pool.idle_bytes == 6 * MiB
+    fresh = pool.take(4 * MiB)
+    assert fresh.ctypes.data != kept and pool.idle_bytes == 6 * MiB
+    too_big = pool.take(10 * MiB)
+    del too_big
+    gc.collect()
+    assert pool.idle_bytes == 6 * MiB  # larger than the pool: dropped, nothing evicted for it
+    del fresh
+
+
 def test_small_buffers_bypass_the_pool() -> None:
     buf = take(MIN_POOLED_BYTES - 1)
     assert isinstance(buf, np.ndarray) and buf.nbytes == MIN_POOLED_BYTES - 1

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from bench import transport
+from dataplane.config import StoreConfig
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ def test_the_transport_benchmark_runs_between_two_hosts(hosts, tmp_path, capsys)
         for op in ("put", "get"):
             assert paths[f"{path}_{op}"]["n"] == 1 and paths[f"{path}_{op}"]["best_gbps"] > 0, (path, op)
     checks = {c["name"]: c["verdict"] for c in res["checks"]}
-    assert set(checks) == {f"{op}_vs_tcp{w}_1MiB" for op in ("put", "get") for w in ("1", "_best")}
+    conns = StoreConfig().engine_connections  # (the native engine's per shard pair)
+    assert set(checks) == {f"{op}_vs_tcp{w}_1MiB" for op in ("put", "get") for w in (conns, "_best")}
     assert set(checks.values()) <= {"PASS", "MISS"}
     assert "raw tcp, 4 conns" in printed and "check" in printed and (code == 1) == ("MISS" in checks.values())

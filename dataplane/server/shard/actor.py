@@ -47,6 +47,7 @@ from dataplane.telemetry import export
 from dataplane.telemetry.recorder import ClientMetrics, Key, ServerMetrics
 from dataplane.transport import unix as _unix
 from dataplane.transport.auth import Credentials
+from dataplane.transport.engine import start_server
 from dataplane.transport.liveness import Liveness, Target, process_start
 from dataplane.transport.locality import Locality
 from dataplane.transport.sockets import (
@@ -404,15 +405,27 @@ class ShardActor:
         # What this process holds before it serves (modules, Ray's worker) lives as long as it does:
         # out of the garbage collector's sight, a full collection scans only the rows stored since.
         gc.freeze()
+        credentials = Credentials.from_dict(creds)
         self.server = ShardServer(
             self.core,
             ip,
             f"{cfg['name']}-shard{shard_id}",
-            Credentials.from_dict(creds),
+            credentials,
             rpc_timeout_s=cfg["rpc_timeout_s"],
             lock=self._lock,
             max_message_bytes=limit,
         )
+        self._engine_kind = cfg.get("engine", "native")
+        if not credentials.encrypt:  # (an encrypting store keeps every byte in its CURVE stream)
+            self.server.engine = start_server(
+                self._engine_kind,
+                ip,
+                credentials.secret,
+                max_bytes=limit,
+                ttl_s=cfg["rpc_timeout_s"],
+                who=self.server.name,
+            )
+            self.server.engine_min_bytes = cfg.get("engine_min_bytes", 4 << 20)
         if cfg.get("metrics", True) and export.start():  # before the loop starts: it reads these
             self.server.partition_series = cfg.get("metrics_partitions", -1)
             self.server._peer_metrics = ClientMetrics(cfg["name"])
@@ -434,6 +447,8 @@ class ShardActor:
             "tcp": self.server.tcp,
             "ipc": self.server.ipc,
             "unix": self.server.unix,
+            "engine": None if self.server.engine is None else self.server.engine.address,
+            "engine_kind": self._engine_kind,
             "max_message_bytes": self._max_message_bytes,
             "host_ledger": self.core.host.ref(),  # (an unbounded shard's: see ``link_index``)
             "generations": self.core.pool.table.ref(),  # also the probe: can a client map our files?
@@ -490,6 +505,8 @@ class ShardActor:
 
     def shutdown(self) -> bool:
         self.server.stop()
+        if self.server.engine is not None:
+            self.server.engine.close()
         with self._lock:
             self.core.close()
         return True

@@ -45,7 +45,7 @@ import numpy as np
 
 from dataplane._units import exact_bytes
 from dataplane.codec.column_types import Column, ColumnSpec, check_offsets, check_shapes
-from dataplane.codec.rows import assemble_any
+from dataplane.codec.rows import assemble_any, contiguous_view
 from dataplane.errors import (
     DataplaneError,
     FieldNotFoundError,
@@ -520,11 +520,17 @@ class ShardCore(Operations):
             if body.shm and all(s.file is not None for s in order):
                 out[name] = self._shm_entry(order, seg_of, row_of, frames, body.export)
             else:
-                pieces = []
-                for j, seg in enumerate(order):
-                    dst = np.flatnonzero(seg_of == j)
-                    pieces.append((seg.column(), row_of[dst], dst))
-                col = assemble_any(len(keys), pieces)
+                # Rows of one put held in this process's heap, asked for in order: sent as they are
+                # (the reply keeps them alive; only shared memory is ever reused under a reader).
+                col = None
+                if len(order) == 1 and order[0].file is None:
+                    col = contiguous_view(order[0].column(), row_of)
+                if col is None:
+                    pieces = []
+                    for j, seg in enumerate(order):
+                        dst = np.flatnonzero(seg_of == j)
+                        pieces.append((seg.column(), row_of[dst], dst))
+                    col = assemble_any(len(keys), pieces)
                 out[name] = _protocol.InlineRows(_wire.column_to_wire(col, frames))
         version = self.pool.version
         live = self.pool.live_ids() if body.version != version else None

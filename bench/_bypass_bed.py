@@ -1,0 +1,70 @@
+"""``rlplane bench bypass --testbed N``: the controller-bypass benchmark across N hosts of a test bed
+built on this machine (``bench.testbed``: root only).
+
+The driver runs on h1 and joins the bed's Ray cluster (``--address auto``); the store starts one
+shard per node and the workers are spread over the nodes (``--strategy spread``), so producers,
+consumers and shards sit on different hosts and every row a consumer reads from another host's
+shard crosses a real network stack. The same run on a cluster is ``--address auto``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from bench import testbed
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DEADLINE_S = 3600.0  # the driver on h1 is killed past this
+
+
+def _absolute(argv: Sequence[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` with the paths after ``flags`` made absolute (the driver starts at the host's /).
+
+    Example:
+        >>> _absolute(["--json", ""], ("--json",))
+        ['--json', '']
+    """
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg in flags and out[i + 1]:
+            out[i + 1] = str(pathlib.Path(out[i + 1]).resolve())
+    return out
+
+
+def run(hosts: int, argv: Sequence[str], json_path: str, plot_path: str) -> int:
+    """Build a bed of ``hosts`` hosts, run the benchmark with ``argv`` on h1; its exit status."""
+    why = testbed.missing()
+    if why:
+        print(f"rlplane bench bypass --testbed: cannot build a test bed here: {why}", file=sys.stderr)
+        return 2
+    args = [*argv, "--address", "auto", "--strategy", "spread", "--json", json_path, "--plot", plot_path]
+    args = _absolute(args, ("--json", "--plot"))
+    t0 = time.perf_counter()
+    with testbed.Testbed(hosts=hosts) as bed:
+        print(f"test bed of {hosts} hosts up in {time.perf_counter() - t0:.1f} s", flush=True)
+        h1 = bed.hosts[0]
+        print(f"driver on {h1.name} ({h1.ip}); hosts: {', '.join(h.ip for h in bed.hosts)}", flush=True)
+        path = os.pathsep.join(p for p in (str(REPO), h1.env.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "bench.bypass", "--no-progress", *args]
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        proc = h1.popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        timer = threading.Timer(DEADLINE_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout or ():
+                print(f"  {h1.name}| {line}", end="", flush=True)
+            return proc.wait(timeout=60)  # (its output ended: it is exiting)
+        finally:
+            timer.cancel()
+
+
+__all__ = ["run"]

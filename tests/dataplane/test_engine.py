@@ -1,0 +1,286 @@
+"""The transfer engine (``transport.engine``, ``transport.tcp_engine``, ``wire.bulk``): large buffers
+beside the message, split over several connections, every declared size checked, nothing moved for a
+peer without the store's secret; and the store's large columns over tcp going through it."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from dataplane.errors import WireError
+from dataplane.transport.tcp_engine import MIN_PART, TcpEngineClient, TcpEngineServer
+from dataplane.wire import bulk
+
+SECRET = "s3cret"
+
+
+# ---- the manifest (pure) ---------------------------------------------------------------------------
+def test_a_manifest_round_trips() -> None:
+    refs = [bulk.Ref(1, 5, 10), bulk.Ref(3, 2**63 - 1, 1 << 30)]
+    frame = bulk.encode_manifest(refs, accepts=True)
+    assert bulk.is_manifest(frame) and not bulk.is_manifest(b"\x94\x01\x02")
+    assert bulk.decode_manifest(frame, frames=4, max_bytes=1 << 30) == (refs, True)
+
+
+@pytest.mark.parametrize(
+    ("frame", "frames", "match"),
+    [
+        (bulk.encode_manifest([bulk.Ref(0, 1, 8)], False), 2, "not a buffer frame"),
+        (bulk.encode_manifest([bulk.Ref(2, 1, 8)], False), 2, "not a buffer frame"),
+        (bulk.encode_manifest([bulk.Ref(1, 1, 8), bulk.Ref(1, 2, 8)], False), 3, "not a buffer frame"),
+        (bulk.encode_manifest([bulk.Ref(1, 1, 65)], False), 2, "at most 64"),
+        (bulk.encode_manifest([bulk.Ref(1, 1, 0)], False), 2, "0 bytes"),
+        (bulk.encode_manifest([bulk.Ref(1, 1, 8)], False)[:-1], 2, "declaring 1 buffers"),
+        (bulk.MAGIC + b"\x08\x00\x00", 2, "another format"),
+        (bulk.MAGIC + b"\x00\xff\xff", 2, "declaring 65535"),
+    ],
+)
+def test_a_manifest_that_does_not_hold_is_refused(frame: bytes, frames: int, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        bulk.decode_manifest(frame, frames=frames, max_bytes=64)
+
+
+def test_a_manifest_carries_its_origin_and_released_tickets() -> None:
+    frame = bulk.encode_manifest([bulk.Ref(1, 9, 64)], accepts=True, origin="10.0.0.7:1234", done=[3, 4])
+    m = bulk.read_manifest(frame, frames=2, max_bytes=64)
+    assert (m.refs, m.accepts, m.origin, m.done) == ([bulk.Ref(1, 9, 64)], True, "10.0.0.7:1234", (3, 4))
+    assert bulk.decode_manifest(frame, frames=2, max_bytes=64) == ([bulk.Ref(1, 9, 64)], True)
+    with pytest.raises(WireError, match="released buffers"):  # a done list cut short
+        bulk.read_manifest(frame[:-1], frames=2, max_bytes=64)
+    with pytest.raises(WireError, match="released buffers"):  # bytes past its end
+        bulk.read_manifest(frame + b"\0", frames=2, max_bytes=64)
+    with pytest.raises(WireError, match="at most 255"):
+        bulk.encode_manifest([], accepts=False, origin="x" * 256)
+
+
+def test_split_covers_the_buffer_once() -> None:
+    for size, parts, least in [(1, 4, 1), (10, 3, 1), (100, 4, 30), (1 << 20, 8, 1 << 10)]:
+        ranges = bulk.split(size, parts, least)
+        assert sum(n for _, n in ranges) == size and ranges[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
+        assert len(ranges) <= parts and (len(ranges) == 1 or min(n for _, n in ranges) >= least)
+
+
+# ---- the native engine on loopback -----------------------------------------------------------------
+@pytest.fixture
+def server():
+    srv = TcpEngineServer("127.0.0.1", SECRET, max_bytes=64 << 20, ttl_s=30.0, name="t-engine")
+    yield srv
+    srv.close()
+
+
+def _payload(n: int) -> memoryview:
+    return memoryview(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8))
+
+
+def test_buffers_cross_whole_both_ways_over_several_connections(server) -> None:
+    client = TcpEngineClient(SECRET, connections=4, max_bytes=64 << 20)
+    try:
+        x = _payload(20 << 20)
+        deadline = time.monotonic() + 60
+        ticket = client.write(server.address, x, deadline)
+        assert bytes(server.take(ticket, x.nbytes, "")) == bytes(x)
+        # Four ranges, each on a connection of its own or one a finished range gave back.
+        assert len(bulk.split(x.nbytes, 4, MIN_PART)) == 4 and 1 <= len(client._pool[server.address]) <= 4
+        y = _payload(9 << 20)
+        t = server.stage(y)
+        assert bytes(client.read(server.address, t, y.nbytes, deadline)) == bytes(y)
+        with pytest.raises(WireError, match="no such ticket"):  # read once, then no longer held
+            client.read(server.address, t, y.nbytes, deadline)
+        with pytest.raises(WireError, match="not written whole"):  # taken once
+            server.take(ticket, x.nbytes, "")
+    finally:
+        client.close()
+
+
+def _connect(server, secret: str = SECRET) -> socket.socket:
+    host, _, port = server.address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    nonce = b""
+    while len(nonce) < bulk.NONCE_BYTES:
+        nonce += sock.recv(bulk.NONCE_BYTES - len(nonce))
+    sock.sendall(bulk.hello_proof(secret, nonce))
+    return sock
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """What the server sent on ``sock`` before it closed it (a reset, which closing with unread bytes
+    sends, counts as closed)."""
+    out = b""
+    while True:
+        try:
+            got = sock.recv(1 << 16)
+        except ConnectionResetError:
+            return out
+        if not got:
+            return out
+        out += got
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The server closed ``sock`` (whatever it sent first)."""
+    _until_closed(sock)
+    return True
+
+
+def test_a_peer_without_the_secret_is_closed_and_moves_no_byte(server) -> None:
+    sock = _connect(server, secret="wrong")
+    sock.sendall(bulk.OP.pack(bulk.WRITE, 1, 1024, 0, 1024) + b"x" * 1024)
+    assert _until_closed(sock) == b""  # closed without a status
+    sock.close()
+    with pytest.raises(WireError):
+        server.take(1, 1024, "")
+
+
+@pytest.mark.parametrize(
+    ("op", "total", "offset", "length", "status"),
+    [
+        (bulk.WRITE, (64 << 20) + 1, 0, 1, 3),  # larger than the server takes: never allocated
+        (bulk.WRITE, 100, 90, 20, 2),  # past its end
+        (bulk.WRITE, 100, 0, 0, 2),
+        (bulk.READ, 100, 0, 100, 1),  # nothing staged under that ticket
+        (9, 100, 0, 100, 4),
+    ],
+)
+def test_declared_sizes_are_checked_before_anything_moves(server, op, total, offset, length, status) -> None:
+    sock = _connect(server)
+    sock.sendall(bulk.OP.pack(op, 7, total, offset, length))
+    assert sock.recv(1) == bytes([status])
+    assert _closed(sock)
+    sock.close()
+    assert not server._in  # nothing was set aside for it
+
+
+def test_the_server_holds_at_most_twice_its_largest_buffer_for_writers(server) -> None:
+    socks = []
+    for ticket in (1, 2):  # two buffers of the largest size, each begun and never finished
+        s = _connect(server)
+        s.sendall(bulk.OP.pack(bulk.WRITE, ticket, 64 << 20, 0, 1 << 20) + b"\0" * (1 << 20))
+        assert s.recv(1) == b"\x00"
+        socks.append(s)
+    third = _connect(server)
+    third.sendall(bulk.OP.pack(bulk.WRITE, 3, 1 << 20, 0, 1 << 20))
+    assert third.recv(1) == bytes([3]) and _closed(third)
+    for s in [*socks, third]:
+        s.close()
+    with pytest.raises(WireError, match="not written whole"):  # a buffer begun and not finished
+        server.take(1, 64 << 20, "")
+
+
+def test_a_write_to_a_closed_server_is_an_os_error(server) -> None:
+    address = server.address
+    server.close()
+    client = TcpEngineClient(SECRET, connections=2, max_bytes=1 << 20)
+    with pytest.raises(OSError):
+        client.write(address, _payload(1 << 10), time.monotonic() + 5)
+    client.close()
+
+
+# ---- the mooncake engine on loopback (where Mooncake's Transfer Engine is installed) -------------
+def _mooncake():
+    from dataplane.transport.engine import engine_missing
+
+    why = engine_missing("mooncake")
+    if why:
+        pytest.skip(why)
+    from dataplane.transport import mooncake_engine
+
+    return mooncake_engine
+
+
+def test_mooncake_moves_buffers_both_ways_and_releases_what_was_read() -> None:
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        deadline = time.monotonic() + 60
+        x = _payload(12 << 20)
+        ticket = client.write(server.address, x, deadline)  # lent: the server pulls it
+        assert bytes(server.take(ticket, x.nbytes, client.origin)) == bytes(x)
+        client.release([ticket])
+        with pytest.raises(WireError, match="could not read"):  # no longer registered
+            server.take(ticket, x.nbytes, client.origin)
+        y = _payload(5 << 20)
+        t = server.stage(y)
+        assert bytes(client.read(server.address, t, y.nbytes, deadline)) == bytes(y)
+        assert client.done(server.address) == [t] and client.done(server.address) == []
+        server.release([t])  # (what the next request's manifest does)
+        with pytest.raises(WireError, match="could not read"):
+            client.read(server.address, t, y.nbytes, deadline)
+        with pytest.raises(WireError, match="at most"):  # a declared size past the limit: nothing read
+            server.take(ticket, (64 << 20) + 1, client.origin)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_mooncake_staged_buffers_are_released_past_the_budget_oldest_first() -> None:
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=8 << 20, ttl_s=30.0, name="t-mooncake")
+    try:
+        bufs = [_payload((6 << 20) + i) for i in range(3)]  # 18 MiB staged; the budget is 16
+        tickets = [server.stage(b) for b in bufs[:2]]
+        assert set(server._staged.regions) == set(tickets)
+        server.stage(bufs[2])  # the oldest goes
+        assert tickets[0] not in server._staged.regions and tickets[1] in server._staged.regions
+    finally:
+        server.close()
+
+
+# ---- the store over tcp ----------------------------------------------------------------------------
+def _rows(n: int) -> dict:
+    """Rows of every column kind, the tensor large enough (8 MiB) to go through the engine."""
+    import torch
+
+    return {
+        "x": torch.arange(n * 131072, dtype=torch.float32).reshape(n, 131072),
+        "ids": [torch.arange(i % 7 + 1) for i in range(n)],
+        "img": [torch.full((i % 3 + 1, 2 + i % 2), float(i)) for i in range(n)],
+        "text": [f"row {i}" for i in range(n)],
+        "chat": [{"role": "user", "turn": i} for i in range(n)],
+    }
+
+
+@pytest.mark.parametrize("engine", ["native", "zmq", "mooncake"])
+def test_large_columns_cross_tcp_through_the_engine_exactly(ray_cluster, engine) -> None:
+    import torch
+
+    if engine == "mooncake":
+        _mooncake()
+    import dataplane as dp
+    from dataplane.wire.requests import INDEX
+
+    from .conftest import start_store
+
+    dp.close()
+    name = f"t-engine-{engine}"
+    _, registry, handle = start_store(name=name, num_shards=2, engine=engine, engine_min_bytes=1 << 20)
+    try:
+        dp.init(name=name, transport="tcp")
+        sync = dp.api.current_client().sync
+        engines = [ep.engine for i, ep in sync.endpoints.items() if i != INDEX]
+        assert (None in engines) == (engine == "zmq") and sync.endpoints[INDEX].engine is None, engines
+        keys = [f"k{i}" for i in range(16)]
+        want = _rows(16)
+        dp.kv_batch_put(keys, "p", want)
+        got = dp.kv_batch_get(keys[::-1], "p")  # (reversed: rows gathered from both shards)
+        assert torch.equal(got["x"], want["x"].flip(0))
+        assert [t.tolist() for t in got["ids"]] == [t.tolist() for t in want["ids"][::-1]]
+        assert [t.tolist() for t in got["img"]] == [t.tolist() for t in want["img"][::-1]]
+        assert list(got["text"]) == want["text"][::-1] and list(got["chat"]) == want["chat"][::-1]
+        one = dp.kv_batch_get(keys[:1], "p")  # one row (512 KiB): in the message either way
+        assert torch.equal(one["x"][0], want["x"][0])
+        # The large buffers crossed through the engine (its connections are open, its reads of
+        # replies reported back), or not at all; nothing the client lent stays registered.
+        if engine == "native":
+            assert sum(len(s) for s in sync.engine._pool.values()) > 0, sync.engine._pool
+        elif engine == "mooncake":
+            assert sync.engine.name == "mooncake" and sync.engine._done and not sync.engine._lent.regions
+        else:
+            assert sync.engine is None
+    finally:
+        dp.close()
+        handle.stop()
