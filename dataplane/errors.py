@@ -320,6 +320,11 @@ class BridgeError(DataplaneError, ValueError):
         self.method, self.got, self.expected = method, got, expected
 
 
+class EngineUnavailableError(DataplaneError):
+    """The transfer engine asked for (``StoreConfig.engine``) cannot run in this process; the message
+    says what is missing (a package, a library, the extra to install)."""
+
+
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the names in ``known`` close to ``name``; "" when none is.
 
@@ -343,6 +348,7 @@ __all__ = [
     "ClusterAuthError",
     "ClusterConnectError",
     "DataplaneError",
+    "EngineUnavailableError",
     "FieldNotFoundError",
     "InvalidArgumentError",
     "KeyNotFoundError",

@@ -331,9 +331,9 @@ def test_transport_benchmark_mooncake_engine_names_what_it_lacks(capsys) -> None
 
 def test_a_store_on_an_engine_that_cannot_run_here_is_refused_naming_what_is_missing() -> None:
     from dataplane.config import StoreConfig
-    from dataplane.errors import InvalidArgumentError
+    from dataplane.errors import EngineUnavailableError, InvalidArgumentError
     from dataplane.service.launch import start_service
-    from dataplane.transport.engine import EngineUnavailableError, engine_missing
+    from dataplane.transport.engine import engine_missing
 
     with pytest.raises(InvalidArgumentError, match="engine='rdma' is not one of"):
         StoreConfig(engine="rdma")

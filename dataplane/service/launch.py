@@ -261,7 +261,8 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     """
     import ray
 
-    from dataplane.transport.engine import EngineUnavailableError, engine_missing
+    from dataplane.errors import EngineUnavailableError
+    from dataplane.transport.engine import engine_missing
 
     why = engine_missing(cfg.engine)
     if why:  # (said here, where the store starts, not in each shard's actor)

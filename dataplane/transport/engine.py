@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from dataplane.config import ENGINES
-from dataplane.errors import DataplaneError, WireError
+from dataplane.errors import EngineUnavailableError, WireError
 from dataplane.wire import bulk as _bulk
 
 
@@ -63,10 +63,6 @@ class EngineClient(Protocol):
     def release(self, tickets: Sequence[int]) -> None: ...
 
     def close(self) -> None: ...
-
-
-class EngineUnavailableError(DataplaneError):
-    """The transfer engine asked for cannot run in this process (the message says what is missing)."""
 
 
 def engine_missing(name: str) -> str:
@@ -195,7 +191,6 @@ def deadline_in(seconds: float) -> float:
 __all__ = [
     "EngineClient",
     "EngineServer",
-    "EngineUnavailableError",
     "engine_missing",
     "offload",
     "restore",

@@ -34,7 +34,7 @@ import numpy as np
 
 from dataplane import config
 from dataplane.codec import buffers as _buffers
-from dataplane.errors import WireError
+from dataplane.errors import EngineUnavailableError, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 def _new_engine(host_ip: str) -> tuple[Any, str]:
     """A Mooncake engine listening on ``host_ip`` and its peer address."""
     from mooncake.engine import TransferEngine  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-    from dataplane.transport.engine import EngineUnavailableError
 
     protocol, device = config.env_mooncake()
     engine = TransferEngine()
