@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from dataplane.config import StoreConfig
+from dataplane.service.launch import store_actor_names
 from tests.dataplane.conftest import wait_for
 from tests.forkserver import run_python, start_python
 from tests.workers.conftest import SUMMARY_ROWS
@@ -30,11 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS, EVERY, PROMPTS, N = 8, 2, 16, 8
 
 
-def _stores() -> set[str]:
-    """The named actors of stores alive in the cluster (the demo's embedded store is one)."""
-    import ray
-
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+def _demo_store_actors() -> list[str]:
+    """The live actors of the demo's embedded store (``dp.init``'s default name)."""
+    return store_actor_names(StoreConfig.from_options(name="dataplane"))
 
 
 def _demo(ckpt, summary, *extra: str) -> list[str]:
@@ -51,7 +51,7 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
 ) -> None:
     ckpt = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    before = _stores()
+    before = _demo_store_actors()
     # Its output goes to this test's streams (shown if the test fails).
     first = start_python(
         _demo(ckpt, tmp_path / "first.json", "--address", ray_cluster.address)[1:], env=env, cwd=ROOT
@@ -63,7 +63,7 @@ def test_the_stream_demo_killed_after_a_checkpoint_resumes_and_trains_every_prom
         first.kill()
         first.wait()
     assert first.returncode == -signal.SIGKILL and not (tmp_path / "first.json").exists()
-    wait_for(lambda: _stores() <= before, 120, "the killed run's store to end with it")
+    wait_for(lambda: _demo_store_actors() == before, 120, "the killed run's store to end with it")
     killed_at = int((ckpt / "latest").read_text().strip().removeprefix("step-"))
     assert 0 < killed_at < STEPS
 
