@@ -191,8 +191,9 @@ class IndexServer(RequestServer):
     def after_poll(self) -> None:
         """Answer the parked requests whose deadline passed; a request whose expiry fails is answered
         with that failure (``_fail``), and the others are still served."""
-        self.core.free_some()  # one slice of a dropped partition, then requests again
-        self.core.build_some()  # one slice of a consumer's new stream over a big partition
+        # Each slice guarded on its own: one failing on every pass must not stop leases and deadlines.
+        self._guarded("freeing a dropped partition's keys", self.core.free_some)  # one slice, then requests
+        self._guarded("building a consumer's stream", self.core.build_some)  # one slice of a big partition
         now = time.monotonic()
         if now >= self._freeze_due:
             self._freeze_due = now + FREEZE_S

@@ -34,6 +34,15 @@ Tag = dict[str, Any]
 NOTHING: frozenset[str] = frozenset()  # what a new key held before its first commit
 
 
+def shrink(holder: set[str] | dict[str, Any], n: int) -> int:
+    """Remove up to ``n`` items of ``holder`` (any ones); how many went."""
+    take = min(n, len(holder))
+    pop = holder.popitem if isinstance(holder, dict) else holder.pop
+    for _ in range(take):
+        pop()
+    return take
+
+
 class KeyTable(Mapping[str, frozenset[str]]):
     """A partition's keys in the order they came: key -> the fields it holds (a ``Mapping``), and
     its tag (``tag``)."""
@@ -218,11 +227,8 @@ class KeyTable(Mapping[str, frozenset[str]]):
 
     def drain(self, n: int) -> int:
         """Forget up to ``n`` keys, the last ones first (a dropped table freed in slices); how many went."""
-        take = min(n, len(self._row))
-        for _ in range(take):
-            self._row.popitem()
-        for _ in range(min(n, len(self._tags))):
-            self._tags.popitem()
+        take = shrink(self._row, n)
+        shrink(self._tags, n)
         cut = take if self._row else len(self._names)  # (the last slice takes the holes too)
         if cut:
             del self._names[-cut:], self._held[-cut:], self._seqs[-cut:]
@@ -248,4 +254,4 @@ class KeyTable(Mapping[str, frozenset[str]]):
         return out, (seqs[at] if at < end else None)
 
 
-__all__ = ["COMPACT_MIN_HOLES", "NOTHING", "KeyTable"]
+__all__ = ["COMPACT_MIN_HOLES", "NOTHING", "KeyTable", "shrink"]

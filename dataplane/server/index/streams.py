@@ -24,7 +24,7 @@ from typing import Any
 
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
-from dataplane.server.index.keytable import KeyTable
+from dataplane.server.index.keytable import KeyTable, shrink
 from dataplane.server.index.ready import ReadyKeys
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
@@ -66,15 +66,6 @@ Tag = Callable[[str], dict[Any, Any]]  # a key's tag (read-only)
 
 def _no_tag(key: str) -> dict[Any, Any]:
     return {}
-
-
-def shrink(holder: set[str] | dict[str, Any], n: int) -> int:
-    """Remove up to ``n`` items of ``holder`` (any ones); how many went."""
-    take = min(n, len(holder))
-    pop = holder.popitem if isinstance(holder, dict) else holder.pop
-    for _ in range(take):
-        pop()
-    return take
 
 
 Slot = tuple[frozenset[str], int | None, int | None]  # a rank-aware call's (fields, dp_rank, batch_index)
@@ -571,4 +562,4 @@ class PartitionStreams:
         )
 
 
-__all__ = ["BUILD_SLICE", "Build", "Lease", "PartitionStreams", "Stream", "Task", "shrink"]
+__all__ = ["BUILD_SLICE", "Build", "Lease", "PartitionStreams", "Stream", "Task"]
