@@ -54,6 +54,7 @@ class PinRegistry:
         self.cap_bytes = max(0, cap_bytes) if calls is not None else 0
         self._calls = calls
         self._entries: dict[int, _Entry] = {}  # by the mapping's address
+        self._hooked: set[int] = set()  # addresses whose unmap runs ``release`` (hooked once each)
         self._pinned = 0
         self._counts = {"registered": 0, "unregistered": 0, "direct": 0, "staged": 0, "failed": 0}
         # Reentrant: an unmap (``release``) can run from the garbage collector inside ``pin``.
@@ -76,7 +77,12 @@ class PinRegistry:
         assert self._calls is not None  # (a cap above 0 needs the calls)
         # The hook first: a mapping whose unmap cannot be hooked (not ``map_fd``'s) is never
         # registered, as its pages could be unmapped while CUDA still holds them.
-        if not before_unmap(mapping, self.release) or self._calls[0](addr, size) != 0:
+        if addr not in self._hooked:
+            if not before_unmap(mapping, self.release):
+                self._counts["failed"] += 1
+                return CopyPath.STAGED
+            self._hooked.add(addr)  # (a registration that fails is tried again later: one hook serves)
+        if self._calls[0](addr, size) != 0:
             self._counts["failed"] += 1
             return CopyPath.STAGED
         self._entries[addr] = _Entry(size)
@@ -87,6 +93,7 @@ class PinRegistry:
     def release(self, addr: int) -> None:
         """Unregister the mapping at ``addr`` (run by its unmap, before the pages go); no-op if unknown."""
         with self._lock:
+            self._hooked.discard(addr)  # (the address may be a new mapping's next)
             entry = self._entries.pop(addr, None)
             if entry is None:
                 return

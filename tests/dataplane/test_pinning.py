@@ -106,6 +106,7 @@ def test_a_failed_registration_stages_the_copy_and_is_tried_again_later() -> Non
     rec.fail = False
     assert reg.pin(m) is CopyPath.DIRECT
     assert [c[0] for c in rec.calls] == ["register", "register"]
+    assert len(m.obj._unmapper.before) == 1  # its unmap is hooked once, however many tries
 
 
 def test_a_mapping_whose_unmap_cannot_be_hooked_is_never_registered() -> None:
