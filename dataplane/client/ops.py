@@ -314,18 +314,15 @@ def _put_ready_call(
     (below ``shm_min_bytes`` where the shard's memory is mapped here); None when the general path has
     to run. (The one place that builds a ``put_ready``.)"""
     known = route.schemas.get(partition, {})
-    for name, col in columns.items():
-        if known.get(name) != col.spec.family():
-            return None
     inline_below = route.shm_min_bytes if route.shm[s] else None
+    for name, col in columns.items():  # (decided before any device column is staged to the host)
+        if known.get(name) != col.spec.family() or (inline_below is not None and col.nbytes >= inline_below):
+            return None
     fields: dict[str, _protocol.ReserveField] = {}
     bufs: list[Any] = []
     for name, col in columns.items():
-        nbytes = col.nbytes
-        if inline_below is not None and nbytes >= inline_below:
-            return None
         wire = _wire.column_to_wire(_host(col), bufs)
-        fields[name] = _protocol.ReserveField(wire.spec, nbytes, wire)
+        fields[name] = _protocol.ReserveField(wire.spec, col.nbytes, wire)
     body = _protocol.PutReady(partition, keys, fields, route.memory.version(s), tags)
     return Call(s, "put_ready", body, bufs)
 
@@ -506,6 +503,8 @@ def get(
         fields = list(fields)
     if not keys:
         return {}
+    if device is not None and _device_type(device) == "cpu":
+        device = None  # host memory: the rows as without a device (views where ``copy`` allows)
     groups = route.placement.group(partition_id, keys)
     shards = sorted(groups)
     for _ in range(GET_ATTEMPTS):
@@ -552,14 +551,13 @@ def _gather(
     non_blocking: bool = False,
 ) -> dict[str, AnyColumn]:
     out: dict[str, AnyColumn] = {}
-    to_device = device is not None and _device_type(device) != "cpu"
     for name in names:
         pieces: list[Any] = []
         sources: list[_Source] = []
         for s, (body, bufs) in zip(shards, got, strict=True):
             _pieces(route, s, name, body.fields[name], bufs, groups[s], pieces, sources)
         col: AnyColumn
-        if to_device and _to_device_ok(pieces):
+        if device is not None and _to_device_ok(pieces):  # (never the CPU: ``get`` passes None then)
             col, viewed = _onto_device(route, pieces, sources, n, device, non_blocking), False
         else:
             col, viewed = _build(pieces, sources, n, copy)

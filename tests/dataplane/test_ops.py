@@ -596,14 +596,15 @@ def test_a_read_that_keeps_racing_with_clears_gives_up():
         op.send([_shm_reply(ref, 12, 1, [0], spec, view=False)])
 
 
-def test_an_exported_segment_comes_back_as_a_view():
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_an_exported_segment_comes_back_as_a_view(device):
     memory = FakeMemory(1)
     route = make_route(1, shm=True, memory=memory)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     ref = _shm_put(route, memory, ["a", "b"], x)
     spec = encode_fields({"x": x}, 2)["x"].spec
 
-    op = ops.get(route, ["a", "b"], PID, ["x"], copy=False)
+    op = ops.get(route, ["a", "b"], PID, ["x"], copy=False, device=device)  # the CPU is host memory
     (call,) = next(op)
     assert call.body.export is True
     cols = finish(op, [_shm_reply(ref, 24, 2, [0, 1], spec, view=True)])
