@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench._common import GB, ratio, ray_for_run, write_json
+from bench._common import GB, fmt, ratio, ray_for_run, write_json
 from dataplane._units import parse_size
 
 STORE = "bench-gpu"
@@ -209,10 +209,6 @@ def _timed_sync(device: str, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(res: dict[str, Any]) -> str:
     """The figures as one table: a line per payload."""
     head = ("payload", "store GB/s", "pinned", "naive", "d2d", "store/pinned", "store/naive", "store/d2d")
@@ -220,13 +216,13 @@ def table(res: dict[str, Any]) -> str:
     for row, d2d in zip(res["rows"], res["device_to_device"], strict=True):
         cells = (
             f"{row['bytes'] / MiB:.0f} MiB",
-            _fmt(row["store_gbps"]),
-            _fmt(row["pinned_gbps"]),
-            _fmt(row["naive_gbps"]),
-            _fmt(d2d["d2d_gbps"], ".1f"),
-            _fmt(row["store_vs_pinned"]),
-            _fmt(row["store_vs_naive"]),
-            _fmt(d2d["store_vs_d2d"], ".3f"),
+            fmt(row["store_gbps"]),
+            fmt(row["pinned_gbps"]),
+            fmt(row["naive_gbps"]),
+            fmt(d2d["d2d_gbps"], ".1f"),
+            fmt(row["store_vs_pinned"]),
+            fmt(row["store_vs_naive"]),
+            fmt(d2d["store_vs_d2d"], ".3f"),
         )
         lines.append(" | ".join(cells))
     return "\n".join(lines)

@@ -261,12 +261,9 @@ def start_service(cfg: StoreConfig) -> tuple[dict[str, Any], ServiceHandle]:
     """
     import ray
 
-    from dataplane.errors import EngineUnavailableError
-    from dataplane.transport.engine import engine_missing
+    from dataplane.transport.engine import require_engine
 
-    why = engine_missing(cfg.engine)
-    if why:  # (said here, where the store starts, not in each shard's actor)
-        raise EngineUnavailableError(why)
+    require_engine(cfg.engine)  # (said here, where the store starts, not in each shard's actor)
     try:
         return _start_service(cfg)
     except ray.exceptions.ActorAlreadyExistsError:

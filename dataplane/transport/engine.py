@@ -82,7 +82,8 @@ def engine_missing(name: str) -> str:
     return ""
 
 
-def _check(name: str) -> None:
+def require_engine(name: str) -> None:
+    """Raise ``EngineUnavailableError`` (saying what is missing) when engine ``name`` cannot run here."""
     why = engine_missing(name)
     if why:
         raise EngineUnavailableError(why)
@@ -92,7 +93,7 @@ def start_server(
     name: str, host_ip: str, secret: str, *, max_bytes: int, ttl_s: float, who: str
 ) -> EngineServer | None:
     """The shard's end of engine ``name`` (None for ``zmq``)."""
-    _check(name)
+    require_engine(name)
     if name == "zmq":
         return None
     if name == "mooncake":
@@ -106,7 +107,7 @@ def start_server(
 
 def start_client(name: str, secret: str, *, connections: int, max_bytes: int) -> EngineClient | None:
     """A client's end of engine ``name`` (None for ``zmq``)."""
-    _check(name)
+    require_engine(name)
     if name == "zmq":
         return None
     if name == "mooncake":
@@ -192,6 +193,7 @@ __all__ = [
     "EngineClient",
     "EngineServer",
     "engine_missing",
+    "require_engine",
     "offload",
     "restore",
     "stage_reply",
