@@ -149,7 +149,9 @@ class SyncTransport(Endpoints):
         there = self.endpoints[c.target].engine
         if there is not None and self.engine is not None:
             try:
-                frames, lent = _engine.offload(self.engine, there, frames, self.engine_min_bytes, deadline)
+                frames, lent = _engine.offload(
+                    self.engine, there, frames, self.engine_min_bytes, _engine.capped(deadline)
+                )
                 self._lent.tickets.extend(lent)
             except (OSError, WireError) as exc:
                 waited = time.monotonic() - started
@@ -160,7 +162,9 @@ class SyncTransport(Endpoints):
             return self.unavailable(c.target, 0.0, " (its send queue is full)")
         return sock
 
-    def _receive(self, socks: dict[int, Any], target: int, sock: Any, started: float) -> list[Any]:
+    def _receive(
+        self, socks: dict[int, Any], target: int, sock: Any, started: float, deadline: float
+    ) -> list[Any]:
         """The messages ``sock`` has now (it polled readable); a closed Unix-lane connection is
         dropped and comes back as a ``ShardUnavailableError`` in place of the list."""
         if type(sock) is _unix.Conn:
@@ -172,24 +176,25 @@ class SyncTransport(Endpoints):
         frames = []
         while True:  # drain without an exception at the end: the poll said a message is there
             try:
-                frames.append(self._restored(target, recv_frames(sock, NOBLOCK), started))
+                frames.append(self._restored(target, recv_frames(sock, NOBLOCK), started, deadline))
             except zmq.Again:
                 break
             if not sock.getsockopt(EVENTS) & POLLIN:
                 break
         return frames
 
-    def _restored(self, target: int, frames: list[Any], started: float) -> list[Any]:
+    def _restored(self, target: int, frames: list[Any], started: float, deadline: float) -> list[Any]:
         """A reply's frames with the buffers its manifest names read through the engine (the frames
-        as they are when it has none); ``ShardUnavailableError`` when they cannot be read."""
+        as they are when it has none), within the call's ``deadline``; ``ShardUnavailableError`` when
+        they cannot be read."""
         if self.engine is None or not _bulk.is_manifest(frames[0]):
             return frames
         there = self.endpoints[target].engine
         try:
             if there is None:
                 raise WireError("a reply names a transfer engine this target does not run")
-            deadline = _engine.deadline_in(self.timeout)
-            return _engine.restore(self.engine, there, frames, self.max_message_bytes, deadline)
+            limit = _engine.capped(deadline)
+            return _engine.restore(self.engine, there, frames, self.max_message_bytes, limit)
         except (OSError, WireError) as exc:
             waited = time.monotonic() - started
             raise self.unavailable(target, waited, f" (its reply's buffers did not arrive: {exc})") from None
@@ -237,7 +242,7 @@ class SyncTransport(Endpoints):
                     self._forget(poller, targets, policy, at, results, target, None)
                     continue
                 try:
-                    messages = self._receive(socks, target, sock, start)
+                    messages = self._receive(socks, target, sock, start, deadline)
                 except ShardUnavailableError as exc:
                     self._forget(poller, targets, policy, at, results, target, exc)
                     continue
@@ -274,12 +279,12 @@ class SyncTransport(Endpoints):
             if sock.wait(wait_ms) if unix else _poll(items, wait_ms):
                 if unix:
                     try:
-                        messages = self._receive(socks, c.target, sock, start)
+                        messages = self._receive(socks, c.target, sock, start, deadline)
                     except ShardUnavailableError as exc:  # the connection closed
                         return exc
                 else:
                     try:
-                        messages = [self._restored(c.target, recv_frames(sock, NOBLOCK), start)]
+                        messages = [self._restored(c.target, recv_frames(sock, NOBLOCK), start, deadline)]
                     except zmq.Again:
                         messages = []
                     except ShardUnavailableError as exc:

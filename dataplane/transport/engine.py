@@ -183,10 +183,10 @@ def stage_reply(server: EngineServer, frames: list[Any], min_bytes: int) -> list
     return [_bulk.encode_manifest(refs, accepts=False), *out] if refs else frames
 
 
-def deadline_in(seconds: float) -> float:
-    """A ``time.monotonic`` deadline ``seconds`` from now (at most an hour: a call that may wait for
-    ever still moves its bytes within one, or fails)."""
-    return time.monotonic() + min(seconds, 3600.0)
+def capped(deadline: float) -> float:
+    """A call's ``time.monotonic`` deadline for its engine transfers, at most an hour from now: a call
+    that may wait for ever (an infinite deadline) still moves its bytes within one, or fails."""
+    return min(deadline, time.monotonic() + 3600.0)
 
 
 __all__ = [
