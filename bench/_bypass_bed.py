@@ -9,18 +9,13 @@ shard crosses a real network stack. The same run on a cluster is ``--address aut
 
 from __future__ import annotations
 
-import os
 import pathlib
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
 from bench import testbed
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 DEADLINE_S = 3600.0  # the driver on h1 is killed past this
 
 
@@ -51,20 +46,11 @@ def run(hosts: int, argv: Sequence[str], json_path: str, plot_path: str) -> int:
         print(f"test bed of {hosts} hosts up in {time.perf_counter() - t0:.1f} s", flush=True)
         h1 = bed.hosts[0]
         print(f"driver on {h1.name} ({h1.ip}); hosts: {', '.join(h.ip for h in bed.hosts)}", flush=True)
-        path = os.pathsep.join(p for p in (str(REPO), h1.env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "bench.bypass", "--no-progress", *args]
-        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-        proc = h1.popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        timer = threading.Timer(DEADLINE_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            for line in proc.stdout or ():
-                print(f"  {h1.name}| {line}", end="", flush=True)
-            return proc.wait(timeout=60)  # (its output ended: it is exiting)
-        finally:
-            timer.cancel()
+
+        def echo(line: str) -> None:
+            print(f"  {h1.name}| {line}", end="", flush=True)
+
+        return h1.drive(["-m", "bench.bypass", "--no-progress", *args], DEADLINE_S, echo)
 
 
 __all__ = ["run"]

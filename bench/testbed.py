@@ -36,8 +36,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from pathlib import Path
 # defaults: every 3 s, 5 checks), so a lost host is known in about 3 s instead of 15; a slow host is not
 # taken for a dead one sooner, as each check still waits Ray's own timeout (10 s) for its answer.
 NODE_DEATH_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+REPO = Path(__file__).resolve().parent.parent  # a driver on a host imports this checkout
 SUBNET = "10.77.0"  # hosts are .1, .2, ...; a private range, used inside the test bed's namespaces only
 RAY_PORT = 6379
 STATE = Path(tempfile.gettempdir()) / "rlplane-testbed.json"  # what `python -m bench.testbed` built
@@ -104,6 +106,30 @@ class Host:
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
         """Start ``argv`` on this host, with the host's environment (plus ``env``)."""
         return subprocess.Popen(self.command(argv), env={**self.env, **(env or {})}, **kw)  # type: ignore[call-overload]
+
+    def drive(self, argv: Sequence[str], deadline_s: float, on_line: Callable[[str], None]) -> int:
+        """Run ``python argv`` with this checkout's packages on this host (a benchmark's driver): each
+        line it prints goes to ``on_line``; past ``deadline_s`` it is killed, with its process group
+        (nsenter and the driver alike); returns its exit status."""
+        # nsenter starts it at the host's / (entering a mount namespace moves the cwd): PYTHONPATH makes
+        # it import this checkout's bench and dataplane whatever the cwd.
+        path = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p)
+        proc = self.popen(
+            [sys.executable, *argv],
+            env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        timer = threading.Timer(deadline_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout or ():
+                on_line(line)
+            return proc.wait(timeout=60)  # (its output ended: it is exiting)
+        finally:
+            timer.cancel()
 
     def run(
         self, argv: Sequence[str], timeout: float = 300, env: dict[str, str] | None = None, check: bool = True

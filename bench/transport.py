@@ -36,12 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import pathlib
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +45,6 @@ from typing import Any
 from bench import _common, testbed
 from bench._transport_run import ENGINES, size_label
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 _MARK = "@@bench-transport-results@@ "  # the driver's last line: its results as JSON
 _PATHS = (  # (row label, result key prefix)
     ("raw pyzmq, 1 stream", "zmq"),
@@ -113,31 +108,17 @@ def run_on_bed(bed: testbed.Testbed, argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     h1, h2 = bed.hosts[0], bed.hosts[1]
     print(f"test bed: driver on {h1.name} ({h1.ip}), the other host {h2.name} ({h2.ip})", flush=True)
-    cmd = [sys.executable, "-m", "bench.transport", "--driver", "--address", "auto", *_flags(cfg)]
-    # nsenter starts it at the host's / (entering a mount namespace moves the cwd): PYTHONPATH makes
-    # it import this checkout's bench and dataplane whatever the cwd.
-    path = os.pathsep.join(p for p in (str(REPO), h1.env.get("PYTHONPATH", "")) if p)
-    proc = h1.popen(
-        cmd,
-        env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: the deadline ends nsenter and the driver alike
-    )
-    timer = threading.Timer(cfg.deadline_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
     found: dict[str, Any] | None = None
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(_MARK):
-                found = json.loads(line[len(_MARK) :])
-            else:
-                print(f"  {h1.name}| {line}", end="", flush=True)
-        rc = proc.wait(timeout=30)  # (its output ended: it is exiting)
-    finally:
-        timer.cancel()
+
+    def on_line(line: str) -> None:
+        nonlocal found
+        if line.startswith(_MARK):
+            found = json.loads(line[len(_MARK) :])
+        else:
+            print(f"  {h1.name}| {line}", end="", flush=True)
+
+    argv = ["-m", "bench.transport", "--driver", "--address", "auto", *_flags(cfg)]
+    rc = h1.drive(argv, cfg.deadline_s, on_line)
     if found is None:
         killed = " (stopped at --deadline-s)" if rc == -signal.SIGKILL else ""
         print(f"!! the driver on {h1.name} exited {rc}{killed} without results", file=sys.stderr)
