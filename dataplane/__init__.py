@@ -14,7 +14,10 @@ TransferQueue's names, so code written against it moves over by changing one imp
 
 import typing as _typing
 
-from dataplane import _bridge_hook  # noqa: F401 - installs __worker_bridge__ on metas
+from dataplane import (
+    _bridge_hook,  # noqa: F401 - installs __worker_bridge__ on metas
+    _fork,  # noqa: F401 - no forked child waits on an import of its parent's threads
+)
 from dataplane import api as _api
 from dataplane import checkpoint as _checkpoint
 from dataplane import config as _config

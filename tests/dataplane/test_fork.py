@@ -8,9 +8,13 @@ own, which the other had read. The transport drops what it inherited in a forked
 
 from __future__ import annotations
 
+import faulthandler
+import importlib
 import os
 import select
 import signal
+import sys
+import threading
 
 import torch
 
@@ -40,6 +44,7 @@ def test_a_forked_child_never_takes_its_parents_connections(ray_cluster, pid):
         child = os.fork()
         if child == 0:
             os.close(read_end)
+            faulthandler.dump_traceback_later(45, exit=True)  # stuck: says where (captured stderr)
             _child(pid, write_end)
         os.close(write_end)
         ready: list = []
@@ -63,3 +68,39 @@ def test_a_forked_child_never_takes_its_parents_connections(ray_cluster, pid):
             if not ready:
                 os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)  # it has answered (it exits right after) or was killed
+
+
+# A module whose import takes a while (as torch's and tensordict's do, which a first get imports):
+# it says when it has begun, then computes.
+SLOW_MODULE = """
+from tests.dataplane import test_fork
+test_fork.IMPORTING.set()
+TOTAL = sum(i * i for i in range(3_000_000))
+"""
+IMPORTING = threading.Event()
+
+
+def test_a_child_forked_while_a_thread_imports_a_module_can_import_it(tmp_path, monkeypatch):
+    """A child forked while another thread imports a module inherits that module's import lock held by
+    a thread it does not have: a first get in a thread while the main thread forks DataLoader workers.
+    The fork waits for that import (``dataplane._fork``); the child imports the module at once."""
+    (tmp_path / "dp_slow_import.py").write_text(SLOW_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    IMPORTING.clear()
+    importer = threading.Thread(target=importlib.import_module, args=("dp_slow_import",))
+    importer.start()
+    try:
+        assert IMPORTING.wait(60), "the import did not begin"
+        child = os.fork()  # the import is under way in the other thread
+        if child == 0:
+            code = 3
+            try:
+                faulthandler.dump_traceback_later(20, exit=True)  # stuck: says where, and exits 1
+                code = 0 if importlib.import_module("dp_slow_import").TOTAL > 0 else 3
+            finally:
+                os._exit(code)
+        status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+        assert status == 0, f"the forked child could not import the module (exit {status}), stack above"
+    finally:
+        importer.join()
+        sys.modules.pop("dp_slow_import", None)
