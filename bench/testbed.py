@@ -103,6 +103,17 @@ class Host:
         """``argv`` as run on this host (its network, pid and mount namespaces)."""
         return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", "--", *argv]
 
+    def sees(self, path: str | Path) -> str:
+        """Where this host sees ``path`` of this machine: the same path, but for one under ``/tmp``
+        (the host's ``/tmp`` is its own), which is at the machine's ``/tmp`` set aside there.
+
+        Example:
+            >>> Host("h1", "10.77.0.2", "rlt-ab-h1", 1).sees("/tmp/run/out.json")
+            '/run/rlt-ab-h1/run/out.json'
+        """
+        p = Path(path)
+        return f"/run/{self.netns}/{p.relative_to('/tmp')}" if p.is_relative_to("/tmp") else str(p)
+
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
         """Start ``argv`` on this host, with the host's environment (plus ``env``)."""
         return subprocess.Popen(self.command(argv), env={**self.env, **(env or {})}, **kw)  # type: ignore[call-overload]

@@ -43,9 +43,11 @@ _CHUNK = 16 << 20  # bytes one receive call waits for
 
 @dataclass
 class _Ticket:
-    buf: memoryview
+    size: int
+    buf: memoryview | None = None  # None: an incoming buffer still being made, outside the lock
     done: int = 0  # bytes read (outgoing) or written (incoming)
     born: float = field(default_factory=time.monotonic)
+    ready: threading.Event = field(default_factory=threading.Event)  # set once ``buf`` is there
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -101,7 +103,8 @@ class TcpEngineServer:
         ticket = secrets.randbits(63)
         with self._lock:
             self._expire(time.monotonic())
-            self._out[ticket] = _Ticket(buf)
+            t = self._out[ticket] = _Ticket(buf.nbytes, buf)
+        t.ready.set()
         return ticket
 
     def take(self, ticket: int, size: int, origin: str = "") -> memoryview:
@@ -109,7 +112,7 @@ class TcpEngineServer:
         (``origin``: unused, the client pushed it)."""
         with self._lock:
             t = self._in.get(ticket)
-            if t is None or t.buf.nbytes != size or t.done != size:
+            if t is None or t.buf is None or t.size != size or t.done != size:
                 raise WireError(
                     f"{self.name}: a request names a buffer of {size} bytes (ticket {ticket}) that was not "
                     "written whole to its transfer engine (expired, or never sent)"
@@ -196,33 +199,46 @@ class TcpEngineServer:
         """Serve one operation; False when the connection must close (refused: its bytes, if any,
         were never read)."""
         status = _bulk.check_op(op, total, offset, length, self._max)
+        make = False  # this connection makes the incoming buffer (the ticket's first range to arrive)
+        t: _Ticket | None = None
         with self._lock:
             if status == _bulk.OK and op == _bulk.READ:
                 t = self._out.get(ticket)
-                status = (
-                    _bulk.UNKNOWN if t is None else _bulk.OK if t.buf.nbytes == total else _bulk.OUT_OF_RANGE
-                )
+                status = _bulk.UNKNOWN if t is None else _bulk.OK if t.size == total else _bulk.OUT_OF_RANGE
             elif status == _bulk.OK:
                 t = self._in.get(ticket)
                 if t is None:
                     self._expire(time.monotonic())
-                    held = sum(x.buf.nbytes for x in self._in.values())
+                    held = sum(x.size for x in self._in.values())
                     if self._budget >= 0 and held + total > self._budget:
                         status = _bulk.TOO_LARGE
                     else:
-                        t = self._in[ticket] = _Ticket(_buffers.take_faulted(total).data)
-                elif t.buf.nbytes != total:
+                        t = self._in[ticket] = _Ticket(total)
+                        make = True
+                elif t.size != total:
                     status = _bulk.OUT_OF_RANGE
         if status != _bulk.OK or t is None:
             sock.sendall(bytes([status]))
             return False
+        if make:  # faulting a large buffer in takes a while: never under the lock, which every op takes
+            try:
+                t.buf = _buffers.take_faulted(total).data
+            finally:  # (failed: the ticket is dropped, and the other ranges' connections are told)
+                if t.buf is None:
+                    with self._lock:
+                        self._in.pop(ticket, None)
+                t.ready.set()
+        elif not t.ready.wait(self._ttl) or t.buf is None:  # its maker stalled past the ttl, or failed
+            sock.sendall(bytes([_bulk.UNKNOWN]))
+            return False
+        assert t.buf is not None
         part = t.buf[offset : offset + length]
         if op == _bulk.READ:
             sock.sendall(b"\x00")
             sock.sendall(part)
             with self._lock:
                 t.done += length
-                if t.done >= t.buf.nbytes:
+                if t.done >= t.size:
                     self._out.pop(ticket, None)
             return True
         _recv_exact(sock, part)
