@@ -101,6 +101,8 @@ def test_a_cursor_of_a_partition_cleared_since_is_refused_and_bad_pages_are_refu
         _page(core, "p", 1, "garbage")
     with pytest.raises(WireError, match="one partition"):
         core.op_list(_protocol.ListKeys(None, limit=5))
+    with pytest.raises(WireError, match="at least 1 key"):  # its cursor would never move
+        core.op_list(_protocol.ListKeys("p", limit=0))
 
 
 def test_a_cleared_partition_is_gone_at_once_and_freed_in_slices():

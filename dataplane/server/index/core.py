@@ -77,6 +77,8 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
             if limit or cursor is not None:
                 raise WireError("list: pages list one partition (name it); limit=0 alone names them all")
             return _protocol.ListReply({p: {} for p in self.partitions})
+        if limit < 1:  # (an empty page whose cursor never moves: a caller paging on would loop for ever)
+            raise WireError(f"list: a page of partition {pid!r} holds at least 1 key (limit={limit})")
         part = self.partitions.get(pid)
         start = 0
         if cursor is not None:
