@@ -54,7 +54,12 @@ def settle_imports() -> None:
             except Exception:  # noqa: BLE001, S110 - a deadlock importlib saw: the fork goes ahead
                 pass
         _imp.acquire_lock()
-        if not _foreign_imports():
+        try:
+            settled = not _foreign_imports()
+        except BaseException:  # (never leave the import lock held: every later import would wait)
+            _imp.release_lock()
+            raise
+        if settled:
             _held.on = True
             return
         _imp.release_lock()
