@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dataplane.config import ENGINES
@@ -123,6 +123,32 @@ def _nbytes(frame: Any) -> int:
     return len(frame) if type(frame) is bytes else memoryview(frame).nbytes
 
 
+def _lift(
+    frames: list[Any], min_bytes: int, hand: Callable[[memoryview], int]
+) -> tuple[list[Any], list[_bulk.Ref]]:
+    """``frames`` with every buffer frame of ``min_bytes`` or more handed to an engine (``hand``
+    returns its ticket) and emptied, and the refs naming them."""
+    refs: list[_bulk.Ref] = []
+    out = list(frames)
+    for i in range(1, len(out)):
+        if _nbytes(out[i]) >= min_bytes:
+            view = memoryview(out[i]).cast("B")
+            refs.append(_bulk.Ref(i, hand(view), view.nbytes))
+            out[i] = b""
+    return out, refs
+
+
+def _land(frames: list[Any], refs: Sequence[_bulk.Ref], fetch: Callable[[_bulk.Ref], Any]) -> list[Any]:
+    """``frames`` after their manifest, every frame a ref names filled from an engine (``fetch``); a
+    named frame that is not empty is refused."""
+    out = frames[1:]
+    for ref in refs:
+        if _nbytes(out[ref.frame]):
+            raise WireError("a bulk manifest names a frame that is not empty")
+        out[ref.frame] = fetch(ref)
+    return out
+
+
 def offload(
     engine: EngineClient, address: str, frames: list[Any], min_bytes: int, deadline: float
 ) -> tuple[list[Any], list[int]]:
@@ -130,13 +156,7 @@ def offload(
     more written through ``engine`` and a manifest in front (which also says large reply buffers may
     come the same way), and the tickets written: ``engine.release`` them once the request is
     answered or given up."""
-    refs: list[_bulk.Ref] = []
-    out = list(frames)
-    for i in range(1, len(out)):
-        if _nbytes(out[i]) >= min_bytes:
-            view = memoryview(out[i]).cast("B")
-            refs.append(_bulk.Ref(i, engine.write(address, view, deadline), view.nbytes))
-            out[i] = b""
+    out, refs = _lift(frames, min_bytes, lambda view: engine.write(address, view, deadline))
     origin = engine.origin if refs else ""
     manifest = _bulk.encode_manifest(refs, accepts=True, origin=origin, done=engine.done(address))
     return [manifest, *out], [r.ticket for r in refs]
@@ -148,12 +168,7 @@ def restore(
     """A reply's frames as they were sent: its manifest (the first frame) read and dropped, every
     buffer it names read from the server at ``address``."""
     refs, _ = _bulk.decode_manifest(frames[0], len(frames) - 1, max_bytes)
-    out = frames[1:]
-    for ref in refs:
-        if _nbytes(out[ref.frame]):
-            raise WireError("a bulk manifest names a frame that is not empty")
-        out[ref.frame] = engine.read(address, ref.ticket, ref.size, deadline)
-    return out
+    return _land(frames, refs, lambda ref: engine.read(address, ref.ticket, ref.size, deadline))
 
 
 def take_request(server: EngineServer, frames: list[Any], max_bytes: int) -> tuple[list[Any], bool]:
@@ -162,24 +177,13 @@ def take_request(server: EngineServer, frames: list[Any], max_bytes: int) -> tup
     m = _bulk.read_manifest(frames[0], len(frames) - 1, max_bytes)
     if m.done:
         server.release(m.done)
-    out = frames[1:]
-    for ref in m.refs:
-        if _nbytes(out[ref.frame]):
-            raise WireError("a bulk manifest names a frame that is not empty")
-        out[ref.frame] = server.take(ref.ticket, ref.size, m.origin)
-    return out, m.accepts
+    return _land(frames, m.refs, lambda ref: server.take(ref.ticket, ref.size, m.origin)), m.accepts
 
 
 def stage_reply(server: EngineServer, frames: list[Any], min_bytes: int) -> list[Any]:
     """A reply's frames with every buffer of ``min_bytes`` or more staged on ``server`` and a
     manifest in front (the frames unchanged when none is that large)."""
-    refs: list[_bulk.Ref] = []
-    out = list(frames)
-    for i in range(1, len(out)):
-        if _nbytes(out[i]) >= min_bytes:
-            view = memoryview(out[i]).cast("B")
-            refs.append(_bulk.Ref(i, server.stage(view), view.nbytes))
-            out[i] = b""
+    out, refs = _lift(frames, min_bytes, server.stage)
     return [_bulk.encode_manifest(refs, accepts=False), *out] if refs else frames
 
 
