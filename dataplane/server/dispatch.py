@@ -51,6 +51,14 @@ class Operations:
     SERVER_OPS: ClassVar[frozenset[str]] = frozenset()  # answered by the server, never by the core
     SERVICE: ClassVar[str] = "this service"  # names the service in refusals
     _methods: ClassVar[dict[str, str]] = {}
+    # The smallest reply buffer worth lending to the engine that stages the reply at hand (0: none;
+    # set by the server per request, for a core that lends: ``ShardCore``).
+    lend_min_bytes: int = 0
+
+    def take_lent(self) -> Callable[[], None] | None:
+        """The callback that takes back what the op just run lent to the reply's engine (called once
+        the engine is done, on any thread); None when nothing was lent, as here."""
+        return None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

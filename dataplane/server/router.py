@@ -353,6 +353,8 @@ class RequestServer:
             if now - last_tick >= TICK_S:
                 last_tick = now
                 self._guarded("checking connections", self._check_conns, now)
+                if self.engine is not None:
+                    self._guarded("expiring staged buffers", self.engine.sweep)
                 if self._tick is not None:
                     with self._lock:
                         self._guarded("the server tick", self._tick)
@@ -490,13 +492,29 @@ class RequestServer:
                 raise
             return self.serve(sock, ident, req.rid, req.op, body, bufs)
 
-        _, reply = _wire.answer(
-            frames, handler, max_frames=self._max_frames, who=self.name, refused=self._refused
-        )
-        if reply is not None:
-            if accepts and self.engine is not None:
-                reply = _engine.stage_reply(self.engine, reply, self.engine_min_bytes)
-            self.deliver(sock, ident, reply)
+        # A client that takes large reply buffers by an engine that lends: the core may stage rows
+        # of its shared memory as they are, pinned until the engine is done with them.
+        engine = self.engine if accepts else None
+        lend = engine is not None and engine.lends
+        if lend:
+            self.core.lend_min_bytes = self.engine_min_bytes
+        try:
+            _, reply = _wire.answer(
+                frames, handler, max_frames=self._max_frames, who=self.name, refused=self._refused
+            )
+        finally:
+            if lend:
+                self.core.lend_min_bytes = 0
+        give_back = self.core.take_lent() if lend else None
+        try:
+            if reply is not None:
+                if engine is not None:  # (from here the staged buffers' engine calls it, once)
+                    hand, give_back = give_back, None
+                    reply = _engine.stage_reply(engine, reply, self.engine_min_bytes, hand)
+                self.deliver(sock, ident, reply)
+        finally:
+            if give_back is not None:  # nothing was staged: nothing reads what was lent
+                give_back()
         if metrics is not None:
             metrics.served(op, time.perf_counter() - started)
 

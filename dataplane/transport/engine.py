@@ -25,6 +25,7 @@ An encrypting store (``encrypt=True``) moves every byte in its CURVE stream: no 
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -38,12 +39,18 @@ class EngineServer(Protocol):
     """A shard's end of an engine."""
 
     address: str  # what clients reach it at (published in the shard's registry entry)
+    # Whether ``stage`` calls its ``on_done`` once the buffer is no longer read (read whole, reported
+    # read by its client, expired, or the server closed): only then may a shard stage a view of its
+    # shared memory instead of a copy (``stage_reply``).
+    lends: bool
 
-    def stage(self, buf: memoryview) -> int: ...
+    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int: ...
 
     def take(self, ticket: int, size: int, origin: str) -> memoryview: ...
 
     def release(self, tickets: Sequence[int]) -> None: ...
+
+    def sweep(self) -> None: ...  # expire what is past its time (the server's tick)
 
     def close(self) -> None: ...
 
@@ -180,11 +187,47 @@ def take_request(server: EngineServer, frames: list[Any], max_bytes: int) -> tup
     return _land(frames, m.refs, lambda ref: server.take(ref.ticket, ref.size, m.origin)), m.accepts
 
 
-def stage_reply(server: EngineServer, frames: list[Any], min_bytes: int) -> list[Any]:
+def stage_reply(
+    server: EngineServer, frames: list[Any], min_bytes: int, on_done: Callable[[], None] | None = None
+) -> list[Any]:
     """A reply's frames with every buffer of ``min_bytes`` or more staged on ``server`` and a
-    manifest in front (the frames unchanged when none is that large)."""
-    out, refs = _lift(frames, min_bytes, server.stage)
+    manifest in front (the frames unchanged when none is that large). ``on_done`` (a server that
+    ``lends`` only) is called once no buffer of the reply is read any more: at once if none was staged."""
+    if on_done is None:
+        out, refs = _lift(frames, min_bytes, server.stage)
+    else:
+        left = _Countdown(on_done)
+        try:
+            out, refs = _lift(frames, min_bytes, lambda view: server.stage(view, left.one()))
+        finally:
+            left.one()()  # (the count's own share: none of its buffers' can end it before all are staged)
     return [_bulk.encode_manifest(refs, accepts=False), *out] if refs else frames
+
+
+class _Countdown:
+    """Calls ``fn`` when every callback ``one`` handed out was called (each counts once)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._left = 0
+        self._lock = threading.Lock()
+
+    def one(self) -> Callable[[], None]:
+        with self._lock:
+            self._left += 1
+        called = threading.Event()
+
+        def done() -> None:
+            with self._lock:
+                if called.is_set():
+                    return
+                called.set()
+                self._left -= 1
+                last = self._left == 0
+            if last:
+                self._fn()
+
+        return done
 
 
 def capped(deadline: float) -> float:

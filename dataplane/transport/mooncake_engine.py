@@ -26,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,11 @@ class MooncakeEngineServer:
         self.name = name
         self._staged = _Registry(self._engine, name)
 
-    def stage(self, buf: memoryview) -> int:
+    lends = False  # (its client reads a staged buffer through a registration of it: always a copy)
+
+    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int:
+        if on_done is not None:
+            raise ValueError("the mooncake engine does not lend: stage a copy, without on_done")
         room = -1 if self._budget < 0 else max(0, self._budget - memoryview(buf).nbytes)
         self._staged.expire(self._ttl, room)  # (what it stages counts too)
         return self._staged.hold(buf)
@@ -173,6 +177,9 @@ class MooncakeEngineServer:
     def release(self, tickets: Sequence[int]) -> None:
         for t in tickets:
             self._staged.drop(t)
+
+    def sweep(self) -> None:
+        """(Its staged buffers expire as others are staged, or past its budget.)"""
 
     def close(self) -> None:
         self._staged.clear()

@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dataplane.codec import buffers as _buffers
@@ -48,6 +48,9 @@ class _Ticket:
     done: int = 0  # bytes read (outgoing) or written (incoming)
     born: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)  # set once ``buf`` is there
+    on_done: Callable[[], None] | None = None  # (outgoing) called once nothing reads ``buf`` any more
+    sending: int = 0  # (outgoing) connections sending from ``buf`` now
+    gone: bool = False  # (outgoing) out of the table: read whole, reported read, expired or closed
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -60,6 +63,13 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         got += n
+
+
+def _call(fns: Sequence[Callable[[], None] | None]) -> None:
+    """Call each of ``fns`` (outside the server's lock: they belong to the shard)."""
+    for fn in fns:
+        if fn is not None:
+            fn()
 
 
 def _limit(sock: socket.socket, seconds: float | None) -> None:
@@ -80,7 +90,14 @@ def _tune(sock: socket.socket) -> None:
 
 class TcpEngineServer:
     """A shard's end: listens on ``host_ip``, serves ``READ`` s of staged buffers and ``WRITE`` s into
-    buffers of at most ``max_bytes`` (-1: no limit), at most ``2 * max_bytes`` of them at once."""
+    buffers of at most ``max_bytes`` (-1: no limit), at most ``2 * max_bytes`` of them at once.
+
+    A staged buffer's ``on_done`` is called once nothing reads it any more: when its client read it
+    whole, or reports it read (``release``, on the shard's loop thread: before that client's next
+    request runs), when it expires, or when the server closes; never while a connection is still
+    sending from it (its last sender calls it then)."""
+
+    lends = True
 
     def __init__(self, host_ip: str, secret: str, *, max_bytes: int, ttl_s: float, name: str) -> None:
         self._secret = secret
@@ -98,13 +115,14 @@ class TcpEngineServer:
         threading.Thread(target=self._accept, name=f"{name}-engine", daemon=True).start()
 
     # ---- what the request loop calls -------------------------------------------------------------
-    def stage(self, buf: memoryview) -> int:
-        """Hold ``buf`` for a client to read; returns its ticket."""
+    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int:
+        """Hold ``buf`` for a client to read; returns its ticket (``on_done``: see the class)."""
         ticket = secrets.randbits(63)
         with self._lock:
-            self._expire(time.monotonic())
-            t = self._out[ticket] = _Ticket(buf.nbytes, buf)
+            ended = self._expire(time.monotonic())
+            t = self._out[ticket] = _Ticket(buf.nbytes, buf, on_done=on_done)
         t.ready.set()
+        _call(ended)
         return ticket
 
     def take(self, ticket: int, size: int, origin: str = "") -> memoryview:
@@ -121,7 +139,23 @@ class TcpEngineServer:
         return t.buf
 
     def release(self, tickets: Sequence[int]) -> None:
-        """(Nothing: a staged buffer is released once a client read it whole.)"""
+        """Staged buffers their client reports read whole (a staged buffer also goes once read whole):
+        each one's ``on_done`` is called now, as the client has every byte (a sender still in the
+        kernel call that handed over the last ones reads no more of it)."""
+        ended = []
+        with self._lock:
+            for ticket in tickets:
+                t = self._out.pop(ticket, None)
+                if t is not None:
+                    t.gone, t.sending = True, 0
+                    ended.append(self._ended(t))
+        _call(ended)
+
+    def sweep(self) -> None:
+        """Drop what is past the ttl now (else it goes at the next ``stage`` or write)."""
+        with self._lock:
+            ended = self._expire(time.monotonic())
+        _call(ended)
 
     def close(self) -> None:
         self._closed = True
@@ -132,16 +166,34 @@ class TcpEngineServer:
         self._listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
+            staged = list(self._out.values())
             self._out.clear()
             self._in.clear()
         for c in conns:
             c.close()
+        for t in staged:  # (its connections are closed: nothing sends from it any more)
+            t.gone, t.sending = True, 0
+        _call([self._ended(t) for t in staged])
 
     # ---- its threads -----------------------------------------------------------------------------
-    def _expire(self, now: float) -> None:
-        for table in (self._out, self._in):
-            for ticket in [k for k, t in table.items() if now - t.born > self._ttl]:
-                del table[ticket]
+    def _expire(self, now: float) -> list[Callable[[], None] | None]:
+        """Drop the tickets past the ttl (under the lock); the staged ones' ``on_done`` to call."""
+        ended = []
+        for ticket in [k for k, t in self._in.items() if now - t.born > self._ttl]:
+            del self._in[ticket]
+        for ticket in [k for k, t in self._out.items() if now - t.born > self._ttl]:
+            t = self._out.pop(ticket)
+            t.gone = True
+            ended.append(self._ended(t))
+        return ended
+
+    @staticmethod
+    def _ended(t: _Ticket) -> Callable[[], None] | None:
+        """``t``'s ``on_done`` if it is due now (gone, nothing sending; under the lock), once."""
+        if not t.gone or t.sending or t.on_done is None:
+            return None
+        fn, t.on_done = t.on_done, None
+        return fn
 
     def _accept(self) -> None:
         while not self._closed:
@@ -201,14 +253,17 @@ class TcpEngineServer:
         status = _bulk.check_op(op, total, offset, length, self._max)
         make = False  # this connection makes the incoming buffer (the ticket's first range to arrive)
         t: _Ticket | None = None
+        ended: list[Callable[[], None] | None] = []
         with self._lock:
             if status == _bulk.OK and op == _bulk.READ:
                 t = self._out.get(ticket)
                 status = _bulk.UNKNOWN if t is None else _bulk.OK if t.size == total else _bulk.OUT_OF_RANGE
+                if status == _bulk.OK and t is not None:
+                    t.sending += 1
             elif status == _bulk.OK:
                 t = self._in.get(ticket)
                 if t is None:
-                    self._expire(time.monotonic())
+                    ended = self._expire(time.monotonic())
                     held = sum(x.size for x in self._in.values())
                     if self._budget >= 0 and held + total > self._budget:
                         status = _bulk.TOO_LARGE
@@ -217,6 +272,7 @@ class TcpEngineServer:
                         make = True
                 elif t.size != total:
                     status = _bulk.OUT_OF_RANGE
+        _call(ended)
         if status != _bulk.OK or t is None:
             sock.sendall(bytes([status]))
             return False
@@ -234,12 +290,20 @@ class TcpEngineServer:
         assert t.buf is not None
         part = t.buf[offset : offset + length]
         if op == _bulk.READ:
-            sock.sendall(b"\x00")
-            sock.sendall(part)
-            with self._lock:
-                t.done += length
-                if t.done >= t.size:
-                    self._out.pop(ticket, None)
+            sent = 0
+            try:
+                sock.sendall(b"\x00")
+                sock.sendall(part)
+                sent = length
+            finally:
+                with self._lock:
+                    t.sending = max(0, t.sending - 1)
+                    t.done += sent
+                    if t.done >= t.size and not t.gone:
+                        self._out.pop(ticket, None)
+                        t.gone = True
+                    fn = self._ended(t)
+                _call([fn])
             return True
         _recv_exact(sock, part)
         with self._lock:
@@ -263,6 +327,7 @@ class TcpEngineClient:
         self._pool: dict[str, list[socket.socket]] = {}
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._read: dict[str, list[int]] = {}  # per server: staged buffers read whole since ``done``
 
     def write(self, address: str, buf: memoryview, deadline: float) -> int:
         """Send ``buf`` to the server at ``address``; returns the ticket a request names it by."""
@@ -276,10 +341,15 @@ class TcpEngineClient:
             raise WireError(f"a reply declares a buffer of {size} bytes (at most {self._max})")
         out = _buffers.take_faulted(size).data
         self._parts(address, _bulk.READ, ticket, out, deadline)
+        with self._lock:
+            self._read.setdefault(address, []).append(ticket)
         return out
 
     def done(self, address: str) -> list[int]:
-        return []  # (the server saw every read)
+        """The buffers read whole from the server at ``address`` since the last call: the next
+        request tells it (a shard then lets go of what it lent for them before that request runs)."""
+        with self._lock:
+            return self._read.pop(address, [])
 
     def release(self, tickets: Sequence[int]) -> None:
         """(Nothing: a written buffer is the server's once sent.)"""
@@ -352,7 +422,7 @@ class TcpEngineClient:
     def _checkout(self, address: str, deadline: float) -> socket.socket:
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's connections stay the parent's
-                self._pid, self._pool, self._threads = os.getpid(), {}, None
+                self._pid, self._pool, self._threads, self._read = os.getpid(), {}, None, {}
             idle = self._pool.get(address)
             if idle:
                 return idle.pop()

@@ -96,6 +96,74 @@ def test_buffers_cross_whole_both_ways_over_several_connections(server) -> None:
         client.close()
 
 
+def test_a_staged_buffer_is_let_go_once_exactly_when_nothing_reads_it_any_more(server) -> None:
+    """``on_done``: after a whole read, after its client reports it read, past its ttl, at close;
+    once each, and never while it is being sent."""
+    client = TcpEngineClient(SECRET, connections=4, max_bytes=64 << 20)
+    calls: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        y = _payload(9 << 20)
+        whole = server.stage(y, lambda: calls.append("whole"))
+        assert calls == [] and bytes(client.read(server.address, whole, y.nbytes, deadline)) == bytes(y)
+        assert calls == ["whole"]  # read whole: let go by its last sender
+        assert client.done(server.address) == [whole] and client.done(server.address) == []
+        server.release([whole])  # reported too (the client's next request): once is once
+        reported = server.stage(y, lambda: calls.append("reported"))
+        server.release([reported])  # reported read: let go at once
+        assert calls == ["whole", "reported"]
+        with pytest.raises(WireError, match="no such ticket"):
+            client.read(server.address, reported, y.nbytes, deadline)
+        late = server.stage(y, lambda: calls.append("expired"))
+        server._out[late].born -= 31.0  # (its ttl is 30 s)
+        server.sweep()
+        assert calls[-1] == "expired" and late not in server._out
+        server.stage(y, lambda: calls.append("closed"))
+        server.close()
+        assert calls == ["whole", "reported", "expired", "closed"]
+    finally:
+        client.close()
+
+
+def test_rows_lent_from_shared_memory_are_read_whole_though_cleared_and_written_over(server) -> None:
+    """A remote reader's rows are staged from the shard's shared memory as they are (no copy), their
+    segment pinned: a clear and a new put that would reuse the segment while the reply waits to be
+    read leave its bytes alone, and the segment is freed once the engine is done."""
+    import torch
+
+    from dataplane.client.mappings import MappingCache
+    from dataplane.server.shard.core import ShardCore
+    from dataplane.transport import engine as _engine
+
+    from .test_shard import _put_shm, call
+
+    core, maps = ShardCore(0, warm_idle_s=60), MappingCache()
+    keys = [f"k{i}" for i in range(16)]
+    x = torch.arange(16 * 65536, dtype=torch.float32).reshape(16, 65536)  # 4 MiB: lent
+    _put_shm(core, "p", keys, x, maps)
+    core.lend_min_bytes = 1 << 20  # (the server's, for a client that takes buffers by engine)
+    body, frames = call(core, "get", {"partition": "p", "keys": keys, "shm": False})
+    core.lend_min_bytes = 0
+    give_back = core.take_lent()
+    assert give_back is not None and core.take_lent() is None  # lent, once
+    reply = _engine.stage_reply(server, [b"header", *frames], 1 << 20, give_back)
+    refs, _ = bulk.decode_manifest(reply[0], len(reply) - 1, 64 << 20)
+    (ref,) = refs
+    call(core, "clear_partition", {"partition": "p"}, [])
+    assert core.stats().bytes_used > 0 and core.stats().bytes_warm == 0  # pinned, not warm
+    _put_shm(core, "p", keys, x + 1, maps)  # same size: would take the warm segment
+    client = TcpEngineClient(SECRET, connections=4, max_bytes=64 << 20)
+    try:
+        got = client.read(server.address, ref.ticket, ref.size, time.monotonic() + 60)
+        assert np.array_equal(np.frombuffer(got, np.float32), x.numpy().ravel()), "lent rows written over"
+        server.release(client.done(server.address))  # the client's next request reports it
+    finally:
+        client.close()
+    call(core, "clear_partition", {"partition": "p"}, [])
+    st = core.stats()  # (the op gives back first)
+    assert st.bytes_used == 0 and st.bytes_warm > 0  # both segments freed, kept warm
+
+
 def _connect(server, secret: str = SECRET) -> socket.socket:
     host, _, port = server.address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
@@ -273,6 +341,11 @@ def test_large_columns_cross_tcp_through_the_engine_exactly(ray_cluster, engine)
         assert list(got["text"]) == want["text"][::-1] and list(got["chat"]) == want["chat"][::-1]
         one = dp.kv_batch_get(keys[:1], "p")  # one row (512 KiB): in the message either way
         assert torch.equal(one["x"][0], want["x"][0])
+        ordered = dp.kv_batch_get(keys, "p")  # (each shard's rows a run of its segment: lent, native)
+        assert torch.equal(ordered["x"], want["x"]) and list(ordered["text"]) == want["text"]
+        del ordered
+        dp.clear_partition("p")  # (its requests report the reads: what was lent goes before it runs)
+        assert dp.stats()["bytes_used"] == 0
         # The large buffers crossed through the engine (its connections are open, its reads of
         # replies reported back), or not at all; nothing the client lent stays registered.
         if engine == "native":

@@ -56,7 +56,7 @@ from dataplane.errors import (
     StoreFullError,
     WireError,
 )
-from dataplane.server.dispatch import Operations
+from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.shard.host_memory import HostMemory
 from dataplane.server.shard.segments import ShmFile, ShmPool
 from dataplane.wire import frames as _wire
@@ -196,6 +196,14 @@ class ShardCore(Operations):
         self.ready_puts = 0  # put_ready requests stored and passed on to the index (by ShardServer)
         self.ready_batches = 0  # the index requests that carried them
         self.tick_hooks: list[Callable[[float], None]] = []  # more housekeeping (checkpoint expiry)
+        # Lending (``op_get``): a remote reader's rows sent from shared memory by a transfer engine
+        # that says when it is done with them, instead of a copy. The server sets the smallest column
+        # worth lending for the request at hand (0: none); the segments lent are pinned until their
+        # engine is done (``take_lent``'s callback queues them on ``returned``, any thread) and given
+        # back on this core's thread before the next op runs, or at the tick.
+        self.lend_min_bytes = 0
+        self._lent: list[Segment] = []
+        self.returned: deque[list[Segment]] = deque()
         # Cumulative, for metrics (``ShardServer.metrics_snapshot``): rows stored, served and freed,
         # and bytes stored and freed (``Segment.accounted``: what ``used`` counts).
         self.rows_put = self.rows_got = self.rows_cleared = 0
@@ -522,9 +530,12 @@ class ShardCore(Operations):
             else:
                 # Rows of one put held in this process's heap, asked for in order: sent as they are
                 # (the reply keeps them alive; only shared memory is ever reused under a reader).
+                # In shared memory, and large enough: lent to the engine, the segment pinned.
                 col = None
-                if len(order) == 1 and order[0].file is None:
+                if len(order) == 1 and (order[0].file is None or self.lend_min_bytes):
                     col = contiguous_view(order[0].column(), row_of)
+                    if col is not None and order[0].file is not None:
+                        col = self._lend(order[0], col)
                 if col is None:
                     pieces = []
                     for j, seg in enumerate(order):
@@ -535,6 +546,35 @@ class ShardCore(Operations):
         version = self.pool.version
         live = self.pool.live_ids() if body.version != version else None
         return _protocol.GetReply(out, version, live), frames
+
+    def _lend(self, seg: Segment, col: Column) -> Column | None:
+        """``col`` (rows of ``seg``'s shared memory) pinned for the engine, or None: too small to lend."""
+        if memoryview(col.data).nbytes < self.lend_min_bytes:
+            return None
+        seg.live += 1  # released by ``give_back`` once the engine is done with it
+        seg.pins += 1
+        self._lent.append(seg)
+        return col
+
+    def take_lent(self) -> Callable[[], None] | None:
+        """What the op just run lent, as the callback that returns it (any thread, once); None when
+        nothing was lent. The server hands it to the engine that stages the reply."""
+        if not self._lent:
+            return None
+        lent, self._lent = self._lent, []
+        return lambda: self.returned.append(lent)
+
+    def give_back(self) -> None:
+        """Unpin what engines are done with (this core's thread)."""
+        while self.returned:
+            for seg in self.returned.popleft():
+                seg.pins -= 1
+                self._unref(seg)
+
+    def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
+        if self.returned:  # (a client reports its reads in its next request: they go before it runs)
+            self.give_back()
+        return super().run(op, body, bufs)
 
     def _shm_entry(
         self, order: list[Segment], seg_of: np.ndarray, row_of: np.ndarray, frames: list[Any], export: bool
@@ -646,6 +686,7 @@ class ShardCore(Operations):
     def tick(self, now: float | None = None) -> None:
         """Fence reservations whose writer stalled or vanished, and give back idle warm memory."""
         now = time.monotonic() if now is None else now
+        self.give_back()
         for rid in [r for r, v in self._resv.items() if v.deadline < now]:
             logger.warning("shard %d: reservation %d was never committed; fencing it", self.shard_id, rid)
             resv = self._take(rid)
