@@ -18,7 +18,7 @@ Environment variables (read here only, each by one function; a value that does n
     DATAPLANE_NO_UNIX_LANE     a flag: blocking clients reach same-host services over zmq ipc rather
                                than the Unix lane (``transport.unix``; for comparisons)
     DATAPLANE_READ_POOL_BYTES  idle bytes of copy-out buffers a process keeps for its next reads
-                               (default 256 MiB; 0 turns the pool off)
+                               (default 1 GiB; 0 turns the pool off)
     DATAPLANE_PINNED_BYTES     most bytes of shared-memory mappings a process registers with CUDA
                                for one-copy device transfers (default 8 GiB; 0: staged copies only)
     DATAPLANE_UNIX_PEER_UIDS   read by the store's actors: uids (comma-separated) whose processes may
@@ -183,8 +183,9 @@ def metrics_interval_s() -> float | None:
 
 def read_buffer_pool_bytes() -> int:
     """Most idle bytes of copy-out buffers a process keeps warm for its next reads
-    (``DATAPLANE_READ_POOL_BYTES``, default 256 MiB; 0 turns the pool off)."""
-    return min(int(_env_float("DATAPLANE_READ_POOL_BYTES", 256 * 2**20)), INT64_MAX)
+    (``DATAPLANE_READ_POOL_BYTES``, default 1 GiB: a loop reading batches up to that size every step
+    reads into warm pages; 0 turns the pool off)."""
+    return min(int(_env_float("DATAPLANE_READ_POOL_BYTES", 2**30)), INT64_MAX)
 
 
 def pinned_bytes() -> int:

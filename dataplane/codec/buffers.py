@@ -94,9 +94,10 @@ def take_faulted(nbytes: int) -> np.ndarray:
     once (a transfer engine's connections), which fault fresh pages far slower together (each waits
     on the others' faults) than one pass does; a pooled buffer's pages are present already (no cost)."""
     arr = take(nbytes)
-    if isinstance(arr.base, mmap.mmap):
+    base = arr.base.obj if isinstance(arr.base, memoryview) else arr.base  # (numpy views the mapping)
+    if isinstance(base, mmap.mmap):
         try:
-            arr.base.madvise(_POPULATE)
+            base.madvise(_POPULATE)
         except OSError:  # (an older kernel: the threads that fill it fault its pages)
             pass
     return arr
