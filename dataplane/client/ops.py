@@ -601,12 +601,13 @@ def _onto_device(
 ) -> DeviceColumn:
     """One field's rows copied to ``device``: one DMA per run straight from the shards' mappings
     when every piece is in a registered mapping (``CopyPath.DIRECT``), else staged; synchronised."""
-    from dataplane.codec.device import gather_to_device
+    from dataplane.codec.device import gather_to_device, plan_gather
 
-    direct = all(
+    plan = plan_gather(pieces, n)  # (too many runs: staged, and nothing is registered for it)
+    direct = plan.direct_ok and all(
         src.table is not None and route.memory.pin(src.shard, src.ref) is CopyPath.DIRECT for src in sources
     )
-    col = gather_to_device(pieces, n, device, direct, non_blocking)
+    col = gather_to_device(pieces, n, device, direct, non_blocking, plan)
     col.sync()  # before the generations are checked: the bytes copied must be the ones checked
     return col
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -176,17 +177,23 @@ def can_gather_to_device(pieces: Sequence[Piece]) -> bool:
     return spec.kind in ("dense", "jagged") and all(col.spec == spec for col, _, _ in pieces)
 
 
-def gather_to_device(
-    pieces: Sequence[Piece], num_rows: int, device: Any, direct: bool, non_blocking: bool = False
-) -> DeviceColumn:
-    """The rows of ``pieces`` (``can_gather_to_device``) as one column on ``device``.
+@dataclass(frozen=True)
+class GatherPlan:
+    """Where the rows of a gather go: the output's offsets (jagged) and size, and each piece's byte
+    runs (``byte_runs``); ``direct_ok`` when they are few enough for one DMA each."""
 
-    ``direct``: every piece's bytes are in registered host memory, so each run of rows is one DMA
-    from there; otherwise (or past ``MAX_DEVICE_RUNS`` runs) the rows are assembled on the host into
-    a pinned buffer first. The copies are in flight on return: ``sync()`` before trusting them.
-    """
-    import torch
+    offsets: np.ndarray | None
+    total: int
+    runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
+    @property
+    def direct_ok(self) -> bool:
+        return sum(len(r[0]) for r in self.runs) <= MAX_DEVICE_RUNS
+
+
+def plan_gather(pieces: Sequence[Piece], num_rows: int) -> GatherPlan:
+    """The plan of gathering ``pieces`` (``can_gather_to_device``) into ``num_rows`` rows: asked before
+    registering the pieces' memory, which only a direct copy needs."""
     spec = pieces[0][0].spec
     offsets = None
     if spec.kind == "dense":
@@ -194,16 +201,38 @@ def gather_to_device(
     else:
         offsets = out_offsets(num_rows, pieces)
         total = int(offsets[-1])
-    device = torch.device(device)
     runs = [byte_runs(spec, piece.offsets, src, dst, offsets) for piece, src, dst in pieces]
-    if sum(len(r[0]) for r in runs) > MAX_DEVICE_RUNS:
-        direct = False
+    return GatherPlan(offsets, total, runs)
+
+
+def gather_to_device(
+    pieces: Sequence[Piece],
+    num_rows: int,
+    device: Any,
+    direct: bool,
+    non_blocking: bool = False,
+    plan: GatherPlan | None = None,
+) -> DeviceColumn:
+    """The rows of ``pieces`` (``can_gather_to_device``) as one column on ``device``.
+
+    ``direct``: every piece's bytes are in registered host memory, so each run of rows is one DMA
+    from there; otherwise (or past ``MAX_DEVICE_RUNS`` runs) the rows are assembled on the host into
+    a pinned buffer first. ``plan``: ``plan_gather``'s, when the caller made it already. The copies
+    are in flight on return: ``sync()`` before trusting them.
+    """
+    import torch
+
+    spec = pieces[0][0].spec
+    plan = plan if plan is not None else plan_gather(pieces, num_rows)
+    offsets, total = plan.offsets, plan.total
+    direct = direct and plan.direct_ok
+    device = torch.device(device)
     stream = _stream(device, non_blocking)
     with _on(stream):
         out = torch.empty(total, dtype=torch.uint8, device=device)
         staged = None
         if direct:
-            for (piece, _, _), (s_begin, d_begin, length) in zip(pieces, runs, strict=True):
+            for (piece, _, _), (s_begin, d_begin, length) in zip(pieces, plan.runs, strict=True):
                 host = u8_tensor(piece.data)
                 for a, b, k in zip(s_begin.tolist(), d_begin.tolist(), length.tolist(), strict=True):
                     out[b : b + k].copy_(host[a : a + k], non_blocking=True)
@@ -250,4 +279,12 @@ def _on(stream: Any) -> Any:
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
-__all__ = ["MAX_DEVICE_RUNS", "DeviceColumn", "can_gather_to_device", "device_column", "gather_to_device"]
+__all__ = [
+    "MAX_DEVICE_RUNS",
+    "DeviceColumn",
+    "GatherPlan",
+    "can_gather_to_device",
+    "device_column",
+    "gather_to_device",
+    "plan_gather",
+]

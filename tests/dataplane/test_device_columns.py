@@ -170,3 +170,20 @@ def test_encode_put_keeps_cuda_tensors_on_their_device() -> None:
     assert isinstance(cols["x"], DeviceColumn) and cols["x"].values.data_ptr() == x.data_ptr()
     assert not isinstance(cols["y"], DeviceColumn)
     assert torch.equal(cols["x"].value(), x)
+
+
+def test_a_device_get_of_many_runs_is_staged_and_registers_nothing(shm_store) -> None:
+    """Past ``MAX_DEVICE_RUNS`` runs a get is assembled on the host and copied once: the shards'
+    mappings are not registered for it (registering costs, and the copy would not use them). The
+    ``meta`` device walks the device path without a GPU."""
+    store, route, rec = shm_store(1)
+    keys = [f"k{i}" for i in range(2 * MAX_DEVICE_RUNS + 2)]
+    x = torch.arange(len(keys) * 256, dtype=torch.float32).view(len(keys), 256)
+    store.drive(ops.put(route, keys, PID, encode_fields({"x": x}, len(keys)), None))
+    assert route.memory.pins == [] and rec.calls == []  # (a host put registers nothing)
+    every_other = keys[::2]  # one run per row
+    got = store.drive(ops.get(route, every_other, PID, ["x"], copy=True, device="meta"))
+    assert got["x"].values.device.type == "meta" and got["x"].num_rows == len(every_other)
+    assert route.memory.pins == [] and rec.calls == []
+    store.drive(ops.get(route, keys[:8], PID, ["x"], copy=True, device="meta"))  # one run: direct
+    assert route.memory.pins == [0] and [c[0] for c in rec.calls] == ["register"]
