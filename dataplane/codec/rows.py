@@ -52,10 +52,18 @@ def byte_runs(
     """Rows ``src`` of a column going to rows ``dst`` of another, as maximal byte runs: (source
     starts, destination starts, lengths). Dense rows have no offsets (``None``); variable rows take
     each side's byte offsets. For copies that pay per call (a device copy per run)."""
-    s0, d0, n = _runs(src, dst)
     if src_offsets is None or dst_offsets is None:
+        s0, d0, n = _runs(src, dst)
         rb = spec.dense_row_nbytes()
         return s0 * rb, d0 * rb, n * rb
+    return _variable_runs(src_offsets, dst_offsets, src, dst)
+
+
+def _variable_runs(
+    src_offsets: np.ndarray, dst_offsets: np.ndarray, src: np.ndarray, dst: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``byte_runs`` of variable-size rows: each side's byte offsets give where a run starts and ends."""
+    s0, d0, n = _runs(src, dst)
     s_begin = src_offsets[s0]
     return s_begin, dst_offsets[d0], src_offsets[s0 + n] - s_begin
 
@@ -185,23 +193,20 @@ def _copy_variable(
     out: np.ndarray,
 ) -> None:
     """Copy variable-size rows ``src`` (byte offsets ``src_off``) to rows ``dst`` of ``out`` (``dst_off``)."""
-    s0, d0, n = _runs(src, dst)
-    s_begin = src_off[s0]
-    d_begin = dst_off[d0]
-    run_len = src_off[s0 + n] - s_begin
+    s_begin, d_begin, run_len = _variable_runs(src_off, dst_off, src, dst)
     total = int(run_len.sum())
     if total == 0:
         return
-    if total >= _RUN_LOOP_MIN_BYTES * len(n):
+    if total >= _RUN_LOOP_MIN_BYTES * len(run_len):
         for sb, db, k in zip(s_begin.tolist(), d_begin.tolist(), run_len.tolist(), strict=True):
             out[db : db + k] = data[sb : sb + k]
         return
     # Many short runs: one vectorised take per chunk of runs. The byte index arrays cost 8 bytes
     # per byte moved, so chunks keep them to a few MiB however large the get is.
-    in_order = len(n) == 1 or bool(np.all(d_begin[1:] == d_begin[:-1] + run_len[:-1]))
+    in_order = len(run_len) == 1 or bool(np.all(d_begin[1:] == d_begin[:-1] + run_len[:-1]))
     run_end = np.cumsum(run_len)
     cuts = np.searchsorted(run_end, np.arange(_TAKE_CHUNK_BYTES, total, _TAKE_CHUNK_BYTES), side="right")
-    for r0, r1 in itertools.pairwise([0, *np.unique(cuts).tolist(), len(n)]):
+    for r0, r1 in itertools.pairwise([0, *np.unique(cuts).tolist(), len(run_len)]):
         if r1 > r0:
             _take_runs(data, s_begin[r0:r1], d_begin[r0:r1], run_len[r0:r1], out, in_order)
 
