@@ -66,7 +66,7 @@ class PinRegistry:
         addr, size = _extent(mapping)
         with self._lock:
             registered = addr in self._entries
-            path = copy_path(device, True, registered, size, self.cap_bytes - self._pinned)
+            path = copy_path(device, registered, size, self.cap_bytes - self._pinned)
             if path is CopyPath.REGISTER:
                 path = self._register(mapping, addr, size)
             if path is not CopyPath.MEMCPY:

@@ -22,13 +22,12 @@ MiB = 1 << 20
 
 
 def test_copy_path_takes_every_branch() -> None:
-    assert copy_path("cpu", True, True, MiB, 10 * MiB) is CopyPath.MEMCPY  # a CPU tensor: memcpy, always
-    assert copy_path("cpu", False, False, MiB, 0) is CopyPath.MEMCPY
-    assert copy_path("cuda", False, True, MiB, 10 * MiB) is CopyPath.STAGED  # no mapping here: frames
-    assert copy_path("cuda", True, True, MiB, 0) is CopyPath.DIRECT  # registered: no room needed
-    assert copy_path("cuda", True, False, MiB, MiB) is CopyPath.REGISTER  # fits the cap exactly
-    assert copy_path("cuda", True, False, MiB + 1, MiB) is CopyPath.STAGED  # past the cap
-    assert copy_path("cuda", True, False, MiB, 0) is CopyPath.STAGED
+    assert copy_path("cpu", True, MiB, 10 * MiB) is CopyPath.MEMCPY  # a CPU tensor: memcpy, always
+    assert copy_path("cpu", False, MiB, 0) is CopyPath.MEMCPY
+    assert copy_path("cuda", True, MiB, 0) is CopyPath.DIRECT  # registered: no room needed
+    assert copy_path("cuda", False, MiB, MiB) is CopyPath.REGISTER  # fits the cap exactly
+    assert copy_path("cuda", False, MiB + 1, MiB) is CopyPath.STAGED  # past the cap
+    assert copy_path("cuda", False, MiB, 0) is CopyPath.STAGED
 
 
 class Recorder:
