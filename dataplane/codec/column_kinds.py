@@ -421,6 +421,19 @@ def _common_row_shape(col: Column) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shapes[0]) if bool(np.all(shapes == shapes[0])) else None
 
 
+def jagged_tensor(values: torch.Tensor, spec: ColumnSpec, offsets: np.ndarray) -> torch.Tensor:
+    """Jagged rows as a nested tensor (jagged layout) viewing ``values`` (their bytes, uint8, on any
+    device); ``offsets``: the rows' byte offsets."""
+    dtype = torch_dtype(spec.dtype)
+    row_bytes = dtype.itemsize * math.prod(spec.shape)
+    elem_offsets = offsets // row_bytes
+    lengths = np.diff(elem_offsets)
+    bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if lengths.size else {}
+    return torch.nested.nested_tensor_from_jagged(
+        values.view(dtype).view(-1, *spec.shape), torch.from_numpy(elem_offsets).to(values.device), **bounds
+    )
+
+
 def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
     """The TensorDict entry for one column (a tensor view over ``col.data`` when it holds tensors)."""
     spec = col.spec
@@ -431,15 +444,7 @@ def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
         if shape is not None:  # the rows asked for share one shape: dense, still a view
             return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *shape)
     if spec.kind == "jagged":
-        dtype = torch_dtype(spec.dtype)
-        values = u8_tensor(col.data).view(dtype).view(-1, *spec.shape)
-        row_bytes = dtype.itemsize * math.prod(spec.shape)
-        elem_offsets = col.var_offsets() // row_bytes
-        lengths = np.diff(elem_offsets)
-        bounds = {}
-        if lengths.size:
-            bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
-        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(elem_offsets), **bounds)
+        return jagged_tensor(u8_tensor(col.data), spec, col.var_offsets())
     if spec.kind == "ragged":  # rows differ beyond their first dim: a strided nested tensor (one copy)
         flat = u8_tensor(col.data).view(torch_dtype(spec.dtype))
         item = flat.element_size()

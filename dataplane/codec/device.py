@@ -19,8 +19,8 @@ own, so they overlap with the work the caller queued before the get; the caller'
 them (an event) before anything it queues next.
 
 Tensors on the CPU take the same code with plain copies (no streams), which is how the tests run
-this module without a GPU. No torch import at module level: the store's processes import the
-codec without it.
+this module without a GPU. It imports torch (through ``column_kinds``): clients only, the store's
+own processes never import it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataplane.codec.column_kinds import check_storable, dtype_name, u8_tensor
+from dataplane.codec.column_kinds import check_storable, dtype_name, jagged_tensor, u8_tensor
 from dataplane.codec.column_types import Column, ColumnSpec, torch_dtype
 from dataplane.codec.rows import Piece, assemble, byte_runs, out_offsets
 
@@ -126,7 +126,6 @@ class DeviceColumn:
     def value(self) -> torch.Tensor:
         """The column as the tensor a get returns: dense ``[B, ...]``, or jagged (nested) when its
         rows differ in length; views of ``values``."""
-        import torch
 
         dtype = torch_dtype(self.spec.dtype)
         flat = self.values.view(dtype)
@@ -136,10 +135,7 @@ class DeviceColumn:
         lengths = np.diff(self.offsets) // row
         if self.num_rows and bool(np.all(lengths == lengths[0])):
             return flat.view(self.num_rows, int(lengths[0]), *self.spec.shape)
-        elems = flat.view(-1, *self.spec.shape)
-        offsets = torch.from_numpy(self.offsets // row).to(self.values.device)
-        bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if lengths.size else {}
-        return torch.nested.nested_tensor_from_jagged(elems, offsets, **bounds)
+        return jagged_tensor(self.values, self.spec, self.offsets)
 
     def _record(self, *tensors: torch.Tensor) -> None:
         """Remember a copy just queued on the current stream (nothing to wait for on the CPU)."""
