@@ -197,10 +197,11 @@ def stage_reply(
         out, refs = _lift(frames, min_bytes, server.stage)
     else:
         left = _Countdown(on_done)
+        staging = left.one()  # (held while staging: no buffer's end can end the count before all are staged)
         try:
             out, refs = _lift(frames, min_bytes, lambda view: server.stage(view, left.one()))
         finally:
-            left.one()()  # (the count's own share: none of its buffers' can end it before all are staged)
+            staging()
     return [_bulk.encode_manifest(refs, accepts=False), *out] if refs else frames
 
 

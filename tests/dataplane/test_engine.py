@@ -125,6 +125,31 @@ def test_a_staged_buffer_is_let_go_once_exactly_when_nothing_reads_it_any_more(s
         client.close()
 
 
+def test_what_a_reply_lent_is_given_back_once_all_its_buffers_are_done_and_not_before() -> None:
+    from dataplane.transport import engine as _engine
+
+    events: list[tuple] = []
+
+    class Instant:  # a server whose reader takes each buffer the moment it is staged
+        lends = True
+
+        def stage(self, buf: memoryview, on_done=None) -> int:
+            events.append(("staged", bytes(buf[:1])))
+            on_done()
+            return len(events)
+
+    frames = [b"header", bytes([1]) * 2048, bytes([2]) * 2048]
+    reply = _engine.stage_reply(Instant(), frames, 1024, lambda: events.append(("back",)))
+    assert events == [("staged", b"\x01"), ("staged", b"\x02"), ("back",)]
+    assert bulk.is_manifest(reply[0]) and reply[1:] == [b"header", b"", b""]
+    events.clear()
+    assert _engine.stage_reply(Instant(), [b"header", b"x"], 1024, lambda: events.append(("back",))) == [
+        b"header",
+        b"x",
+    ]
+    assert events == [("back",)]  # nothing staged: given back at once
+
+
 def test_rows_lent_from_shared_memory_are_read_whole_though_cleared_and_written_over(server) -> None:
     """A remote reader's rows are staged from the shard's shared memory as they are (no copy), their
     segment pinned: a clear and a new put that would reuse the segment while the reply waits to be
