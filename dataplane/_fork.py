@@ -8,9 +8,10 @@ main thread forks DataLoader workers hits exactly that.
 
 So before every fork: wait for the imports other threads have in progress to finish, then hold the
 global import lock (no thread can begin an import without it) until the fork is done, checking
-again under it. The fork is delayed by what is left of those imports; the child is never stuck.
-An import of the forking thread itself is re-entrant (no wait); two threads waiting on each other's
-imports are told so by importlib, and the fork then goes ahead as it would have.
+again under it. The fork is delayed by what is left of those imports, and the child finds them
+done. An import of the forking thread itself is not waited for. The wait is bounded (``WAIT_S``):
+past it (an import that never ends, or one waiting on the forking thread) the fork goes ahead as
+CPython's would, with a warning.
 
 This reads importlib's module locks (``importlib._bootstrap``, CPython 3.11-3.13); where they are
 not as expected it does nothing. Registered once, when ``dataplane`` is imported.
@@ -19,12 +20,16 @@ not as expected it does nothing. Registered once, when ``dataplane`` is imported
 from __future__ import annotations
 
 import _imp
+import logging
 import os
 import threading
+import time
 from importlib import _bootstrap
 from typing import Any
 
 ROUNDS = 50  # imports that keep starting between checks: after this many, fork as CPython would
+WAIT_S = 10.0  # the longest a fork waits for other threads' imports
+logger = logging.getLogger(__name__)
 _held = threading.local()
 
 
@@ -44,15 +49,17 @@ def _foreign_imports() -> list[Any]:
 
 
 def settle_imports() -> None:
-    """Wait for the imports in progress in other threads; return holding the global import lock
-    (``released`` gives it back after the fork) when none is left."""
+    """Wait (at most ``WAIT_S``) for the imports in progress in other threads; return holding the
+    global import lock (``released`` gives it back after the fork) when none is left."""
+    deadline = time.monotonic() + WAIT_S
     for _ in range(ROUNDS):
-        for lock in _foreign_imports():
-            try:
-                lock.acquire()  # waits for that import, as importing the module would
-                lock.release()
-            except Exception:  # noqa: BLE001, S110 - a deadlock importlib saw: the fork goes ahead
-                pass
+        # (polled, not acquired: an import that never ends, or one waiting on this very thread, must
+        # not keep the fork waiting for ever; past the deadline it goes ahead as CPython's would)
+        while _foreign_imports():
+            if time.monotonic() >= deadline:
+                logger.warning("forking while another thread is still importing (waited %.0f s)", WAIT_S)
+                return
+            time.sleep(0.001)
         _imp.acquire_lock()
         try:
             settled = not _foreign_imports()
