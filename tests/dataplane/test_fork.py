@@ -13,6 +13,7 @@ import importlib
 import os
 import select
 import signal
+import subprocess
 import sys
 import threading
 
@@ -104,3 +105,37 @@ def test_a_child_forked_while_a_thread_imports_a_module_can_import_it(tmp_path, 
     finally:
         importer.join()
         sys.modules.pop("dp_slow_import", None)
+
+
+STUCK_IMPORT = """
+import builtins, importlib, os, sys, threading, time
+import dataplane._fork as fork
+
+fork.WAIT_S = 0.3
+builtins.dp_started, builtins.dp_gate = threading.Event(), threading.Event()
+sys.path.insert(0, sys.argv[1])
+importer = threading.Thread(target=importlib.import_module, args=("dp_stuck_import",), daemon=True)
+importer.start()
+assert builtins.dp_started.wait(30), "the import did not begin"
+t0 = time.monotonic()
+child = os.fork()  # that import never ends while this thread waits
+if child == 0:
+    os._exit(0)
+os.waitpid(child, 0)
+print(f"forked after {time.monotonic() - t0:.2f} s", flush=True)
+builtins.dp_gate.set()
+importer.join(30)
+"""
+
+
+def test_a_fork_waits_for_another_threads_import_only_so_long(tmp_path):
+    """An import that does not end (here: it waits for the forking thread) holds a fork at most
+    ``WAIT_S``; then the fork goes ahead as CPython's would."""
+    (tmp_path / "dp_stuck_import.py").write_text(
+        "import builtins\nbuiltins.dp_started.set()\nbuiltins.dp_gate.wait()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_IMPORT, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "forked after" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert float(done.stdout.split()[2]) < 30
