@@ -189,6 +189,7 @@ def pytest_runtest_teardown(item, nextitem) -> None:
 
 
 RAY_NUM_CPUS = 8
+IDLE_WORKERS = 2  # idle workers each session cluster keeps for tasks (Ray's default: RAY_NUM_CPUS)
 WORKER_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver", "worker_start.py")
 RAY_OBJECT_STORE_BYTES = 512 * 1024**2
 
@@ -244,6 +245,10 @@ def ray_cluster(fork_server):
                 "object_store_memory": RAY_OBJECT_STORE_BYTES,
                 # Ray's fixed default (52365) would clash between the workers' clusters.
                 "dashboard_agent_listen_port": free_port(),
+                # Ray keeps as many idle workers as the node has CPUs (8 logical here) for tasks to
+                # come, each waking some 100 times a second (about 0.9% of a core each): two of them
+                # serve the suite's task bursts, the rest only cost a 2-core machine.
+                "_system_config": {"num_workers_soft_limit": IDLE_WORKERS},
             },
         )
         stack.callback(cluster.shutdown)
