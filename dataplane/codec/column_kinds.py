@@ -182,11 +182,7 @@ class ValueEncoder:
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous CPU copy-or-view of ``t``: at most one copy; CUDA goes through pinned memory."""
-        t = t.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
+        t = resolved(t)
         if t.device.type == "cpu":
             return t.contiguous()
         if t.device.type == "cuda":
@@ -421,31 +417,46 @@ def _common_row_shape(col: Column) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shapes[0]) if bool(np.all(shapes == shapes[0])) else None
 
 
-def jagged_tensor(values: torch.Tensor, spec: ColumnSpec, offsets: np.ndarray) -> torch.Tensor:
-    """Jagged rows as a nested tensor (jagged layout) viewing ``values`` (their bytes, uint8, on any
-    device); ``offsets``: the rows' byte offsets."""
-    dtype = torch_dtype(spec.dtype)
-    row_bytes = dtype.itemsize * math.prod(spec.shape)
-    elem_offsets = offsets // row_bytes
+def tensor_view(
+    values: torch.Tensor, spec: ColumnSpec, num_rows: int, offsets: np.ndarray | None
+) -> torch.Tensor:
+    """A dense or jagged column as the tensor a get returns, viewing ``values`` (its bytes, uint8, on
+    any device): dense ``[B, ...]``; jagged rows (``offsets``: their byte offsets) of one length dense
+    ``[B, L, ...]``, else a nested tensor (jagged layout)."""
+    flat = values.view(torch_dtype(spec.dtype))
+    if offsets is None:
+        return flat.view(num_rows, *spec.shape)
+    elem_offsets = offsets // spec.row_bytes()
     lengths = np.diff(elem_offsets)
+    if num_rows and bool(np.all(lengths == lengths[0])):  # the rows asked for share one shape: a view
+        return flat.view(num_rows, int(lengths[0]), *spec.shape)
     bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if lengths.size else {}
     return torch.nested.nested_tensor_from_jagged(
-        values.view(dtype).view(-1, *spec.shape), torch.from_numpy(elem_offsets).to(values.device), **bounds
+        flat.view(-1, *spec.shape), torch.from_numpy(elem_offsets).to(values.device), **bounds
     )
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with any pending conjugation or negation applied (its bytes are its values)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
 
 
 def decode_value(name: str, col: Column, allow_pickle: bool) -> Any:
     """The TensorDict entry for one column (a tensor view over ``col.data`` when it holds tensors)."""
     spec = col.spec
-    if spec.kind == "dense":
-        return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *spec.shape)
-    if spec.kind in ("jagged", "ragged"):
+    if spec.kind in ("dense", "jagged"):
+        offsets = col.var_offsets() if spec.kind == "jagged" else None
+        return tensor_view(u8_tensor(col.data), spec, col.num_rows, offsets)
+    if spec.kind == "ragged":
         shape = _common_row_shape(col)
         if shape is not None:  # the rows asked for share one shape: dense, still a view
             return u8_tensor(col.data).view(torch_dtype(spec.dtype)).view(col.num_rows, *shape)
-    if spec.kind == "jagged":
-        return jagged_tensor(u8_tensor(col.data), spec, col.var_offsets())
-    if spec.kind == "ragged":  # rows differ beyond their first dim: a strided nested tensor (one copy)
+        # rows differ beyond their first dim: a strided nested tensor (one copy)
         flat = u8_tensor(col.data).view(torch_dtype(spec.dtype))
         item = flat.element_size()
         offsets, shapes = col.var_offsets(), col.ragged_shapes()

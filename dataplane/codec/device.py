@@ -25,15 +25,14 @@ own processes never import it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dataplane.codec.column_kinds import check_storable, dtype_name, jagged_tensor, u8_tensor
-from dataplane.codec.column_types import Column, ColumnSpec, torch_dtype
+from dataplane.codec.column_kinds import check_storable, dtype_name, resolved, tensor_view, u8_tensor
+from dataplane.codec.column_types import Column, ColumnSpec
 from dataplane.codec.rows import Piece, assemble, byte_runs, out_offsets
 
 if TYPE_CHECKING:
@@ -109,33 +108,21 @@ class DeviceColumn:
         over shards sends each its own rows), and their offsets (jagged)."""
         import torch
 
-        device = self.values.device
         if self.offsets is None:
             rb = self.spec.dense_row_nbytes()
-            index = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(device)
+            index = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(self.values.device)
             return self.values.view(self.num_rows, rb).index_select(0, index).reshape(-1), None
         offsets = out_offsets(len(pos), [(self, pos, np.arange(len(pos)))])
         # One slice per run of consecutive rows, put together by one cat: device memory for the
         # output alone (a gather index would cost 8 bytes per byte moved).
         starts, _, lengths = byte_runs(self.spec, self.offsets, pos, np.arange(len(pos)), offsets)
         runs = [self.values[int(a) : int(a) + int(n)] for a, n in zip(starts, lengths, strict=True)]
-        out = torch.cat(runs) if runs else self.values[:0]
-        assert out.device == device
-        return out, offsets
+        return (torch.cat(runs) if runs else self.values[:0]), offsets
 
     def value(self) -> torch.Tensor:
         """The column as the tensor a get returns: dense ``[B, ...]``, or jagged (nested) when its
         rows differ in length; views of ``values``."""
-
-        dtype = torch_dtype(self.spec.dtype)
-        flat = self.values.view(dtype)
-        if self.offsets is None:
-            return flat.view(self.num_rows, *self.spec.shape)
-        row = math.prod(self.spec.shape) * dtype.itemsize
-        lengths = np.diff(self.offsets) // row
-        if self.num_rows and bool(np.all(lengths == lengths[0])):
-            return flat.view(self.num_rows, int(lengths[0]), *self.spec.shape)
-        return jagged_tensor(self.values, self.spec, self.offsets)
+        return tensor_view(self.values, self.spec, self.num_rows, self.offsets)
 
     def _record(self, *tensors: torch.Tensor) -> None:
         """Remember a copy just queued on the current stream (nothing to wait for on the CPU)."""
@@ -157,11 +144,7 @@ def device_column(name: str, t: torch.Tensor, num_rows: int) -> DeviceColumn | N
     if type(t) is not torch.Tensor or not t.is_cuda or t.is_nested or t.dim() == 0 or t.shape[0] != num_rows:
         return None
     check_storable(name, t)
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = resolved(t)
     values = t.contiguous().view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
     return DeviceColumn(ColumnSpec("dense", dtype_name(t.dtype), tuple(t.shape[1:])), num_rows, values)
 
