@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dataplane import config
 from dataplane.codec.paths import CopyPath, copy_path
@@ -42,18 +41,13 @@ Unregister = Callable[[int], int]
 _PORTABLE = 1  # cudaHostRegisterPortable
 
 
-@dataclass
-class _Entry:
-    nbytes: int
-
-
 class PinRegistry:
     """The mappings of this process registered with CUDA, within ``cap_bytes`` (module docstring)."""
 
     def __init__(self, cap_bytes: int, calls: tuple[Register, Unregister] | None) -> None:
         self.cap_bytes = max(0, cap_bytes) if calls is not None else 0
         self._calls = calls
-        self._entries: dict[int, _Entry] = {}  # by the mapping's address
+        self._entries: dict[int, int] = {}  # the registered mappings' sizes, by address
         self._hooked: set[int] = set()  # addresses whose unmap runs ``release`` (hooked once each)
         self._pinned = 0
         self._counts = {"registered": 0, "unregistered": 0, "direct": 0, "staged": 0, "failed": 0}
@@ -85,7 +79,7 @@ class PinRegistry:
         if self._calls[0](addr, size) != 0:
             self._counts["failed"] += 1
             return CopyPath.STAGED
-        self._entries[addr] = _Entry(size)
+        self._entries[addr] = size
         self._pinned += size
         self._counts["registered"] += 1
         return CopyPath.DIRECT
@@ -94,10 +88,10 @@ class PinRegistry:
         """Unregister the mapping at ``addr`` (run by its unmap, before the pages go); no-op if unknown."""
         with self._lock:
             self._hooked.discard(addr)  # (the address may be a new mapping's next)
-            entry = self._entries.pop(addr, None)
-            if entry is None:
+            size = self._entries.pop(addr, None)
+            if size is None:
                 return
-            self._pinned -= entry.nbytes
+            self._pinned -= size
             self._counts["unregistered"] += 1
         assert self._calls is not None
         self._calls[1](addr)
