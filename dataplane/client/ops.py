@@ -796,14 +796,16 @@ def list_keys(route: Route, partition_id: str | None) -> Op[dict[str, dict[str, 
         keys: dict[str, _protocol.Tag] = {}
         cursor: str | None = None
         while True:
-            (res,) = yield [Call(INDEX, "list", _protocol.ListKeys(pid, limit=LIST_PAGE, cursor=cursor))]
-            if isinstance(res, PartitionNotFoundError) and cursor is not None:
+            try:
+                page, nxt = yield from list_page(route, pid, LIST_PAGE, cursor)
+            except PartitionNotFoundError:
+                if cursor is None:
+                    raise
                 break  # cleared meanwhile
-            got = _reply(res, _protocol.ListReply)
-            if pid not in got.list:  # not there (never written, or cleared)
+            if pid not in page:  # not there (never written, or cleared)
                 break
-            keys.update(got.list[pid])
-            cursor = got.cursor
+            keys.update(page[pid])
+            cursor = nxt
             if cursor is None:
                 out[pid] = keys
                 break
