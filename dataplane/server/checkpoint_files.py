@@ -98,15 +98,20 @@ class DataWriter:
         self.size = 0
 
     def append(self, buf: Any) -> list[int]:
-        view = memoryview(buf).cast("B")
+        return self.append_all([buf])
+
+    def append_all(self, bufs: list[Any]) -> list[int]:
+        """``append`` of the buffers laid end to end, as one (one entry, one checksum)."""
         start, crc = self.size, 0
-        for lo in range(0, len(view), SLICE):
-            piece = view[lo : lo + SLICE]
-            crc = crc32(piece, crc)
-            while piece:
-                piece = piece[os.write(self.fd, piece) :]
-        self.size += len(view)
-        return [start, len(view), crc]
+        for buf in bufs:
+            view = memoryview(buf).cast("B")
+            for lo in range(0, len(view), SLICE):
+                piece = view[lo : lo + SLICE]
+                crc = crc32(piece, crc)
+                while piece:
+                    piece = piece[os.write(self.fd, piece) :]
+            self.size += len(view)
+        return [start, self.size - start, crc]
 
     def append_from(self, src_fd: int, src_offset: int, view: memoryview) -> list[int]:
         """``append(view)`` where ``view`` maps the bytes of file ``src_fd`` from ``src_offset`` on (a
@@ -143,11 +148,12 @@ class DataWriter:
             self.fd = -1
 
 
-def write_small(path: str, data: bytes, dir_fd: int | None = None) -> dict[str, int]:
-    """Write a small file durably; its manifest entry ``{"bytes", "crc32"}``."""
+def write_small(path: str, data: Any, dir_fd: int | None = None) -> dict[str, int]:
+    """Write a small file durably (``data``: a buffer, or a list of them laid end to end); its
+    manifest entry ``{"bytes", "crc32"}``."""
     writer = DataWriter(path, dir_fd)
     try:
-        _, nbytes, crc = writer.append(data)
+        _, nbytes, crc = writer.append_all(data if type(data) is list else [data])
         writer.close()
     finally:
         writer.abandon()

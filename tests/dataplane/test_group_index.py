@@ -66,6 +66,10 @@ def test_a_commit_costs_the_same_beside_many_rows_in_incomplete_groups(monkeypat
     put(core, "p", [f"s{i}" for i in range(n)], ["x"], tags=[{"uid": f"g{i // 2}"} for i in range(n)])
     body = {"partition": "p", "batch_size": 4, "fields": ["x"], "sampler": GroupSampler("uid", 4).spec()}
     for t in range(4):
+        assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING  # each stream gathered in slices
+    while core.building:
+        core.build_some()
+    for t in range(4):
         assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING  # builds each stream's index
     looked = [0]
     real = samplers.group_id

@@ -7,11 +7,14 @@ from __future__ import annotations
 import gc
 import threading
 import uuid
+from typing import Any
 
 import pytest
 import zmq
 
 from dataplane.errors import PartitionNotFoundError, WireError
+from dataplane.server.checkpoint_files import new_token
+from dataplane.server.index import checkpoint as index_checkpoint
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.keytable import COMPACT_MIN_HOLES
@@ -222,6 +225,28 @@ def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order(
     assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "both"]  # as they became ready
 
 
+def test_a_reset_over_a_big_partition_gathers_the_streams_again_in_slices():
+    """A reset makes every row ready again; over a big partition its streams are gathered again a
+    slice at a time (one step over the partition before), takes waiting until they are whole."""
+    core = IndexCore()
+    n = 2 * BUILD_SLICE + 10
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"])
+    take = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=3)
+    while (got := core.op_next(take)) is None:  # (the first ask gathers the stream)
+        core.build_some()
+    assert got.keys == keys[:3]
+    core.op_reset(_protocol.Reset(partition="p", task="t"))
+    assert core.op_next(take) is None and core.building  # gathering again: wait
+    assert core.op_consumption(_protocol.Consumption("p", "t")).consumed == 0
+    core.build_some()
+    assert core.building  # one slice, not the whole partition
+    _commit(core, "p", ["late"], ["x"])
+    while core.building:
+        core.build_some()
+    assert core.op_next(take).keys == keys[:3] and _ready(core, "t", ["x"]) == [*keys[3:], "late"]
+
+
 def test_requests_are_answered_while_a_big_clear_is_freed_and_a_big_stream_is_gathered(
     creds: Credentials, monkeypatch
 ):
@@ -273,3 +298,44 @@ def test_a_commit_of_many_new_keys_makes_them_ready_at_once_for_the_streams_that
     assert _ready(core, "t", ["x"]) == new and _ready(core, "u", ["x", "y"]) is None
     _commit(core, "p", new[::-1], ["y"])  # (keys that exist: one at a time, in commit order)
     assert _ready(core, "u", ["x", "y"]) == new[::-1]
+
+
+def test_requests_are_answered_while_the_index_writes_a_checkpoint(creds: Credentials, monkeypatch, tmp_path):
+    """Through the loop and its sockets: a checkpoint save whose file write stalls (held by a gate,
+    as slow storage would) holds up no other request; the save is answered once the file is written,
+    with the partitions as they were when it began."""
+    core = IndexCore()
+    _commit(core, "big", [f"b{i}" for i in range(100)], ["x"])
+    writing, go = threading.Event(), threading.Event()
+    real = index_checkpoint.write_small
+
+    def stalled(*args: Any) -> dict[str, int]:
+        writing.set()
+        assert go.wait(REPLY_MS / 1000)
+        return real(*args)
+
+    monkeypatch.setattr(index_checkpoint, "write_small", stalled)
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    server.start()
+    ctx = zmq.Context()
+    try:
+        sock = _dealer(ctx, creds, server)
+        token = new_token()
+        (tmp_path / token).touch()
+        rid = next(_rids)
+        sock.send_multipart(
+            _wire.encode_request(rid, "checkpoint_save", {"path": str(tmp_path), "token": token})
+        )
+        assert writing.wait(REPLY_MS / 1000)
+        assert _ask(sock, "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]}).error is None
+        got = _ask(sock, "next", {"partition": "small", "task": "t", "batch_size": 1, "fields": ["x"]})
+        assert reply(got.body, _protocol.BatchReply).keys == ["s"]
+        go.set()
+        assert sock.poll(REPLY_MS)
+        saved = _wire.decode_raw_reply(sock.recv_multipart())[0]
+        assert saved.rid == rid
+        assert reply(saved.body, _protocol.CheckpointSaveReply).partitions == {"big": 100}
+    finally:
+        go.set()
+        server.stop()
+        ctx.destroy(linger=0)

@@ -23,11 +23,14 @@ metadata only, until the next checkpoint replaces it.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from itertools import compress, repeat
+from typing import Any, cast
 
 import msgspec
 
@@ -41,7 +44,10 @@ from dataplane.server.checkpoint_files import (
     read_small,
     write_small,
 )
+from dataplane.server.index.keytable import Tag
+from dataplane.server.index.pieces import Big, encode_list, pieces
 from dataplane.server.index.records import FieldSchema, PartMeta
+from dataplane.server.jobs import Job, in_thread, run_job
 from dataplane.wire import protocol as _protocol
 
 
@@ -63,10 +69,76 @@ def decode_index(data: bytes, path: str) -> IndexState:
     return decode_file(data, path, IndexState)
 
 
+SLICE = 16384  # keys encoded per step of a save (a few milliseconds)
+
+
+@dataclass
+class _Frozen:
+    """One partition's metadata copied at one instant (``_freeze``), to be encoded in slices."""
+
+    pid: str
+    names: list[str | None]  # (None: a hole a cleared key left)
+    held: list[frozenset[str] | None]
+    tags: dict[str, Tag]
+    schema: list[Any]
+    streams: dict[str, Any]
+
+
+def _freeze(pid: str, part: PartMeta, schema: list[Any]) -> _Frozen:
+    """``part`` as it is now, by copies at C speed (tags are replaced, never changed, when a key is
+    retagged, so a shallow copy holds)."""
+    names, held, tags = part.keys.copy_rows()
+    return _Frozen(pid, names, held, tags, schema, part.streams.snapshot(time.monotonic()))
+
+
+def _encode_part(f: _Frozen) -> Generator[None, None, tuple[dict[str, Any], int]]:
+    """A frozen partition encoded a slice per step: its ``PartState`` with its big lists encoded
+    (``pieces.Big``), and its key count. Fields are stored once per distinct set (``layouts``), each
+    key naming its set (``layout``)."""
+    layouts: dict[frozenset[str], int] = {}
+    keys, layout, tags = Big(0, []), Big(0, []), Big(0, [])
+    for at in range(0, len(f.names), SLICE):
+        names, held = f.names[at : at + SLICE], f.held[at : at + SLICE]
+        live = list(map(operator.is_not, names, repeat(None)))
+        live_names = cast(list[str], list(compress(names, live)))
+        live_held = cast(list[frozenset[str]], list(compress(held, live)))
+        for fields in set(live_held):
+            layouts.setdefault(fields, len(layouts))
+        keys.extend(live_names)
+        layout.extend(list(map(layouts.__getitem__, live_held)))
+        get = f.tags.get
+        tags.extend([get(k) or {} for k in live_names] if f.tags else [{}] * len(live_names))
+        yield None
+    for task in f.streams["tasks"]:  # (what the stream state holds per key: encoded in slices too)
+        task["consumed"] = yield from encode_list(task["consumed"], SLICE)
+        for stream in task["streams"]:
+            stream["ready"] = yield from encode_list(stream["ready"], SLICE)
+    state = {
+        "pid": f.pid,
+        "keys": keys,
+        "layouts": [sorted(fields) for fields in layouts],
+        "layout": layout,
+        "tags": tags,
+        "schema": f.schema,
+        "streams": f.streams,
+    }
+    return state, keys.n
+
+
+def _write_and_close(data: list[bytes | memoryview], dir_fd: int) -> dict[str, int]:
+    """``index.msgpack`` written durably in the directory ``dir_fd``, which is then closed."""
+    try:
+        return write_small(INDEX_FILE, data, dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 class IndexCheckpoints:
     """The checkpoint operations of ``IndexCore`` (see the module docstring)."""
 
     partitions: dict[str, PartMeta]
+    building: dict[str, PartMeta]  # partitions whose consumers' streams are being gathered
+    build_some: Callable[[], None]  # (``IndexRecords.build_some``: one slice of them)
     schemas: dict[str, dict[str, FieldSchema]]
     changed: set[str]
     queue_lease: Callable[[float, str, str, str], None]  # (``IndexCore.queue_lease``)
@@ -85,67 +157,83 @@ class IndexCheckpoints:
         return state
 
     # ---- save -----------------------------------------------------------------------------------
+    # A save runs in steps (``server.jobs``): each partition is copied at one instant (copies at C
+    # speed, no step per key), then encoded a slice at a time, and the file is written on a thread,
+    # so the index answers other requests throughout. Each partition is one consistent instant; the
+    # shards save after the index anyway, and the finish drops what was cleared meanwhile.
     def op_checkpoint_save(self, body: _protocol.CheckpointSave) -> _protocol.CheckpointSaveReply:
+        return run_job(self.job_checkpoint_save(body))
+
+    def job_checkpoint_save(self, body: _protocol.CheckpointSave) -> Job[_protocol.CheckpointSaveReply]:
         dir_fd = open_dir(body.path, body.token, self._who())
         try:
-            parts = [self._snapshot(pid, part) for pid, part in self.partitions.items()]
-            data = msgspec.msgpack.encode({"version": VERSION, "partitions": parts})
-            entry = write_small(INDEX_FILE, data, dir_fd)
-        finally:
+            while self.building:  # a consumer's stream being gathered: a snapshot holds it whole
+                self.build_some()
+                yield None
+            parts: list[dict[str, Any]] = []
+            counts: dict[str, int] = {}
+            for pid in list(self.partitions):
+                part = self.partitions.get(pid)
+                if part is None:  # (cleared between two steps)
+                    continue
+                frozen = _freeze(pid, part, self._confirmed(pid))
+                yield None
+                state, counts[pid] = yield from _encode_part(frozen)
+                parts.append(state)
+            data = pieces({"version": VERSION, "partitions": parts})  # (the file's buffers, not joined)
+        except BaseException:
             os.close(dir_fd)
+            raise
+        written = in_thread(_write_and_close, data, dir_fd)  # (the thread closes the directory)
+        yield written
+        entry = written.result()
         path = os.path.join(body.path, INDEX_FILE)
         save = next(self._ckpt_ids)
-        self._ckpt()["saves"] = {save: (path, data, entry)}  # the newest save only
-        return _protocol.CheckpointSaveReply(save, entry, {p["pid"]: len(p["keys"]) for p in parts})
+        self._ckpt()["saves"] = {save: (path, data, entry, counts)}  # the newest save only
+        return _protocol.CheckpointSaveReply(save, entry, counts)
 
-    def _snapshot(self, pid: str, part: PartMeta) -> dict[str, Any]:
-        layouts: dict[frozenset[str], int] = {}
-        names: list[str] = []
-        layout = []
-        for key, held in part.keys.held_items():
-            names.append(key)
-            layout.append(layouts.setdefault(held, len(layouts)))
-        schema = self.schemas.get(pid, {})
-        tag = part.keys.tag
-        return {
-            "pid": pid,
-            "keys": names,
-            "layouts": [sorted(fields) for fields in layouts],
-            "layout": layout,
-            "tags": [tag(key) for key in names] if part.keys.tagged() else [{}] * len(names),
-            "schema": [[name, entry.family] for name, entry in schema.items() if entry.confirmed],
-            "streams": part.streams.snapshot(time.monotonic()),
-        }
+    def saved_partition(self, pid: str) -> dict[str, Any]:
+        """What a save now writes of partition ``pid``, read back as plain values."""
+        state, _ = run_job(_encode_part(_freeze(pid, self.partitions[pid], self._confirmed(pid))))
+        decoded: dict[str, Any] = msgspec.msgpack.decode(b"".join(pieces(state)))
+        return decoded
+
+    def _confirmed(self, pid: str) -> list[Any]:
+        """The schema a checkpoint saves of partition ``pid``: its confirmed fields."""
+        return [[name, entry.family] for name, entry in self.schemas.get(pid, {}).items() if entry.confirmed]
 
     def op_checkpoint_finish(self, body: _protocol.CheckpointFinish) -> _protocol.CheckpointFinishReply:
+        return run_job(self.job_checkpoint_finish(body))
+
+    def job_checkpoint_finish(self, body: _protocol.CheckpointFinish) -> Job[_protocol.CheckpointFinishReply]:
         saved = self._ckpt()["saves"].pop(body.save, None)
         if saved is None:
             raise CheckpointError(
                 "", f"checkpoint save {body.save} is unknown to the index (a later save replaced it)"
             )
-        path, data, entry = saved
-        state = decode_index(data, path)
+        path, data, entry, counts = saved
         missing = {pid: set(keys) for pid, keys in body.missing.items() if keys}
-        if missing:  # cleared while the shards saved: out of the metadata too, as if cleared before
-            parts = []
-            for p in state.partitions:
-                part, _ = self._restore(p, path)
-                for key in missing.get(p.pid, ()):
-                    if part.keys.remove(key):
-                        part.streams.on_clear(key)
-                part.keys.settle()
-                parts.append(self._snapshot_state(p, part))
-            os.unlink(path)
-            entry = write_small(path, msgspec.msgpack.encode({"version": VERSION, "partitions": parts}))
-            counts = {p["pid"]: len(p["keys"]) for p in parts}
-        else:
-            counts = {p.pid: len(p.keys) for p in state.partitions}
-        return _protocol.CheckpointFinishReply(entry, counts)
-
-    def _snapshot_state(self, p: PartState, part: PartMeta) -> dict[str, Any]:
-        out = self._snapshot(p.pid, part)
-        out["schema"] = p.schema  # the schema as saved, not the live one
-        return out
+        if not missing:
+            return _protocol.CheckpointFinishReply(entry, counts)
+        # Cleared while the shards saved: out of the metadata too, as if cleared before (rare: the
+        # file is read back whole, in one step).
+        state = decode_index(b"".join(data), path)
+        parts: list[dict[str, Any]] = []
+        counts = {}
+        for p in state.partitions:
+            part, _ = self._restore(p, path)
+            for key in missing.get(p.pid, ()):
+                if part.keys.remove(key):
+                    part.streams.on_clear(key)
+            part.keys.settle()
+            yield None
+            frozen = _freeze(p.pid, part, p.schema)  # (the schema as saved, not the live one)
+            saved_state, counts[p.pid] = yield from _encode_part(frozen)
+            parts.append(saved_state)
+        os.unlink(path)
+        written = in_thread(write_small, path, pieces({"version": VERSION, "partitions": parts}))
+        yield written
+        return _protocol.CheckpointFinishReply(written.result(), counts)
 
     # ---- load -----------------------------------------------------------------------------------
     def op_checkpoint_stage(self, body: _protocol.CheckpointStage) -> _protocol.CheckpointStageReply:

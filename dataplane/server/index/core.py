@@ -15,7 +15,7 @@ classifying a missing key).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.dispatch import Operations, OpReply
@@ -23,6 +23,7 @@ from dataplane.server.index.checkpoint import IndexCheckpoints
 from dataplane.server.index.puts import IndexPuts
 from dataplane.server.index.records import CLEARED_KEYS_KEPT
 from dataplane.server.index.streaming import IndexStreaming
+from dataplane.server.jobs import Job
 from dataplane.wire import protocol as _protocol
 
 
@@ -53,6 +54,17 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
     OPS = _protocol.INDEX_OPS
     REPLIES = _protocol.INDEX_REPLIES
     SERVICE = "the index"
+    # Ops whose work grows with what the index holds: its server answers them in steps
+    # (``server.jobs``), serving other requests between; ``op_<name>`` runs the same job whole.
+    JOBS: ClassVar[dict[str, str]] = {
+        "checkpoint_save": "job_checkpoint_save",
+        "checkpoint_finish": "job_checkpoint_finish",
+    }
+
+    def job(self, op: str, body: Any) -> Job[Any]:
+        """The job answering ``op`` (one of ``JOBS``) in steps."""
+        job: Job[Any] = getattr(self, self.JOBS[op])(body)
+        return job
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any

@@ -257,6 +257,7 @@ class IndexStreaming(IndexRecords):
         part = self.partitions.get(body.partition)
         if part is not None:
             part.streams.reset(body.task)
+            self._watch_build(body.partition, part)
             self.changed.add(body.partition)
         return _protocol.Done()
 

@@ -30,7 +30,7 @@ from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
 TAKE_MEMORY = 4096  # takes remembered per task (take id -> keys), oldest dropped first
-BUILD_SLICE = 65536  # a new stream over more keys is gathered this many rows at a time, between requests
+BUILD_SLICE = 8192  # a new stream over more keys is gathered this many rows at a time, between requests
 # (one over fewer at once: a few milliseconds, and its first take answered in the same call)
 
 
@@ -406,7 +406,8 @@ class PartitionStreams:
         return len(keys)
 
     def reset(self, task_name: str | None) -> None:
-        """Every row readable again for ``task_name`` (all tasks when None)."""
+        """Every row readable again for ``task_name`` (all tasks when None); a big partition's streams
+        are gathered again in slices (``build_some``), as a new stream's are."""
         names = list(self.tasks) if task_name is None else [task_name]
         for name in names:
             task = self.tasks.get(name)
@@ -418,8 +419,13 @@ class PartitionStreams:
             task.leases.clear()
             task.leased.clear()
             for stream in task.streams.values():
-                stream.ready.replace(self._having(stream.fields))
-                stream.build = None
+                if self._table is not None and len(self._table) > BUILD_SLICE:  # gathered again in slices
+                    stream.ready.replace(())
+                    stream.build = Build(0, self._table.next_seq)
+                    self.building.append((task, stream))
+                else:
+                    stream.ready.replace(self._having(stream.fields))
+                    stream.build = None
 
     # ---- a dropped partition, freed in slices (``IndexRecords.free_some``) -------------------------
     def drain(self, n: int) -> int:
@@ -450,7 +456,7 @@ class PartitionStreams:
             "tasks": [
                 {
                     "name": name,
-                    "consumed": sorted(task.consumed),
+                    "consumed": list(task.consumed),  # (a set: its order means nothing)
                     "streams": [
                         {"fields": sorted(s.fields), "ready": list(s.ready)} for s in task.streams.values()
                     ],

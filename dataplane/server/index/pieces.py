@@ -1,0 +1,92 @@
+"""msgpack written as a list of pieces, a big array a slice per step: how the index encodes a
+checkpoint of millions of keys between requests (``server.index.checkpoint``) without building the
+file in one buffer.
+
+``encode_list`` encodes a big list a slice per step (a generator, for ``server.jobs``) into a
+``Big``: its items' encodings, not joined. ``pieces`` then lays out a structure of dicts and lists
+holding ``Big`` values as the buffers of one msgpack document, in order (``b"".join`` of them is
+what ``msgspec.msgpack.encode`` would give for the same values):
+
+    >>> from dataplane.server.jobs import run_job
+    >>> big = run_job(encode_list(["a", "b", "c"], slice_len=2))
+    >>> doc = pieces({"keys": big, "n": 3})
+    >>> b"".join(doc) == msgspec.msgpack.encode({"keys": ["a", "b", "c"], "n": 3})
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _header(n: int, small: int, tag16: int) -> bytes:
+    """msgpack's header of an array (``small`` 0x90, ``tag16`` 0xdc) or a map (0x80, 0xde) of ``n``."""
+    if n < 16:
+        return bytes([small | n])
+    if n < 1 << 16:
+        return bytes([tag16]) + n.to_bytes(2, "big")
+    return bytes([tag16 + 1]) + n.to_bytes(4, "big")
+
+
+def array_header(n: int) -> bytes:
+    return _header(n, 0x90, 0xDC)
+
+
+def map_header(n: int) -> bytes:
+    return _header(n, 0x80, 0xDE)
+
+
+@dataclass
+class Big:
+    """An array of ``n`` items, as the encodings of its slices (each without an array header)."""
+
+    n: int
+    parts: list[memoryview]
+
+    def extend(self, values: list[Any]) -> None:
+        """Append ``values``' encodings (one C call)."""
+        self.parts.append(memoryview(_ENCODER.encode(values))[len(array_header(len(values))) :])
+        self.n += len(values)
+
+
+def encode_list(values: list[Any], slice_len: int) -> Generator[None, None, Big]:
+    """``values`` encoded ``slice_len`` items per step."""
+    out = Big(0, [])
+    for at in range(0, len(values), slice_len):
+        out.extend(values[at : at + slice_len])
+        yield None
+    return out
+
+
+def pieces(value: Any) -> list[bytes | memoryview]:
+    """The buffers of ``value``'s msgpack document, in order. Dicts, and lists of dicts, are laid
+    out here (they may hold ``Big`` values); anything else is encoded whole."""
+    out: list[bytes | memoryview] = []
+    _lay_out(value, out)
+    return out
+
+
+def _lay_out(value: Any, out: list[bytes | memoryview]) -> None:
+    if type(value) is Big:
+        out.append(array_header(value.n))
+        out.extend(value.parts)
+    elif type(value) is dict:
+        out.append(map_header(len(value)))
+        for key, item in value.items():
+            out.append(_ENCODER.encode(key))
+            _lay_out(item, out)
+    elif type(value) is list and value and all(type(item) is dict for item in value):
+        out.append(array_header(len(value)))
+        for item in value:
+            _lay_out(item, out)
+    else:
+        out.append(_ENCODER.encode(value))
+
+
+__all__ = ["Big", "array_header", "encode_list", "map_header", "pieces"]
