@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from dataplane import samplers
 from dataplane.samplers import GroupSampler, ReadyRows, complete_groups
 from dataplane.server.index import ready as ready_mod
@@ -65,12 +67,11 @@ def test_a_commit_costs_the_same_beside_many_rows_in_incomplete_groups(monkeypat
     n = 50_000
     put(core, "p", [f"s{i}" for i in range(n)], ["x"], tags=[{"uid": f"g{i // 2}"} for i in range(n)])
     body = {"partition": "p", "batch_size": 4, "fields": ["x"], "sampler": GroupSampler("uid", 4).spec()}
-    for t in range(4):
-        assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING  # each stream gathered in slices
-    while core.building:
-        core.build_some()
-    for t in range(4):
-        assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING  # builds each stream's index
+    for _ in range(2):  # each stream gathered in slices, then its group index
+        for t in range(4):
+            assert call(core, "next", {**body, "task": f"t{t}"}) == PENDING
+        while core.building:
+            core.build_some()
     looked = [0]
     real = samplers.group_id
 
@@ -105,3 +106,66 @@ def test_without_retags_groups_come_in_the_order_a_scan_finds_them():
             elif len(ready):
                 ready.discard(rng.choice(list(ready)))
             assert index.units(4) == _scan(list(ready), tags, 3, 4), (seed, step)
+
+
+def test_an_index_gathered_in_slices_is_the_one_built_at_once_and_kept_current(monkeypatch):
+    """Over more than ``GROUP_SLICE`` ready keys a group index is gathered a slice at a time while
+    keys come, go, come back first and change groups: once whole it equals an index built at once
+    when it was asked for and kept current by the same changes."""
+    monkeypatch.setattr(ready_mod, "GROUP_SLICE", 5)
+    for seed in range(40):
+        rng = random.Random(seed)
+        tags = {f"k{i}": {"uid": rng.randrange(6)} for i in range(40)}
+        start = [k for k in tags if rng.random() < 0.7]
+        sliced = ReadyKeys(tags.__getitem__, start, lambda: dict(tags).__getitem__)  # (tags: replaced)
+        with pytest.raises(ready_mod.StillGathering):
+            sliced.groups("uid", 3)
+        whole = ReadyKeys(tags.__getitem__, start)
+        reference = ready_mod.GroupIndex("uid", 3, tags.__getitem__)
+        for key in start:
+            reference.add(key)
+        whole.indexes[("uid", 3)] = reference
+        while sliced.gathering():
+            change = rng.randrange(4)
+            key = rng.choice(list(tags))
+            if change == 0:
+                for ready in (sliced, whole):
+                    ready.add(key)
+            elif change == 1:
+                for ready in (sliced, whole):
+                    ready.discard(key)
+            elif change == 2:
+                for ready in (sliced, whole):
+                    ready.put_first([key])
+            else:
+                tags[key] = {"uid": rng.randrange(6)}
+                for ready in (sliced, whole):
+                    ready.retag(key)
+            sliced.gather_some()
+        index = sliced.groups("uid", 3)
+        assert list(sliced) == list(whole)
+        assert index.members == reference.members and index.gid == reference.gid, seed
+        assert list(index.complete) == list(reference.complete), seed
+        assert index.units(100) == reference.units(100)
+
+
+def test_a_grouped_take_over_many_ready_rows_waits_while_its_index_is_gathered_in_slices(monkeypatch):
+    """The first grouped take over a stream of many ready rows is not answered in one step over
+    them: it waits, the index is gathered a slice per pass, and the take then gets the first group."""
+    monkeypatch.setattr(ready_mod, "GROUP_SLICE", 64)
+    core = IndexCore()
+    n = 1000
+    put(core, "p", [f"s{i}" for i in range(n)], ["x"], tags=[{"uid": f"g{i // 4}"} for i in range(n)])
+    body = {
+        "partition": "p",
+        "task": "t",
+        "batch_size": 4,
+        "fields": ["x"],
+        "sampler": GroupSampler("uid", 4).spec(),
+    }
+    assert call(core, "next", body) == PENDING and core.building
+    core.build_some()
+    assert core.building  # one slice, not all of them
+    while core.building:
+        core.build_some()
+    assert call(core, "next", body).keys == ["s0", "s1", "s2", "s3"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from itertools import compress
 from typing import Any, cast
@@ -116,6 +116,12 @@ class KeyTable(Mapping[str, frozenset[str]]):
     def tag(self, key: str) -> Tag:
         """``key``'s tag (read-only; ``{}`` when it has none)."""
         return self._tags.get(key) or {}
+
+    def frozen_tag(self) -> Callable[[str], Tag]:
+        """``tag`` as it answers now, whatever changes later (a shallow copy: a key's tag is replaced,
+        never changed)."""
+        tags = dict(self._tags)
+        return lambda key: tags.get(key) or {}
 
     def tagged(self) -> bool:
         return bool(self._tags)

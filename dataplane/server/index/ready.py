@@ -22,20 +22,79 @@ from dataplane.samplers import group_id
 Tag = Callable[[str], dict[Any, Any]]
 
 
+GROUP_SLICE = 4096  # ready keys filed per step while a big stream's group index is gathered
+
+
+class StillGathering(Exception):  # noqa: N818 - a signal, not an error
+    """A sampler asked for groups whose index is being gathered in slices: its call waits."""
+
+
 class GroupIndex:
     """Ready keys by group, and the groups holding at least ``size`` of them, in the order they
-    became complete (a group given back is first in line again)."""
+    became complete (a group given back is first in line again).
 
-    def __init__(self, group_tag: str, size: int, tag: Tag) -> None:
+    Over many ready keys it is gathered a slice at a time (``gather_some``): the keys ready when it
+    was asked for (``todo``, in ready order) are filed first, then the changes made meanwhile, in the
+    order they came (queued): the same index as one built at once when asked for and kept current
+    since. The first keys are filed by their tags as they were then (``todo_tag``, a copy)."""
+
+    def __init__(
+        self, group_tag: str, size: int, tag: Tag, todo: list[str] | None = None, todo_tag: Tag | None = None
+    ) -> None:
         self.group_tag = group_tag
         self.size = size
         self._tag = tag
+        self._todo_tag = todo_tag or tag
         self.members: dict[Any, dict[str, None]] = {}  # gid -> its ready keys, in ready order
         self.gid: dict[str, Any] = {}  # key -> gid (as filed: a later tag change re-files it)
         self.complete: dict[Any, None] = {}  # gids with >= size ready keys, in completion order
+        self._todo = todo  # (None: gathered)
+        self._at = 0
+        self._queued: list[tuple[Callable[[Any], None], Any]] = []  # changes made while gathering
+
+    @property
+    def gathering(self) -> bool:
+        return self._todo is not None
+
+    def gather_some(self, n: int = GROUP_SLICE) -> bool:
+        """File up to ``n`` more keys, then the queued changes; whether any work is left."""
+        todo = self._todo
+        if todo is None:
+            return False
+        if self._at < len(todo):
+            for key in todo[self._at : self._at + n]:
+                self._add(key, self._todo_tag)
+            self._at += n
+            return True
+        queued, self._queued = self._queued[:n], self._queued[n:]
+        for change, arg in queued:
+            change(arg)
+        if self._queued:
+            return True
+        self._todo = None
+        return False
 
     def add(self, key: str) -> None:
-        gid = self.gid[key] = group_id(self._tag(key), self.group_tag, key)
+        if self._todo is not None:
+            self._queued.append((self._add, key))
+        else:
+            self._add(key)
+
+    def discard(self, key: str) -> None:
+        if self._todo is not None:
+            self._queued.append((self._discard, key))
+        else:
+            self._discard(key)
+
+    def put_first(self, keys: list[str]) -> None:
+        """``keys`` are ready again, first in line: in their groups, and their groups among the complete."""
+        if self._todo is not None:
+            self._queued.append((self._put_first, keys))
+        else:
+            self._put_first(keys)
+
+    def _add(self, key: str, tag: Tag | None = None) -> None:
+        gid = self.gid[key] = group_id((tag or self._tag)(key), self.group_tag, key)
         members = self.members.get(gid)
         if members is None:
             members = self.members[gid] = {}
@@ -43,7 +102,7 @@ class GroupIndex:
         if len(members) == self.size:
             self.complete[gid] = None
 
-    def discard(self, key: str) -> None:
+    def _discard(self, key: str) -> None:
         gid = self.gid.pop(key, None)
         if gid is None:
             return
@@ -54,8 +113,7 @@ class GroupIndex:
             if not members:
                 del self.members[gid]
 
-    def put_first(self, keys: list[str]) -> None:
-        """``keys`` are ready again, first in line: in their groups, and their groups among the complete."""
+    def _put_first(self, keys: list[str]) -> None:
         back: dict[Any, None] = {}
         for key in keys:
             gid = self.gid[key] = group_id(self._tag(key), self.group_tag, key)
@@ -82,8 +140,11 @@ class ReadyKeys:
     """The keys ready for one stream: ordered, with O(1) add / discard / membership, and the group
     indexes samplers asked for kept current."""
 
-    def __init__(self, tag: Tag, keys: Iterable[str] = ()) -> None:
+    def __init__(
+        self, tag: Tag, keys: Iterable[str] = (), frozen_tag: Callable[[], Tag] | None = None
+    ) -> None:
         self._tag = tag
+        self._frozen_tag = frozen_tag  # the tags as they are now, kept as they are (a copy)
         self.keys: dict[str, None] = dict.fromkeys(keys)
         self.indexes: dict[tuple[str, int], GroupIndex] = {}
 
@@ -145,13 +206,32 @@ class ReadyKeys:
                 index.add(key)
 
     def groups(self, group_tag: str, size: int) -> GroupIndex:
-        """The index of complete groups of ``(group_tag, size)``, built by one scan the first time."""
+        """The index of complete groups of ``(group_tag, size)``, built by one scan the first time;
+        over more than ``GROUP_SLICE`` ready keys gathered in slices (``gather_some``), and until it
+        is whole, ``StillGathering``."""
         index = self.indexes.get((group_tag, size))
         if index is None:
-            index = self.indexes[(group_tag, size)] = GroupIndex(group_tag, size, self._tag)
-            for key in self.keys:
-                index.add(key)
+            big = len(self.keys) > GROUP_SLICE
+            if big:
+                todo_tag = self._frozen_tag() if self._frozen_tag is not None else self._tag
+                index = GroupIndex(group_tag, size, self._tag, list(self.keys), todo_tag)
+            else:
+                index = GroupIndex(group_tag, size, self._tag)
+            self.indexes[(group_tag, size)] = index
+            if not big:
+                for key in self.keys:
+                    index.add(key)
+        if index.gathering:
+            raise StillGathering
         return index
 
+    def gathering(self) -> bool:
+        """Whether a group index of these keys is being gathered."""
+        return any(index.gathering for index in self.indexes.values())
 
-__all__ = ["GroupIndex", "ReadyKeys"]
+    def gather_some(self) -> bool:
+        """One slice of the group indexes being gathered; whether any work is left."""
+        return any(index.gather_some() for index in self.indexes.values() if index.gathering)
+
+
+__all__ = ["GROUP_SLICE", "GroupIndex", "ReadyKeys", "StillGathering"]

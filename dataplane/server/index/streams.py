@@ -25,7 +25,7 @@ from typing import Any
 from dataplane.errors import WireError
 from dataplane.samplers import ReadyRows, Sampler
 from dataplane.server.index.keytable import KeyTable, shrink
-from dataplane.server.index.ready import ReadyKeys
+from dataplane.server.index.ready import ReadyKeys, StillGathering
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
 
 RANK_CACHE = 256  # rank-aware results kept per task (batch_index entries), oldest dropped first
@@ -152,13 +152,15 @@ class PartitionStreams:
         stream = task.streams.get(fields)
         if stream is None:  # first ask for these fields: one scan, then commits keep it current
             if self._table is not None and len(self._table) > BUILD_SLICE:  # a slice at a time
-                stream = Stream(fields, ReadyKeys(self._tag), Build(0, self._table.next_seq))
+                stream = Stream(
+                    fields, ReadyKeys(self._tag, (), self._frozen_tag), Build(0, self._table.next_seq)
+                )
                 self.building.append((task, stream))
             else:
                 ready = self._having(fields)
                 if task.consumed:
                     ready = itertools.filterfalse(task.consumed.__contains__, ready)
-                stream = Stream(fields, ReadyKeys(self._tag, ready))
+                stream = Stream(fields, ReadyKeys(self._tag, ready, self._frozen_tag))
             task.streams[fields] = stream
             self.by_fields.setdefault(fields, []).append((task, stream))
         return task, stream
@@ -169,15 +171,23 @@ class PartitionStreams:
         while self.building:
             task, stream = self.building[0]
             build = stream.build
-            if build is None or self._table is None or task.streams.get(stream.fields) is not stream:
+            if task.streams.get(stream.fields) is not stream or (
+                build is None and not stream.ready.gathering()
+            ):
                 self.building.pop(0)  # (reset, or restored from a checkpoint, meanwhile)
                 continue
-            keys, build.cursor = self._table.scan(stream.fields, build.cursor, build.end, n)
-            stream.ready.extend(itertools.filterfalse(task.consumed.__contains__, keys))
-            if build.cursor < build.end:
-                return True, False
-            stream.ready.extend(build.late)
-            stream.build = None
+            if build is None:  # a group index of its ready keys (``ReadyKeys.groups``)
+                if stream.ready.gather_some():
+                    return True, False
+            elif self._table is not None:
+                keys, build.cursor = self._table.scan(stream.fields, build.cursor, build.end, n)
+                stream.ready.extend(itertools.filterfalse(task.consumed.__contains__, keys))
+                if build.cursor < build.end:
+                    return True, False
+                stream.ready.extend(build.late)
+                stream.build = None
+            else:  # (a stream over a plain mapping is never gathered in slices)
+                stream.build = None
             self.building.pop(0)
             return True, True
         return False, False
@@ -192,6 +202,11 @@ class PartitionStreams:
 
     def _tag(self, key: str) -> dict[Any, Any]:
         return self._tag_of(key)
+
+    def _frozen_tag(self) -> Tag:
+        """The tags as they are now, kept as they are (a group index gathered in slices files its
+        first keys by them)."""
+        return self._table.frozen_tag() if self._table is not None else self._tag
 
     def on_retag(self, key: str) -> None:
         """``key``'s tags changed: streams that index ready rows by group file it again."""
@@ -227,9 +242,14 @@ class PartitionStreams:
         if stream.build is not None:  # its ready keys are still being gathered: wait
             return None
         final = self.drained(task, fields)
-        choice = sampler.sample(
-            self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
-        )
+        try:
+            choice = sampler.sample(
+                self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
+            )
+        except StillGathering:  # its group index is gathered in slices (``build_some``): wait
+            if (task, stream) not in self.building:
+                self.building.append((task, stream))
+            return None
         if choice is None or (not choice and not final):
             return None
         parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
@@ -486,7 +506,9 @@ class PartitionStreams:
                     raise ValueError(
                         f"task {t['name']!r} has {len(unknown)} unknown ready key(s): {unknown[:3]}"
                     )
-                stream = task.streams[fields] = Stream(fields, ReadyKeys(self._tag, s["ready"]))
+                stream = task.streams[fields] = Stream(
+                    fields, ReadyKeys(self._tag, s["ready"], self._frozen_tag)
+                )
                 by_fields.setdefault(fields, []).append((task, stream))
             for fields, rank, index, keys in t["cache"]:
                 task.cache[(frozenset(fields), rank, index)] = list(keys)
