@@ -12,6 +12,9 @@ Environment variables (read here only, each by one function; a value that does n
                                this process starts (``StoreConfig.engine``)
     DATAPLANE_MOONCAKE_PROTOCOL  "tcp" (default) or "rdma": the transport of the mooncake engine
     DATAPLANE_MOONCAKE_DEVICE  the RDMA device the mooncake engine uses ("" by default: its choice)
+    DATAPLANE_MOONCAKE_REGISTERED_BYTES  read by the store's shards: most bytes of shared-memory
+                               segments a shard's mooncake engine keeps registered to lend rows from
+                               (default 8 GiB; 0: every reply is copied)
     DATAPLANE_RPC_TIMEOUT      seconds a request to a shard or the index may take (default 60)
     DATAPLANE_ALLOW_PICKLE     a flag (``env_flag``: 1/true/yes/on or 0/false/no/off, any case;
                                default off): this process may write and read object columns
@@ -186,6 +189,13 @@ def read_buffer_pool_bytes() -> int:
     (``DATAPLANE_READ_POOL_BYTES``, default 1 GiB: a loop reading batches up to that size every step
     reads into warm pages; 0 turns the pool off)."""
     return min(int(_env_float("DATAPLANE_READ_POOL_BYTES", 2**30)), INT64_MAX)
+
+
+def mooncake_registered_bytes() -> int:
+    """Most bytes of shared-memory segments a shard's mooncake engine keeps registered to lend rows
+    from (``DATAPLANE_MOONCAKE_REGISTERED_BYTES``, default 8 GiB: over RDMA they are pinned; 0: copy
+    every reply); ``transport.mooncake_engine``."""
+    return min(int(_env_float("DATAPLANE_MOONCAKE_REGISTERED_BYTES", 8 * 2**30)), INT64_MAX)
 
 
 def pinned_bytes() -> int:

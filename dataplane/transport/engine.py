@@ -17,7 +17,9 @@ a server, ``read`` one from it). ``StoreConfig.engine`` picks one (``DATAPLANE_E
 * ``mooncake``: ``transport.mooncake_engine``, Mooncake's Transfer Engine (one-sided reads over
   RDMA where a NIC supports it, its own TCP transport elsewhere), when it is installed
   (``engine_missing`` says what it lacks). Its receiver pulls: a manifest also names the sender's
-  engine address and the buffers the sender has read since its last request (released then).
+  engine address, where each buffer lies in the sender's registered memory (its ticket names the
+  hold, released on its own) and the buffers the sender has read since its last request (released
+  then).
 
 An encrypting store (``encrypt=True``) moves every byte in its CURVE stream: no engine runs.
 """
@@ -44,13 +46,19 @@ class EngineServer(Protocol):
     # shared memory instead of a copy (``stage_reply``).
     lends: bool
 
-    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int: ...
+    # The ticket a client reads ``buf`` by, or (ticket, where it lies) for an engine whose client
+    # pulls the bytes from the server's registered memory (``wire.bulk.Ref.at``).
+    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int | tuple[int, int]: ...
 
     def take(self, ticket: int, size: int, origin: str) -> memoryview: ...
 
     def release(self, tickets: Sequence[int]) -> None: ...
 
     def sweep(self) -> None: ...  # expire what is past its time (the server's tick)
+
+    # The shard's shared-memory mapping ``mapping`` stops holding rows (``ShmPool.on_free``): stop
+    # serving it before it is reused; False when a reader may still read it (then never reused).
+    def forget(self, mapping: memoryview) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -63,7 +71,7 @@ class EngineClient(Protocol):
 
     def write(self, address: str, buf: memoryview, deadline: float) -> int: ...
 
-    def read(self, address: str, ticket: int, size: int, deadline: float) -> memoryview: ...
+    def read(self, address: str, ticket: int, size: int, deadline: float, at: int = 0) -> memoryview: ...
 
     def done(self, address: str) -> list[int]: ...
 
@@ -131,16 +139,18 @@ def _nbytes(frame: Any) -> int:
 
 
 def _lift(
-    frames: list[Any], min_bytes: int, hand: Callable[[memoryview], int]
+    frames: list[Any], min_bytes: int, hand: Callable[[memoryview], int | tuple[int, int]]
 ) -> tuple[list[Any], list[_bulk.Ref]]:
     """``frames`` with every buffer frame of ``min_bytes`` or more handed to an engine (``hand``
-    returns its ticket) and emptied, and the refs naming them."""
+    returns its ticket, or its ticket and where it lies) and emptied, and the refs naming them."""
     refs: list[_bulk.Ref] = []
     out = list(frames)
     for i in range(1, len(out)):
         if _nbytes(out[i]) >= min_bytes:
             view = memoryview(out[i]).cast("B")
-            refs.append(_bulk.Ref(i, hand(view), view.nbytes))
+            got = hand(view)
+            ticket, at = got if isinstance(got, tuple) else (got, 0)
+            refs.append(_bulk.Ref(i, ticket, view.nbytes, at))
             out[i] = b""
     return out, refs
 
@@ -175,7 +185,7 @@ def restore(
     """A reply's frames as they were sent: its manifest (the first frame) read and dropped, every
     buffer it names read from the server at ``address``."""
     refs, _ = _bulk.decode_manifest(frames[0], len(frames) - 1, max_bytes)
-    return _land(frames, refs, lambda ref: engine.read(address, ref.ticket, ref.size, deadline))
+    return _land(frames, refs, lambda ref: engine.read(address, ref.ticket, ref.size, deadline, ref.at))
 
 
 def take_request(server: EngineServer, frames: list[Any], max_bytes: int) -> tuple[list[Any], bool]:

@@ -3,11 +3,25 @@ RDMA where the NICs support it, its own TCP transport elsewhere).
 
 Every move is a pull by the side that needs the bytes, from memory the other side registered:
 
-* a reply's buffer: the shard registers it (``stage``: the ticket is its address) and the client
-  reads it into a warm buffer it registers for the read (``read``), then names it in the manifest
-  of its next request to that shard (``done``), which releases it; a staged buffer no client
-  releases is released after ``ttl_s``, or earlier, oldest first, when the staged bytes pass twice
-  the largest buffer the shard takes;
+* a reply's buffer: the shard stages it as a *hold* (``stage``: its ticket names the hold, the
+  manifest also says where the bytes are, ``wire.bulk.Ref.at``) and the client reads it into a warm
+  buffer it registers for the read (``read``), then names the hold in the manifest of its next
+  request to that shard (``done``), which releases that hold alone (two holds of one region share
+  its address, never a ticket); a hold no client releases ends after ``ttl_s``;
+* rows lent from a shard's shared memory (``lends``: a get's run of one segment, pinned until its
+  hold ends, ``ShardCore.take_lent``) are staged where they are: the segment's whole mapping is
+  registered the first time a reply lends from it and stays registered while the segment holds
+  rows, however many replies lend from it; the shard's pool tells the engine before the segment's
+  memory is reused or closed (``forget``, ``ShmPool.on_free``), and it is unregistered then. A
+  segment a hold of which expired unreported (its reader may still be reading) is closed when
+  freed, never reused, and its mapping is kept one more ttl after it is unregistered. Registered
+  segments are bounded (``DATAPLANE_MOONCAKE_REGISTERED_BYTES``, idle ones unregistered oldest
+  first to make room); a view that cannot be registered (past the bound, refused by Mooncake, not a
+  segment's mapping) is staged as a copy and its rows given back at once;
+* any other reply buffer (rows of the shard's heap, rows it gathered) is registered as it is, or a
+  copy of it when its memory overlaps a region registered with another size; its registration ends
+  with its last hold, or earlier, oldest first, when such staged bytes pass twice the largest buffer
+  the shard takes;
 * a request's buffer: the client registers it (``write``) and the manifest names the client's
   engine address (``origin``); the shard reads it (``take``), and the client releases it once its
   call set is answered (``release``).
@@ -22,6 +36,7 @@ the engine's ports can read what is registered while it is, so run it only on a 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -35,6 +50,7 @@ import numpy as np
 from dataplane import config
 from dataplane.codec import buffers as _buffers
 from dataplane.errors import EngineUnavailableError, WireError
+from dataplane.transport.shm import mapping_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +81,11 @@ class _Region:
     buf: Any
     size: int
     holders: int = 1
-    born: float = field(default_factory=time.monotonic)
 
 
 class _Registry:
-    """Registered regions by address, counted (one buffer may be lent twice). Thread-safe."""
+    """A client's registered regions (a put's buffers) by address, counted (one buffer may be lent
+    twice). Thread-safe."""
 
     def __init__(self, engine: Any, who: str) -> None:
         self._engine = engine
@@ -109,19 +125,6 @@ class _Registry:
                 del self.regions[addr]
                 self._engine.unregister_memory(addr)
 
-    def expire(self, ttl_s: float, budget: int) -> None:
-        """Release regions older than ``ttl_s``, then the oldest until at most ``budget`` bytes stay."""
-        now = time.monotonic()
-        with self._lock:
-            order = sorted(self.regions.items(), key=lambda kv: kv[1].born)
-            held = sum(r.size for _, r in order)
-            for addr, r in order:
-                if now - r.born <= ttl_s and (budget < 0 or held <= budget):
-                    break
-                del self.regions[addr]
-                held -= r.size
-                self._engine.unregister_memory(addr)
-
     def clear(self) -> None:
         with self._lock:
             regions, self.regions = self.regions, {}
@@ -149,25 +152,75 @@ def _pull(engine: Any, who: str, peer: str, ticket: int, size: int, max_bytes: i
     return out
 
 
-class MooncakeEngineServer:
-    """A shard's end: stages reply buffers for clients to read, reads request buffers from them."""
+@dataclass
+class _Held:
+    """Memory the server registered for readers: what keeps it alive, its size, the holds on it."""
 
-    def __init__(self, host_ip: str, *, max_bytes: int, ttl_s: float, name: str) -> None:
+    buf: Any
+    size: int
+    segment: bool  # a shard's segment mapping: registered until ``forget``, not with its last hold
+    holds: int = 0
+    used: float = field(default_factory=time.monotonic)  # last staged from (idle segments go oldest first)
+
+
+@dataclass
+class _Hold:
+    """One staging of a buffer: its region's address, size, when, and what it hands back when it ends."""
+
+    region: int
+    size: int
+    on_done: Callable[[], None] | None
+    born: float = field(default_factory=time.monotonic)
+
+
+class MooncakeEngineServer:
+    """A shard's end: stages reply buffers for clients to read (lending segments' rows where they
+    are), reads request buffers from them. Thread-safe: the loop stages and releases, the shard's
+    core (also a checkpoint's Ray call) frees segments (``forget``)."""
+
+    lends = True
+
+    def __init__(
+        self,
+        host_ip: str,
+        *,
+        max_bytes: int,
+        ttl_s: float,
+        name: str,
+        max_registered_bytes: int | None = None,
+    ) -> None:
         self._engine, self.address = _new_engine(host_ip)
         self._max = max_bytes
         self._budget = -1 if max_bytes < 0 else 2 * max_bytes
         self._ttl = ttl_s
         self.name = name
-        self._staged = _Registry(self._engine, name)
+        cap = config.mooncake_registered_bytes() if max_registered_bytes is None else max_registered_bytes
+        self._cap = max(0, cap)
+        self._lock = threading.Lock()
+        self._regions: dict[int, _Held] = {}  # by address
+        self._holds: dict[int, _Hold] = {}  # by ticket
+        self._ids = itertools.count(1)
+        self._tainted: set[int] = set()  # segments a hold of which expired unreported (``forget``)
+        self._graves: list[tuple[float, Any]] = []  # (until, mapping): kept mapped past unregistering
+        self._segment_bytes = 0
+        self._counts = {"registrations": 0, "lent": 0, "copied": 0, "registration_failures": 0}
 
-    lends = False  # (its client reads a staged buffer through a registration of it: always a copy)
-
-    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> int:
-        if on_done is not None:
-            raise ValueError("the mooncake engine does not lend: stage a copy, without on_done")
-        room = -1 if self._budget < 0 else max(0, self._budget - memoryview(buf).nbytes)
-        self._staged.expire(self._ttl, room)  # (what it stages counts too)
-        return self._staged.hold(buf)
+    def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> tuple[int, int]:
+        """Hold ``buf`` for a client to read: its ticket and address. With ``on_done`` (``buf`` a view
+        of a segment, lent) it is called when the hold ends, or at once when ``buf`` had to be copied."""
+        view = memoryview(buf).cast("B")
+        with self._lock:
+            room = -1 if self._budget < 0 else max(0, self._budget - view.nbytes)
+            ended = self._expire(time.monotonic(), room)  # (what it stages counts too)
+            placed = self._lend(view, on_done) if on_done is not None else None
+        _call(ended)
+        if placed is not None:
+            return placed
+        try:
+            return self._stage_buffer(view, copy=on_done is not None)
+        finally:
+            if on_done is not None:  # copied (or failed): nothing reads the segment
+                on_done()
 
     def take(self, ticket: int, size: int, origin: str) -> memoryview:
         if not origin:
@@ -175,14 +228,173 @@ class MooncakeEngineServer:
         return _pull(self._engine, self.name, origin, ticket, size, self._max)
 
     def release(self, tickets: Sequence[int]) -> None:
-        for t in tickets:
-            self._staged.drop(t)
+        """End the holds a client reports read (one it reports twice, or that ended, is skipped)."""
+        with self._lock:
+            ended = [self._end(t, expired=False) for t in tickets]
+        _call(ended)
 
     def sweep(self) -> None:
-        """(Its staged buffers expire as others are staged, or past its budget.)"""
+        """End the holds past the ttl; let go of unregistered mappings kept past theirs."""
+        now = time.monotonic()
+        with self._lock:
+            ended = self._expire(now, -1)
+            self._graves = [g for g in self._graves if g[0] > now]
+        _call(ended)
+
+    def forget(self, mapping: memoryview) -> bool:
+        """The segment ``mapping`` maps stops holding rows: unregistered now, before its memory is
+        reused; False when a reader of it may still be reading (a hold expired unreported)."""
+        addr = _address_of(mapping)
+        with self._lock:
+            quiet = addr not in self._tainted
+            self._tainted.discard(addr)
+            r = self._regions.get(addr)
+            if r is None or not r.segment:
+                return quiet
+            quiet = quiet and r.holds == 0  # (a held segment is pinned: not freed while held)
+            self._unregister(addr, r)
+            if not quiet:  # a read in flight keeps its pages mapped till it must have failed
+                self._graves.append((time.monotonic() + self._ttl, r.buf))
+        return quiet
+
+    def stats(self) -> dict[str, int]:
+        """Holds and registrations now, and counts of registrations, lends and copies."""
+        with self._lock:
+            return {
+                "holds": len(self._holds),
+                "registered_segments": sum(1 for r in self._regions.values() if r.segment),
+                "registered_segment_bytes": self._segment_bytes,
+                "registered_buffers": sum(1 for r in self._regions.values() if not r.segment),
+                **self._counts,
+            }
 
     def close(self) -> None:
-        self._staged.clear()
+        with self._lock:
+            holds, self._holds = list(self._holds.values()), {}
+            regions, self._regions = list(self._regions.items()), {}
+            self._segment_bytes = 0
+            self._graves = []
+        for addr, _ in regions:
+            self._engine.unregister_memory(addr)
+        _call([h.on_done for h in holds])
+
+    # ---- under the lock --------------------------------------------------------------------------
+    def _lend(self, view: memoryview, on_done: Callable[[], None]) -> tuple[int, int] | None:
+        """A hold of ``view`` where it lies, its segment's mapping registered if it is not yet; None
+        when it cannot be (then it is copied)."""
+        mapping = mapping_of(view)
+        if mapping is None:
+            self._counts["registration_failures"] += 1
+            return None
+        base = _address_of(mapping)
+        r = self._regions.get(base)
+        if r is None or not r.segment or r.size != mapping.nbytes:
+            if r is not None or not self._room(mapping.nbytes):
+                self._counts["registration_failures"] += 1
+                return None
+            if self._engine.register_memory(base, mapping.nbytes) != 0:
+                self._counts["registration_failures"] += 1
+                logger.debug("%s: Mooncake refused a segment of %d bytes", self.name, mapping.nbytes)
+                return None
+            r = self._regions[base] = _Held(mapping, mapping.nbytes, segment=True)
+            self._segment_bytes += r.size
+            self._counts["registrations"] += 1
+        ticket = next(self._ids)
+        r.holds += 1
+        r.used = time.monotonic()
+        self._holds[ticket] = _Hold(base, view.nbytes, on_done)
+        self._counts["lent"] += 1
+        return ticket, _address_of(view)
+
+    def _room(self, size: int) -> bool:
+        """Whether a segment of ``size`` bytes fits the bound, idle segments unregistered (oldest
+        first) to make room."""
+        if self._segment_bytes + size <= self._cap:
+            return True
+        idle = sorted(
+            ((a, r) for a, r in self._regions.items() if r.segment and not r.holds), key=lambda ar: ar[1].used
+        )
+        for addr, r in idle:
+            if self._segment_bytes + size <= self._cap:
+                break
+            self._unregister(addr, r)
+        return self._segment_bytes + size <= self._cap
+
+    def _unregister(self, addr: int, r: _Held) -> None:
+        del self._regions[addr]
+        if r.segment:
+            self._segment_bytes -= r.size
+        self._engine.unregister_memory(addr)
+
+    def _end(self, ticket: int, expired: bool) -> Callable[[], None] | None:
+        """End hold ``ticket`` (a buffer's registration goes with its last hold); its ``on_done``."""
+        h = self._holds.pop(ticket, None)
+        if h is None:
+            return None
+        r = self._regions.get(h.region)
+        if r is not None:
+            r.holds -= 1
+            if r.segment and expired:
+                self._tainted.add(h.region)
+            if not r.segment and r.holds <= 0:
+                self._unregister(h.region, r)
+        return h.on_done
+
+    def _expire(self, now: float, room: int) -> list[Callable[[], None] | None]:
+        """End the holds past the ttl, then the oldest holds of staged buffers (not segments) until
+        at most ``room`` bytes of them stay (-1: no limit); their ``on_done``."""
+        ended = [self._end(t, expired=True) for t, h in list(self._holds.items()) if now - h.born > self._ttl]
+        if room >= 0:
+            staged = [(t, h) for t, h in self._holds.items() if h.region in self._regions]
+            staged = [(t, h) for t, h in staged if not self._regions[h.region].segment]
+            held = sum(self._regions[a].size for a in {h.region for _, h in staged})
+            for t, h in sorted(staged, key=lambda th: th[1].born):
+                if held <= room:
+                    break
+                r = self._regions.get(h.region)
+                if r is not None and r.holds == 1:  # (its registration goes with this hold)
+                    held -= r.size
+                ended.append(self._end(t, expired=True))
+        return ended
+
+    # ---- a buffer registered per reply -----------------------------------------------------------
+    def _stage_buffer(self, view: memoryview, copy: bool) -> tuple[int, int]:
+        """A hold of ``view`` registered as it is (or a copy: ``copy``, or its memory overlaps a
+        region registered with another size)."""
+        if not copy:
+            addr = _address_of(view)
+            with self._lock:
+                r = self._regions.get(addr)
+                if r is not None and not r.segment and r.size == view.nbytes:
+                    return self._hold(addr, r, view.nbytes)
+                if r is None and self._engine.register_memory(addr, view.nbytes) == 0:
+                    return self._hold(addr, self._new(addr, view), view.nbytes)
+        out = _buffers.take(view.nbytes).data
+        out[:] = view
+        addr = _address_of(out)
+        with self._lock:
+            if self._engine.register_memory(addr, out.nbytes) != 0:
+                raise WireError(f"{self.name}: Mooncake's engine refused to register {out.nbytes} bytes")
+            if copy:
+                self._counts["copied"] += 1
+            return self._hold(addr, self._new(addr, out), out.nbytes)
+
+    def _new(self, addr: int, buf: Any) -> _Held:
+        r = self._regions[addr] = _Held(buf, memoryview(buf).nbytes, segment=False)
+        return r
+
+    def _hold(self, addr: int, r: _Held, size: int) -> tuple[int, int]:
+        ticket = next(self._ids)
+        r.holds += 1
+        self._holds[ticket] = _Hold(addr, size, None)
+        return ticket, addr
+
+
+def _call(fns: Sequence[Callable[[], None] | None]) -> None:
+    """Call each of ``fns`` (outside the server's lock: they belong to the shard)."""
+    for fn in fns:
+        if fn is not None:
+            fn()
 
 
 class MooncakeEngineClient:
@@ -220,10 +432,12 @@ class MooncakeEngineClient:
             raise WireError("the mooncake engine's client is closed")
         return lent.hold(buf)
 
-    def read(self, address: str, ticket: int, size: int, deadline: float) -> memoryview:
+    def read(self, address: str, ticket: int, size: int, deadline: float, at: int = 0) -> memoryview:
+        """The ``size`` bytes of hold ``ticket`` the server at ``address`` staged at ``at`` (0: at
+        ``ticket``); the hold is reported read in the next request to it (``done``)."""
         engine = self._start(address)
         try:
-            return _pull(engine, "the mooncake engine's client", address, ticket, size, self._max)
+            return _pull(engine, "the mooncake engine's client", address, at or ticket, size, self._max)
         finally:
             with self._lock:
                 self._done.setdefault(address, []).append(ticket)

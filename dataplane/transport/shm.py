@@ -102,7 +102,16 @@ def before_unmap(view: memoryview, callback: Callable[[int], None]) -> bool:
     return True
 
 
-__all__ = ["before_unmap", "map_fd"]
+def mapping_of(view: memoryview) -> memoryview | None:
+    """The whole ``map_fd`` mapping ``view`` (or a slice of it) views, as a uint8 view that keeps it
+    mapped; None when ``view`` is not of such a mapping."""
+    base = view.obj
+    if not isinstance(getattr(base, "_unmapper", None), _Unmapper):
+        return None
+    return memoryview(base).cast("B")
+
+
+__all__ = ["before_unmap", "map_fd", "mapping_of"]
 
 
 GEN = struct.Struct("<Q")  # one slot of a generation table

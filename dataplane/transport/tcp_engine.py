@@ -157,6 +157,10 @@ class TcpEngineServer:
             ended = self._expire(time.monotonic())
         _call(ended)
 
+    def forget(self, mapping: memoryview) -> bool:
+        """(Nothing: it registers no memory, and what it stages from a segment pins it.)"""
+        return True
+
     def close(self) -> None:
         self._closed = True
         try:  # wakes the accepting thread (closing alone leaves the socket listening under it)
@@ -335,8 +339,9 @@ class TcpEngineClient:
         self._parts(address, _bulk.WRITE, ticket, buf, deadline)
         return ticket
 
-    def read(self, address: str, ticket: int, size: int, deadline: float) -> memoryview:
-        """The ``size`` bytes the server at ``address`` staged under ``ticket``."""
+    def read(self, address: str, ticket: int, size: int, deadline: float, at: int = 0) -> memoryview:
+        """The ``size`` bytes the server at ``address`` staged under ``ticket`` (``at``: unused, the
+        server pushes them)."""
         if self._max >= 0 and size > self._max:
             raise WireError(f"a reply declares a buffer of {size} bytes (at most {self._max})")
         out = _buffers.take_faulted(size).data

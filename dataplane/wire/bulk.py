@@ -7,9 +7,11 @@ left empty in place and described in the manifest by its frame position, the eng
 and its size. The manifest also says whether the sender takes large reply buffers the same way
 (``accepts``) and, for an engine whose receiver pulls the bytes itself (``transport.mooncake_engine``),
 where it can read them from (``origin``, the sender's engine address) and which of the receiver's
-staged buffers the sender has read since (``done``, so they are released before they expire). Its
-first byte is 0, which no header (a msgpack array) starts with, so a message
-with a manifest is never misread as one without.
+staged buffers the sender has read since (``done``, so they are released before they expire). Such
+an engine's ticket names a *hold* (one staging of a buffer, released on its own) and a ref also says
+where the bytes lie in the sender's registered memory (``Ref.at``): two holds of one region share the
+place, never the ticket (flag ``AT``; refs without it are as before). Its first byte is 0, which no
+header (a msgpack array) starts with, so a message with a manifest is never misread as one without.
 
 The native engine's stream (``transport.tcp_engine``): after the hello (a nonce from the server, the
 client's HMAC of it under the store's secret), each operation is one fixed header (``OP``: op,
@@ -33,10 +35,12 @@ from dataplane.wire.protocol import MAX_FRAMES
 MAGIC = b"\x00dpbulk1"
 _HEAD = struct.Struct("<8sBH")  # magic, flags, count
 _REF = struct.Struct("<HQQ")  # frame position (1 = the header's first buffer), ticket, size
+_REF_AT = struct.Struct("<HQQQ")  # the same, and where the bytes are (``AT``)
 _LEN = struct.Struct("<H")
 _TICKET = struct.Struct("<Q")
 ACCEPTS = 1
 EXTRA = 2  # an origin and a done list follow the refs
+AT = 4  # every ref also says where its bytes are (``Ref.at``)
 MAX_ORIGIN = 255  # bytes of an engine address
 MAX_DONE = 4096  # released tickets one manifest carries
 
@@ -55,11 +59,14 @@ _HELLO_DOMAIN = b"dataplane-bulk-hello"
 
 @dataclass(frozen=True)
 class Ref:
-    """A buffer frame moved through the engine: its position in the message, ticket and size."""
+    """A buffer frame moved through the engine: its position in the message, ticket and size; ``at``:
+    where a reader that pulls it finds its bytes (an address in the sender's registered memory), 0
+    when the ticket says (the native engine)."""
 
     frame: int
     ticket: int
     size: int
+    at: int = 0
 
 
 def is_manifest(frame: Any) -> bool:
@@ -89,9 +96,13 @@ def encode_manifest(refs: list[Ref], accepts: bool, origin: str = "", done: Sequ
         ([Ref(frame=1, ticket=7, size=100)], True)
     """
     extra = bool(origin or done)
-    flags = (ACCEPTS if accepts else 0) | (EXTRA if extra else 0)
+    at = any(r.at for r in refs)
+    flags = (ACCEPTS if accepts else 0) | (EXTRA if extra else 0) | (AT if at else 0)
     out = [_HEAD.pack(MAGIC, flags, len(refs))]
-    out += [_REF.pack(r.frame, r.ticket, r.size) for r in refs]
+    if at:
+        out += [_REF_AT.pack(r.frame, r.ticket, r.size, r.at) for r in refs]
+    else:
+        out += [_REF.pack(r.frame, r.ticket, r.size) for r in refs]
     if extra:
         name = origin.encode()
         if len(name) > MAX_ORIGIN:
@@ -128,22 +139,23 @@ def read_manifest(frame: Any, frames: int, max_bytes: int) -> Manifest:
     if view.nbytes < _HEAD.size:
         raise WireError(f"a bulk manifest of {view.nbytes} bytes")
     magic, flags, count = _HEAD.unpack_from(view)
-    if magic != MAGIC or flags & ~(ACCEPTS | EXTRA):
+    if magic != MAGIC or flags & ~(ACCEPTS | EXTRA | AT):
         raise WireError("a bulk manifest of another format")
-    end = _HEAD.size + count * _REF.size
+    ref = _REF_AT if flags & AT else _REF
+    end = _HEAD.size + count * ref.size
     if count > MAX_FRAMES or view.nbytes < end or (view.nbytes != end and not flags & EXTRA):
         raise WireError(f"a bulk manifest of {view.nbytes} bytes declaring {count} buffers")
     origin, done = _extra(view, end) if flags & EXTRA else ("", ())
     refs: list[Ref] = []
     seen: set[int] = set()
     for i in range(count):
-        pos, ticket, size = _REF.unpack_from(view, _HEAD.size + i * _REF.size)
+        pos, ticket, size, *at = ref.unpack_from(view, _HEAD.size + i * ref.size)
         if not 1 <= pos < frames or pos in seen:
             raise WireError(f"a bulk manifest names frame {pos}: not a buffer frame of a message of {frames}")
         if size == 0 or (max_bytes >= 0 and size > max_bytes):
             raise WireError(f"a bulk manifest declares a buffer of {size} bytes (at most {max_bytes})")
         seen.add(pos)
-        refs.append(Ref(pos, ticket, size))
+        refs.append(Ref(pos, ticket, size, at[0] if at else 0))
     return Manifest(refs, bool(flags & ACCEPTS), origin, done)
 
 
@@ -205,6 +217,7 @@ def split(size: int, parts: int, min_part: int) -> list[tuple[int, int]]:
 
 __all__ = [
     "ACCEPTS",
+    "AT",
     "EXTRA",
     "MAGIC",
     "Manifest",

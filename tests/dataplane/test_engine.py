@@ -56,6 +56,18 @@ def test_a_manifest_carries_its_origin_and_released_tickets() -> None:
         bulk.encode_manifest([], accepts=False, origin="x" * 256)
 
 
+def test_a_manifest_names_where_a_pulled_buffer_is_beside_its_ticket() -> None:
+    """An engine whose reader pulls (mooncake) names each buffer by its hold (the ticket its reader
+    reports read) and by where it lies: two holds of one region share the place, never the ticket."""
+    refs = [bulk.Ref(1, 5, 10, at=0x7F00_0000_1000), bulk.Ref(2, 6, 10, at=0x7F00_0000_1000)]
+    frame = bulk.encode_manifest(refs, accepts=False)
+    assert bulk.read_manifest(frame, frames=3, max_bytes=64).refs == refs
+    plain = bulk.encode_manifest([bulk.Ref(1, 5, 10)], accepts=False)  # (the native engine's: as before)
+    assert len(plain) == len(bulk.encode_manifest([], False)) + 18
+    with pytest.raises(WireError, match="declaring 2 buffers"):  # cut short
+        bulk.read_manifest(frame[:-1], frames=3, max_bytes=64)
+
+
 def test_split_covers_the_buffer_once() -> None:
     for size, parts, least in [(1, 4, 1), (10, 3, 1), (100, 4, 30), (1 << 20, 8, 1 << 10)]:
         ranges = bulk.split(size, parts, least)
@@ -297,12 +309,12 @@ def test_mooncake_moves_buffers_both_ways_and_releases_what_was_read() -> None:
         with pytest.raises(WireError, match="could not read"):  # no longer registered
             server.take(ticket, x.nbytes, client.origin)
         y = _payload(5 << 20)
-        t = server.stage(y)
-        assert bytes(client.read(server.address, t, y.nbytes, deadline)) == bytes(y)
+        t, at = server.stage(y)  # (a hold: its ticket, and where its bytes are)
+        assert bytes(client.read(server.address, t, y.nbytes, deadline, at)) == bytes(y)
         assert client.done(server.address) == [t] and client.done(server.address) == []
         server.release([t])  # (what the next request's manifest does)
         with pytest.raises(WireError, match="could not read"):
-            client.read(server.address, t, y.nbytes, deadline)
+            client.read(server.address, t, y.nbytes, deadline, at)
         with pytest.raises(WireError, match="at most"):  # a declared size past the limit: nothing read
             server.take(ticket, (64 << 20) + 1, client.origin)
     finally:
@@ -315,12 +327,169 @@ def test_mooncake_staged_buffers_are_released_past_the_budget_oldest_first() -> 
     server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=8 << 20, ttl_s=30.0, name="t-mooncake")
     try:
         bufs = [_payload((6 << 20) + i) for i in range(3)]  # 18 MiB staged; the budget is 16
-        tickets = [server.stage(b) for b in bufs[:2]]
-        assert set(server._staged.regions) == set(tickets)
+        tickets = [server.stage(b)[0] for b in bufs[:2]]
+        assert set(server._holds) == set(tickets) and server.stats()["registered_buffers"] == 2
         server.stage(bufs[2])  # the oldest goes
-        assert tickets[0] not in server._staged.regions and tickets[1] in server._staged.regions
+        assert tickets[0] not in server._holds and tickets[1] in server._holds
+        assert server.stats()["registered_buffers"] == 2
     finally:
         server.close()
+
+
+def _segment(nbytes: int, fill: int) -> memoryview:
+    """A shared-memory mapping as a shard's segment is (``transport.shm.map_fd`` of a memfd)."""
+    import os
+
+    from dataplane.transport.shm import map_fd
+
+    fd = os.memfd_create("t-seg")
+    try:
+        os.ftruncate(fd, nbytes)
+        view = map_fd(fd, nbytes)
+    finally:
+        os.close(fd)
+    view[:] = np.full(nbytes, fill, np.uint8).tobytes()
+    view[:8] = np.arange(8, dtype=np.uint8).tobytes()
+    return view
+
+
+def test_mooncake_lends_shared_memory_registered_once_per_segment_and_released_per_hold() -> None:
+    """A lent view of a shard's segment is staged as a place in the segment's mapping, registered the
+    first time and kept registered while the segment lives: no copy, one registration for many holds;
+    each hold has a ticket of its own and its ``on_done`` runs when that hold is reported read."""
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    calls: list[str] = []
+    seg = _segment(16 << 20, 7)
+    try:
+        assert server.lends
+        deadline = time.monotonic() + 60
+        a = server.stage(seg[: 8 << 20], lambda: calls.append("a"))
+        b = server.stage(seg[: 8 << 20], lambda: calls.append("b"))  # the same rows, another reply
+        c = server.stage(seg[8 << 20 :], lambda: calls.append("c"))
+        (ta, at_a), (tb, at_b), (tc, at_c) = a, b, c
+        base = np.frombuffer(seg, np.uint8).ctypes.data
+        assert at_a == at_b == base and at_c == base + (8 << 20) and len({ta, tb, tc}) == 3
+        assert server.stats()["registered_segments"] == 1 and server.stats()["copied"] == 0
+        got = client.read(server.address, ta, 8 << 20, deadline, at=at_a)
+        assert bytes(got) == bytes(seg[: 8 << 20])
+        server.release(client.done(server.address))  # (the next request's manifest)
+        assert calls == ["a"]  # that hold alone: the other reply's still reads
+        assert bytes(client.read(server.address, tb, 8 << 20, deadline, at=at_b)) == bytes(seg[: 8 << 20])
+        assert bytes(client.read(server.address, tc, 8 << 20, deadline, at=at_c)) == bytes(seg[8 << 20 :])
+        assert client.done(server.address) == [tb, tc]
+        server.release([tb, tc, ta])  # (a ticket released twice is released once)
+        assert calls == ["a", "b", "c"] and server.stats()["registered_segments"] == 1  # kept registered
+        again = server.stage(seg[:4096], lambda: calls.append("again"))  # no new registration
+        assert server.stats()["registrations"] == 1
+        server.release([again[0]])
+        assert server.forget(seg)  # its segment is freed: unregistered, and nothing may still read it
+        assert server.stats()["registered_segments"] == 0
+        with pytest.raises(WireError, match="could not read"):
+            client.read(server.address, tb, 8 << 20, deadline, at=at_b)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_mooncake_holds_end_at_their_ttl_and_at_close_and_an_expired_ones_segment_is_never_reused() -> None:
+    """A hold no client reports read is let go past its ttl (its segment unpinned) and at close; a
+    reader past its ttl may still be reading, so its segment is closed when freed, never reused."""
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    calls: list[str] = []
+    seg, other = _segment(8 << 20, 1), _segment(8 << 20, 2)
+    try:
+        late, _ = server.stage(seg[: 4 << 20], lambda: calls.append("expired"))
+        server._holds[late].born -= 31.0  # (its ttl is 30 s)
+        server.sweep()
+        assert calls == ["expired"]
+        assert not server.forget(seg)  # a late reader may still read it: not to be reused
+        server.stage(other[: 4 << 20], lambda: calls.append("closed"))
+    finally:
+        server.close()
+    assert calls == ["expired", "closed"] and server.stats()["registered_segments"] == 0
+
+
+@pytest.mark.parametrize("why", ["cap", "refused"])
+def test_mooncake_copies_what_it_cannot_register_and_gives_the_rows_back_at_once(why: str) -> None:
+    """Past its cap on registered bytes, or when Mooncake refuses the registration (here: a region
+    overlapping the segment is registered already), a lent view is staged as a copy, as before:
+    its rows are given back at once and the client reads the same bytes."""
+    mc = _mooncake()
+    cap = (4 << 20) if why == "cap" else (1 << 30)
+    server = mc.MooncakeEngineServer(
+        "127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake", max_registered_bytes=cap
+    )
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    calls: list[str] = []
+    seg = _segment(8 << 20, 3)
+    base = np.frombuffer(seg, np.uint8).ctypes.data
+    try:
+        if why == "refused":
+            assert server._engine.register_memory(base + 4096, 4096) == 0
+        ticket, at = server.stage(seg[: 6 << 20], lambda: calls.append("back"))
+        assert calls == ["back"] and at != base  # copied: nothing of the segment is held
+        st = server.stats()
+        assert st["copied"] == 1 and st["registered_segments"] == 0 and st["registration_failures"] == 1
+        got = client.read(server.address, ticket, 6 << 20, time.monotonic() + 60, at=at)
+        assert bytes(got) == bytes(seg[: 6 << 20])
+        server.release(client.done(server.address))
+        assert not server._holds
+    finally:
+        if why == "refused":
+            server._engine.unregister_memory(base + 4096)
+        client.close()
+        server.close()
+
+
+def test_mooncake_reads_rows_lent_from_a_shards_segment_though_cleared_and_written_over() -> None:
+    """The store's lending over mooncake: a get's rows are staged as their place in the segment (the
+    segment pinned, registered once); a clear and a put that would reuse it leave them alone; once
+    the client reports them read and they are cleared, the segment is unregistered before it is
+    reused (the pool's ``on_free``)."""
+    import torch
+
+    from dataplane.client.mappings import MappingCache
+    from dataplane.server.shard.core import ShardCore
+    from dataplane.transport import engine as _engine
+
+    from .test_shard import _put_shm, call
+
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    core, maps = ShardCore(0, warm_idle_s=60), MappingCache()
+    core.pool.on_free = server.forget  # (what the shard actor wires)
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        keys = [f"k{i}" for i in range(16)]
+        x = torch.arange(16 * 65536, dtype=torch.float32).reshape(16, 65536)  # 4 MiB: lent
+        _put_shm(core, "p", keys, x, maps)
+        core.lend_min_bytes = 1 << 20
+        _, frames = call(core, "get", {"partition": "p", "keys": keys, "shm": False})
+        core.lend_min_bytes = 0
+        give_back = core.take_lent()
+        assert give_back is not None
+        reply = _engine.stage_reply(server, [b"header", *frames], 1 << 20, give_back)
+        (ref,) = bulk.read_manifest(reply[0], len(reply) - 1, 64 << 20).refs
+        assert server.stats()["registered_segments"] == 1 and server.stats()["copied"] == 0
+        call(core, "clear_partition", {"partition": "p"}, [])
+        assert core.stats().bytes_used > 0 and core.stats().bytes_warm == 0  # pinned, not warm
+        _put_shm(core, "p", keys, x + 1, maps)  # same size: would take the warm segment
+        got = client.read(server.address, ref.ticket, ref.size, time.monotonic() + 60, at=ref.at)
+        assert np.array_equal(np.frombuffer(got, np.float32), x.numpy().ravel()), "lent rows written over"
+        server.release(client.done(server.address))  # the client's next request reports it
+        call(core, "clear_partition", {"partition": "p"}, [])
+        st = core.stats()
+        assert st.bytes_used == 0 and st.bytes_warm > 0  # both segments freed, kept warm
+        assert server.stats()["registered_segments"] == 0  # unregistered before any reuse
+        with pytest.raises(WireError, match="could not read"):
+            client.read(server.address, ref.ticket, ref.size, time.monotonic() + 60, at=ref.at)
+    finally:
+        client.close()
+        server.close()
+        core.close()
 
 
 # ---- the store over tcp ----------------------------------------------------------------------------
@@ -335,6 +504,42 @@ def _rows(n: int) -> dict:
         "text": [f"row {i}" for i in range(n)],
         "chat": [{"role": "user", "turn": i} for i in range(n)],
     }
+
+
+def test_a_mooncake_store_lends_rows_a_same_host_writer_put_to_a_remote_reader(ray_cluster) -> None:
+    """Rows in a shard's shared memory (put through it by a writer on its host) read by a client over
+    tcp: the mooncake engine stages them where they are, their segment registered once, and lets go
+    of every hold and registration once they are reported read and cleared."""
+    import ray
+    import torch
+
+    _mooncake()
+    import dataplane as dp
+
+    from .conftest import start_store
+
+    dp.close()
+    name = "t-engine-mooncake-lends"
+    _, _, handle = start_store(name=name, num_shards=1, engine="mooncake", engine_min_bytes=1 << 20)
+    try:
+        keys = [f"k{i}" for i in range(16)]
+        x = torch.arange(16 * 131072, dtype=torch.float32).reshape(16, 131072)  # 8 MiB
+        dp.init(name=name)  # (this host: the rows go into the shard's shared memory)
+        dp.kv_batch_put(keys, "p", {"x": x})
+        dp.close()
+        dp.init(name=name, transport="tcp")  # a reader as on another host
+        for _ in range(2):
+            assert torch.equal(dp.kv_batch_get(keys, "p")["x"], x)
+        (shard,) = handle.shards
+        st = ray.get(shard.engine_stats.remote(), timeout=60)
+        assert (st["lent"], st["copied"], st["registrations"], st["registered_segments"]) == (2, 0, 1, 1), st
+        dp.clear_partition("p")  # (its request reports the last read first)
+        st = ray.get(shard.engine_stats.remote(), timeout=60)
+        assert (st["holds"], st["registered_segments"]) == (0, 0), st
+        assert dp.stats()["bytes_used"] == 0
+    finally:
+        dp.close()
+        handle.stop()
 
 
 @pytest.mark.parametrize("engine", ["native", "zmq", "mooncake"])
@@ -375,8 +580,8 @@ def test_large_columns_cross_tcp_through_the_engine_exactly(ray_cluster, engine)
         # replies reported back), or not at all; nothing the client lent stays registered.
         if engine == "native":
             assert sum(len(s) for s in sync.engine._pool.values()) > 0, sync.engine._pool
-        elif engine == "mooncake":
-            assert sync.engine.name == "mooncake" and sync.engine._done and not sync.engine._lent.regions
+        elif engine == "mooncake":  # (every read reported by the clear's requests; a put's buffers released)
+            assert sync.engine.name == "mooncake" and not sync.engine._done and not sync.engine._lent.regions
         else:
             assert sync.engine is None
     finally:

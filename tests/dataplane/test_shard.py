@@ -167,6 +167,35 @@ def test_pool_trim_policy():
     assert size_class(1) == 4096 and size_class((1 << 20) + 1) <= (1 << 20) * 1.125 + 4096
 
 
+def test_the_pool_says_when_a_mapped_file_is_freed_and_closes_one_still_read():
+    """``on_free`` runs with a file's mapping before its memory is reused or closed (a transfer engine
+    unregisters it there); a file it answers False for (something may still read it) is closed, never
+    reused. A file the shard never mapped has nothing to tell."""
+    seen: list[int] = []
+    still_read: set[int] = set()
+
+    def on_free(mapping: memoryview) -> bool:
+        addr = np.frombuffer(mapping, np.uint8).ctypes.data
+        seen.append(addr)
+        return addr not in still_read
+
+    pool = ShmPool(warm_idle_s=60.0, warm_retain_bytes=1 << 30)
+    pool.on_free = on_free
+    a, b, unmapped = (pool.acquire(1 << 20) for _ in range(3))
+    addr_a, addr_b = (np.frombuffer(f.view(), np.uint8).ctypes.data for f in (a, b))
+    still_read.add(addr_b)
+    pool.release(a)
+    pool.release(b)
+    pool.release(unmapped)
+    assert seen == [addr_a, addr_b]
+    assert a in pool.warm and unmapped in pool.warm and b not in pool.warm and b.fd < 0  # b: closed
+    c = pool.acquire(1 << 20)
+    c.view()
+    pool.fence(c)
+    pool.close_all()  # (warm files were told when freed)
+    assert len(seen) == 3
+
+
 def test_shard_side_modules_do_not_import_torch():
     # Shards, the index and the wire share the codec's Column/ColumnSpec, yet must stay torch-free.
     import subprocess

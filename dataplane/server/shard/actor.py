@@ -426,6 +426,8 @@ class ShardActor:
                 who=self.server.name,
             )
             self.server.engine_min_bytes = cfg.get("engine_min_bytes", 4 << 20)
+            if self.server.engine is not None:  # (an engine that registered a segment lets go of it first)
+                self.core.pool.on_free = self.server.engine.forget
         if cfg.get("metrics", True) and export.start():  # before the loop starts: it reads these
             self.server.partition_series = cfg.get("metrics_partitions", -1)
             self.server._peer_metrics = ClientMetrics(cfg["name"])
@@ -482,6 +484,12 @@ class ShardActor:
         with self._lock:
             out: dict[str, Any] = msgspec.to_builtins(self.core.stats())  # (a Ray call: plain values)
             return out
+
+    def engine_stats(self) -> dict[str, int]:
+        """Its transfer engine's counts, where it keeps any (the mooncake engine's holds, registered
+        segments, lends and copies); empty otherwise."""
+        stats = getattr(self.server.engine, "stats", None)
+        return dict(stats()) if stats is not None else {}
 
     # ---- checkpoints (``server.shard.checkpoint``): Ray calls, so that the request loop keeps serving
     # while the files are written or read; the actor runs one at a time.

@@ -20,6 +20,10 @@ Lifetime invariants (what makes a read return only bytes some completed put wrot
 * **Fenced files are never reused.** A file whose reservation expired before its writer committed
   (the writer stalled or died) is closed, never recycled: a late writer still holding a mapping
   scribbles on memory that no row refers to, and the pages go when its mapping goes.
+* **Whoever serves a file's mapping is told before it is reused.** ``ShmPool.on_free`` (a transfer
+  engine that registered the mapping for remote readers, ``transport.mooncake_engine``) runs with the
+  shard's mapping of a file when the file stops holding rows, before its next generation; a file it
+  answers False for (a remote reader may still read it) is closed, never reused.
 
 Reuse policy (``bytes_warm`` in ``stats()``): a freed file goes to a warm pool and is handed to the
 next put that fits it (size within 1.3x), so a steady put/clear cycle never faults fresh pages and
@@ -144,6 +148,11 @@ class ShmFile:
             self._view = map_fd(self.fd, self.size)
         return self._view
 
+    @property
+    def mapped(self) -> memoryview | None:
+        """The shard's own mapping of the file, if it made one (``view``), without making it."""
+        return self._view
+
     def ref(self) -> list[int]:
         """What a client needs to map and check this file: [file_id, fd, size, inode, slot, generation]."""
         return [self.file_id, self.fd, self.size, self.inode, self.slot, self.gen]
@@ -176,6 +185,9 @@ class ShmPool:
         self.live: dict[int, ShmFile] = {}
         self.warm: list[ShmFile] = []
         self.version = 0  # bumps whenever a file is closed, so clients know to prune mappings
+        # Told with the shard's mapping of a file that stops holding rows, before it is reused or
+        # closed; False: something may still read it, so it is closed, never reused (module doc).
+        self.on_free: Callable[[memoryview], bool] | None = None
 
     def acquire(
         self,
@@ -211,7 +223,7 @@ class ShmPool:
     def release(self, f: ShmFile) -> None:
         """A file is no longer used by any row: warm it (next generation), or close it if exported."""
         self.live.pop(f.file_id, None)
-        if f.exported:
+        if not self._freed(f) or f.exported:
             self._close(f, punch=False)
             return
         f.gen = self.table.new_generation(f.slot)  # before any reuse: readers of the old rows will see it
@@ -222,7 +234,13 @@ class ShmPool:
     def fence(self, f: ShmFile) -> None:
         """A reserved file whose writer may still write into it: close it, never reuse it."""
         self.live.pop(f.file_id, None)
+        self._freed(f)
         self._close(f, punch=False)
+
+    def _freed(self, f: ShmFile) -> bool:
+        """Tell ``on_free`` that ``f`` holds no rows any more; whether its memory may be reused."""
+        mapping = f.mapped
+        return mapping is None or self.on_free is None or self.on_free(mapping)
 
     def trim(self, now: float | None = None, everything: bool = False) -> int:
         """Close warm files idle too long or above the retained watermark; returns bytes given back."""
@@ -248,6 +266,8 @@ class ShmPool:
         self.version += 1
 
     def close_all(self) -> None:
+        for f in self.live.values():  # (warm files were told when they were freed)
+            self._freed(f)
         for f in [*self.live.values(), *self.warm]:
             self._close(f, punch=not f.exported)
         self.live.clear()
