@@ -117,7 +117,7 @@ def test_an_index_gathered_in_slices_is_the_one_built_at_once_and_kept_current(m
         rng = random.Random(seed)
         tags = {f"k{i}": {"uid": rng.randrange(6)} for i in range(40)}
         start = [k for k in tags if rng.random() < 0.7]
-        sliced = ReadyKeys(tags.__getitem__, start, lambda: dict(tags).__getitem__)  # (tags: replaced)
+        sliced = ReadyKeys(tags.__getitem__, start, lambda tags=tags: dict(tags).__getitem__)  # (replaced)
         with pytest.raises(ready_mod.StillGathering):
             sliced.groups("uid", 3)
         whole = ReadyKeys(tags.__getitem__, start)
