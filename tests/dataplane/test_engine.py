@@ -5,6 +5,7 @@ peer without the store's secret; and the store's large columns over tcp going th
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -116,9 +117,12 @@ def test_a_staged_buffer_is_let_go_once_exactly_when_nothing_reads_it_any_more(s
     deadline = time.monotonic() + 60
     try:
         y = _payload(9 << 20)
-        whole = server.stage(y, lambda: calls.append("whole"))
+        let_go = threading.Event()
+        whole = server.stage(y, lambda: (calls.append("whole"), let_go.set()))
         assert calls == [] and bytes(client.read(server.address, whole, y.nbytes, deadline)) == bytes(y)
-        assert calls == ["whole"]  # read whole: let go by its last sender
+        # Read whole: let go by its last sender, once its send returns (which may be just after the
+        # client has the bytes).
+        assert let_go.wait(10) and calls == ["whole"]
         assert client.done(server.address) == [whole] and client.done(server.address) == []
         server.release([whole])  # reported too (the client's next request): once is once
         reported = server.stage(y, lambda: calls.append("reported"))
