@@ -17,8 +17,8 @@ from dataplane.server.checkpoint_files import new_token
 from dataplane.server.index import checkpoint as index_checkpoint
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
-from dataplane.server.index.keytable import COMPACT_MIN_HOLES
-from dataplane.server.index.puts import ON_NEW_MIN
+from dataplane.server.index.keytable import COMPACT_MIN_HOLES, KeyTable
+from dataplane.server.index.puts import COMMIT_SLICE, ON_NEW_MIN
 from dataplane.server.index.records import FREE_SLICE
 from dataplane.server.index.streams import BUILD_SLICE
 from dataplane.transport.auth import Credentials
@@ -337,5 +337,51 @@ def test_requests_are_answered_while_the_index_writes_a_checkpoint(creds: Creden
         assert reply(saved.body, _protocol.CheckpointSaveReply).partitions == {"big": 100}
     finally:
         go.set()
+        server.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_big_commit_is_recorded_in_slices_with_other_requests_answered_between(
+    creds: Credentials, monkeypatch
+):
+    """Through the loop and its sockets: a 1-key commit sent while a big commit is being recorded
+    (held at its first slice by a gate until the small one is on its way) is answered first; the
+    big one then records every key."""
+    core = IndexCore()
+    started, sent = threading.Event(), threading.Event()
+    real = KeyTable.commit
+
+    def gated(table: KeyTable, *args: Any) -> Any:
+        if not started.is_set():
+            started.set()
+            assert sent.wait(REPLY_MS / 1000)
+        return real(table, *args)
+
+    monkeypatch.setattr(KeyTable, "commit", gated)
+    server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
+    server.start()
+    ctx = zmq.Context()
+    big = [f"b{i}" for i in range(3 * COMMIT_SLICE)]
+    try:
+        sock = _dealer(ctx, creds, server)
+        rids = [next(_rids), next(_rids)]
+        sock.send_multipart(
+            _wire.encode_request(rids[0], "commit", {"partition": "big", "keys": big, "fields": ["x"]})
+        )
+        assert started.wait(REPLY_MS / 1000)
+        sock.send_multipart(
+            _wire.encode_request(rids[1], "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]})
+        )
+        sent.set()
+        order = []
+        for _ in rids:
+            assert sock.poll(REPLY_MS)
+            rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
+            assert rep.error is None
+            order.append(rep.rid)
+        assert order == rids[::-1]  # the small commit first
+        assert list(core.partitions["big"].keys) == big
+    finally:
+        sent.set()
         server.stop()
         ctx.destroy(linger=0)

@@ -57,6 +57,8 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
     # Ops whose work grows with what the index holds: its server answers them in steps
     # (``server.jobs``), serving other requests between; ``op_<name>`` runs the same job whole.
     JOBS: ClassVar[dict[str, str]] = {
+        "commit": "job_commit",
+        "commits": "job_commits",
         "checkpoint_save": "job_checkpoint_save",
         "checkpoint_finish": "job_checkpoint_finish",
     }

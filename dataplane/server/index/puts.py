@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataplane.codec.column_types import describe_family
 from dataplane.errors import ReservationExpiredError, SchemaMismatchError, WireError
 from dataplane.server.index.keytable import NOTHING as _NOTHING
+from dataplane.server.index.keytable import Tag
 from dataplane.server.index.records import (
     CLEARED_KEYS_KEPT,
     CLEARED_PARTITIONS_KEPT,
@@ -23,11 +24,13 @@ from dataplane.server.index.records import (
     IndexRecords,
     PartMeta,
 )
+from dataplane.server.jobs import Job, run_job
 from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 
 MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
 ON_NEW_MIN = 64  # a commit of this many new keys or more appends them to the streams at once (``on_new``)
+COMMIT_SLICE = 2048  # keys a commit records per step (a couple of milliseconds), other requests between
 
 
 def _remember(record: OrderedDict[str, None], name: str, bound: int) -> None:
@@ -170,7 +173,14 @@ class IndexPuts(IndexRecords):
             self.schemas.pop(pid, None)
 
     def op_commit(self, body: _protocol.IndexCommit) -> _protocol.CommitReply:
-        """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags."""
+        return run_job(self.job_commit(body))
+
+    def job_commit(self, body: _protocol.IndexCommit) -> Job[_protocol.CommitReply]:
+        """Record that ``keys`` now hold ``fields`` (and merge ``tags``); returns fields and tags.
+        Everything is checked before anything changes; then the keys are recorded ``COMMIT_SLICE`` at
+        a time, a step each (the index's server answers other requests between them). Each key is
+        ready for consumers as its slice lands; if the partition is cleared meanwhile, the keys not
+        recorded yet go with it (as if the clear came after the whole commit)."""
         pid, keys, fields, tags = (
             body.partition,
             _protocol.unique_keys(body.keys, "commit"),
@@ -204,10 +214,33 @@ class IndexPuts(IndexRecords):
         part = self.partitions.get(pid)
         if part is None:  # (not setdefault: a PartMeta is not free to build, and commits are many)
             part = self.partitions[pid] = PartMeta()
+        fieldset = frozenset(fields)
+        union: set[str] = set()
+        for at in range(0, len(keys), COMMIT_SLICE):
+            if at:
+                yield None
+                if self.partitions.get(pid) is not part:  # cleared meanwhile: the rest goes with it
+                    break
+            chunk_tags = None if tags is None else tags[at : at + COMMIT_SLICE]
+            union.update(*self._record(part, keys[at : at + COMMIT_SLICE], fieldset, chunk_tags))
+            self.changed.add(pid)
+        tag = part.keys.tag
+        # (untagged: one empty dict for all, as the reply is encoded, never changed)
+        out_tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{}] * len(keys)
+        order = list(self.schemas.get(pid, {}))
+        ordered = [f for f in order if f in union] + sorted(union.difference(order))
+        return _protocol.CommitReply(ordered, out_tags)
+
+    @staticmethod
+    def _record(
+        part: PartMeta, keys: list[str], fields: frozenset[str], tags: list[Tag | None] | None
+    ) -> set[frozenset[str]]:
+        """``keys`` now hold ``fields`` (and their tags merged): the keys' table and the consumers'
+        streams (rows that became ready, ready rows retagged); the field sets the keys hold now."""
         part.active = time.monotonic()
-        grew, before, retagged, sets = part.keys.commit(keys, frozenset(fields), tags)
+        grew, before, retagged, sets = part.keys.commit(keys, fields, tags)
         streams = part.streams
-        if streams.by_fields:  # (consumers' streams: rows that became ready, ready rows retagged)
+        if streams.by_fields:
             for key in retagged:
                 streams.on_retag(key)
             if len(grew) >= ON_NEW_MIN and before.count(_NOTHING) == len(before):  # new keys: at once
@@ -216,23 +249,20 @@ class IndexPuts(IndexRecords):
                 held = part.keys.__getitem__
                 for key, old in zip(grew, before, strict=True):
                     streams.on_commit(key, old, held(key))
-        tag = part.keys.tag
-        out_tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{} for _ in keys]
-        union = frozenset().union(*sets)
-        self.changed.add(pid)
-        order = list(self.schemas.get(pid, {}))
-        ordered = [f for f in order if f in union] + sorted(union.difference(order))
-        return _protocol.CommitReply(ordered, out_tags)
+        return sets
 
     def op_commits(self, body: _protocol.Commits) -> _protocol.CommitsReply:
+        return run_job(self.job_commits(body))
+
+    def job_commits(self, body: _protocol.Commits) -> Job[_protocol.CommitsReply]:
         """Several independent commits (a shard passing on the puts it stored since its last batch):
         each gets its own answer, ``CommitResult(ok=reply)`` or ``CommitResult(err=[class, message,
-        attrs])``. A commit that is refused changed nothing (``op_commit`` checks everything first), so
-        its shard can take the rows back."""
+        attrs])``. A commit that is refused changed nothing (``job_commit`` checks everything first),
+        so its shard can take the rows back."""
         results: list[_protocol.CommitResult] = []
         for item in body.items:
             try:
-                results.append(_protocol.CommitResult(ok=self.op_commit(item)))
+                results.append(_protocol.CommitResult(ok=(yield from self.job_commit(item))))
             except Exception as exc:  # noqa: BLE001 - one refused commit does not refuse the others
                 results.append(_protocol.CommitResult(err=_wire.error_fields(exc)))
         return _protocol.CommitsReply(results)
@@ -261,4 +291,4 @@ class IndexPuts(IndexRecords):
         return _protocol.ExistedReply(existed)
 
 
-__all__ = ["MAX_EARLY_ABORTS", "ON_NEW_MIN", "IndexPuts"]
+__all__ = ["COMMIT_SLICE", "MAX_EARLY_ABORTS", "ON_NEW_MIN", "IndexPuts"]
