@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from dataplane.errors import WireError
+from dataplane.server.jobs import Job
 from dataplane.wire import protocol as _protocol
 
 OpReply = tuple[msgspec.Struct, list[Any]]  # a reply body (the op's reply struct) and its buffer frames
@@ -50,6 +51,9 @@ class Operations:
     REPLIES: ClassVar[Mapping[str, type[msgspec.Struct]]] = {}  # op -> the struct its handler returns
     SERVER_OPS: ClassVar[frozenset[str]] = frozenset()  # answered by the server, never by the core
     SERVICE: ClassVar[str] = "this service"  # names the service in refusals
+    # Ops whose work can grow with what the service holds: its server answers them in steps
+    # (``server.jobs``), serving other requests between; op -> the method making the job.
+    JOBS: ClassVar[Mapping[str, str]] = {}
     _methods: ClassVar[dict[str, str]] = {}
     # The smallest reply buffer worth lending to the engine that stages the reply at hand (0: none;
     # set by the server per request, for a core that lends: ``ShardCore``).
@@ -85,6 +89,11 @@ class Operations:
             raise WireError(f"unknown operation {op!r}; {self.SERVICE} knows {sorted(self.OPS)}")
         method: Callable[..., Any] = getattr(self, name)
         return method
+
+    def job(self, op: str, body: Any, bufs: list[memoryview]) -> Job[OpReply]:
+        """The job answering ``op`` (one of ``JOBS``) in steps; its ``op_<name>`` runs it whole."""
+        job: Job[OpReply] = getattr(self, self.JOBS[op])(body, bufs)
+        return job
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         """Run ``op`` on its decoded ``body`` and the request's buffer frames: the reply."""

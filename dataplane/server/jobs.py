@@ -18,6 +18,7 @@ runs one to its end on the calling thread (a core used without its server, as te
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -65,8 +66,9 @@ class Jobs:
     """The jobs a server's loop runs: ``start`` one (its first step runs at once, so a request it
     refuses is answered at once), ``step`` each once per pass, round robin."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock: contextlib.AbstractContextManager[Any] | None = None) -> None:
         self._running: list[_Running] = []
+        self._lock = lock if lock is not None else contextlib.nullcontext()  # held around each step
 
     def __len__(self) -> int:
         return len(self._running)
@@ -94,7 +96,8 @@ class Jobs:
                 return True
             run.waiting = None  # (its outcome is read by the job itself, from the Future it kept)
         try:
-            run.waiting = next(run.job)
+            with self._lock:
+                run.waiting = next(run.job)
         except StopIteration as done:
             run.answer(done.value, None)
             return False

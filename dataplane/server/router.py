@@ -54,6 +54,7 @@ from zmq.utils.monitor import recv_monitor_message
 from dataplane.config import unix_peer_uids
 from dataplane.errors import ProtocolVersionError, WireError
 from dataplane.server.dispatch import Operations, OpReply
+from dataplane.server.jobs import Jobs
 from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
 from dataplane.transport import auth as _auth
 from dataplane.transport import engine as _engine
@@ -157,6 +158,7 @@ class RequestServer:
         self.metrics: ServerMetrics | None = None
         self._publish_due = 0.0
         self._stop = threading.Event()
+        self._jobs = Jobs(self._lock)  # requests answered in steps (``core.JOBS``, ``server.jobs``)
         self._logged: dict[str, float] = {}  # loop step -> when its last failure was logged in full
         self._thread = threading.Thread(target=self._run, name=f"{name}-server", daemon=True)
         # One epoll for everything: a zmq socket is watched through its ZMQ_FD, which signals "look at
@@ -333,6 +335,9 @@ class RequestServer:
                 if drain is not None:
                     self._guarded("draining a socket", drain)
             timeout = self._guarded("computing the poll timeout", self.poll_timeout_ms, default=POLL_MS)
+            jobs_ms = self._jobs.poll_ms()
+            if jobs_ms is not None:
+                timeout = min(timeout, jobs_ms)
             events = self._guarded("polling", ep.poll, _poll_seconds(timeout), default=[])
             for fd, ev in events:
                 handler = handlers.get(fd)
@@ -345,6 +350,8 @@ class RequestServer:
             if not events:
                 for drain in list(self._drains.values()):
                     self._guarded("draining a socket", drain)
+            if self._jobs:  # (before the timers: the index re-tries parked requests after them)
+                self._guarded("a step of a request answered in steps", self._jobs.step)
             self._guarded("the after-poll timers", self.after_poll)
             now = time.monotonic()
             if self.metrics is not None and now >= self._publish_due:
@@ -563,10 +570,26 @@ class RequestServer:
     def serve(
         self, sock: Peer, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
-        """The reply to one checked and decoded request, or None when it is answered later (a
-        subclass keeps ``sock``, ``ident`` and ``rid`` and ``deliver`` s the reply itself)."""
+        """The reply to one checked and decoded request, or None when it is answered later (a job,
+        answered once its last step has run; or a subclass keeps ``sock``, ``ident`` and ``rid`` and
+        ``deliver`` s the reply itself)."""
+        if op in self.core.JOBS:  # answered in steps, other requests served between them
+            self._jobs.start(
+                self.core.job(op, body, bufs), functools.partial(self._answer_job, sock, ident, rid)
+            )
+            return None
         with self._lock:
             return self.core.run(op, body, bufs)
+
+    def _answer_job(
+        self, sock: Peer, ident: Any, rid: int, reply: OpReply | None, exc: BaseException | None
+    ) -> None:
+        """Answer a request answered in steps: its reply, or the error its job ended with."""
+        if exc is not None or reply is None:
+            frames = _wire.encode_error(rid, exc or WireError("a job ended with no reply"))
+        else:
+            frames = _wire.encode_reply(rid, reply[0], reply[1])
+        self.deliver(sock, ident, frames)
 
     def deliver(self, sock: Peer, ident: Any, reply: list[Any]) -> bool:
         """Send ``reply`` to the peer ``ident`` (on a ROUTER socket) or on a Unix-lane connection;

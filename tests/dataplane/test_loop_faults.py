@@ -26,7 +26,7 @@ from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.shard import actor as shard_actor
 from dataplane.server.shard.actor import ShardServer
-from dataplane.server.shard.core import ShardCore
+from dataplane.server.shard.core import ATTACH_SLICE, ShardCore
 from dataplane.transport.auth import Credentials, secure_client
 from dataplane.transport.liveness import process_start
 from dataplane.transport.locality import Locality
@@ -283,3 +283,50 @@ def test_a_link_whose_reply_cannot_be_read_answers_its_writer(creds, index, ctx,
         assert rep.error is None and _index_error(rep) is not None, rep
         assert "injected" in _index_error(rep)[1], rep
         _shard_serves(sock, index_sock)
+
+
+def test_a_big_put_is_stored_in_slices_with_other_requests_answered_between(
+    shard, index, ctx, creds, monkeypatch
+):
+    """A 1-row put sent while a big put is being stored (held at its first slice by a gate until
+    the small one is on its way) is stored and answered first; the big one then stores every row and
+    the index records every key."""
+    started, sent = threading.Event(), threading.Event()
+    real = ShardCore._attach
+
+    def gated(core: ShardCore, *args: Any) -> Any:
+        if not started.is_set():
+            started.set()
+            assert sent.wait(REPLY_MS / 1000)
+        return real(core, *args)
+
+    monkeypatch.setattr(ShardCore, "_attach", gated)
+    sock, index_sock = _dealer(ctx, creds, shard), _dealer(ctx, creds, index)
+    n = 3 * ATTACH_SLICE
+    spec = ["dense", "float32", [2]]
+    keys = [f"b{i}" for i in range(n)]
+    big = {
+        "partition": "big",
+        "keys": keys,
+        "fields": {"x": {"spec": spec, "nbytes": 8 * n, "col": {"spec": spec, "rows": n, "data": 0}}},
+        "tags": None,
+    }
+    rids = [next(_rids), next(_rids)]
+    sock.send_multipart(
+        _wire.encode_request(rids[0], "put_ready", big, [np.ones(2 * n, dtype=np.float32).tobytes()])
+    )
+    assert started.wait(REPLY_MS / 1000)
+    spec1 = {"x": {"spec": spec, "nbytes": 8, "col": {"spec": spec, "rows": 1, "data": 0}}}
+    small = {"partition": "small", "keys": ["s"], "fields": spec1, "tags": None}
+    sock.send_multipart(
+        _wire.encode_request(rids[1], "put_ready", small, [np.ones(2, dtype=np.float32).tobytes()])
+    )
+    sent.set()
+    order = []
+    for _ in rids:
+        assert sock.poll(REPLY_MS)
+        rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
+        assert rep.error is None and _index_error(rep) is None, rep
+        order.append(rep.rid)
+    assert order == rids[::-1]  # the small put first
+    assert list(_listed(index_sock, "big")["big"]) == keys

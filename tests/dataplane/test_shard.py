@@ -16,6 +16,8 @@ import torch
 from dataplane.client.mappings import MappingCache
 from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
+from dataplane.server.jobs import run_job
+from dataplane.server.shard import core as shard_core
 from dataplane.server.shard.actor import ShardServer
 from dataplane.server.shard.core import DROP_SLICE, ShardCore
 from dataplane.server.shard.segments import ShmPool, size_class
@@ -214,7 +216,11 @@ def test_shard_side_modules_do_not_import_torch():
 
 def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
     """A ``put_ready`` as ``ShardServer`` serves it: the rows stored, the index commit to send on."""
+    return run_job(_put_ready_job(core, pid, keys, fields, tags))
 
+
+def _put_ready_job(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=None):
+    """The job storing a ``put_ready`` in steps (``ShardCore.job_put_ready``), not started."""
     cols = encode_fields(fields, len(keys))
     bufs: list = []
     body = {
@@ -231,7 +237,8 @@ def _put_ready(core: ShardCore, pid: str, keys: list[str], fields: dict, tags=No
         "tags": tags,
     }
     frames = [memoryview(np.frombuffer(b, np.uint8).copy()) for b in bufs]
-    return _serve_put_ready(core, body, frames)
+    typed = _protocol.decode_body("put_ready", msgspec.msgpack.encode(body), _protocol.SHARD_OPS)
+    return core.job_put_ready(typed, frames)
 
 
 def _serve_put_ready(core: ShardCore, body: dict, frames=()):
@@ -414,3 +421,31 @@ def test_the_shard_loop_frees_one_slice_per_pass_and_does_not_wait_meanwhile():
         server.start()  # (its loop closes the sockets as it stops)
         server.stop()
         core.close()
+
+
+def test_a_put_attached_in_slices_replaces_and_accounts_exactly_even_when_cleared_midway(monkeypatch):
+    """A put's rows are attached ``ATTACH_SLICE`` at a time: over keys that exist (their old values
+    let go) and new ones alike; a partition cleared between two slices takes the rows not attached
+    yet with it, and once it is freed nothing is left in use."""
+    monkeypatch.setattr(shard_core, "ATTACH_SLICE", 3)
+    core = ShardCore(0)
+    _put_ready(core, "p", ["a", "b"], {"x": torch.tensor([1, 2])})
+    keys = ["a", "b", *[f"k{i}" for i in range(8)]]
+    _put_ready(core, "p", keys, {"x": torch.arange(10, 20)})
+    body, frames = _get(core, "p", ["k7", "a", "b"])
+    assert np.frombuffer(_wire.column_from_wire(body.fields["x"].col, frames).data, np.int64).tolist() == [
+        19,
+        10,
+        11,
+    ]
+    assert len(core.partitions["p"].segs) == 1  # the first put's segment let go with its last row
+    job = _put_ready_job(core, "q", [f"q{i}" for i in range(10)], {"x": torch.arange(10)})
+    assert next(job) is None and len(core.partitions["q"].rows) == 3  # one slice attached
+    call(core, "clear_partition", {"partition": "q"}, [])
+    run_job(job)
+    while core.dropped:
+        core.free_some()
+    call(core, "clear_partition", {"partition": "p"}, [])
+    while core.dropped:
+        core.free_some()
+    assert core.stats().bytes_used == 0 and core.stats().bytes_resident == 0

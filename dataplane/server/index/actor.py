@@ -19,13 +19,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from dataplane.errors import DataplaneError, PartitionNotFoundError
 from dataplane.server.dispatch import OpReply
 from dataplane.server.index.core import IndexCore
-from dataplane.server.jobs import Jobs
 from dataplane.server.router import POLL_MS, Peer, RequestServer
 from dataplane.telemetry import bounds as _bounds
 from dataplane.telemetry import export
@@ -88,7 +86,6 @@ class IndexServer(RequestServer):
         self.rows_taken = 0  # rows handed out to consumers (metrics)
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
         self._freeze_due = 0.0
-        self._jobs = Jobs()  # requests answered in steps (``IndexCore.JOBS``)
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
@@ -99,9 +96,6 @@ class IndexServer(RequestServer):
     def serve(
         self, sock: Peer, ident: Any, rid: int, op: str, body: Any, bufs: list[memoryview]
     ) -> OpReply | None:
-        if op in IndexCore.JOBS:  # answered in steps, other requests served between them
-            self._jobs.start(self.core.job(op, body), partial(self._answer_job, sock, ident, rid))
-            return None
         if op not in _TAKING_OPS:
             if op == "release":  # a parked take its consumer gave up on waits no more
                 self._unpark(self._by_take.get(body.take))
@@ -121,11 +115,6 @@ class IndexServer(RequestServer):
         if take is not None:
             self._by_take[take] = waiter
         return None
-
-    def _answer_job(self, sock: Peer, ident: Any, rid: int, reply: Any, exc: BaseException | None) -> None:
-        """Answer a request answered in steps: its reply, or the error its job ended with."""
-        frames = _wire.encode_error(rid, exc) if exc is not None else _wire.encode_reply(rid, reply)
-        self.deliver(sock, ident, frames)
 
     def _unpark(self, w: _Waiter | None) -> None:
         """Answer a parked request whose consumer gave it up, taking nothing; its socket may be gone."""
@@ -187,20 +176,16 @@ class IndexServer(RequestServer):
     def poll_timeout_ms(self) -> int:
         if self.core.dropped or self.core.building:  # a slice after every poll, polls that do not wait
             return 0
-        jobs_ms = self._jobs.poll_ms()
-        if jobs_ms == 0:
-            return 0
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
         due = min(self._deadlines[0][0] if self._deadlines else math.inf, self.core.next_lease_due())
-        wait = POLL_MS if jobs_ms is None else jobs_ms  # (a job waiting on a thread: polled soon)
         if due == math.inf:
-            return wait
+            return POLL_MS
         left = due - time.monotonic()
         if left <= 0:
             return 0
-        if not left < wait / 1000:  # (a deadline the protocol's bounds let through is finite; and
-            return wait  # should one not be, inf or nan ends here, never in an integer conversion)
+        if not left < POLL_MS / 1000:  # (a deadline the protocol's bounds let through is finite; and
+            return POLL_MS  # should one not be, inf or nan ends here, never in an integer conversion)
         return math.ceil(left * 1000)
 
     def after_poll(self) -> None:
@@ -209,8 +194,6 @@ class IndexServer(RequestServer):
         # Each slice guarded on its own: one failing on every pass must not stop leases and deadlines.
         self._guarded("freeing a dropped partition's keys", self.core.free_some)  # one slice, then requests
         self._guarded("building a consumer's stream", self.core.build_some)  # one slice of a big partition
-        if self._jobs:
-            self._guarded("a step of a request answered in steps", self._jobs.step)
         now = time.monotonic()
         if now >= self._freeze_due:
             self._freeze_due = now + FREEZE_S

@@ -15,7 +15,7 @@ classifying a missing key).
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.dispatch import Operations, OpReply
@@ -54,19 +54,16 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
     OPS = _protocol.INDEX_OPS
     REPLIES = _protocol.INDEX_REPLIES
     SERVICE = "the index"
-    # Ops whose work grows with what the index holds: its server answers them in steps
-    # (``server.jobs``), serving other requests between; ``op_<name>`` runs the same job whole.
-    JOBS: ClassVar[dict[str, str]] = {
+    JOBS = {  # (answered in steps by the server; ``op_<name>`` runs the job whole)
         "commit": "job_commit",
         "commits": "job_commits",
         "checkpoint_save": "job_checkpoint_save",
         "checkpoint_finish": "job_checkpoint_finish",
     }
 
-    def job(self, op: str, body: Any) -> Job[Any]:
-        """The job answering ``op`` (one of ``JOBS``) in steps."""
-        job: Job[Any] = getattr(self, self.JOBS[op])(body)
-        return job
+    def job(self, op: str, body: Any, bufs: list[memoryview]) -> Job[OpReply]:
+        reply = yield from getattr(self, self.JOBS[op])(body)  # (the index takes no buffers)
+        return reply, []
 
     def run(self, op: str, body: Any, bufs: list[memoryview]) -> OpReply:
         result = self.operation(op)(body)  # no buffers: the index's server refuses any

@@ -23,6 +23,7 @@ a writer's put returns only after both have recorded it (read-after-write for ev
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -143,12 +144,28 @@ class ShardServer(RequestServer):
             return reply
         if self._link is None:
             raise WireError(f"{self.name} is not linked to the store's index yet; nothing was written")
-        with self._lock:
-            commit, undo = self.core.put_ready(body, bufs)
-        self._outbox.append(_Forward(sock, ident, rid, commit, undo))  # answered once the index has
+        # Stored in steps (other requests answered between them), then passed on to the index.
+        self._jobs.start(
+            self.core.job_put_ready(body, bufs), functools.partial(self._forward, sock, ident, rid)
+        )
+        return None
+
+    def _forward(
+        self,
+        sock: Peer,
+        ident: Any,
+        rid: int,
+        stored: tuple[_protocol.IndexCommit, PutUndo] | None,
+        exc: BaseException | None,
+    ) -> None:
+        """A put stored (``ShardCore.job_put_ready``): its commit queued for the index, and its writer
+        answered once the index has; or, refused, the writer told why (nothing was stored)."""
+        if exc is not None or stored is None:
+            self.deliver(sock, ident, _wire.encode_error(rid, exc or WireError("the put stored nothing")))
+            return
+        self._outbox.append(_Forward(sock, ident, rid, *stored))
         if len(self._outbox) >= MAX_BATCH:
             self._send_outbox()
-        return None
 
     def poll_timeout_ms(self) -> int:
         return 0 if self.core.dropped else POLL_MS  # rows of a dropped partition left: a slice per pass

@@ -57,6 +57,7 @@ from dataplane.errors import (
     WireError,
 )
 from dataplane.server.dispatch import Operations, OpReply
+from dataplane.server.jobs import Job, run_job
 from dataplane.server.shard.host_memory import HostMemory
 from dataplane.server.shard.segments import ShmFile, ShmPool
 from dataplane.wire import frames as _wire
@@ -67,6 +68,7 @@ logger = logging.getLogger(__name__)
 ROW_BITS = 32  # a row code is (segment id << ROW_BITS) | row: a put writes fewer than 2**32 rows
 ROW_MASK = (1 << ROW_BITS) - 1
 DROP_SLICE = 16384  # rows of a cleared partition freed at a time, between requests (``free_some``)
+ATTACH_SLICE = 4096  # rows a put attaches per step, between requests (``_attach_steps``)
 _segment_ids = itertools.count(1)
 
 
@@ -165,6 +167,7 @@ class ShardCore(Operations):
     OPS = _protocol.SHARD_OPS
     REPLIES = _protocol.SHARD_REPLIES
     SERVER_OPS = frozenset({"put_ready"})  # its reply waits for the index: ``ShardServer`` answers it
+    JOBS = {"commit": "job_commit"}  # (attached in steps: ``_attach_steps``)
     SERVICE = "the shard"
 
     def __init__(
@@ -311,26 +314,28 @@ class ShardCore(Operations):
                 "(dp.init(capacity_bytes=...), `rlplane store start --capacity SIZE`)"
             )
 
-    def _store_inline(self, body: _protocol.PutReady, bufs: list[memoryview]) -> dict[str, Segment]:
-        """Check and store a put whose columns all travel inline: ``op_reserve``'s checks, then
-        ``_commit``'s attach, with no reservation between them (the server runs one call at a time, so
-        nothing can come between the two; and there is no shared memory to hand out)."""
-        if any(f.col is None for f in body.fields.values()):
-            raise WireError("a one-step put carries every column inline")
-        keys = _protocol.unique_keys(body.keys, "reserve")
-        fields, _ = self._checked_fields(body.partition, keys, body.fields, bufs)
-        return self._attach(body.partition, keys, fields, {}, {})
-
     def put_ready(
         self, body: _protocol.PutReady, bufs: list[memoryview]
     ) -> tuple[_protocol.IndexCommit, PutUndo]:
-        """Store a one-step put now (``_store_inline``); returns the index commit that makes its rows
-        ready (sent on by ``ShardServer``) and what takes the rows back if the index refuses it.
+        return run_job(self.job_put_ready(body, bufs))
+
+    def job_put_ready(
+        self, body: _protocol.PutReady, bufs: list[memoryview]
+    ) -> Job[tuple[_protocol.IndexCommit, PutUndo]]:
+        """Check and store a one-step put (every column inline): ``op_reserve``'s checks, then
+        ``_commit``'s attach, with no reservation between them (nothing can come between the two:
+        the rows are attached in steps, but from the same checked columns; and there is no shared
+        memory to hand out). Returns the index commit that makes its rows ready (sent on by
+        ``ShardServer``) and what takes the rows back if the index refuses it.
 
         The commit is built here from what this shard stored (partition, keys, fields, specs), so it
         can only name rows that are readable here; the client adds nothing but the tags.
         """
-        segs = self._store_inline(body, bufs)
+        if any(f.col is None for f in body.fields.values()):
+            raise WireError("a one-step put carries every column inline")
+        keys = _protocol.unique_keys(body.keys, "reserve")
+        fields, _ = self._checked_fields(body.partition, keys, body.fields, bufs)
+        segs = yield from self._attach_steps(body.partition, keys, fields, {}, {})
         specs = {name: f.spec for name, f in body.fields.items()}
         commit = _protocol.IndexCommit(body.partition, body.keys, list(body.fields), body.tags, specs=specs)
         return commit, PutUndo(body.partition, body.keys, segs)
@@ -361,10 +366,16 @@ class ShardCore(Operations):
             del self.partitions[undo.pid]
 
     def op_commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
-        self._commit(body, bufs)
+        return run_job(self.job_commit(body, bufs))
+
+    def job_commit(
+        self, body: _protocol.Commit, bufs: list[memoryview]
+    ) -> Job[tuple[_protocol.Done, list[Any]]]:
+        """Attach a reservation's rows to their keys (in steps: ``_attach_steps``)."""
+        yield from self._commit(body, bufs)
         return _protocol.Done(), []
 
-    def _commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> dict[str, Segment]:
+    def _commit(self, body: _protocol.Commit, bufs: list[memoryview]) -> Job[dict[str, Segment]]:
         """Attach a reservation's rows to their keys; returns the segment made for each field."""
         resv = self._resv.get(body.resv)
         if resv is None:
@@ -398,28 +409,47 @@ class ShardCore(Operations):
             self._release(self._take(body.resv))
             raise
         self._take(body.resv)
-        return self._attach(resv.pid, resv.keys, resv.fields, offsets, shapes)
+        return (yield from self._attach_steps(resv.pid, resv.keys, resv.fields, offsets, shapes))
 
-    def _attach(
+    def _attach_steps(
         self,
         pid: str,
         keys: list[str],
         fields: dict[str, _Field],
         offsets: dict[str, np.ndarray],
         shapes: dict[str, np.ndarray],
-    ) -> dict[str, Segment]:
+    ) -> Job[dict[str, Segment]]:
         """Make checked rows live: one segment per field, each key's row pointing at it (replacing an
-        older value of the field); returns the segment made for each field."""
-        n = len(keys)
+        older value of the field), ``ATTACH_SLICE`` keys per step (the server answers other requests
+        between them; the put is answered after the last). Returns the segment made for each field.
+        If the partition is cleared meanwhile, the rows not attached yet go with it."""
         part = self.partitions.get(pid)
         if part is None:
             part = self.partitions[pid] = _Partition()
+        made = self._segments(part, len(keys), fields, offsets, shapes)
+        for at in range(0, len(keys) if made else 0, ATTACH_SLICE):
+            if at:
+                yield None
+                if self.partitions.get(pid) is not part:  # cleared: what is left goes unattached
+                    for seg in made.values():
+                        self._unref(seg, len(keys) - at)
+                    break
+            self._attach(part, keys[at : at + ATTACH_SLICE], at, made)
+        return made
+
+    def _segments(
+        self,
+        part: _Partition,
+        n: int,
+        fields: dict[str, _Field],
+        offsets: dict[str, np.ndarray],
+        shapes: dict[str, np.ndarray],
+    ) -> dict[str, Segment]:
+        """One segment per field of a put of ``n`` rows, accounted, each held by all ``n`` rows (those
+        not attached in the end are let go: ``_attach_steps``)."""
         made: dict[str, Segment] = {}
         if fields:
             self.rows_put += n
-        rows = part.rows
-        # New keys (the usual put): their rows made in one pass at C speed, no call per key.
-        fresh = bool(fields) and not any(map(rows.__contains__, keys))
         for name, entry in fields.items():
             spec = entry.spec
             part.specs.setdefault(name, spec)
@@ -436,28 +466,31 @@ class ShardCore(Operations):
             self.heap_bytes += seg.heap_bytes
             made[name] = seg
             part.segs[seg.sid] = seg
-            base = row_code(seg, 0)
-            if fresh:
-                seg.live = n
-                continue
+            seg.live = n
+        return made
+
+    def _attach(self, part: _Partition, keys: list[str], first: int, made: dict[str, Segment]) -> None:
+        """Point the rows of ``keys`` at rows ``first``... of the segments ``made`` (one step)."""
+        rows, n = part.rows, len(keys)
+        if not any(map(rows.__contains__, keys)):  # new keys (the usual put): one pass at C speed
+            names = list(made)
+            codes = [range(row_code(seg, first), row_code(seg, first + n)) for seg in made.values()]
+            if len(names) == 1:
+                rows.update(zip(keys, [{names[0]: c} for c in codes[0]], strict=True))
+            else:
+                made_rows = [dict(zip(names, c, strict=True)) for c in zip(*codes, strict=True)]
+                rows.update(zip(keys, made_rows, strict=True))
+            return
+        for name, seg in made.items():
+            base = row_code(seg, first)
             for key, code in zip(keys, range(base, base + n), strict=True):
                 row = rows.get(key)
                 if row is None:
                     row = rows[key] = {}
                 old = row.get(name)
                 row[name] = code
-                seg.live += 1
                 if old is not None:
                     self._unref(part.segs[old >> ROW_BITS])
-        if fresh:
-            names = list(made)
-            codes = [range(row_code(seg, 0), row_code(seg, n)) for seg in made.values()]
-            if len(names) == 1:
-                rows.update(zip(keys, [{names[0]: c} for c in codes[0]], strict=True))
-            else:
-                made_rows = [dict(zip(names, c, strict=True)) for c in zip(*codes, strict=True)]
-                rows.update(zip(keys, made_rows, strict=True))
-        return made
 
     def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
         resv = self._resv.get(body.resv)
