@@ -6,12 +6,18 @@ streaming state (``PartitionStreams.snapshot``). Fields are stored once per dist
 (``layouts``) and each key names its set (``layout``), so a partition of a million rows of the same
 fields costs a million small integers, not a million lists.
 
-The operations (mixed into ``IndexCore``; each runs on the index's one thread, so a snapshot is one
-consistent instant of the metadata):
+The operations (mixed into ``IndexCore``; each runs on the index's one thread):
 
-* ``checkpoint_save``: write the snapshot into the directory being saved, keep it for the finish;
+* ``checkpoint_save``: write the snapshot into the directory being saved, keep it for the finish. A
+  job (``server.jobs``): each partition is copied at one instant (a consistent one: copies at C
+  speed, a few tens of milliseconds for a million keys), then encoded a slice at a time into the
+  buffers of the file (``index.pieces``), which a thread writes; other requests are answered between
+  the steps. A put committed meanwhile is in the snapshot only as far as it had been recorded when
+  its partition was copied (the rest came after the save began, as far as the checkpoint is
+  concerned); the shards save after the index, so every key listed has its rows;
 * ``checkpoint_finish``: drop the keys the shards no longer held (cleared while the save ran: the
-  clear wins) and write the file again, if there were any; the save is over;
+  clear wins) and write the file again, if there were any (read back in one step: a rare case);
+  the save is over;
 * ``checkpoint_stage``: read ``index.msgpack`` of a checkpoint, check it, build its partitions aside;
 * ``checkpoint_install``: put the staged partitions in place (after the shards installed their rows);
 * ``checkpoint_drop``: forget a save's snapshot or a staged load.
