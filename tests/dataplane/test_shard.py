@@ -17,6 +17,7 @@ from dataplane.client.mappings import MappingCache
 from dataplane.codec.columns import encode_fields
 from dataplane.errors import KeyNotFoundError, PartitionNotFoundError, SchemaError, StoreFullError
 from dataplane.server.jobs import run_job
+from dataplane.server.shard import checkpoint as shard_checkpoint
 from dataplane.server.shard import core as shard_core
 from dataplane.server.shard.actor import ShardServer
 from dataplane.server.shard.core import DROP_SLICE, ShardCore
@@ -449,3 +450,30 @@ def test_a_put_attached_in_slices_replaces_and_accounts_exactly_even_when_cleare
     while core.dropped:
         core.free_some()
     assert core.stats().bytes_used == 0 and core.stats().bytes_resident == 0
+
+
+def test_a_save_looks_up_its_rows_a_slice_per_hold_of_the_lock(monkeypatch):
+    """A shard's checkpoint save finds its rows ``PIN_SLICE`` keys per hold of the shard's lock (the
+    request loop takes it for every request, so a million-key save would hold it for seconds), and
+    reports the keys it no longer holds."""
+    monkeypatch.setattr(shard_checkpoint, "PIN_SLICE", 2)
+    core = ShardCore(0)
+    _put_ready(core, "p", [f"k{i}" for i in range(7)], {"x": torch.arange(7)})
+    holds = [0]
+    lock = threading.Lock()
+
+    class Counting:
+        def __enter__(self) -> None:
+            lock.acquire()
+            holds[0] += 1
+
+        def __exit__(self, *exc: Any) -> None:
+            lock.release()
+
+    saver = shard_checkpoint.ShardCheckpoints(core, Counting(), "here", 1 << 20)  # type: ignore[arg-type]
+    wanted = {"p": {f"k{i}": ["x"] for i in range(8)}}  # (k7: never put)
+    plan, missing, pinned = saver._pin(wanted)
+    assert holds[0] == 4 and missing == {"p": ["k7"]} and plan[0][1] == [f"k{i}" for i in range(7)]
+    for seg in pinned:
+        seg.pins -= 1
+        core._unref(seg)

@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 DIRECT_MIN = 1 << 20  # a contiguous run of rows this large is written straight from its segment
 GATHER_MAX = 16 << 20  # smaller runs of one spec are gathered into chunks of about this many bytes
+PIN_SLICE = 8192  # keys a save looks up per hold of the shard's lock (its requests are answered between)
 
 
 class Chunk(msgspec.Struct):
@@ -161,8 +162,7 @@ class ShardCheckpoints:
         dir_fd = open_dir(path, token, self.who)
         try:
             mine = self._mine(path, index_entry, num_shards)
-            with self.lock:
-                plan, missing, pinned = self._pin(mine)
+            plan, missing, pinned = self._pin(mine)
         except BaseException:
             os.close(dir_fd)
             raise
@@ -186,27 +186,33 @@ class ShardCheckpoints:
     def _pin(
         self, mine: dict[str, dict[str, list[str]]]
     ) -> tuple[list[_PartPlan], dict[str, list[str]], list[Segment]]:
+        """Where each wanted row is, its segment pinned until written; the keys no longer held. The
+        lock is taken ``PIN_SLICE`` keys at a time, so the shard's requests are answered between (each
+        key's row is the one it held when its slice was looked at, as a save beside puts can be)."""
         plan: list[_PartPlan] = []
         missing: dict[str, list[str]] = {}
         pinned: dict[int, Segment] = {}
         for pid, wanted in mine.items():
-            part = self.core.partitions.get(pid)
             keys: list[str] = []
             locs: dict[str, list[tuple[Segment, int, int]]] = {}
-            for key, fields in wanted.items():
-                row = part.rows.get(key) if part is not None else None
-                if row is None or not all(map(row.__contains__, fields)):  # (no Python frame per key)
-                    missing.setdefault(pid, []).append(key)
-                    continue
-                pos = len(keys)
-                keys.append(key)
-                for f in fields:
-                    seg, r = part.loc(row[f])  # type: ignore[union-attr]
-                    locs.setdefault(f, []).append((seg, r, pos))
-                    if id(seg) not in pinned:
-                        pinned[id(seg)] = seg
-                        seg.live += 1  # released by ``_unref`` once written
-                        seg.pins += 1
+            items = list(wanted.items())
+            for at in range(0, len(items), PIN_SLICE):
+                with self.lock:
+                    part = self.core.partitions.get(pid)
+                    for key, fields in items[at : at + PIN_SLICE]:
+                        row = part.rows.get(key) if part is not None else None
+                        if row is None or not all(map(row.__contains__, fields)):  # (no frame per key)
+                            missing.setdefault(pid, []).append(key)
+                            continue
+                        pos = len(keys)
+                        keys.append(key)
+                        for f in fields:
+                            seg, r = part.loc(row[f])  # type: ignore[union-attr]
+                            locs.setdefault(f, []).append((seg, r, pos))
+                            if id(seg) not in pinned:
+                                pinned[id(seg)] = seg
+                                seg.live += 1  # released by ``_unref`` once written
+                                seg.pins += 1
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
