@@ -223,7 +223,8 @@ class IndexPuts(IndexRecords):
                     break
             chunk_tags = None if tags is None else tags[at : at + COMMIT_SLICE]
             union.update(*self._record(part, keys[at : at + COMMIT_SLICE], fieldset, chunk_tags))
-            self.changed.add(pid)
+            self.changed.add(pid)  # (its parked takes look again after each step)
+        self.changed.add(pid)
         tag = part.keys.tag
         # (untagged: one empty dict for all, as the reply is encoded, never changed)
         out_tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{}] * len(keys)
