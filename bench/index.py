@@ -6,13 +6,15 @@ One run, one fresh local Ray, one store (``--shards`` 1). Figures:
    tags, put by the driver with ``kv_batch_put`` in batches of ``--put-batch`` (10,000): keys/s;
    then taken by one consumer with ``next_batch`` in batches of ``--take-batch`` (1,000): rows/s;
    then ``kv_list`` of the partition (seconds, and the listing's size as msgpack, about the reply's
-   bytes); then ``clear_partition`` (seconds). For each: the index's CPU seconds (its process, every
-   thread, from ``/proc``, in ticks of 10 ms), per key where that means something. Index memory: the
+   bytes); then ``dp.save_checkpoint`` of the store into a temporary directory (seconds; the
+   checkpoint is removed after); then ``clear_partition`` (seconds). For each: the index's CPU
+   seconds (its process, every thread, from ``/proc``, in ticks of 10 ms), per key where that means
+   something. Index memory: the
    RSS of its process before and after the puts (and after the clear); bytes per key = growth / rows.
 2. **The probe**: another process (a Ray actor) that every ``--probe-ms`` (20 ms) puts 1 row in a
    partition of its own, takes it with a 1-row ``next_batch`` and asks ``dp.consumption``; each call
    timed. p50 / p99 / max per call, per phase: idle (``--idle-s`` before the big partition: the
-   reference), puts, streaming, listing, clearing, and all four together ("busy"). Each sample
+   reference), puts, streaming, listing, saving, clearing, and all five together ("busy"). Each sample
    belongs to the phase in which it started (phases are marked by the driver's wall clock; one host).
 3. **Many clients**: ``--clients`` (16; ``--quick`` 8) processes, each with a consumer task of its
    own, loop for ``--client-s`` seconds (10; ``--quick`` 5) over a 1-key put, a 1-row ``next_batch``
@@ -36,6 +38,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +54,7 @@ BIG = "big"
 PROBE = "probe"
 MANY = "many"
 FIELD = "x"
-PHASES = ("puts", "streaming", "listing", "clearing")  # the big partition's; "busy" is all four
+PHASES = ("puts", "streaming", "listing", "saving", "clearing")  # the big partition's; "busy": all
 PROBE_OPS = ("put", "next_batch", "consumption")
 CLIENT_OPS = ("put", "next_batch", "get")
 CALL_TIMEOUT_S = 60.0  # every blocking call and every ray.get has a deadline
@@ -219,7 +223,7 @@ def _take_all(dp: Any, rows: int, batch: int) -> dict[str, Any]:
 
 
 def run_big(cfg: argparse.Namespace, dp: Any, index: _Index, marks: dict[str, tuple[float, float]]) -> dict:
-    """The big partition's four phases, each marked in ``marks`` (wall clock) for the probe."""
+    """The big partition's phases, each marked in ``marks`` (wall clock) for the probe."""
     import msgspec
 
     keys = [f"k{i}" for i in range(cfg.rows)]  # made before the clock starts
@@ -238,6 +242,12 @@ def run_big(cfg: argparse.Namespace, dp: Any, index: _Index, marks: dict[str, tu
     rss_after = index.rss()
     took = phase("streaming", lambda: _take_all(dp, cfg.rows, cfg.take_batch))
     listing = phase("listing", lambda: dp.kv_list(BIG))
+    where = tempfile.mkdtemp(prefix="rlplane-bench-index-")
+    try:
+        saved = phase("saving", lambda: dp.save_checkpoint(os.path.join(where, "ckpt")))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    out["saving"]["keys"] = saved.partitions.get(BIG, 0)  # (the probe's partitions are saved too)
     phase("clearing", lambda: dp.clear_partition(BIG))
     rss_cleared = index.rss()
     listed = len(listing.get(BIG, {}))
@@ -456,6 +466,7 @@ def _print(cfg: argparse.Namespace, res: dict[str, Any]) -> None:
         ("puts", f"{big['puts']['keys_per_s']:,.0f} keys/s", big["puts"].get("index_cpu_us_per_key")),
         ("streaming", f"{stream['rows_per_s']:,.0f} rows/s", stream["index_cpu_us_per_row"]),
         ("listing", f"{big['listing']['reply_bytes'] / mib:,.1f} MiB reply", None),
+        ("saving", f"{big['saving']['keys']:,} keys", None),
         ("clearing", "", None),
     )  # fmt: skip
     for name, rate, per in rows:

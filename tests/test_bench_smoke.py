@@ -292,7 +292,10 @@ def test_index_benchmark_tiny_run_writes_json(ray_cluster, tmp_path, main_in_pro
     assert big["streaming"]["calls"] == 20 and big["puts"]["keys_per_s"] > 0
     assert big["index_rss"]["after_puts"] > 0 and res["probe"]["errors"] == 0
     assert res["probe"]["phases"]["idle"]["put"]["n"] >= 1
-    assert {"idle", "puts", "streaming", "listing", "clearing", "busy"} <= res["probe"]["phases"].keys()
+    assert {"idle", "puts", "streaming", "listing", "saving", "clearing", "busy"} <= res["probe"][
+        "phases"
+    ].keys()
+    assert big["saving"]["keys"] == 2000
     assert {op: s["n"] > 0 for op, s in res["clients"]["ops"].items()} == dict.fromkeys(
         index.CLIENT_OPS, True
     )
