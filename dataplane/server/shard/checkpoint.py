@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 DIRECT_MIN = 1 << 20  # a contiguous run of rows this large is written straight from its segment
 GATHER_MAX = 16 << 20  # smaller runs of one spec are gathered into chunks of about this many bytes
-PIN_SLICE = 8192  # keys a save looks up per hold of the shard's lock (its requests are answered between)
+PIN_SLICE = 2048  # keys a save looks up per hold of the shard's lock (its requests are answered between)
 
 
 class Chunk(msgspec.Struct):
@@ -213,6 +213,7 @@ class ShardCheckpoints:
                                 pinned[id(seg)] = seg
                                 seg.live += 1  # released by ``_unref`` once written
                                 seg.pins += 1
+                time.sleep(0)  # (the loop, waiting for the lock, takes it now: a Lock is not fair)
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
