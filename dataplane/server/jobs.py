@@ -80,7 +80,9 @@ class Jobs:
 
     def step(self) -> None:
         """One step of each job that is not waiting on a thread."""
-        self._running = [run for run in self._running if self._advance(run)]
+        running, self._running = self._running, []
+        going = [run for run in running if self._advance(run)]
+        self._running = going + self._running  # (and any job an answer started meanwhile)
 
     def poll_ms(self) -> int | None:
         """How long the loop may block: 0 while a job has work now, ``WAIT_MS`` while all wait on
