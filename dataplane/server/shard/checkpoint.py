@@ -35,8 +35,10 @@ committed but never finished is finished then.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -99,7 +101,10 @@ class ShardManifest(msgspec.Struct):
 
 # What a save writes of one partition: its pid, its keys, and per field the (segment, row, key
 # position) of each of its rows there.
-_PartPlan = tuple[str, list[str], dict[str, list[tuple[Segment, int, int]]]]
+# A partition's saved rows: its keys, and per field per segment (by id) the segment, its rows and
+# each row's key position: lists of plain ints, so a million rows make no object the collector tracks.
+_BySegment = dict[int, tuple[Segment, list[int], list[int]]]
+_PartPlan = tuple[str, list[str], dict[str, _BySegment]]
 # A chunk a load reads: its pid, the chunk, the key of each of its rows, the rows to take (None: all).
 _Selected = tuple[str, Chunk, list[str], np.ndarray | None]
 
@@ -116,6 +121,34 @@ class _Load:
     deadline: float
     committed: bool = False
     previous: dict[str, _Partition] = field(default_factory=dict)
+
+
+_handoffs = [0]  # saves and loads running (``_quick_handoff``)
+_handoff_lock = threading.Lock()
+HANDOFF_S = 0.0005  # the interpreter's switch interval while a save or load runs (5 ms by default)
+
+
+@contextlib.contextmanager
+def _quick_handoff() -> Iterator[None]:
+    """While a save or load runs beside the request loop, the interpreter lock (GIL) goes back to
+    the loop within ``HANDOFF_S`` instead of 5 ms: the loop gives it up at every socket call, so
+    each request waited on the saving thread several times over (a convoy)."""
+    with _handoff_lock:
+        _handoffs[0] += 1
+        if _handoffs[0] == 1:
+            before = sys.getswitchinterval()
+            _handoff_before[0] = before
+            sys.setswitchinterval(min(before, HANDOFF_S))
+    try:
+        yield
+    finally:
+        with _handoff_lock:
+            _handoffs[0] -= 1
+            if _handoffs[0] == 0:
+                sys.setswitchinterval(_handoff_before[0])
+
+
+_handoff_before = [0.005]
 
 
 class ShardCheckpoints:
@@ -159,6 +192,10 @@ class ShardCheckpoints:
     def save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> ShardSaveReply:
         """Write this shard's rows of the index's snapshot into ``path``; returns its files' manifest
         entries, rows saved per partition, and the keys it no longer held (``missing``)."""
+        with _quick_handoff():
+            return self._save(path, token, num_shards, index_entry)
+
+    def _save(self, path: str, token: str, num_shards: int, index_entry: dict[str, int]) -> ShardSaveReply:
         dir_fd = open_dir(path, token, self.who)
         try:
             mine = self._mine(path, index_entry, num_shards)
@@ -194,7 +231,7 @@ class ShardCheckpoints:
         pinned: dict[int, Segment] = {}
         for pid, wanted in mine.items():
             keys: list[str] = []
-            locs: dict[str, list[tuple[Segment, int, int]]] = {}
+            locs: dict[str, _BySegment] = {}
             items = list(wanted.items())
             for at in range(0, len(items), PIN_SLICE):
                 with self.lock:
@@ -208,7 +245,14 @@ class ShardCheckpoints:
                         keys.append(key)
                         for f in fields:
                             seg, r = part.loc(row[f])  # type: ignore[union-attr]
-                            locs.setdefault(f, []).append((seg, r, pos))
+                            by_seg = locs.get(f)
+                            if by_seg is None:
+                                by_seg = locs[f] = {}
+                            got = by_seg.get(id(seg))
+                            if got is None:
+                                got = by_seg[id(seg)] = (seg, [], [])
+                            got[1].append(r)
+                            got[2].append(pos)
                             if id(seg) not in pinned:
                                 pinned[id(seg)] = seg
                                 seg.live += 1  # released by ``_unref`` once written
@@ -463,15 +507,10 @@ class ShardCheckpoints:
 Source = tuple[int, int] | None  # the segment file and byte offset a chunk's data is in, if it is
 
 
-def _chunks(entries: list[tuple[Segment, int, int]]) -> Iterator[tuple[Column, list[int], Source]]:
-    """One field's saved rows (segment, row, key position) as columns to write, with the key
-    position of each row and where the data lies: whole contiguous runs straight from their segment
-    (its file, for a segment in shared memory), the rest gathered."""
-    by_seg: dict[int, tuple[Segment, list[int], list[int]]] = {}
-    for seg, r, at in entries:
-        got = by_seg.setdefault(id(seg), (seg, [], []))
-        got[1].append(r)
-        got[2].append(at)
+def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, list[int], Source]]:
+    """One field's saved rows (per segment: its rows and their key positions) as columns to write,
+    with the key position of each row and where the data lies: whole contiguous runs straight from
+    their segment (its file, for a segment in shared memory), the rest gathered."""
     pending: dict[ColumnSpec, list[tuple[Column, np.ndarray, np.ndarray]]] = {}
     pending_bytes: dict[ColumnSpec, int] = {}
     for seg, rows_l, pos_l in by_seg.values():
