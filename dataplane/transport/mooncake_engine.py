@@ -106,12 +106,8 @@ class _Registry:
             if r is None and self._engine.register_memory(addr, view.nbytes) == 0:
                 self.regions[addr] = _Region(view, view.nbytes)
                 return addr
-        copy = _buffers.take(view.nbytes).data
-        copy[:] = view
-        addr = _address_of(copy)
+        addr, copy = _registered_copy(self._engine, view, self._who)
         with self._lock:
-            if self._engine.register_memory(addr, copy.nbytes) != 0:
-                raise WireError(f"{self._who}: Mooncake's engine refused to register {copy.nbytes} bytes")
             self.regions[addr] = _Region(copy, copy.nbytes)
         return addr
 
@@ -130,6 +126,16 @@ class _Registry:
             regions, self.regions = self.regions, {}
         for addr in regions:
             self._engine.unregister_memory(addr)
+
+
+def _registered_copy(engine: Any, view: memoryview, who: str) -> tuple[int, Any]:
+    """A copy of ``view`` in a warm buffer, registered with ``engine``: its address and the buffer."""
+    out = _buffers.take(view.nbytes).data
+    out[:] = view
+    addr = _address_of(out)
+    if engine.register_memory(addr, out.nbytes) != 0:
+        raise WireError(f"{who}: Mooncake's engine refused to register {out.nbytes} bytes")
+    return addr, out
 
 
 def _pull(engine: Any, who: str, peer: str, ticket: int, size: int, max_bytes: int) -> memoryview:
@@ -369,12 +375,8 @@ class MooncakeEngineServer:
                     return self._hold(addr, r, view.nbytes)
                 if r is None and self._engine.register_memory(addr, view.nbytes) == 0:
                     return self._hold(addr, self._new(addr, view), view.nbytes)
-        out = _buffers.take(view.nbytes).data
-        out[:] = view
-        addr = _address_of(out)
+        addr, out = _registered_copy(self._engine, view, self.name)
         with self._lock:
-            if self._engine.register_memory(addr, out.nbytes) != 0:
-                raise WireError(f"{self.name}: Mooncake's engine refused to register {out.nbytes} bytes")
             if copy:
                 self._counts["copied"] += 1
             return self._hold(addr, self._new(addr, out), out.nbytes)
