@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import uuid
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from dataplane.server.checkpoint_files import new_token
 from dataplane.server.index import checkpoint as index_checkpoint
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
-from dataplane.server.index.keytable import COMPACT_MIN_HOLES, KeyTable
+from dataplane.server.index.keytable import COMPACT_MIN_HOLES
 from dataplane.server.index.puts import COMMIT_SLICE, ON_NEW_MIN
 from dataplane.server.index.records import FREE_SLICE
 from dataplane.server.index.streams import BUILD_SLICE
@@ -344,44 +345,44 @@ def test_requests_are_answered_while_the_index_writes_a_checkpoint(creds: Creden
 def test_a_big_commit_is_recorded_in_slices_with_other_requests_answered_between(
     creds: Credentials, monkeypatch
 ):
-    """Through the loop and its sockets: a 1-key commit sent while a big commit is being recorded
-    (held at its first slice by a gate until the small one is on its way) is answered first; the
-    big one then records every key."""
+    """Through the loop and its sockets: a big commit is recorded a slice per step; held after its
+    first slice (by a gate the job waits on, the loop free), a 1-key commit sent meanwhile is answered
+    at once; the big one then records every key."""
     core = IndexCore()
-    started, sent = threading.Event(), threading.Event()
-    real = KeyTable.commit
+    started, gate = threading.Event(), Future()
+    real = core.job_commit
 
-    def gated(table: KeyTable, *args: Any) -> Any:
-        if not started.is_set():
-            started.set()
-            assert sent.wait(REPLY_MS / 1000)
-        return real(table, *args)
+    def gated(body: Any) -> Any:
+        inner = real(body)
+        if body.partition != "big":
+            return (yield from inner)
+        step = next(inner)  # its first slice
+        started.set()
+        yield gate
+        yield step
+        return (yield from inner)
 
-    monkeypatch.setattr(KeyTable, "commit", gated)
+    monkeypatch.setattr(core, "job_commit", gated)
     server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)
     server.start()
     ctx = zmq.Context()
     big = [f"b{i}" for i in range(3 * COMMIT_SLICE)]
     try:
         sock = _dealer(ctx, creds, server)
-        rids = [next(_rids), next(_rids)]
+        rid = next(_rids)
         sock.send_multipart(
-            _wire.encode_request(rids[0], "commit", {"partition": "big", "keys": big, "fields": ["x"]})
+            _wire.encode_request(rid, "commit", {"partition": "big", "keys": big, "fields": ["x"]})
         )
         assert started.wait(REPLY_MS / 1000)
-        sock.send_multipart(
-            _wire.encode_request(rids[1], "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]})
-        )
-        sent.set()
-        order = []
-        for _ in rids:
-            assert sock.poll(REPLY_MS)
-            rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
-            assert rep.error is None
-            order.append(rep.rid)
-        assert order == rids[::-1]  # the small commit first
+        assert len(core.partitions["big"].keys) == COMMIT_SLICE  # one slice recorded
+        assert _ask(sock, "commit", {"partition": "small", "keys": ["s"], "fields": ["x"]}).error is None
+        gate.set_result(None)
+        assert sock.poll(REPLY_MS)
+        rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
+        assert rep.rid == rid and rep.error is None
         assert list(core.partitions["big"].keys) == big
     finally:
-        sent.set()
+        if not gate.done():
+            gate.set_result(None)
         server.stop()
         ctx.destroy(linger=0)

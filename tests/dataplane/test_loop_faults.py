@@ -16,6 +16,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -288,19 +289,23 @@ def test_a_link_whose_reply_cannot_be_read_answers_its_writer(creds, index, ctx,
 def test_a_big_put_is_stored_in_slices_with_other_requests_answered_between(
     shard, index, ctx, creds, monkeypatch
 ):
-    """A 1-row put sent while a big put is being stored (held at its first slice by a gate until
-    the small one is on its way) is stored and answered first; the big one then stores every row and
-    the index records every key."""
-    started, sent = threading.Event(), threading.Event()
-    real = ShardCore._attach
+    """A big put is stored a slice per step; held after its first slice (by a gate the job waits on,
+    the loop free), a 1-row put sent meanwhile is stored and made ready at once; the big one then
+    stores every row and the index records every key."""
+    started, gate = threading.Event(), Future()
+    real = shard.core.job_put_ready
 
-    def gated(core: ShardCore, *args: Any) -> Any:
-        if not started.is_set():
-            started.set()
-            assert sent.wait(REPLY_MS / 1000)
-        return real(core, *args)
+    def gated(body: Any, bufs: Any) -> Any:
+        inner = real(body, bufs)
+        if body.partition != "big":
+            return (yield from inner)
+        step = next(inner)  # its first slice
+        started.set()
+        yield gate
+        yield step
+        return (yield from inner)
 
-    monkeypatch.setattr(ShardCore, "_attach", gated)
+    monkeypatch.setattr(shard.core, "job_put_ready", gated)
     sock, index_sock = _dealer(ctx, creds, shard), _dealer(ctx, creds, index)
     n = 3 * ATTACH_SLICE
     spec = ["dense", "float32", [2]]
@@ -311,22 +316,20 @@ def test_a_big_put_is_stored_in_slices_with_other_requests_answered_between(
         "fields": {"x": {"spec": spec, "nbytes": 8 * n, "col": {"spec": spec, "rows": n, "data": 0}}},
         "tags": None,
     }
-    rids = [next(_rids), next(_rids)]
-    sock.send_multipart(
-        _wire.encode_request(rids[0], "put_ready", big, [np.ones(2 * n, dtype=np.float32).tobytes()])
-    )
-    assert started.wait(REPLY_MS / 1000)
-    spec1 = {"x": {"spec": spec, "nbytes": 8, "col": {"spec": spec, "rows": 1, "data": 0}}}
-    small = {"partition": "small", "keys": ["s"], "fields": spec1, "tags": None}
-    sock.send_multipart(
-        _wire.encode_request(rids[1], "put_ready", small, [np.ones(2, dtype=np.float32).tobytes()])
-    )
-    sent.set()
-    order = []
-    for _ in rids:
+    rid = next(_rids)
+    try:
+        sock.send_multipart(
+            _wire.encode_request(rid, "put_ready", big, [np.ones(2 * n, dtype=np.float32).tobytes()])
+        )
+        assert started.wait(REPLY_MS / 1000)
+        assert len(shard.core.partitions["big"].rows) == ATTACH_SLICE  # one slice attached
+        rep = _put_ready(sock, "small", "s")
+        assert rep.error is None and _index_error(rep) is None, rep
+        gate.set_result(None)
         assert sock.poll(REPLY_MS)
         rep = _wire.decode_raw_reply(sock.recv_multipart())[0]
-        assert rep.error is None and _index_error(rep) is None, rep
-        order.append(rep.rid)
-    assert order == rids[::-1]  # the small put first
-    assert list(_listed(index_sock, "big")["big"]) == keys
+        assert rep.rid == rid and rep.error is None and _index_error(rep) is None, rep
+        assert list(_listed(index_sock, "big")["big"]) == keys
+    finally:
+        if not gate.done():
+            gate.set_result(None)
