@@ -52,7 +52,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from dataplane.config import unix_peer_uids
-from dataplane.errors import ProtocolVersionError, WireError
+from dataplane.errors import DataplaneError, ProtocolVersionError, WireError
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.jobs import Jobs
 from dataplane.telemetry.recorder import RECORDER, Key, ServerMetrics
@@ -586,6 +586,8 @@ class RequestServer:
     ) -> None:
         """Answer a request answered in steps: its reply, or the error its job ended with."""
         if exc is not None or reply is None:
+            if not isinstance(exc, DataplaneError):  # (as ``wire.frames.answer`` logs a plain op's)
+                logger.debug("%s: request %d failed", self.name, rid, exc_info=exc)
             frames = _wire.encode_error(rid, exc or WireError("a job ended with no reply"))
         else:
             frames = _wire.encode_reply(rid, reply[0], reply[1])
