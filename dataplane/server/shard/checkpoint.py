@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import msgspec
@@ -232,11 +233,13 @@ class ShardCheckpoints:
         for pid, wanted in mine.items():
             keys: list[str] = []
             locs: dict[str, _BySegment] = {}
-            items = list(wanted.items())
-            for at in range(0, len(items), PIN_SLICE):
+            # A slice of the items at a time: a list of them all is a million tracked tuples, and
+            # making it set off full collections of half a second, the interpreter held throughout.
+            items = iter(wanted.items())
+            while chunk := list(islice(items, PIN_SLICE)):
                 with self.lock:
                     part = self.core.partitions.get(pid)
-                    for key, fields in items[at : at + PIN_SLICE]:
+                    for key, fields in chunk:
                         row = part.rows.get(key) if part is not None else None
                         if row is None or not all(map(row.__contains__, fields)):  # (no frame per key)
                             missing.setdefault(pid, []).append(key)
