@@ -205,3 +205,13 @@ def request(sock, op: str, body: dict, frames=(), rid: int = 7, timeout_ms: int 
     if not sock.poll(timeout_ms):
         return None
     return _wire.decode_raw_reply(sock.recv_multipart())
+
+
+def held_after_first_step(job, started, gate):
+    """``job`` (``server.jobs``) run one step, then waiting on ``gate`` (a Future: its server's loop
+    serves everyone else meanwhile), then run to its end; ``started`` is set after the first step."""
+    step = next(job)
+    started.set()
+    yield gate
+    yield step
+    return (yield from job)

@@ -27,7 +27,7 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import reply
 
-from .conftest import wait_for
+from .conftest import held_after_first_step, wait_for
 from .test_loop_faults import REPLY_MS, _ask, _dealer, _rids
 
 
@@ -353,14 +353,8 @@ def test_a_big_commit_is_recorded_in_slices_with_other_requests_answered_between
     real = core.job_commit
 
     def gated(body: Any) -> Any:
-        inner = real(body)
-        if body.partition != "big":
-            return (yield from inner)
-        step = next(inner)  # its first slice
-        started.set()
-        yield gate
-        yield step
-        return (yield from inner)
+        job = real(body)
+        return held_after_first_step(job, started, gate) if body.partition == "big" else job
 
     monkeypatch.setattr(core, "job_commit", gated)
     server = IndexServer(core, "127.0.0.1", f"ik-index-{uuid.uuid4().hex[:6]}", creds)

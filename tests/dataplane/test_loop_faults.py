@@ -35,7 +35,7 @@ from dataplane.wire import frames as _wire
 from dataplane.wire import protocol as _protocol
 from dataplane.wire.requests import INDEX, reply
 
-from .conftest import wait_for
+from .conftest import held_after_first_step, wait_for
 
 REPLY_MS = 10_000  # a reply that must come; a missing one fails the test, never hangs it
 WAIT_S = 0.3  # the timeout of a parked ``next`` that must end in BatchTimeoutError
@@ -296,14 +296,8 @@ def test_a_big_put_is_stored_in_slices_with_other_requests_answered_between(
     real = shard.core.job_put_ready
 
     def gated(body: Any, bufs: Any) -> Any:
-        inner = real(body, bufs)
-        if body.partition != "big":
-            return (yield from inner)
-        step = next(inner)  # its first slice
-        started.set()
-        yield gate
-        yield step
-        return (yield from inner)
+        job = real(body, bufs)
+        return held_after_first_step(job, started, gate) if body.partition == "big" else job
 
     monkeypatch.setattr(shard.core, "job_put_ready", gated)
     sock, index_sock = _dealer(ctx, creds, shard), _dealer(ctx, creds, index)
