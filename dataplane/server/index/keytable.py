@@ -140,8 +140,8 @@ class KeyTable(Mapping[str, frozenset[str]]):
     def commit(
         self, keys: list[str], fields: frozenset[str], tags: list[Tag | None] | None
     ) -> tuple[list[str], list[frozenset[str]], list[str], set[frozenset[str]]]:
-        """``keys`` now hold ``fields`` too, and ``tags[i]`` merged into key i's tag: new keys come
-        last. Returns the keys whose fields grew, in order, with what each held before (nothing, for
+        """``keys`` (distinct) now hold ``fields`` too, and ``tags[i]`` merged into key i's tag: new
+        keys come last. Returns the keys whose fields grew, in order, with what each held before (nothing, for
         a new key; two lists, no object per key, so a commit leaves nothing for the garbage collector),
         the keys that existed and got a tag, and the distinct field sets the keys hold now."""
         fields = self.intern(fields)
@@ -149,10 +149,13 @@ class KeyTable(Mapping[str, frozenset[str]]):
         grew: list[str] = []
         before: list[frozenset[str]] = []
         sets: set[frozenset[str]] = set()
-        existed = {k for k in keys if k in row} if tags is not None else set()
+        existed: set[str] = set()  # (for ``retagged``: keys distinct, so found here means here before)
+        tagging = tags is not None
         added = 0
         for key in keys:
             at = row.get(key)
+            if at is not None and tagging:
+                existed.add(key)
             if at is None:
                 row[key] = base + len(names)
                 names.append(key)

@@ -122,9 +122,13 @@ class _Partition:
     nbytes: int = 0  # bytes of its live segments (``Segment.accounted``)
     segs: dict[int, Segment] = field(default_factory=dict)  # sid -> its segments holding rows
 
+    def seg(self, code: int) -> Segment:
+        """The segment a row code names."""
+        return self.segs[code >> ROW_BITS]
+
     def loc(self, code: int) -> tuple[Segment, int]:
         """The segment and row a row code names."""
-        return self.segs[code >> ROW_BITS], code & ROW_MASK
+        return self.seg(code), code & ROW_MASK
 
 
 @dataclass
@@ -490,7 +494,7 @@ class ShardCore(Operations):
                 old = row.get(name)
                 row[name] = code
                 if old is not None:
-                    self._unref(part.segs[old >> ROW_BITS])
+                    self._unref(part.seg(old))
 
     def op_abort(self, body: _protocol.Abort, bufs: list[memoryview]) -> tuple[_protocol.Done, list[Any]]:
         resv = self._resv.get(body.resv)
@@ -643,7 +647,7 @@ class ShardCore(Operations):
                 if row is not None:
                     removed += 1
                     for code in row.values():
-                        self._unref(part.segs[code >> ROW_BITS])
+                        self._unref(part.seg(code))
         self._cleared(removed, used)
         return _protocol.RemovedReply(removed), []
 
