@@ -169,3 +169,20 @@ def test_a_grouped_take_over_many_ready_rows_waits_while_its_index_is_gathered_i
     while core.building:
         core.build_some()
     assert call(core, "next", body).keys == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_commit_that_retags_a_ready_row_files_it_in_its_new_group():
+    core = IndexCore()
+    put(core, "p", ["a", "b", "c"], ["x"], tags=[{"uid": "g1"}, {"uid": "g2"}, {"uid": "g2"}])
+    body = {
+        "partition": "p",
+        "task": "t",
+        "batch_size": 2,
+        "fields": ["x"],
+        "sampler": GroupSampler("uid", 2).spec(),
+    }
+    assert call(core, "next", body).keys == ["b", "c"]
+    put(core, "p", ["d"], ["x"], tags=[{"uid": "g3"}])
+    assert call(core, "next", body) == PENDING  # a and d, each alone in its group
+    put(core, "p", ["d"], ["x"], tags=[{"uid": "g1"}])  # the same field again, a new tag
+    assert call(core, "next", body).keys == ["a", "d"]
