@@ -108,6 +108,17 @@ def test_without_retags_groups_come_in_the_order_a_scan_finds_them():
             assert index.units(4) == _scan(list(ready), tags, 3, 4), (seed, step)
 
 
+def _grouped_next(task: str, size: int) -> dict:
+    """A ``next`` of one group of ``size`` rows by their ``uid`` tag."""
+    return {
+        "partition": "p",
+        "task": task,
+        "batch_size": size,
+        "fields": ["x"],
+        "sampler": GroupSampler("uid", size).spec(),
+    }
+
+
 def test_an_index_gathered_in_slices_is_the_one_built_at_once_and_kept_current(monkeypatch):
     """Over more than ``GROUP_SLICE`` ready keys a group index is gathered a slice at a time while
     keys come, go, come back first and change groups: once whole it equals an index built at once
@@ -156,13 +167,7 @@ def test_a_grouped_take_over_many_ready_rows_waits_while_its_index_is_gathered_i
     core = IndexCore()
     n = 1000
     put(core, "p", [f"s{i}" for i in range(n)], ["x"], tags=[{"uid": f"g{i // 4}"} for i in range(n)])
-    body = {
-        "partition": "p",
-        "task": "t",
-        "batch_size": 4,
-        "fields": ["x"],
-        "sampler": GroupSampler("uid", 4).spec(),
-    }
+    body = _grouped_next("t", 4)
     assert call(core, "next", body) == PENDING and core.building
     core.build_some()
     assert core.building  # one slice, not all of them
@@ -174,13 +179,7 @@ def test_a_grouped_take_over_many_ready_rows_waits_while_its_index_is_gathered_i
 def test_a_commit_that_retags_a_ready_row_files_it_in_its_new_group():
     core = IndexCore()
     put(core, "p", ["a", "b", "c"], ["x"], tags=[{"uid": "g1"}, {"uid": "g2"}, {"uid": "g2"}])
-    body = {
-        "partition": "p",
-        "task": "t",
-        "batch_size": 2,
-        "fields": ["x"],
-        "sampler": GroupSampler("uid", 2).spec(),
-    }
+    body = _grouped_next("t", 2)
     assert call(core, "next", body).keys == ["b", "c"]
     put(core, "p", ["d"], ["x"], tags=[{"uid": "g3"}])
     assert call(core, "next", body) == PENDING  # a and d, each alone in its group

@@ -141,9 +141,10 @@ class KeyTable(Mapping[str, frozenset[str]]):
         self, keys: list[str], fields: frozenset[str], tags: list[Tag | None] | None
     ) -> tuple[list[str], list[frozenset[str]], list[str], set[frozenset[str]]]:
         """``keys`` (distinct) now hold ``fields`` too, and ``tags[i]`` merged into key i's tag: new
-        keys come last. Returns the keys whose fields grew, in order, with what each held before (nothing, for
-        a new key; two lists, no object per key, so a commit leaves nothing for the garbage collector),
-        the keys that existed and got a tag, and the distinct field sets the keys hold now."""
+        keys come last. Returns the keys whose fields grew, in order, with what each held before
+        (nothing, for a new key; two lists, no object per key, so a commit leaves nothing for the
+        garbage collector), the keys that existed and got a tag, and the distinct field sets the keys
+        hold now."""
         fields = self.intern(fields)
         row, names, held_at, seqs, base = self._row, self._names, self._held, self._seqs, self._base
         grew: list[str] = []
@@ -154,8 +155,6 @@ class KeyTable(Mapping[str, frozenset[str]]):
         added = 0
         for key in keys:
             at = row.get(key)
-            if at is not None and tagging:
-                existed.add(key)
             if at is None:
                 row[key] = base + len(names)
                 names.append(key)
@@ -166,6 +165,8 @@ class KeyTable(Mapping[str, frozenset[str]]):
                     grew.append(key)
                     before.append(NOTHING)
                 continue
+            if tagging:
+                existed.add(key)
             held = held_at[at - base]
             assert held is not None
             if held is not fields and not fields <= held:

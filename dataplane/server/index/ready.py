@@ -75,23 +75,21 @@ class GroupIndex:
         return False
 
     def add(self, key: str) -> None:
-        if self._todo is not None:
-            self._queued.append((self._add, key))
-        else:
-            self._add(key)
+        self._change(self._add, key)
 
     def discard(self, key: str) -> None:
-        if self._todo is not None:
-            self._queued.append((self._discard, key))
-        else:
-            self._discard(key)
+        self._change(self._discard, key)
 
     def put_first(self, keys: list[str]) -> None:
         """``keys`` are ready again, first in line: in their groups, and their groups among the complete."""
+        self._change(self._put_first, keys)
+
+    def _change(self, change: Callable[[Any], None], arg: Any) -> None:
+        """Apply a change now, or queue it while the index is being gathered."""
         if self._todo is not None:
-            self._queued.append((self._put_first, keys))
+            self._queued.append((change, arg))
         else:
-            self._put_first(keys)
+            change(arg)
 
     def _add(self, key: str, tag: Tag | None = None) -> None:
         gid = self.gid[key] = group_id((tag or self._tag)(key), self.group_tag, key)

@@ -179,14 +179,13 @@ class PartitionStreams:
             if build is None:  # a group index of its ready keys (``ReadyKeys.groups``)
                 if stream.ready.gather_some():
                     return True, False
-            elif self._table is not None:
+            else:
+                assert self._table is not None  # (only a KeyTable's streams are gathered in slices)
                 keys, build.cursor = self._table.scan(stream.fields, build.cursor, build.end, n)
                 stream.ready.extend(itertools.filterfalse(task.consumed.__contains__, keys))
                 if build.cursor < build.end:
                     return True, False
                 stream.ready.extend(build.late)
-                stream.build = None
-            else:  # (a stream over a plain mapping is never gathered in slices)
                 stream.build = None
             self.building.pop(0)
             return True, True

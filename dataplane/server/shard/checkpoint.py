@@ -100,10 +100,9 @@ class ShardManifest(msgspec.Struct):
     partitions: list[ShardPart]
 
 
-# What a save writes of one partition: its pid, its keys, and per field the (segment, row, key
-# position) of each of its rows there.
-# A partition's saved rows: its keys, and per field per segment (by id) the segment, its rows and
-# each row's key position: lists of plain ints, so a million rows make no object the collector tracks.
+# What a save writes of one partition: its pid, its keys, and per field per segment (by id) the
+# segment, its rows and each row's key position: lists of plain ints, so a million rows make no
+# object the collector tracks.
 _BySegment = dict[int, tuple[Segment, list[int], list[int]]]
 _PartPlan = tuple[str, list[str], dict[str, _BySegment]]
 # A chunk a load reads: its pid, the chunk, the key of each of its rows, the rows to take (None: all).
@@ -124,32 +123,37 @@ class _Load:
     previous: dict[str, _Partition] = field(default_factory=dict)
 
 
-_handoffs = [0]  # saves and loads running (``_quick_handoff``)
-_handoff_lock = threading.Lock()
-HANDOFF_S = 0.0005  # the interpreter's switch interval while a save or load runs (5 ms by default)
+HANDOFF_S = 0.0005  # the interpreter's switch interval while a save runs (5 ms by default)
 
 
-@contextlib.contextmanager
-def _quick_handoff() -> Iterator[None]:
-    """While a save or load runs beside the request loop, the interpreter lock (GIL) goes back to
-    the loop within ``HANDOFF_S`` instead of 5 ms: the loop gives it up at every socket call, so
-    each request waited on the saving thread several times over (a convoy)."""
-    with _handoff_lock:
-        _handoffs[0] += 1
-        if _handoffs[0] == 1:
-            before = sys.getswitchinterval()
-            _handoff_before[0] = before
-            sys.setswitchinterval(min(before, HANDOFF_S))
-    try:
-        yield
-    finally:
-        with _handoff_lock:
-            _handoffs[0] -= 1
-            if _handoffs[0] == 0:
-                sys.setswitchinterval(_handoff_before[0])
+class _QuickHandoff:
+    """While a save runs beside the request loop, the interpreter lock (GIL) goes back to the loop
+    within ``HANDOFF_S`` instead of 5 ms: the loop gives it up at every socket call, so each request
+    waited on the saving thread several times over (a convoy). Saves may overlap: the interval is
+    set by the first and restored by the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._before = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+            if self._running == 1:
+                self._before = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._before, HANDOFF_S))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    sys.setswitchinterval(self._before)
 
 
-_handoff_before = [0.005]
+_quick_handoff = _QuickHandoff()
 
 
 class ShardCheckpoints:
