@@ -29,6 +29,7 @@ import errno
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib's gives the
     from zlib import crc32
 
 from dataplane.errors import CheckpointError, CheckpointNotFoundError
+from dataplane.server.pieces import array_header
 from dataplane.wire.decoders import decoder
 
 FORMAT = "rlplane-store-checkpoint"
@@ -297,34 +299,100 @@ def _size_crc(entry: Any, path: str) -> tuple[int, int]:
 
 # What a shard reads of the index's file (``index.msgpack``, written by ``server.index.checkpoint``)
 # to know which rows to load: the two sides share the format, not each other's code.
-class PartKeys(msgspec.Struct):
-    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds."""
+class PartKeys(msgspec.Struct, kw_only=True):
+    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds.
+    ``cuts``: the keys array's encoding as (keys, bytes) per slice, so that a reader can decode it a
+    slice at a time (``keys_in_slices``); a file without them is read in one slice."""
 
     pid: str
     keys: list[str]
     layouts: list[list[str]]
     layout: list[int]
+    cuts: list[tuple[int, int]] = []
 
     def fields_of(self) -> list[list[str]]:
         """The fields of every key, in key order; ``ValueError`` when the lists disagree."""
-        if len(self.layout) != len(self.keys):
-            raise ValueError(f"partition {self.pid!r}: {len(self.layout)} layouts for {len(self.keys)} keys")
-        try:
-            return [self.layouts[i] for i in self.layout]
-        except IndexError:
-            raise ValueError(f"partition {self.pid!r}: a key names a layout that does not exist") from None
+        return _fields_of(self.pid, self.layouts, self.layout, 0, len(self.keys), len(self.keys))
 
 
-class IndexKeys(msgspec.Struct):
+class RawPartKeys(msgspec.Struct):
+    """``PartKeys`` with its keys left encoded, to be decoded a slice at a time (``keys_in_slices``)."""
+
+    pid: str
+    keys: msgspec.Raw
+    layouts: list[list[str]]
+    layout: list[int]
+    cuts: list[tuple[int, int]] = []
+
+
+class RawIndexKeys(msgspec.Struct):
     version: int
-    partitions: list[PartKeys]
+    partitions: list[RawPartKeys]
+
+
+def _fields_of(
+    pid: str, layouts: list[list[str]], layout: list[int], at: int, n: int, total: int
+) -> list[list[str]]:
+    if len(layout) != total:
+        raise ValueError(f"partition {pid!r}: {len(layout)} layouts for {total} keys")
+    try:
+        return [layouts[i] for i in layout[at : at + n]]
+    except IndexError:
+        raise ValueError(f"partition {pid!r}: a key names a layout that does not exist") from None
+
+
+def keys_in_slices(part: RawPartKeys, path: str) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """A partition's keys and the fields each holds, a slice (``part.cuts``) at a time: each slice
+    is one short C call, so a thread reading a million keys lets other threads run between slices.
+    Sizes the file declares are checked, never trusted (``CheckpointError`` naming ``path``).
+
+        >>> from dataplane.server.pieces import encode_list
+        >>> from dataplane.server.jobs import run_job
+        >>> big = run_job(encode_list(["a", "b", "c"], slice_len=2))
+        >>> data = msgspec.msgpack.encode({"pid": "p", "keys": ["a", "b", "c"], "layouts": [["x"]],
+        ...                                "layout": [0, 0, 0], "cuts": big.cuts()})
+        >>> part = msgspec.msgpack.decode(data, type=RawPartKeys)
+        >>> [keys for keys, _ in keys_in_slices(part, "index.msgpack")]
+        [['a', 'b'], ['c']]
+    """
+
+    def malformed(why: str) -> CheckpointError:
+        return CheckpointError(
+            path, f"checkpoint file {path} is malformed (partition {part.pid!r}: {why}); nothing was loaded"
+        )
+
+    raw = memoryview(part.keys)
+    head = raw[0] if len(raw) else -1
+    if 0x90 <= head <= 0x9F:
+        total, at = head & 0x0F, 1
+    elif head in (0xDC, 0xDD):
+        width = 2 if head == 0xDC else 4
+        total, at = int.from_bytes(raw[1 : 1 + width], "big"), 1 + width
+    else:
+        raise malformed("its keys are not an array")
+    cuts = part.cuts or [(total, len(raw) - at)]
+    if any(n < 0 or size < 0 for n, size in cuts) or sum(n for n, _ in cuts) != total:
+        raise malformed(f"its cuts do not add up to its {total} keys")
+    if sum(size for _, size in cuts) != len(raw) - at:
+        raise malformed(f"its cuts do not add up to its keys' {len(raw) - at} bytes")
+    done = 0
+    for n, size in cuts:
+        try:
+            keys = decoder(list[str]).decode(array_header(n) + raw[at : at + size])
+            fields = _fields_of(part.pid, part.layouts, part.layout, done, n, total)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError) as exc:
+            raise malformed(str(exc)) from exc
+        yield keys, fields
+        at, done = at + size, done + n
 
 
 __all__ = [
     "FORMAT",
     "INDEX_FILE",
-    "IndexKeys",
     "PartKeys",
+    "RawIndexKeys",
+    "RawPartKeys",
+    "keys_in_slices",
     "MANIFEST",
     "VERSION",
     "DataWriter",

@@ -11,9 +11,18 @@ import msgspec
 import pytest
 
 from dataplane.errors import CheckpointError
-from dataplane.server.checkpoint_files import DataWriter, new_token, open_checked, open_dir, read_into
+from dataplane.server import pieces
+from dataplane.server.checkpoint_files import (
+    INDEX_FILE,
+    DataWriter,
+    RawIndexKeys,
+    keys_in_slices,
+    new_token,
+    open_checked,
+    open_dir,
+    read_into,
+)
 from dataplane.server.index import checkpoint as index_checkpoint
-from dataplane.server.index import pieces
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.streams import PartitionStreams
 from dataplane.server.jobs import run_job
@@ -195,6 +204,52 @@ def test_a_partition_saved_in_many_slices_reads_back_whole(tmp_path, monkeypatch
     call(fresh, "checkpoint_install", {"load": staged.load})
     assert _state(fresh) == _state(core)
     assert list(fresh.partitions["p"].keys) == [k for k in keys if k not in ("k3", "k4", "k11")]
+
+
+def _cut(part: RawIndexKeys, how: str) -> None:
+    (n0, b0), (n1, b1), (n2, b2) = part.cuts
+    if how == "counts":
+        part.cuts = [(n0, b0), (n1, b1), (n2 - 1, b2)]
+    elif how == "bytes":
+        part.cuts = [(n0, b0), (n1, b1), (n2, b2 + 1)]
+    elif how == "mid-key":  # the same totals, one cut a byte into a key
+        part.cuts = [(n0, b0 + 1), (n1, b1 - 1), (n2, b2)]
+    elif how == "negative":
+        part.cuts = [(n0 + n1 + n2 + 1, b0 + b1 + b2), (-1, 0)]
+    elif how == "layout":
+        part.layout[-1] = 99
+    elif how == "none":  # (a file written before cuts)
+        part.cuts = []
+
+
+def test_a_shard_reads_the_index_keys_a_slice_at_a_time_and_checks_the_cuts(tmp_path, monkeypatch):
+    """The index writes where its keys array may be cut (``cuts``), and a shard decodes it a slice per
+    call (a million keys in one call held the shard's request loop for 60-120 ms); sizes the file
+    declares are checked: a cut that lies is a ``CheckpointError`` naming the file, never wrong keys."""
+    monkeypatch.setattr(index_checkpoint, "SLICE", 4)
+    core = IndexCore()
+    keys = [f"key-{i}" for i in range(10)]
+    call(core, "commit", {"partition": "p", "keys": keys, "fields": ["a"], "specs": {"a": F32}})
+    call(core, "commit", {"partition": "p", "keys": ["tag-only"], "tags": [{"x": 1}]})
+    token = new_token()
+    (tmp_path / token).touch()
+    call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
+    path = str(tmp_path / INDEX_FILE)
+    data = (tmp_path / INDEX_FILE).read_bytes()
+
+    def read(how: str = "") -> list[tuple[list[str], list[list[str]]]]:
+        (part,) = msgspec.msgpack.decode(data, type=RawIndexKeys).partitions
+        _cut(part, how)
+        return list(keys_in_slices(part, path))
+
+    got = read()
+    assert [len(k) for k, _ in got] == [4, 4, 3]
+    assert [k for ks, _ in got for k in ks] == [*keys, "tag-only"]
+    assert [f for _, fs in got for f in fs] == [["a"]] * 10 + [[]]
+    assert [len(k) for k, _ in read("none")] == [11]  # (one slice)
+    for how in ("counts", "bytes", "mid-key", "negative", "layout"):
+        with pytest.raises(CheckpointError, match=f"{path}.*malformed"):
+            read(how)
 
 
 @pytest.mark.parametrize("n", [0, 15, 16, 65535, 65536])

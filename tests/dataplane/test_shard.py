@@ -471,7 +471,7 @@ def test_a_save_looks_up_its_rows_a_slice_per_hold_of_the_lock(monkeypatch):
             lock.release()
 
     saver = shard_checkpoint.ShardCheckpoints(core, Counting(), "here", 1 << 20)  # type: ignore[arg-type]
-    wanted = {"p": {f"k{i}": ["x"] for i in range(8)}}  # (k7: never put)
+    wanted = {"p": ([f"k{i}" for i in range(8)], [["x"]] * 8)}  # (k7: never put)
     plan, missing, pinned = saver._pin(wanted)
     assert holds[0] == 4 and missing == {"p": ["k7"]} and plan[0][1] == [f"k{i}" for i in range(7)]
     for seg in pinned:

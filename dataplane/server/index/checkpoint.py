@@ -11,7 +11,7 @@ The operations (mixed into ``IndexCore``; each runs on the index's one thread):
 * ``checkpoint_save``: write the snapshot into the directory being saved, keep it for the finish. A
   job (``server.jobs``): each partition is copied at one instant (a consistent one: copies at C
   speed, a few tens of milliseconds for a million keys), then encoded a slice at a time into the
-  buffers of the file (``index.pieces``), which a thread writes; other requests are answered between
+  buffers of the file (``server.pieces``), which a thread writes; other requests are answered between
   the steps. A put committed meanwhile is in the snapshot only as far as it had been recorded when
   its partition was copied (the rest came after the save began, as far as the checkpoint is
   concerned); the shards save after the index, so every key listed has its rows;
@@ -51,9 +51,9 @@ from dataplane.server.checkpoint_files import (
     write_small,
 )
 from dataplane.server.index.keytable import Tag
-from dataplane.server.index.pieces import Big, encode_list, pieces
 from dataplane.server.index.records import FieldSchema, PartMeta
 from dataplane.server.jobs import Job, in_thread, run_job
+from dataplane.server.pieces import Big, encode_list, pieces
 from dataplane.wire import protocol as _protocol
 
 
@@ -71,7 +71,7 @@ class IndexState(msgspec.Struct):
 
 
 def decode_index(data: bytes, path: str) -> IndexState:
-    """``index.msgpack`` decoded, checked (``decode_file(data, path, IndexKeys)``: keys and fields only)."""
+    """``index.msgpack`` decoded in full, checked (a shard reads its keys only: ``RawIndexKeys``)."""
     return decode_file(data, path, IndexState)
 
 
@@ -122,6 +122,7 @@ def _encode_part(f: _Frozen) -> Generator[None, None, tuple[dict[str, Any], int]
     state = {
         "pid": f.pid,
         "keys": keys,
+        "cuts": keys.cuts(),  # (so that a shard decodes the keys a slice at a time)
         "layouts": [sorted(fields) for fields in layouts],
         "layout": layout,
         "tags": tags,
@@ -199,9 +200,11 @@ class IndexCheckpoints:
         return _protocol.CheckpointSaveReply(save, entry, counts)
 
     def saved_partition(self, pid: str) -> dict[str, Any]:
-        """What a save now writes of partition ``pid``, read back as plain values."""
+        """What a save now writes of partition ``pid``, read back as plain values (less ``cuts``,
+        which tell how the keys were encoded, not what they are)."""
         state, _ = run_job(_encode_part(_freeze(pid, self.partitions[pid], self._confirmed(pid))))
         decoded: dict[str, Any] = msgspec.msgpack.decode(b"".join(pieces(state)))
+        del decoded["cuts"]
         return decoded
 
     def _confirmed(self, pid: str) -> list[Any]:

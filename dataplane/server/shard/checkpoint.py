@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import compress, islice
 from typing import Any
 
 import msgspec
@@ -56,8 +56,9 @@ from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
     DataWriter,
-    IndexKeys,
+    RawIndexKeys,
     decode_file,
+    keys_in_slices,
     open_checked,
     open_dir,
     read_into,
@@ -65,6 +66,8 @@ from dataplane.server.checkpoint_files import (
     shard_files,
     write_small,
 )
+from dataplane.server.jobs import run_job
+from dataplane.server.pieces import encode_list, pieces
 from dataplane.server.shard.core import Segment, ShardCore, _Partition, row_code
 from dataplane.server.shard.segments import ShmFile
 from dataplane.wire.frames import column_from_wire, column_to_wire
@@ -76,6 +79,7 @@ logger = logging.getLogger(__name__)
 DIRECT_MIN = 1 << 20  # a contiguous run of rows this large is written straight from its segment
 GATHER_MAX = 16 << 20  # smaller runs of one spec are gathered into chunks of about this many bytes
 PIN_SLICE = 2048  # keys a save looks up per hold of the shard's lock (its requests are answered between)
+MANIFEST_SLICE = 16384  # keys a save encodes per call into its manifest
 
 
 class Chunk(msgspec.Struct):
@@ -100,6 +104,8 @@ class ShardManifest(msgspec.Struct):
     partitions: list[ShardPart]
 
 
+# The keys of a partition a shard holds in a checkpoint, and the fields each holds.
+_Wanted = tuple[list[str], list[list[str]]]
 # What a save writes of one partition: its pid, its keys, and per field per segment (by id) the
 # segment, its rows and each row's key position: lists of plain ints, so a million rows make no
 # object the collector tracks.
@@ -175,22 +181,26 @@ class ShardCheckpoints:
     def who(self) -> str:
         return f"shard {self.core.shard_id} on node {self.node}"
 
-    def _mine(self, path: str, entry: Any, num_shards: int) -> dict[str, dict[str, list[str]]]:
+    def _mine(self, path: str, entry: Any, num_shards: int) -> dict[str, _Wanted]:
         """The keys of ``index.msgpack`` placed on this shard in a store of ``num_shards``, with the
-        fields each holds (keys holding tags only have no rows)."""
+        fields each holds (keys holding tags only have no rows), in two lists per partition. The
+        keys are decoded a slice at a time (``keys_in_slices``): a million in one call held the
+        interpreter from the request loop for 60-120 ms; and no dict is grown key by key (its last
+        resize alone held it some 40 ms)."""
         index_path = os.path.join(path, INDEX_FILE)
-        index = decode_file(read_small(index_path, entry, self.who), index_path, IndexKeys)
-        me, out = self.core.shard_id, {}
+        index = decode_file(read_small(index_path, entry, self.who), index_path, RawIndexKeys)
+        me = self.core.shard_id
+        out: dict[str, _Wanted] = {}
         for p in index.partitions:
-            try:
-                fields = p.fields_of()
-            except ValueError as exc:
-                raise CheckpointError(index_path, f"checkpoint file {index_path}: {exc}") from exc
-            out[p.pid] = {
-                k: f
-                for k, f in zip(p.keys, fields, strict=True)
-                if f and (num_shards == 1 or shard_of(p.pid, k, num_shards) == me)
-            }
+            mine_keys, mine_fields = out[p.pid] = ([], [])
+            for keys, fields in keys_in_slices(p, index_path):
+                if num_shards == 1:
+                    ours: list[Any] = fields
+                else:
+                    pairs = zip(keys, fields, strict=True)
+                    ours = [bool(f) and shard_of(p.pid, k, num_shards) == me for k, f in pairs]
+                mine_keys.extend(compress(keys, ours))
+                mine_fields.extend(compress(fields, ours))
         return out
 
     # ---- save -----------------------------------------------------------------------------------
@@ -225,21 +235,19 @@ class ShardCheckpoints:
         rows = {pid: len(keys) for pid, keys, _ in plan}
         return ShardSaveReply(files, rows, size, missing)
 
-    def _pin(
-        self, mine: dict[str, dict[str, list[str]]]
-    ) -> tuple[list[_PartPlan], dict[str, list[str]], list[Segment]]:
+    def _pin(self, mine: dict[str, _Wanted]) -> tuple[list[_PartPlan], dict[str, list[str]], list[Segment]]:
         """Where each wanted row is, its segment pinned until written; the keys no longer held. The
         lock is taken ``PIN_SLICE`` keys at a time, so the shard's requests are answered between (each
         key's row is the one it held when its slice was looked at, as a save beside puts can be)."""
         plan: list[_PartPlan] = []
         missing: dict[str, list[str]] = {}
         pinned: dict[int, Segment] = {}
-        for pid, wanted in mine.items():
+        for pid, (wanted, wanted_fields) in mine.items():
             keys: list[str] = []
             locs: dict[str, _BySegment] = {}
-            # A slice of the items at a time: a list of them all is a million tracked tuples, and
+            # A slice of the pairs at a time: a list of them all is a million tracked tuples, and
             # making it set off full collections of half a second, the interpreter held throughout.
-            items = iter(wanted.items())
+            items = zip(wanted, wanted_fields, strict=True)
             while chunk := list(islice(items, PIN_SLICE)):
                 with self.lock:
                     part = self.core.partitions.get(pid)
@@ -287,13 +295,18 @@ class ShardCheckpoints:
                                 written.append(writer.append_from(*source, buf))
                             else:
                                 written.append(writer.append(buf))
-                        chunks.append({"field": name, "col": desc, "bufs": written, "keys": positions})
-                parts.append({"pid": pid, "keys": keys, "chunks": chunks})
+                        # (lists encoded a slice per C call: a million items in one held the
+                        # request loop for tens of milliseconds)
+                        at = run_job(encode_list(positions, MANIFEST_SLICE))
+                        chunks.append({"field": name, "col": desc, "bufs": written, "keys": at})
+                parts.append(
+                    {"pid": pid, "keys": run_job(encode_list(keys, MANIFEST_SLICE)), "chunks": chunks}
+                )
             size = writer.close()
         finally:
             writer.abandon()
         manifest = {"version": VERSION, "shard": self.core.shard_id, "data": size, "partitions": parts}
-        entry = write_small(man_name, msgspec.msgpack.encode(manifest), dir_fd)
+        entry = write_small(man_name, pieces(manifest), dir_fd)
         return {man_name: entry, bin_name: {"bytes": size}}, size
 
     # ---- load -----------------------------------------------------------------------------------
@@ -308,7 +321,10 @@ class ShardCheckpoints:
     ) -> ShardStageReply:
         """Read this shard's rows of the checkpoint at ``path`` (saved by a store of ``saved_shards``)
         into partitions built aside; ``CheckpointError`` naming the file when anything is wrong."""
-        expect = self._mine(path, _entry(files, INDEX_FILE, path), num_shards)
+        expect = {
+            pid: dict(zip(keys, fields, strict=True))
+            for pid, (keys, fields) in self._mine(path, _entry(files, INDEX_FILE, path), num_shards).items()
+        }
         sources = [self.core.shard_id] if saved_shards == num_shards else list(range(saved_shards))
         plans = []
         for s in sources:
@@ -514,7 +530,7 @@ class ShardCheckpoints:
 Source = tuple[int, int] | None  # the segment file and byte offset a chunk's data is in, if it is
 
 
-def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, list[int], Source]]:
+def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, np.ndarray, Source]]:
     """One field's saved rows (per segment: its rows and their key positions) as columns to write,
     with the key position of each row and where the data lies: whole contiguous runs straight from
     their segment (its file, for a segment in shared memory), the rest gathered."""
@@ -528,7 +544,7 @@ def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, list[int], Source]]:
         view = col if len(rows) == seg.num_rows else contiguous_view(col, rows)
         if view is not None and view.nbytes >= DIRECT_MIN:
             start = col.row_range(int(rows[0]), int(rows[0]) + 1)[0]
-            yield view, pos.tolist(), None if seg.file is None else (seg.file.fd, start)
+            yield view, pos, None if seg.file is None else (seg.file.fd, start)
             continue
         spec = seg.spec
         pending.setdefault(spec, []).append((col, rows, pos))
@@ -536,18 +552,18 @@ def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, list[int], Source]]:
         if pending_bytes[spec] >= GATHER_MAX:
             yield _gather(spec, pending.pop(spec))
             pending_bytes[spec] = 0
-    for spec, pieces in pending.items():
-        yield _gather(spec, pieces)
+    for spec, rest in pending.items():
+        yield _gather(spec, rest)
 
 
 def _gather(
     spec: ColumnSpec, pieces: list[tuple[Column, np.ndarray, np.ndarray]]
-) -> tuple[Column, list[int], Source]:
+) -> tuple[Column, np.ndarray, Source]:
     total, parts = 0, []
     for col, rows, _ in pieces:
         parts.append((col, rows, np.arange(total, total + len(rows))))
         total += len(rows)
-    return assemble(spec, total, parts), np.concatenate([p for _, _, p in pieces]).tolist(), None
+    return assemble(spec, total, parts), np.concatenate([p for _, _, p in pieces]), None
 
 
 def _entry(files: dict[str, Any], name: str, path: str) -> Any:

@@ -1,6 +1,7 @@
 """msgpack written as a list of pieces, a big array a slice per step: how the index encodes a
-checkpoint of millions of keys between requests (``server.index.checkpoint``) without building the
-file in one buffer.
+checkpoint of millions of keys between requests (``server.index.checkpoint``), and a shard its
+manifest beside its request loop (``server.shard.checkpoint``), without one long call that holds the
+interpreter and without building the file in one buffer.
 
 ``encode_list`` encodes a big list a slice per step (a generator, for ``server.jobs``) into a
 ``Big``: its items' encodings, not joined. ``pieces`` then lays out a structure of dicts and lists
@@ -17,10 +18,11 @@ what ``msgspec.msgpack.encode`` would give for the same values):
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -48,18 +50,27 @@ class Big:
 
     n: int
     parts: list[memoryview]
+    counts: list[int] = field(default_factory=list)  # items per part
 
     def extend(self, values: list[Any]) -> None:
         """Append ``values``' encodings (one C call)."""
         self.parts.append(memoryview(_ENCODER.encode(values))[len(array_header(len(values))) :])
+        self.counts.append(len(values))
         self.n += len(values)
 
+    def cuts(self) -> list[tuple[int, int]]:
+        """(items, bytes) of each part: where a reader can cut the array's encoding to decode it a
+        slice at a time (``checkpoint_files.keys_in_slices``)."""
+        return [(n, len(part)) for n, part in zip(self.counts, self.parts, strict=True)]
 
-def encode_list(values: list[Any], slice_len: int) -> Generator[None, None, Big]:
-    """``values`` encoded ``slice_len`` items per step."""
+
+def encode_list(values: list[Any] | np.ndarray, slice_len: int) -> Generator[None, None, Big]:
+    """``values`` (a list, or a 1-d array: encoded as a list of numbers) encoded ``slice_len`` items
+    per step."""
     out = Big(0, [])
     for at in range(0, len(values), slice_len):
-        out.extend(values[at : at + slice_len])
+        part = values[at : at + slice_len]
+        out.extend(part.tolist() if isinstance(part, np.ndarray) else part)
         yield None
     return out
 
