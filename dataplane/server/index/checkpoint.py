@@ -52,6 +52,7 @@ from dataplane.server.checkpoint_files import (
 )
 from dataplane.server.index.keytable import Tag
 from dataplane.server.index.records import FieldSchema, PartMeta
+from dataplane.server.index.streams import ConsumedAt
 from dataplane.server.jobs import Job, in_thread, run_job
 from dataplane.server.pieces import Big, encode_list, pieces
 from dataplane.wire import protocol as _protocol
@@ -80,27 +81,40 @@ SLICE = 16384  # keys encoded per step of a save (a few milliseconds)
 
 @dataclass
 class _Frozen:
-    """One partition's metadata copied at one instant (``_freeze``), to be encoded in slices."""
+    """One partition's metadata at one instant (``_freeze``), to be encoded in slices."""
 
     pid: str
     names: list[str | None]  # (None: a hole a cleared key left)
     held: list[frozenset[str] | None]
     tags: dict[str, Tag]
     schema: list[Any]
-    streams: dict[str, Any]
+    streams: dict[str, Any]  # (each task's consumed keys a ``ConsumedAt``, read against ``names``)
 
 
 def _freeze(pid: str, part: PartMeta, schema: list[Any]) -> _Frozen:
     """``part`` as it is now, by copies at C speed (tags are replaced, never changed, when a key is
-    retagged, so a shallow copy holds)."""
+    retagged, so a shallow copy holds), but for each task's consumed keys, read later in slices."""
     names, held, tags = part.keys.copy_rows()
     return _Frozen(pid, names, held, tags, schema, part.streams.snapshot(time.monotonic()))
 
 
-def _encode_part(f: _Frozen) -> Generator[None, None, tuple[dict[str, Any], int]]:
-    """A frozen partition encoded a slice per step: its ``PartState`` with its big lists encoded
-    (``pieces.Big``), and its key count. Fields are stored once per distinct set (``layouts``), each
-    key naming its set (``layout``)."""
+def _encode_part(
+    pid: str, part: PartMeta, schema: list[Any]
+) -> Generator[None, None, tuple[dict[str, Any], int]]:
+    """Partition ``pid`` as it is now (``_freeze``), encoded a slice per step: its ``PartState`` with
+    its big lists encoded (``pieces.Big``), and its key count. Fields are stored once per distinct
+    set (``layouts``), each key naming its set (``layout``)."""
+    f = _freeze(pid, part, schema)
+    try:
+        yield None
+        return (yield from _encode_frozen(f))
+    finally:  # (however the job ends: the tasks stop telling the snapshot of their changes)
+        for task in f.streams["tasks"]:
+            if isinstance(task["consumed"], ConsumedAt):
+                task["consumed"].close()
+
+
+def _encode_frozen(f: _Frozen) -> Generator[None, None, tuple[dict[str, Any], int]]:
     layouts: dict[frozenset[str], int] = {}
     keys, layout, tags = Big(0, []), Big(0, []), Big(0, [])
     for at in range(0, len(f.names), SLICE):
@@ -116,7 +130,11 @@ def _encode_part(f: _Frozen) -> Generator[None, None, tuple[dict[str, Any], int]
         tags.extend([get(k) or {} for k in live_names] if f.tags else [{}] * len(live_names))
         yield None
     for task in f.streams["tasks"]:  # (what the stream state holds per key: encoded in slices too)
-        task["consumed"] = yield from encode_list(task["consumed"], SLICE)
+        consumed, task["consumed"] = task["consumed"], Big(0, [])
+        for at in range(0, len(f.names), SLICE):
+            task["consumed"].extend(consumed.read(f.names[at : at + SLICE]))
+            yield None
+        consumed.close()
         for stream in task["streams"]:
             stream["ready"] = yield from encode_list(stream["ready"], SLICE)
     state = {
@@ -183,9 +201,7 @@ class IndexCheckpoints:
                 part = self.partitions.get(pid)
                 if part is None:  # (cleared between two steps)
                     continue
-                frozen = _freeze(pid, part, self._confirmed(pid))
-                yield None
-                state, counts[pid] = yield from _encode_part(frozen)
+                state, counts[pid] = yield from _encode_part(pid, part, self._confirmed(pid))
                 parts.append(state)
             data = pieces({"version": VERSION, "partitions": parts})  # (the file's buffers, not joined)
         except BaseException:
@@ -202,7 +218,7 @@ class IndexCheckpoints:
     def saved_partition(self, pid: str) -> dict[str, Any]:
         """What a save now writes of partition ``pid``, read back as plain values (less ``cuts``,
         which tell how the keys were encoded, not what they are)."""
-        state, _ = run_job(_encode_part(_freeze(pid, self.partitions[pid], self._confirmed(pid))))
+        state, _ = run_job(_encode_part(pid, self.partitions[pid], self._confirmed(pid)))
         decoded: dict[str, Any] = msgspec.msgpack.decode(b"".join(pieces(state)))
         del decoded["cuts"]
         return decoded
@@ -236,8 +252,8 @@ class IndexCheckpoints:
                     part.streams.on_clear(key)
             part.keys.settle()
             yield None
-            frozen = _freeze(p.pid, part, p.schema)  # (the schema as saved, not the live one)
-            saved_state, counts[p.pid] = yield from _encode_part(frozen)
+            # (the schema as saved, not the live one)
+            saved_state, counts[p.pid] = yield from _encode_part(p.pid, part, p.schema)
             parts.append(saved_state)
         os.unlink(path)
         written = in_thread(write_small, path, pieces({"version": VERSION, "partitions": parts}))
