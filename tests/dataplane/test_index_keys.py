@@ -16,6 +16,7 @@ import zmq
 from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.checkpoint_files import new_token
 from dataplane.server.index import checkpoint as index_checkpoint
+from dataplane.server.index import streaming as index_streaming
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.keytable import COMPACT_MIN_HOLES
@@ -380,3 +381,27 @@ def test_a_big_commit_is_recorded_in_slices_with_other_requests_answered_between
             gate.set_result(None)
         server.stop()
         ctx.destroy(linger=0)
+
+
+def test_a_task_s_consumed_keys_are_looked_up_a_slice_per_step(monkeypatch):
+    """``consumed`` (TransferQueue's per-row status) walks the partition's keys ``CONSUMED_SLICE`` per
+    step of the index, other requests answered between: a take between two steps shows in the slices
+    looked up after it; the whole op answers every taken key in key order."""
+    monkeypatch.setattr(index_streaming, "CONSUMED_SLICE", 4)
+    core = IndexCore()
+    keys = [f"k{i}" for i in range(10)]
+    _commit(core, "p", keys, ["x"])
+
+    def take(n: int) -> None:
+        assert core.op_next(_protocol.Next(partition="p", task="t", batch_size=n, fields=["x"])) is not None
+
+    take(3)
+    job = core.job_consumed(_protocol.Consumed("p", "t"))
+    assert next(job) is None  # (k0-k3 looked up)
+    take(7)
+    with pytest.raises(StopIteration) as done:
+        next(job)
+        next(job)
+    assert done.value.value.keys == keys[:3] + keys[4:]
+    assert core.op_consumed(_protocol.Consumed("p", "t")).keys == keys
+    assert core.op_consumed(_protocol.Consumed("p", "nobody")).keys == []

@@ -34,20 +34,8 @@ from dataplane.wire import protocol as _protocol
 
 logger = logging.getLogger(__name__)
 
-FREEZE_S = 1.0  # how often the index freezes its heap (``freeze_heap``)
-
 # Requests that may wait for rows, or that take rows (a reply that cannot be delivered gives them back).
 _TAKING_OPS = _protocol.WAITING_OPS | {"claim"}
-
-
-def freeze_heap() -> None:
-    """Collect what came since the last call, then move every live object out of the collector's
-    sight (``gc.freeze``): a full collection then scans only the objects of the last ``FREEZE_S``,
-    not the index's records, however many keys it holds. What is frozen is freed by its reference
-    count as ever; only a reference cycle that becomes garbage after it was frozen is never freed
-    (the index's records hold none)."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass(eq=False)
@@ -85,7 +73,6 @@ class IndexServer(RequestServer):
         self._seq = itertools.count()
         self.rows_taken = 0  # rows handed out to consumers (metrics)
         self.partition_series = -1  # partitions with series of their own (StoreConfig.metrics_partitions)
-        self._freeze_due = 0.0
         kw.update(max_frames=0, mandatory=True)  # metadata only: no buffer frames
         super().__init__(core, host_ip, name, creds, **kw)
 
@@ -195,9 +182,6 @@ class IndexServer(RequestServer):
         self._guarded("freeing a dropped partition's keys", self.core.free_some)  # one slice, then requests
         self._guarded("building a consumer's stream", self.core.build_some)  # one slice of a big partition
         now = time.monotonic()
-        if now >= self._freeze_due:
-            self._freeze_due = now + FREEZE_S
-            freeze_heap()
         self.core.expire_leases(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
@@ -299,7 +283,7 @@ class IndexActor:
             raise ValueError("the index needs the store's credentials")
         host_ip = ray.util.get_node_ip_address()
         self.core.node = f"{host_ip} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
-        gc.freeze()  # as the shards do (``ShardActor``); the server goes on freezing (``freeze_heap``)
+        gc.freeze()  # as the shards do (``ShardActor``); the server goes on freezing (``router.freeze_heap``)
         self.server = IndexServer(
             self.core, host_ip, f"{self._name}-index", self._creds, max_message_bytes=self._max_message_bytes
         )
@@ -334,4 +318,4 @@ class IndexActor:
         return True
 
 
-__all__ = ["FREEZE_S", "IndexActor", "IndexServer", "freeze_heap"]
+__all__ = ["IndexActor", "IndexServer"]

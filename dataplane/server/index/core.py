@@ -59,6 +59,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
         "commits": "job_commits",
         "checkpoint_save": "job_checkpoint_save",
         "checkpoint_finish": "job_checkpoint_finish",
+        "consumed": "job_consumed",
     }
 
     def job(self, op: str, body: Any, bufs: list[memoryview]) -> Job[OpReply]:

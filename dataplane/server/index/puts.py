@@ -30,7 +30,7 @@ from dataplane.wire import protocol as _protocol
 
 MAX_EARLY_ABORTS = 1 << 16  # aborts of puts not seen yet that the index remembers (oldest forgotten)
 ON_NEW_MIN = 64  # a commit of this many new keys or more appends them to the streams at once (``on_new``)
-COMMIT_SLICE = 2048  # keys a commit records per step (a couple of milliseconds), other requests between
+COMMIT_SLICE = 512  # keys a commit records per step (under a millisecond), other requests between
 
 
 def _remember(record: OrderedDict[str, None], name: str, bound: int) -> None:

@@ -29,10 +29,12 @@ from dataplane.errors import (
 )
 from dataplane.samplers import from_spec
 from dataplane.server.index.records import IndexRecords, PartMeta
+from dataplane.server.jobs import Job, run_job
 from dataplane.wire import protocol as _protocol
 
 RELEASED_MEMORY = 65536  # take ids given back, remembered to refuse a request that arrives after them
 LEASE_HEAP_COMPACT = 65536  # lease deadlines queued before the acknowledged ones are swept out
+CONSUMED_SLICE = 16384  # keys ``consumed`` looks up per step
 
 
 def _fieldset(fields: list[str]) -> frozenset[str]:
@@ -269,12 +271,23 @@ class IndexStreaming(IndexRecords):
         return part.streams.counts(body.task, fields)
 
     def op_consumed(self, body: _protocol.Consumed) -> _protocol.ConsumedReply:
-        """The keys ``task`` has taken from the partition (TransferQueue's per-row consumption status)."""
+        return run_job(self.job_consumed(body))
+
+    def job_consumed(self, body: _protocol.Consumed) -> Job[_protocol.ConsumedReply]:
+        """The keys ``task`` has taken from the partition, in key order (TransferQueue's per-row
+        consumption status): the keys as they were when asked, looked up ``CONSUMED_SLICE`` per
+        step, other requests answered between (each slice as the task stands when it is looked at)."""
         part = self.partitions.get(body.partition)
         task = None if part is None else part.streams.tasks.get(body.task)
         if part is None or task is None:
             return _protocol.ConsumedReply([])
-        return _protocol.ConsumedReply([k for k in part.keys if k in task.consumed])
+        names, _, _ = part.keys.copy_rows()
+        out: list[str] = []
+        for at in range(0, len(names), CONSUMED_SLICE):
+            out.extend(filter(task.consumed.__contains__, names[at : at + CONSUMED_SLICE]))  # type: ignore[arg-type]
+            if at + CONSUMED_SLICE < len(names):
+                yield None
+        return _protocol.ConsumedReply(out)
 
     def op_tasks(self, body: _protocol.Tasks) -> _protocol.TasksReply:
         """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
@@ -291,4 +304,4 @@ class IndexStreaming(IndexRecords):
         )
 
 
-__all__ = ["LEASE_HEAP_COMPACT", "RELEASED_MEMORY", "IndexStreaming"]
+__all__ = ["CONSUMED_SLICE", "LEASE_HEAP_COMPACT", "RELEASED_MEMORY", "IndexStreaming"]

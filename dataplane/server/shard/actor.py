@@ -420,7 +420,7 @@ class ShardActor:
             limit = min(limit, capacity_bytes + (1 << 20))
         self._max_message_bytes = limit  # published (``info``): clients refuse a bigger frame themselves
         # What this process holds before it serves (modules, Ray's worker) lives as long as it does:
-        # out of the garbage collector's sight, a full collection scans only the rows stored since.
+        # out of the garbage collector's sight (and the server goes on freezing: ``router.freeze_heap``).
         gc.freeze()
         credentials = Credentials.from_dict(creds)
         self.server = ShardServer(
