@@ -452,6 +452,33 @@ def test_a_put_attached_in_slices_replaces_and_accounts_exactly_even_when_cleare
     assert core.stats().bytes_used == 0 and core.stats().bytes_resident == 0
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["one field", "two fields", "a key gone", "a field gone", "field sets differ"],
+)
+def test_a_save_finds_its_rows_at_c_speed_or_key_by_key_alike(case):
+    """A save's lookup of a slice of keys (``_lookup``): the usual slice (every key held, one field
+    set) without a step per key, any other key by key; both give the rows kept, their codes per field
+    and the keys gone."""
+    keys = [f"k{i}" for i in range(6)]
+    fields = [["x"]] * 6 if case == "one field" else [["x", "y"]] * 6
+    rows: list[Any] = [{"x": 10 + i, "y": 20 + i} for i in range(6)]
+    if case == "a key gone":
+        rows[2] = None
+    elif case == "a field gone":
+        del rows[4]["y"]
+    elif case == "field sets differ":
+        fields = [["x"], ["x", "y"]] * 3
+    gone: list[str] = []
+    kept, codes = shard_checkpoint._lookup(keys, rows, fields, gone)
+    expect_gone = {"a key gone": ["k2"], "a field gone": ["k4"]}.get(case, [])
+    assert gone == expect_gone and kept == [k for k in keys if k not in expect_gone]
+    for name, (code, pos) in codes.items():
+        want = [(j, rows[keys.index(k)][name]) for j, k in enumerate(kept) if name in fields[keys.index(k)]]
+        assert list(zip(pos.tolist(), code.tolist(), strict=True)) == want
+    assert set(codes) == {f for k in kept for f in fields[keys.index(k)]}
+
+
 def test_a_save_looks_up_its_rows_a_slice_per_hold_of_the_lock(monkeypatch):
     """A shard's checkpoint save finds its rows ``PIN_SLICE`` keys per hold of the shard's lock (the
     request loop takes it for every request, so a million-key save would hold it for seconds), and

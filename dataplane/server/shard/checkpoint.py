@@ -43,7 +43,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import compress, islice
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -68,7 +69,7 @@ from dataplane.server.checkpoint_files import (
 )
 from dataplane.server.jobs import run_job
 from dataplane.server.pieces import encode_list, pieces
-from dataplane.server.shard.core import Segment, ShardCore, _Partition, row_code
+from dataplane.server.shard.core import ROW_BITS, ROW_MASK, Segment, ShardCore, _Partition, row_code
 from dataplane.server.shard.segments import ShmFile
 from dataplane.wire.frames import column_from_wire, column_to_wire
 from dataplane.wire.placement import shard_of
@@ -107,9 +108,9 @@ class ShardManifest(msgspec.Struct):
 # The keys of a partition a shard holds in a checkpoint, and the fields each holds.
 _Wanted = tuple[list[str], list[list[str]]]
 # What a save writes of one partition: its pid, its keys, and per field per segment (by id) the
-# segment, its rows and each row's key position: lists of plain ints, so a million rows make no
-# object the collector tracks.
-_BySegment = dict[int, tuple[Segment, list[int], list[int]]]
+# segment, its rows and each row's key position: arrays, a few per slice of keys, so a million rows
+# make no object the collector tracks.
+_BySegment = dict[int, tuple[Segment, list[np.ndarray], list[np.ndarray]]]
 _PartPlan = tuple[str, list[str], dict[str, _BySegment]]
 # A chunk a load reads: its pid, the chunk, the key of each of its rows, the rows to take (None: all).
 _Selected = tuple[str, Chunk, list[str], np.ndarray | None]
@@ -245,34 +246,21 @@ class ShardCheckpoints:
         for pid, (wanted, wanted_fields) in mine.items():
             keys: list[str] = []
             locs: dict[str, _BySegment] = {}
-            # A slice of the pairs at a time: a list of them all is a million tracked tuples, and
-            # making it set off full collections of half a second, the interpreter held throughout.
-            items = zip(wanted, wanted_fields, strict=True)
-            while chunk := list(islice(items, PIN_SLICE)):
+            gone: list[str] = []
+            for at in range(0, len(wanted), PIN_SLICE):
+                chunk, fields = wanted[at : at + PIN_SLICE], wanted_fields[at : at + PIN_SLICE]
                 with self.lock:
                     part = self.core.partitions.get(pid)
-                    for key, fields in chunk:
-                        row = part.rows.get(key) if part is not None else None
-                        if row is None or not all(map(row.__contains__, fields)):  # (no frame per key)
-                            missing.setdefault(pid, []).append(key)
-                            continue
-                        pos = len(keys)
-                        keys.append(key)
-                        for f in fields:
-                            seg, r = part.loc(row[f])  # type: ignore[union-attr]
-                            by_seg = locs.get(f)
-                            if by_seg is None:
-                                by_seg = locs[f] = {}
-                            got = by_seg.get(id(seg))
-                            if got is None:
-                                got = by_seg[id(seg)] = (seg, [], [])
-                            got[1].append(r)
-                            got[2].append(pos)
-                            if id(seg) not in pinned:
-                                pinned[id(seg)] = seg
-                                seg.live += 1  # released by ``_unref`` once written
-                                seg.pins += 1
+                    rows: list[dict[str, int] | None] = (
+                        [None] * len(chunk) if part is None else list(map(part.rows.get, chunk))
+                    )
+                    kept, codes = _lookup(chunk, rows, fields, gone)
+                    for name, (code, pos) in codes.items():
+                        _place(part, name, code, pos + len(keys), locs, pinned)  # type: ignore[arg-type]
+                    keys.extend(kept)
                 time.sleep(0)  # (the loop, waiting for the lock, takes it now: a Lock is not fair)
+            if gone:
+                missing[pid] = gone
             plan.append((pid, keys, locs))
         return plan, missing, list(pinned.values())
 
@@ -527,6 +515,71 @@ class ShardCheckpoints:
                 self._release(staged)
 
 
+def _lookup(
+    keys: list[str], rows: list[dict[str, int] | None], fields: list[list[str]], gone: list[str]
+) -> tuple[list[str], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The keys of a slice whose rows hold their fields (the others added to ``gone``), and per
+    field the row codes and the kept keys' positions. The usual slice (every key held, one field
+    set) at C speed, no step per key; any other key by key."""
+    n, first = len(keys), fields[0] if fields else []
+    if n and first and None not in rows and fields.count(first) == n:
+        try:
+            if len(first) == 1:
+                codes = np.fromiter(map(itemgetter(first[0]), rows), dtype=np.int64, count=n)  # type: ignore[arg-type]
+                return keys, {first[0]: (codes, np.arange(n))}
+            table = np.array(list(map(itemgetter(*first), rows)), dtype=np.int64).reshape(n, len(first))  # type: ignore[arg-type]
+            return keys, {f: (table[:, j], np.arange(n)) for j, f in enumerate(first)}
+        except KeyError:  # (a field gone from some key: key by key)
+            pass
+    kept: list[str] = []
+    by_field: dict[str, tuple[list[int], list[int]]] = {}
+    for key, row, want in zip(keys, rows, fields, strict=True):
+        if row is None or not all(map(row.__contains__, want)):  # (no frame per key)
+            gone.append(key)
+            continue
+        for f in want:
+            got = by_field.get(f)
+            if got is None:
+                got = by_field[f] = ([], [])
+            got[0].append(row[f])
+            got[1].append(len(kept))
+        kept.append(key)
+    return kept, {
+        f: (np.array(c, dtype=np.int64), np.array(p, dtype=np.int64)) for f, (c, p) in by_field.items()
+    }
+
+
+def _place(
+    part: _Partition,
+    name: str,
+    codes: np.ndarray,
+    pos: np.ndarray,
+    locs: dict[str, _BySegment],
+    pinned: dict[int, Segment],
+) -> None:
+    """File rows of field ``name`` (their codes, and their keys' positions) under their segments in
+    ``locs``, each segment pinned once (released by ``_unref`` once written)."""
+    sids = codes >> ROW_BITS
+    each = np.unique(sids).tolist()
+    by_seg = locs.setdefault(name, {})
+    for sid in each:
+        seg = part.segs[sid]
+        if len(each) == 1:
+            rows, at = codes & ROW_MASK, pos
+        else:
+            mask = sids == sid
+            rows, at = codes[mask] & ROW_MASK, pos[mask]
+        got = by_seg.get(id(seg))
+        if got is None:
+            got = by_seg[id(seg)] = (seg, [], [])
+        got[1].append(rows)
+        got[2].append(at)
+        if id(seg) not in pinned:
+            pinned[id(seg)] = seg
+            seg.live += 1
+            seg.pins += 1
+
+
 Source = tuple[int, int] | None  # the segment file and byte offset a chunk's data is in, if it is
 
 
@@ -537,7 +590,7 @@ def _chunks(by_seg: _BySegment) -> Iterator[tuple[Column, np.ndarray, Source]]:
     pending: dict[ColumnSpec, list[tuple[Column, np.ndarray, np.ndarray]]] = {}
     pending_bytes: dict[ColumnSpec, int] = {}
     for seg, rows_l, pos_l in by_seg.values():
-        rows, pos = np.asarray(rows_l, dtype=np.int64), np.asarray(pos_l, dtype=np.int64)
+        rows, pos = np.concatenate(rows_l), np.concatenate(pos_l)
         order = np.argsort(rows, kind="stable")
         rows, pos = rows[order], pos[order]
         col = seg.column()
