@@ -479,6 +479,52 @@ def test_a_save_finds_its_rows_at_c_speed_or_key_by_key_alike(case):
     assert set(codes) == {f for k in kept for f in fields[keys.index(k)]}
 
 
+def test_a_load_checks_what_the_files_say_of_its_keys():
+    """A load attaches a chunk's rows to their keys at C speed (new keys) or key by key, and refuses
+    by name, with a ``CheckpointError``, a key given a field twice (within a chunk or across two), a
+    key position outside its partition, a listed field no file holds and rows the index does not
+    list; a chunk partly wanted gives only the rows wanted."""
+    from dataplane.errors import CheckpointError
+    from dataplane.server.shard.core import Segment, _Partition
+    from dataplane.wire.protocol import WireColumn
+
+    ck = shard_checkpoint
+    part, seg = _Partition(), Segment(None, 2, 0, None, None, None, sid=7)  # type: ignore[arg-type]
+    ck._attach_loaded(part, ["a", "b"], "x", seg, "f", "p")
+    ck._attach_loaded(part, ["b", "a"], "y", seg, "f", "p")  # (existing keys: key by key)
+    assert part.rows == {"a": {"x": 7 << 32, "y": (7 << 32) + 1}, "b": {"x": (7 << 32) + 1, "y": 7 << 32}}
+    for keys, name in ((["c", "c"], "x"), (["a"], "x")):
+        with pytest.raises(CheckpointError, match="holds 'x' twice"):
+            ck._attach_loaded(part, keys, name, seg, "f", "p")
+
+    col = WireColumn(spec=["dense", "int64", []], rows=3, data=0)
+    x, xy = ["x"], ["x", "y"]
+    want = {"p": {"k0": x, "k1": xy, "k2": xy}}
+
+    def manifest(positions: list[int], field: str = "y") -> ck.ShardManifest:
+        chunk = ck.Chunk(field=field, col=col, bufs=[(0, 0, 0)], keys=positions)
+        return ck.ShardManifest(1, 0, 0, [ck.ShardPart("p", ["k0", "k1", "k2"], [chunk])])
+
+    ((_, _, keys, rows),) = ck._select(manifest([0, 1, 2]), want, "m")
+    assert keys == ["k0", "k1", "k2"] and rows.tolist() == [1, 2]  # (k0 holds no y)
+    assert ck._select(manifest([0, 1, 2], "x"), want, "m")[0][3] is None  # (all of them)
+    with pytest.raises(CheckpointError, match="malformed"):
+        ck._select(manifest([0, 3]), want, "m")
+
+    staged = ck._Load(["p"], {"p": _Partition(rows={"k0": {"x": 1}, "k1": {"x": 2, "y": 3}})}, [], [], 0, 0.0)
+    staged.pairs["p"] = 3
+    with pytest.raises(CheckpointError, match=r"'k2' of partition 'p' with fields \['x', 'y'\]"):
+        ck._check_complete(staged, want, "c")
+    staged.parts["p"].rows["k2"] = {"x": 4, "y": 5}
+    staged.parts["p"].rows["k9"] = {"x": 6}
+    staged.pairs["p"] = 6
+    with pytest.raises(CheckpointError, match="the index does not list"):
+        ck._check_complete(staged, want, "c")
+    del staged.parts["p"].rows["k9"]
+    staged.pairs["p"] = 5
+    ck._check_complete(staged, want, "c")
+
+
 def test_a_save_looks_up_its_rows_a_slice_per_hold_of_the_lock(monkeypatch):
     """A shard's checkpoint save finds its rows ``PIN_SLICE`` keys per hold of the shard's lock (the
     request loop takes it for every request, so a million-key save would hold it for seconds), and

@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import compress
@@ -128,6 +129,7 @@ class _Load:
     deadline: float
     committed: bool = False
     previous: dict[str, _Partition] = field(default_factory=dict)
+    pairs: dict[str, int] = field(default_factory=dict)  # (key, field) pairs staged, per partition
 
 
 HANDOFF_S = 0.0005  # the interpreter's switch interval while a save runs (5 ms by default)
@@ -370,14 +372,9 @@ class ShardCheckpoints:
                 part.segs[seg.sid] = seg
                 part.specs.setdefault(chunk.field, seg.spec)
                 if rows is not None:
-                    keys = [keys[i] for i in rows]
-                for r, key in enumerate(keys):
-                    row = part.rows.setdefault(key, {})
-                    if chunk.field in row:
-                        raise CheckpointError(
-                            bin_path, f"{bin_path}: key {key!r} of {pid!r} holds {chunk.field!r} twice"
-                        )
-                    row[chunk.field] = row_code(seg, r)
+                    keys = list(map(keys.__getitem__, rows.tolist()))
+                _attach_loaded(part, keys, chunk.field, seg, bin_path, pid)
+                staged.pairs[pid] = staged.pairs.get(pid, 0) + len(keys)
                 seg.live = len(keys)
         finally:
             os.close(fd)
@@ -628,26 +625,57 @@ def _entry(files: dict[str, Any], name: str, path: str) -> Any:
 
 def _select(man: ShardManifest, expect: dict[str, dict[str, list[str]]], path: str) -> list[_Selected]:
     """The chunks of a shard manifest holding rows this shard loads: ``(pid, chunk, the key of each
-    of its rows, the rows to take or None for all)``."""
+    of its rows, the rows to take or None for all)``. Per chunk, at C speed: the fields a key holds
+    are shared lists (one per distinct set), so each chunk tests its field against a few of them."""
     out: list[_Selected] = []
     for part in man.partitions:
         want = expect.get(part.pid, {})
         for chunk in part.chunks:
-            if len(chunk.bufs) < 1 or any(k < 0 or k >= len(part.keys) for k in chunk.keys):
+            at = np.asarray(chunk.keys, dtype=np.int64)
+            if len(chunk.bufs) < 1 or (len(at) and (at.min() < 0 or at.max() >= len(part.keys))):
                 raise CheckpointError(path, f"checkpoint file {path}: a chunk of {part.pid!r} is malformed")
-            keys = [part.keys[k] for k in chunk.keys]
-            take = [i for i, k in enumerate(keys) if chunk.field in want.get(k, ())]
-            if not take:
+            keys = list(map(part.keys.__getitem__, chunk.keys))
+            fields = list(map(want.get, keys))
+            sets = dict(zip(map(id, fields), fields, strict=True))  # (the distinct ones)
+            ok = {i for i, held in sets.items() if held is not None and chunk.field in held}
+            if not ok:
                 continue
-            rows = None if len(take) == len(keys) else np.asarray(take, dtype=np.int64)
+            rows = None
+            if len(ok) < len(sets):
+                taken = np.fromiter(map(ok.__contains__, map(id, fields)), dtype=bool, count=len(keys))
+                rows = np.flatnonzero(taken)
             out.append((part.pid, chunk, keys, rows))
     return out
 
 
+def _attach_loaded(part: _Partition, keys: list[str], name: str, seg: Segment, path: str, pid: str) -> None:
+    """Point ``keys`` at the rows of loaded segment ``seg`` (field ``name``): new keys at C speed, as
+    a put's are (a partition's first field), others key by key; a key given the field twice is a
+    ``CheckpointError``."""
+    rows, first = part.rows, row_code(seg, 0)
+    codes = range(first, first + len(keys))
+    if not any(map(rows.__contains__, keys)):
+        before = len(rows)
+        rows.update(zip(keys, [{name: code} for code in codes], strict=True))
+        if len(rows) - before == len(keys):
+            return
+        twice = next(k for k, n in Counter(keys).items() if n > 1)
+        raise CheckpointError(path, f"{path}: key {twice!r} of {pid!r} holds {name!r} twice")
+    for key, code in zip(keys, codes, strict=True):
+        row = rows.setdefault(key, {})
+        if name in row:
+            raise CheckpointError(path, f"{path}: key {key!r} of {pid!r} holds {name!r} twice")
+        row[name] = code
+
+
 def _check_complete(staged: _Load, expect: dict[str, dict[str, list[str]]], path: str) -> None:
-    """The staged rows must be exactly the rows the index lists for this shard."""
+    """The staged rows must be exactly the rows the index lists for this shard. Every (key, field)
+    loaded was listed (``_select``) and none twice (``_attach_loaded``), so equal counts settle it
+    at C speed; the rest only finds what to name."""
     for pid, wanted in expect.items():
         rows = staged.parts[pid].rows if pid in staged.parts else {}
+        if staged.pairs.get(pid, 0) == sum(map(len, wanted.values())) and len(rows) == len(wanted):
+            continue
         for key, fields in wanted.items():
             have = rows.get(key, {})
             lost = [f for f in fields if f not in have]
