@@ -110,6 +110,38 @@ def test_a_damaged_index_file_is_refused_by_name(tmp_path):
         call(IndexCore(), "checkpoint_stage", {"path": str(tmp_path), **saved.file})
 
 
+@pytest.mark.parametrize("lie", ["a key twice", "a layout past the end", "a negative layout", "a tag short"])
+def test_an_index_file_that_lies_about_its_keys_loads_nothing(tmp_path, lie):
+    """A well-formed ``index.msgpack`` whose keys, layouts and tags disagree (a writer's bug or a
+    hand-edited file; its checksum matches) is a ``CheckpointError`` naming the file and the
+    partition; the keys are restored at C speed, never trusted."""
+    from dataplane.server.checkpoint_files import write_small
+
+    core = IndexCore()
+    call(core, "commit", {"partition": "p", "keys": ["a", "b", "c"], "fields": ["x"], "specs": {"x": F32}})
+    token = new_token()
+    (tmp_path / token).touch()
+    saved = call(core, "checkpoint_save", {"path": str(tmp_path), "token": token})
+    path = tmp_path / INDEX_FILE
+    doc = msgspec.msgpack.decode(path.read_bytes())
+    (part,) = doc["partitions"]
+    if lie == "a key twice":
+        part["keys"][2] = "a"
+    elif lie == "a layout past the end":
+        part["layout"][1] = 5
+    elif lie == "a negative layout":
+        part["layout"][1] = -1
+    else:
+        part["tags"].pop()
+    del part["cuts"]
+    path.unlink()
+    entry = write_small(str(path), msgspec.msgpack.encode(doc))
+    fresh = IndexCore()
+    with pytest.raises(CheckpointError, match=f"{path}: partition 'p' is inconsistent"):
+        call(fresh, "checkpoint_stage", {"path": str(tmp_path), **entry})
+    assert saved.partitions == {"p": 3} and not fresh.partitions
+
+
 def test_the_index_writes_only_where_the_saver_proved_it_can(tmp_path):
     core = _busy_index()
     with pytest.raises(CheckpointError, match="cannot reach the checkpoint directory"):

@@ -281,15 +281,11 @@ class IndexCheckpoints:
         """A partition's metadata and schema rebuilt from its saved state (checked)."""
         try:
             part = PartMeta()
-            fields = p.fields_of()
-            if len(p.tags) != len(p.keys) or len(set(p.keys)) != len(p.keys):
-                raise ValueError("keys and tags disagree, or a key repeats")
-            sets: dict[int, frozenset[str]] = {}  # (fields_of answers one list per layout: by its id)
-            for key, tag, held in zip(p.keys, p.tags, fields, strict=True):
-                got = sets.get(id(held))
-                if got is None:
-                    got = sets[id(held)] = frozenset(held)
-                part.keys.restore(key, got, tag)
+            if not len(p.keys) == len(p.tags) == len(p.layout):
+                raise ValueError(f"{len(p.keys)} keys, {len(p.tags)} tags and {len(p.layout)} layouts")
+            if min(p.layout, default=0) < 0 or max(p.layout, default=-1) >= len(p.layouts):
+                raise ValueError("a key names a layout that does not exist")
+            part.keys.restore(p.keys, [frozenset(fields) for fields in p.layouts], p.layout, p.tags)
             part.streams.restore(p.streams, time.monotonic())
             schema = {str(name): FieldSchema(list(family), confirmed=True) for name, family in p.schema}
         except (ValueError, KeyError, TypeError) as exc:
