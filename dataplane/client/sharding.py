@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dataplane.wire.placement import shard_of
+from dataplane.wire.placement import shard_of, shards_of
 
 
 class Placement:
@@ -29,8 +29,11 @@ class Placement:
         """Positions of ``keys`` per shard, each in ascending (batch) order."""
         if self.num_shards == 1:
             return {0: np.arange(len(keys), dtype=np.int64)} if len(keys) else {}
-        owner = np.fromiter((self.shard_of(partition_id, k) for k in keys), dtype=np.int64, count=len(keys))
+        owner = self._owners(partition_id, keys)
         return {int(s): np.flatnonzero(owner == s) for s in np.unique(owner)}
+
+    def _owners(self, partition_id: str, keys: Sequence[str]) -> np.ndarray:
+        return np.fromiter((self.shard_of(partition_id, k) for k in keys), dtype=np.int64, count=len(keys))
 
 
 class HashPlacement(Placement):
@@ -38,6 +41,9 @@ class HashPlacement(Placement):
 
     def shard_of(self, partition_id: str, key: str) -> int:
         return shard_of(partition_id, key, self.num_shards)
+
+    def _owners(self, partition_id: str, keys: Sequence[str]) -> np.ndarray:
+        return shards_of(partition_id, keys, self.num_shards)  # (at C speed)
 
 
 __all__ = ["HashPlacement", "Placement"]

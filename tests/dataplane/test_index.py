@@ -216,6 +216,21 @@ def test_placement_is_stable_and_covers_every_key():
     assert HashPlacement(1).group("part", keys)[0].tolist() == list(range(100))
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
+def test_keys_placed_at_c_speed_go_where_each_key_alone_goes(num_shards):
+    """``shards_of`` (a batch's routing, a shard's share of a checkpoint) continues the partition's
+    checksum over each key: the same shard as ``shard_of`` for every key, whatever its characters."""
+    from dataplane.wire.placement import shard_of, shards_of
+
+    keys = [f"k{i}" for i in range(200)] + ["", "\0", "ключ", "🔑 key", "a" * 1000]
+    for pid in ("part", "", "раздел"):
+        assert shards_of(pid, keys, num_shards).tolist() == [shard_of(pid, k, num_shards) for k in keys]
+        groups = HashPlacement(num_shards).group(pid, keys)
+        assert {int(i): s for s, at in groups.items() for i in at} == {
+            i: shard_of(pid, k, num_shards) for i, k in enumerate(keys)
+        }
+
+
 def test_a_commit_without_prepare_confirms_a_field_a_prepared_put_declared():
     """A one-round-trip put (its commit carries specs) to a field a concurrent prepared put declared
     relies on that field too: the prepared put's abort must not take the field's schema back, or a

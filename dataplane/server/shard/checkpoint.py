@@ -73,7 +73,7 @@ from dataplane.server.pieces import encode_list, pieces
 from dataplane.server.shard.core import ROW_BITS, ROW_MASK, Segment, ShardCore, _Partition, row_code
 from dataplane.server.shard.segments import ShmFile
 from dataplane.wire.frames import column_from_wire, column_to_wire
-from dataplane.wire.placement import shard_of
+from dataplane.wire.placement import shards_of
 from dataplane.wire.protocol import FileEntry, ShardSaveReply, ShardStageReply, WireColumn
 
 logger = logging.getLogger(__name__)
@@ -200,8 +200,8 @@ class ShardCheckpoints:
                 if num_shards == 1:
                     ours: list[Any] = fields
                 else:
-                    pairs = zip(keys, fields, strict=True)
-                    ours = [bool(f) and shard_of(p.pid, k, num_shards) == me for k, f in pairs]
+                    held = np.fromiter(map(bool, fields), dtype=bool, count=len(fields))
+                    ours = ((shards_of(p.pid, keys, num_shards) == me) & held).tolist()
                 mine_keys.extend(compress(keys, ours))
                 mine_fields.extend(compress(fields, ours))
         return out
