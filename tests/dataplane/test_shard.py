@@ -508,8 +508,9 @@ def test_a_load_checks_what_the_files_say_of_its_keys():
     ((_, _, keys, rows),) = ck._select(manifest([0, 1, 2]), want, "m")
     assert keys == ["k0", "k1", "k2"] and rows.tolist() == [1, 2]  # (k0 holds no y)
     assert ck._select(manifest([0, 1, 2], "x"), want, "m")[0][3] is None  # (all of them)
-    with pytest.raises(CheckpointError, match="malformed"):
-        ck._select(manifest([0, 3]), want, "m")
+    for outside in ([0, 3], [-1], [1 << 63]):  # (msgspec reads ints up to 2**64 - 1)
+        with pytest.raises(CheckpointError, match="malformed"):
+            ck._select(manifest(outside), want, "m")
 
     staged = ck._Load(["p"], {"p": _Partition(rows={"k0": {"x": 1}, "k1": {"x": 2, "y": 3}})}, [], [], 0, 0.0)
     staged.pairs["p"] = 3

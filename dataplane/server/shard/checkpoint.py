@@ -631,8 +631,8 @@ def _select(man: ShardManifest, expect: dict[str, dict[str, list[str]]], path: s
     for part in man.partitions:
         want = expect.get(part.pid, {})
         for chunk in part.chunks:
-            at = np.asarray(chunk.keys, dtype=np.int64)
-            if len(chunk.bufs) < 1 or (len(at) and (at.min() < 0 or at.max() >= len(part.keys))):
+            outside = bool(chunk.keys) and (min(chunk.keys) < 0 or max(chunk.keys) >= len(part.keys))
+            if len(chunk.bufs) < 1 or outside:
                 raise CheckpointError(path, f"checkpoint file {path}: a chunk of {part.pid!r} is malformed")
             keys = list(map(part.keys.__getitem__, chunk.keys))
             fields = list(map(want.get, keys))
