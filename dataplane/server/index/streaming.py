@@ -281,7 +281,7 @@ class IndexStreaming(IndexRecords):
         task = None if part is None else part.streams.tasks.get(body.task)
         if part is None or task is None:
             return _protocol.ConsumedReply([])
-        names, _, _ = part.keys.copy_rows()
+        names = part.keys.copy_names()
         out: list[str] = []
         for at in range(0, len(names), CONSUMED_SLICE):
             out.extend(filter(task.consumed.__contains__, names[at : at + CONSUMED_SLICE]))  # type: ignore[arg-type]
