@@ -300,19 +300,16 @@ def _size_crc(entry: Any, path: str) -> tuple[int, int]:
 # What a shard reads of the index's file (``index.msgpack``, written by ``server.index.checkpoint``)
 # to know which rows to load: the two sides share the format, not each other's code.
 class PartKeys(msgspec.Struct, kw_only=True):
-    """What a shard reads of a partition in ``index.msgpack``: its keys and the fields each holds.
-    ``cuts``: the keys array's encoding as (keys, bytes) per slice, so that a reader can decode it a
-    slice at a time (``keys_in_slices``); a file without them is read in one slice."""
+    """A partition in ``index.msgpack``: its keys and the fields each holds (``layout[i]`` names key
+    i's set in ``layouts``: ``check_layout``). ``cuts``: the keys array's encoding as (keys, bytes)
+    per slice, so that a shard can decode it a slice at a time (``keys_in_slices``); a file without
+    them is read in one slice."""
 
     pid: str
     keys: list[str]
     layouts: list[list[str]]
     layout: list[int]
     cuts: list[tuple[int, int]] = []
-
-    def fields_of(self) -> list[list[str]]:
-        """The fields of every key, in key order; ``ValueError`` when the lists disagree."""
-        return _fields_of(self.pid, self.layouts, self.layout, 0, len(self.keys), len(self.keys))
 
 
 class RawPartKeys(msgspec.Struct):
@@ -330,15 +327,13 @@ class RawIndexKeys(msgspec.Struct):
     partitions: list[RawPartKeys]
 
 
-def _fields_of(
-    pid: str, layouts: list[list[str]], layout: list[int], at: int, n: int, total: int
-) -> list[list[str]]:
-    if len(layout) != total:
-        raise ValueError(f"partition {pid!r}: {len(layout)} layouts for {total} keys")
-    try:
-        return [layouts[i] for i in layout[at : at + n]]
-    except IndexError:
-        raise ValueError(f"partition {pid!r}: a key names a layout that does not exist") from None
+def check_layout(keys: int, layouts: list[list[str]], layout: list[int]) -> None:
+    """``ValueError`` unless each of ``keys`` keys names one of ``layouts`` (``layout``, by position:
+    none past the end, none below zero, which Python would read from the end)."""
+    if len(layout) != keys:
+        raise ValueError(f"{len(layout)} layouts for {keys} keys")
+    if min(layout, default=0) < 0 or max(layout, default=-1) >= len(layouts):
+        raise ValueError("a key names a layout that does not exist")
 
 
 def keys_in_slices(part: RawPartKeys, path: str) -> Iterator[tuple[list[str], list[list[str]]]]:
@@ -375,14 +370,17 @@ def keys_in_slices(part: RawPartKeys, path: str) -> Iterator[tuple[list[str], li
         raise malformed(f"its cuts do not add up to its {total} keys")
     if sum(size for _, size in cuts) != len(raw) - at:
         raise malformed(f"its cuts do not add up to its keys' {len(raw) - at} bytes")
+    try:
+        check_layout(total, part.layouts, part.layout)
+    except ValueError as exc:
+        raise malformed(str(exc)) from None
     done = 0
     for n, size in cuts:
         try:
             keys = decoder(list[str]).decode(array_header(n) + raw[at : at + size])
-            fields = _fields_of(part.pid, part.layouts, part.layout, done, n, total)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise malformed(str(exc)) from exc
-        yield keys, fields
+        yield keys, list(map(part.layouts.__getitem__, part.layout[done : done + n]))
         at, done = at + size, done + n
 
 
@@ -392,6 +390,7 @@ __all__ = [
     "PartKeys",
     "RawIndexKeys",
     "RawPartKeys",
+    "check_layout",
     "keys_in_slices",
     "MANIFEST",
     "VERSION",

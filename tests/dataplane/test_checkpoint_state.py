@@ -320,6 +320,8 @@ def _cut(part: RawIndexKeys, how: str) -> None:
         part.cuts = [(n0 + n1 + n2 + 1, b0 + b1 + b2), (-1, 0)]
     elif how == "layout":
         part.layout[-1] = 99
+    elif how == "layout below zero":  # (would name the last layout: read from the end)
+        part.layout[-1] = -1
     elif how == "none":  # (a file written before cuts)
         part.cuts = []
 
@@ -349,7 +351,7 @@ def test_a_shard_reads_the_index_keys_a_slice_at_a_time_and_checks_the_cuts(tmp_
     assert [k for ks, _ in got for k in ks] == [*keys, "tag-only"]
     assert [f for _, fs in got for f in fs] == [["a"]] * 10 + [[]]
     assert [len(k) for k, _ in read("none")] == [11]  # (one slice)
-    for how in ("counts", "bytes", "mid-key", "negative", "layout"):
+    for how in ("counts", "bytes", "mid-key", "negative", "layout", "layout below zero"):
         with pytest.raises(CheckpointError, match=f"{path}.*malformed"):
             read(how)
 

@@ -45,6 +45,7 @@ from dataplane.server.checkpoint_files import (
     INDEX_FILE,
     VERSION,
     PartKeys,
+    check_layout,
     decode_file,
     open_dir,
     read_small,
@@ -281,10 +282,9 @@ class IndexCheckpoints:
         """A partition's metadata and schema rebuilt from its saved state (checked)."""
         try:
             part = PartMeta()
-            if not len(p.keys) == len(p.tags) == len(p.layout):
-                raise ValueError(f"{len(p.keys)} keys, {len(p.tags)} tags and {len(p.layout)} layouts")
-            if min(p.layout, default=0) < 0 or max(p.layout, default=-1) >= len(p.layouts):
-                raise ValueError("a key names a layout that does not exist")
+            if len(p.tags) != len(p.keys):
+                raise ValueError(f"{len(p.tags)} tags for {len(p.keys)} keys")
+            check_layout(len(p.keys), p.layouts, p.layout)
             part.keys.restore(p.keys, [frozenset(fields) for fields in p.layouts], p.layout, p.tags)
             part.streams.restore(p.streams, time.monotonic())
             schema = {str(name): FieldSchema(list(family), confirmed=True) for name, family in p.schema}
