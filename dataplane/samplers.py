@@ -55,6 +55,11 @@ class ReadyRows:
     def tag(self, key: str) -> dict[Any, Any]:
         return self._tags(key)
 
+    def first(self, n: int) -> list[str]:
+        """The first ``n`` keys in ready order (fewer when fewer are ready)."""
+        first = getattr(self._keys, "first", None)  # (the index's ready keys: at the cost of n)
+        return first(n) if first is not None else list(itertools.islice(self._keys, n))
+
 
 class Sampler:
     """Base class. Subclasses override ``sample``; the default is the sequential choice.
@@ -96,7 +101,7 @@ class Sampler:
 
 
 def _first(ready: ReadyRows, n: int) -> list[str]:
-    return list(itertools.islice(ready, n))
+    return ready.first(n)
 
 
 class SequentialSampler(Sampler):

@@ -227,6 +227,34 @@ def test_a_new_stream_over_a_big_partition_is_gathered_in_slices_in_ready_order(
     assert _ready(core, "u", ["x", "y"]) == [keys[-1], "k0", "both"]  # as they became ready
 
 
+def test_a_sequential_take_is_served_from_the_first_slices_of_a_stream_being_gathered():
+    """A new stream over a big partition is gathered a slice at a time; a sequential take is
+    answered as soon as the walk has found its batch (the walk goes in ready order, so those are
+    the rows the whole stream would hand out first), while a grouped take, a bigger batch, and a
+    finished partition's short last batch wait for the stream to be whole."""
+    core = IndexCore()
+    n = 3 * BUILD_SLICE
+    keys = [f"k{i}" for i in range(n)]
+    _commit(core, "p", keys, ["x"], tags=[{"g": i // 2} for i in range(n)])  # (groups of two)
+    take = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=5)
+    grouped = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=2,
+                             sampler={"name": "group", "group_tag": "g", "group_size": 2})  # fmt: skip
+    assert core.op_next(take) is None  # (asked first: the walk has found nothing yet)
+    core.op_clear(_protocol.Clear("p", ["k2"]))  # ahead of the walk
+    core.changed.clear()
+    core.build_some()
+    stream = core.partitions["p"].streams.tasks["t"].streams[frozenset({"x"})]
+    assert stream.build is not None and "p" in core.changed  # one slice: waiting takes look again
+    assert core.op_next(take).keys == ["k0", "k1", "k3", "k4", "k5"]
+    assert core.op_next(grouped) is None  # (whole groups are ready: it waits for the stream)
+    core.op_finish(_protocol.OnePartition("p"))
+    big = _protocol.Next(partition="p", task="t", fields=["x"], batch_size=n)
+    assert core.op_next(big) is None  # not a short batch of what the walk has found so far
+    while core.building:
+        core.build_some()
+    assert core.op_next(big).keys == keys[6:]  # the rest, in order, none twice
+
+
 def test_a_reset_over_a_big_partition_gathers_the_streams_again_in_slices():
     """A reset makes every row ready again; over a big partition its streams are gathered again a
     slice at a time (one step over the partition before), takes waiting until they are whole."""

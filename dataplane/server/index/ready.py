@@ -14,15 +14,19 @@ Plain classes, no Ray, no sockets (owned by ``server.index.streams``).
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dataplane.samplers import group_id
+from dataplane.server.index.keytable import shrink
 
 Tag = Callable[[str], dict[Any, Any]]
 
 
 GROUP_SLICE = 4096  # ready keys filed per step while a big stream's group index is gathered
+TRIM_MIN = 4096  # keys taken off the front of a stream's order before the list is cut (then: half of it)
 
 
 class StillGathering(Exception):  # noqa: N818 - a signal, not an error
@@ -135,70 +139,169 @@ class GroupIndex:
 
 
 class ReadyKeys:
-    """The keys ready for one stream: ordered, with O(1) add / discard / membership, and the group
-    indexes samplers asked for kept current."""
+    """The keys ready for one stream: ordered, with O(1) add / discard / membership, the first ``n``
+    in O(n) however many were taken before them, and the group indexes samplers asked for kept
+    current.
+
+    Keys given back (``put_first``) wait in ``front``, the others in ``keys``, both dicts in ready
+    order, never sharing a key. A dict's order alone would not do: taking from its front leaves
+    deleted slots that every later walk from the front steps over again (a consumer taking a
+    million keys 1,000 at a time walked half a million of them per take on average), and putting
+    keys first means building a new dict. So ``keys``' order is also kept in a list, ``_order``,
+    whose head moves past what is taken: ``_order[_head:]`` holds each key of ``keys`` once, as its
+    last occurrence (keys are only ever appended there), and ``_stale[k]`` earlier occurrences of
+    ``k`` that are no longer ready (discarded where they stood), which a walk steps over once.
+
+        >>> ready = ReadyKeys(lambda key: {}, ["a", "b", "c"])
+        >>> ready.discard_all(ready.first(2)); ready.add("d"); ready.put_first(["a"])
+        >>> list(ready), ready.first(2)
+        (['a', 'c', 'd'], ['a', 'c'])
+    """
 
     def __init__(
         self, tag: Tag, keys: Iterable[str] = (), frozen_tag: Callable[[], Tag] | None = None
     ) -> None:
         self._tag = tag
         self._frozen_tag = frozen_tag  # the tags as they are now, kept as they are (a copy)
-        self.keys: dict[str, None] = dict.fromkeys(keys)
+        self.front: dict[str, None] = {}
+        self.keys: dict[str, None] = {}
+        self._order: list[str] = []
+        self._head = 0
+        self._stale: dict[str, int] = {}
         self.indexes: dict[tuple[str, int], GroupIndex] = {}
+        self._append(keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys)
+        return itertools.chain(self.front, self.keys) if self.front else iter(self.keys)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.front) + len(self.keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.keys
+        return key in self.keys or key in self.front
+
+    def contains_all(self, keys: Iterable[str]) -> bool:
+        """Whether every one of ``keys`` is ready (C-speed passes)."""
+        rest = list(itertools.filterfalse(self.keys.__contains__, keys))
+        return not rest or self.front.keys() >= set(rest)
+
+    def first(self, n: int) -> list[str]:
+        """The first ``n`` ready keys (fewer when fewer are ready), at the cost of ``n``."""
+        got = list(itertools.islice(self.front, n)) if self.front else []
+        want = n - len(got)
+        if want <= 0:
+            return got
+        order, stale = self._order, self._stale
+        while stale and self._head < len(order) and order[self._head] in stale:  # stale ones in front
+            self._step_over(order[self._head])
+            self._head += 1
+        run = order[self._head : self._head + want]
+        if not stale or stale.keys().isdisjoint(run):  # (each a live key: the usual case)
+            return got + run
+        skip = dict(stale)
+        for key in itertools.islice(order, self._head, None):
+            if skip.get(key):  # (an earlier occurrence of a key that is ready further on, or not at all)
+                skip[key] -= 1
+                continue
+            got.append(key)
+            if len(got) == n:
+                break
+        return got
+
+    def _step_over(self, key: str) -> None:
+        left = self._stale[key] - 1
+        if left:
+            self._stale[key] = left
+        else:
+            del self._stale[key]
+
+    def _append(self, keys: Iterable[str]) -> None:
+        """``keys`` ready, at the end (none of them in ``front``; those in ``keys`` keep their place)."""
+        added = dict.fromkeys(keys)
+        before = len(self.keys)
+        self.keys.update(added)
+        grew = len(self.keys) - before
+        if grew == len(added):  # (all new: the usual case, no lookup per key to find out)
+            self._order.extend(added)
+        elif grew:  # the new ones: the dict's last entries
+            self._order.extend(reversed(list(itertools.islice(reversed(self.keys), grew))))
 
     def add(self, key: str) -> None:
-        if key not in self.keys:
+        if key not in self.keys and key not in self.front:
             self.keys[key] = None
+            self._order.append(key)
             for index in self.indexes.values():
                 index.add(key)
 
     def discard(self, key: str) -> None:
-        if self.keys.pop(key, 0) is None:
+        if self._remove(key):
             for index in self.indexes.values():
                 index.discard(key)
 
+    def _remove(self, key: str) -> bool:
+        if self.keys.pop(key, 0) is None:
+            self._stale[key] = self._stale.get(key, 0) + 1  # (its place in ``_order`` stays, stale)
+            return True
+        return self.front.pop(key, 0) is None
+
     def extend(self, keys: Iterable[str]) -> None:
         """``add`` of each of ``keys``, in order (keys here already keep their place)."""
-        if self.indexes:
+        if self.indexes or self.front:
             for key in keys:
                 self.add(key)
             return
-        self.keys.update(dict.fromkeys(keys))
+        self._append(keys)
 
     def discard_all(self, keys: list[str]) -> None:
-        """``discard`` of each of ``keys`` (a take: no call per key while no group index is kept)."""
+        """``discard`` of each of ``keys`` (a take: when they are the first in ``_order``, its head
+        moves past them; no call per key while no group index is kept)."""
         if self.indexes:
             for key in keys:
                 self.discard(key)
             return
-        pop = self.keys.pop
+        head, n = self._head, len(keys)
+        if (
+            not self.front
+            and self._order[head : head + n] == keys
+            and (not self._stale or self._stale.keys().isdisjoint(keys))
+        ):  # a take of the first keys (none of them a stale occurrence)
+            self._head = head + n
+            collections.deque(map(self.keys.pop, keys), 0)
+            if self._head > TRIM_MIN and 2 * self._head > len(self._order):  # (one memmove, amortised)
+                del self._order[: self._head]
+                self._head = 0
+            return
         for key in keys:
-            pop(key, None)
+            self._remove(key)
 
     def put_first(self, keys: list[str]) -> None:
-        back = [k for k in dict.fromkeys(keys) if k not in self.keys]
+        back = [k for k in dict.fromkeys(keys) if k not in self]
         if back:
-            self.keys = {**dict.fromkeys(back), **self.keys}
+            self.front = {**dict.fromkeys(back), **self.front}  # (the front is small: given-back keys)
             for index in self.indexes.values():
                 index.put_first(back)
 
     def replace(self, keys: Iterable[str]) -> None:
         """A new set of ready keys (a reset); group indexes are rebuilt when next asked for."""
-        self.keys = dict.fromkeys(keys)
+        self.front, self.keys, self._order, self._head, self._stale = {}, {}, [], 0, {}
+        self._append(keys)
         self.indexes.clear()
+
+    def drain(self, n: int) -> int:
+        """Forget up to ``n`` keys (a dropped partition, freed in slices); how many went."""
+        gone = shrink(self.front, n)
+        gone += shrink(self.keys, n - gone)
+        cut = min(n - gone, len(self._order))
+        if cut:
+            del self._order[len(self._order) - cut :]
+        if not self._order:
+            self._head = 0
+            self._stale.clear()
+        return gone + cut
 
     def retag(self, key: str) -> None:
         """``key``'s tags changed: file it under its group again."""
-        if key in self.keys:
+        if key in self:
             for index in self.indexes.values():
                 index.discard(key)
                 index.add(key)
@@ -209,15 +312,15 @@ class ReadyKeys:
         is whole, ``StillGathering``."""
         index = self.indexes.get((group_tag, size))
         if index is None:
-            big = len(self.keys) > GROUP_SLICE
+            big = len(self) > GROUP_SLICE
             if big:
                 todo_tag = self._frozen_tag() if self._frozen_tag is not None else self._tag
-                index = GroupIndex(group_tag, size, self._tag, list(self.keys), todo_tag)
+                index = GroupIndex(group_tag, size, self._tag, list(self), todo_tag)
             else:
                 index = GroupIndex(group_tag, size, self._tag)
             self.indexes[(group_tag, size)] = index
             if not big:
-                for key in self.keys:
+                for key in self:
                     index.add(key)
         if index.gathering:
             raise StillGathering

@@ -107,12 +107,12 @@ class IndexRecords:
 
     def build_some(self) -> None:
         """Gather one slice of a consumer's new stream over a big partition (``PartitionStreams.build_some``);
-        once one is complete its partition counts as changed, so the requests waiting on it are asked
-        again."""
+        its partition then counts as changed, so the requests waiting on it are asked again (a
+        sequential take is served once the walk has found enough rows; any other, once it is whole)."""
         while self.building:
             pid, part = next(iter(self.building.items()))
-            worked, done = part.streams.build_some() if self.partitions.get(pid) is part else (False, False)
-            if done:
+            worked, _ = part.streams.build_some() if self.partitions.get(pid) is part else (False, False)
+            if worked:  # (a sequential take may be served by the rows gathered so far)
                 self.changed.add(pid)
             if not part.streams.building or self.partitions.get(pid) is not part:
                 del self.building[pid]

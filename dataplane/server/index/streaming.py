@@ -131,7 +131,8 @@ class IndexStreaming(IndexRecords):
         part: PartMeta, keys: list[str], fields: list[str], lease: str | None = None
     ) -> _protocol.BatchReply:
         tag = part.keys.tag
-        tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{} for _ in keys]
+        # (untagged rows share one empty dict: the reply is encoded and dropped, never changed)
+        tags = [dict(tag(k)) for k in keys] if part.keys.tagged() else [{}] * len(keys)
         return _protocol.BatchReply(keys, tags, fields, part.streams.finished, lease)
 
     # ---- delivery: giving back, leases, acknowledgements ----------------------------------------------

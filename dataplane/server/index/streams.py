@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataplane.errors import WireError
-from dataplane.samplers import ReadyRows, Sampler
+from dataplane.samplers import ReadyRows, Sampler, SequentialSampler
 from dataplane.server.index.keytable import KeyTable, shrink
 from dataplane.server.index.ready import ReadyKeys, StillGathering
 from dataplane.wire.protocol import ConsumptionReply, TaskProgress
@@ -50,7 +50,7 @@ class Build:
 class Stream:
     fields: frozenset[str]
     ready: ReadyKeys
-    build: Build | None = None  # while its ready keys are being gathered (no take until they are)
+    build: Build | None = None  # while its ready keys are being gathered (sequential takes only)
 
 
 @dataclass
@@ -305,9 +305,11 @@ class PartitionStreams:
         if dp_rank is not None and batch_index is not None and slot in task.cache:
             keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
             return keys, next((t for t in map(task.leased.get, keys[:1]) if t is not None), None)
-        if stream.build is not None:  # its ready keys are still being gathered: wait
-            return None
-        final = self.drained(task, fields)
+        if stream.build is not None and not (
+            type(sampler) is SequentialSampler and len(stream.ready) >= batch_size
+        ):  # its ready keys are still being gathered: wait, unless the walk has found enough
+            return None  # (the walk goes in ready order, so its first rows are the whole stream's)
+        final = stream.build is None and self.drained(task, fields)  # (a short batch: once whole)
         try:
             choice = sampler.sample(
                 self.rows(stream), batch_size, dp_rank=dp_rank, dp_size=dp_size, finished=final
@@ -320,7 +322,8 @@ class PartitionStreams:
             return None
         parts: dict[Any, list[str]] = choice if isinstance(choice, dict) else {dp_rank: list(choice)}
         chosen = next(iter(parts.values())) if len(parts) == 1 else [k for p in parts.values() for k in p]
-        self._check_ready(stream, chosen, type(sampler).__name__)
+        if type(sampler) is not SequentialSampler:  # (its rows are the ready dict's first: no check)
+            self._check_ready(stream, chosen, type(sampler).__name__)
         mine = parts.get(dp_rank, [])
         if len(mine) > batch_size:
             raise WireError(
@@ -448,8 +451,8 @@ class PartitionStreams:
         chosen = set(keys)
         if len(chosen) != len(keys):
             raise WireError(f"{who} chose a key twice")
-        ready = stream.ready.keys
-        if not ready.keys() >= chosen:  # (one C-level pass; the list below only on a refusal)
+        ready = stream.ready
+        if not ready.contains_all(chosen):  # (C-level passes; the list below only on a refusal)
             bad = [k for k in keys if k not in ready]
             raise WireError(
                 f"{who} chose {len(bad)} key(s) that are not ready for this task (not all of "
@@ -526,10 +529,10 @@ class PartitionStreams:
                 task.replace_consumed()
             holders: list[Any] = [task.consumed, task.leased]
             for stream in task.streams.values():
-                holders.append(stream.ready.keys)
+                holders.append(stream.ready)
                 holders.extend(index.gid for index in stream.ready.indexes.values())
             for holder in holders:
-                gone += shrink(holder, n - gone)
+                gone += holder.drain(n - gone) if isinstance(holder, ReadyKeys) else shrink(holder, n - gone)
                 if gone >= n:
                     return gone
         self.tasks.clear()  # (what is left holds no more than the takes and caches it remembers)
