@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from dataplane.samplers import Sampler
 
 CLAIM_ATTEMPTS = 8  # a client-side sampler whose choice keeps losing to other consumers gives up
+CONSUMED_PAGE = 65536  # keys of the partition ``consumed`` asks the index about per request
 
 
 @dataclass
@@ -309,11 +310,18 @@ def consumption(
 
 
 def consumed(partition_id: str, task_name: str) -> Op[list[str]]:
-    """The keys ``task_name`` has taken from ``partition_id``."""
-    got: _protocol.ConsumedReply = yield from index_call(
-        "consumed", _protocol.Consumed(partition_id, task_name)
-    )
-    return got.keys
+    """The keys ``task_name`` has taken from ``partition_id``, in key order, asked for a page of
+    ``CONSUMED_PAGE`` keys at a time (no reply, nor step of the index, grows with the partition).
+    A partition cleared meanwhile raises ``PartitionNotFoundError``."""
+    keys: list[str] = []
+    cursor: str | None = None
+    while True:
+        ask = _protocol.Consumed(partition_id, task_name, CONSUMED_PAGE, cursor)
+        got: _protocol.ConsumedReply = yield from index_call("consumed", ask)
+        keys.extend(got.keys)
+        if got.cursor is None:
+            return keys
+        cursor = got.cursor
 
 
 def resolve(partition_id: str, keys: list[str]) -> Op[dict[str, list[str]]]:

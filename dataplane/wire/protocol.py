@@ -220,8 +220,13 @@ class Consumption(_Body):
 
 
 class Consumed(_Body):
+    """The keys ``task`` has taken among ``limit`` keys of the partition from ``cursor`` on (a
+    ``ConsumedReply.cursor``; None: its first key): one page, costing the index ``limit`` lookups."""
+
     partition: str
     task: str
+    limit: Positive
+    cursor: str | None = None
 
 
 class Tasks(_Body):
@@ -486,7 +491,10 @@ class ConsumptionReply(_Reply):
 
 
 class ConsumedReply(_Reply):
+    """The page's taken keys, in key order, and where the next page starts (None: this was the last)."""
+
     keys: list[str]
+    cursor: str | None = None
 
 
 class TaskProgress(_Reply):

@@ -16,7 +16,6 @@ import zmq
 from dataplane.errors import PartitionNotFoundError, WireError
 from dataplane.server.checkpoint_files import new_token
 from dataplane.server.index import checkpoint as index_checkpoint
-from dataplane.server.index import streaming as index_streaming
 from dataplane.server.index.actor import IndexServer
 from dataplane.server.index.core import IndexCore
 from dataplane.server.index.keytable import COMPACT_MIN_HOLES
@@ -411,11 +410,10 @@ def test_a_big_commit_is_recorded_in_slices_with_other_requests_answered_between
         ctx.destroy(linger=0)
 
 
-def test_a_task_s_consumed_keys_are_looked_up_a_slice_per_step(monkeypatch):
-    """``consumed`` (TransferQueue's per-row status) walks the partition's keys ``CONSUMED_SLICE`` per
-    step of the index, other requests answered between: a take between two steps shows in the slices
-    looked up after it; the whole op answers every taken key in key order."""
-    monkeypatch.setattr(index_streaming, "CONSUMED_SLICE", 4)
+def test_a_task_s_consumed_keys_come_a_page_at_a_time():
+    """``consumed`` (TransferQueue's per-row status) looks at ``limit`` keys of the partition per
+    request, in key order: a take between two pages shows in the pages after it; a cleared key is
+    a hole a page steps over; a cursor of a partition cleared since is refused, a bad one named."""
     core = IndexCore()
     keys = [f"k{i}" for i in range(10)]
     _commit(core, "p", keys, ["x"])
@@ -423,13 +421,22 @@ def test_a_task_s_consumed_keys_are_looked_up_a_slice_per_step(monkeypatch):
     def take(n: int) -> None:
         assert core.op_next(_protocol.Next(partition="p", task="t", batch_size=n, fields=["x"])) is not None
 
+    def page(cursor: str | None, task: str = "t") -> tuple[list[str], str | None]:
+        got = core.op_consumed(_protocol.Consumed("p", task, 4, cursor))
+        return got.keys, got.cursor
+
     take(3)
-    job = core.job_consumed(_protocol.Consumed("p", "t"))
-    assert next(job) is None  # (k0-k3 looked up)
+    core.op_clear(_protocol.Clear("p", ["k1"]))
+    first, cursor = page(None)
+    assert first == ["k0", "k2"]  # (four rows looked at: k1 a hole, k3 not taken yet)
     take(7)
-    with pytest.raises(StopIteration) as done:
-        next(job)
-        next(job)
-    assert done.value.value.keys == keys[:3] + keys[4:]
-    assert core.op_consumed(_protocol.Consumed("p", "t")).keys == keys
-    assert core.op_consumed(_protocol.Consumed("p", "nobody")).keys == []
+    second, after = page(cursor)
+    third, end = page(after)
+    assert second == keys[4:8] and third == keys[8:] and end is None
+    assert page(None, "nobody")[0] == [] and core.op_consumed(_protocol.Consumed("q", "t", 4)).keys == []
+    with pytest.raises(WireError, match="walk of consumed keys: 'x' is not a cursor"):
+        page("x")
+    core.op_clear_partition(_protocol.OnePartition("p"))
+    _commit(core, "p", keys, ["x"])
+    with pytest.raises(PartitionNotFoundError, match="cleared since this walk of consumed keys began"):
+        page(cursor)

@@ -57,7 +57,7 @@ def nxt(core: IndexCore, pid: str, task: str, n: int, fields: list[str], **kw) -
 
 
 def consumed(core: IndexCore, pid: str, task: str) -> list[str]:
-    return call(core, "consumed", {"partition": pid, "task": task}).keys
+    return call(core, "consumed", {"partition": pid, "task": task, "limit": 1 << 20}).keys
 
 
 # ---- samplers on ReadyRows ---------------------------------------------------------------------------

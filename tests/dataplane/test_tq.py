@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import dataplane as dp
 import dataplane.tq as tq
+from dataplane.client import stream_ops
 from dataplane.errors import CheckpointError
 
 pytestmark = pytest.mark.ray
@@ -179,7 +180,7 @@ def test_controller_actor_answers_transferqueue_introspection(attached, pid):
     assert tq.kv_list(pid) == {}
 
 
-def test_low_level_client_streams(attached, pid):
+def test_low_level_client_streams(attached, pid, monkeypatch):
     client = tq.get_client()
     data = TensorDict({"prompt": torch.arange(8).view(4, 2)}, [4])
     meta = client.put(data, partition_id=pid)  # new rows
@@ -196,6 +197,7 @@ def test_low_level_client_streams(attached, pid):
     # polling mode (the module's config): too few ready rows give an empty meta at once
     empty = client.get_meta(["prompt", "response"], 3, pid, task_name="train")
     assert empty.size == 0 and empty.global_indexes == [] and not empty.is_ready
+    monkeypatch.setattr(stream_ops, "CONSUMED_PAGE", 2)  # (the status asked for in pages of two keys)
     idx, status = client.get_consumption_status("train", pid)
     assert int(status.sum()) == 3 and sorted(idx.tolist()) == sorted(meta.global_indexes)
     assert not client.check_consumption_status("train", pid)

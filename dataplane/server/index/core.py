@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dataplane.errors import PartitionNotFoundError, WireError
+from dataplane.errors import WireError
 from dataplane.server.dispatch import Operations, OpReply
 from dataplane.server.index.checkpoint import IndexCheckpoints
 from dataplane.server.index.puts import IndexPuts
@@ -25,15 +25,6 @@ from dataplane.server.index.records import CLEARED_KEYS_KEPT
 from dataplane.server.index.streaming import IndexStreaming
 from dataplane.server.jobs import Job
 from dataplane.wire import protocol as _protocol
-
-
-def _cursor(text: str) -> tuple[int, int]:
-    """A listing's cursor (``"<incarnation>.<sequence number>"``) read back (``WireError``: not one)."""
-    try:
-        incarnation, seq = (int(part) for part in text.split("."))
-    except ValueError:
-        raise WireError(f"list: {text!r} is not a cursor a listing returned") from None
-    return incarnation, seq
 
 
 class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
@@ -59,7 +50,6 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
         "commits": "job_commits",
         "checkpoint_save": "job_checkpoint_save",
         "checkpoint_finish": "job_checkpoint_finish",
-        "consumed": "job_consumed",
     }
 
     def job(self, op: str, body: Any, bufs: list[memoryview]) -> Job[OpReply]:
@@ -91,16 +81,7 @@ class IndexCore(IndexPuts, IndexStreaming, IndexCheckpoints, Operations):
             return _protocol.ListReply({p: {} for p in self.partitions})
         if limit < 1:  # (an empty page whose cursor never moves: a caller paging on would loop for ever)
             raise WireError(f"list: a page of partition {pid!r} holds at least 1 key (limit={limit})")
-        part = self.partitions.get(pid)
-        start = 0
-        if cursor is not None:
-            incarnation, start = _cursor(cursor)
-            if part is None or part.incarnation != incarnation:
-                raise PartitionNotFoundError(
-                    pid,
-                    f"partition {pid!r} was cleared since this listing began (clear_partition); list it "
-                    "again from the start",
-                )
+        part, start = self.page_start(pid, cursor, "listing")
         if part is None:
             return _protocol.ListReply({})
         keys, nxt = part.keys.page(start, limit)

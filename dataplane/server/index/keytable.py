@@ -250,6 +250,14 @@ class KeyTable(Mapping[str, frozenset[str]]):
         return take
 
     # ---- paging -----------------------------------------------------------------------------------
+    def names_from(self, start: int, limit: int) -> tuple[list[str | None], int | None]:
+        """The keys of ``limit`` rows from sequence number ``start`` on, in order (None for a hole a
+        cleared key left), and the sequence number to go on from (None: none left)."""
+        names, seqs = self._names, self._seqs
+        at = bisect_left(seqs, start)
+        stop = min(len(names), at + limit)
+        return names[at:stop], (seqs[stop] if stop < len(names) else None)
+
     def page(self, start: int, limit: int) -> tuple[dict[str, Tag], int | None]:
         """Up to ``limit`` keys (with their tags) from sequence number ``start`` on, in order, and the
         sequence number to go on from (None: none left). Costs what it returns, plus the holes."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.errors import PartitionNotFoundError, did_you_mean
+from dataplane.errors import PartitionNotFoundError, WireError, did_you_mean
 from dataplane.server.index.keytable import KeyTable
 from dataplane.server.index.streams import PartitionStreams
 from dataplane.wire.protocol import WireSpec
@@ -137,6 +137,25 @@ class IndexRecords:
         elif message is None:
             text += f" (never written, nor among the last {CLEARED_PARTITIONS_KEPT} partitions cleared)"
         return PartitionNotFoundError(pid, text + did_you_mean(pid, self.partitions))
+
+    def page_start(self, pid: str, cursor: str | None, what: str) -> tuple[PartMeta | None, int]:
+        """The partition a page (a listing's, ``consumed``'s) is of, and the sequence number it starts
+        at: ``cursor`` (``"<incarnation>.<sequence number>"``, as the last page returned) read back
+        (``WireError``: not one); ``PartitionNotFoundError`` when the partition was cleared since."""
+        if cursor is None:
+            return self.partitions.get(pid), 0
+        try:
+            incarnation, start = (int(part) for part in cursor.split("."))
+        except ValueError:
+            raise WireError(f"{what}: {cursor!r} is not a cursor a page returned") from None
+        part = self.partitions.get(pid)
+        if part is None or part.incarnation != incarnation:
+            raise PartitionNotFoundError(
+                pid,
+                f"partition {pid!r} was cleared since this {what} began (clear_partition); ask again "
+                "from the start",
+            )
+        return part, start
 
 
 __all__ = [

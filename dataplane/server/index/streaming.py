@@ -29,12 +29,10 @@ from dataplane.errors import (
 )
 from dataplane.samplers import from_spec
 from dataplane.server.index.records import IndexRecords, PartMeta
-from dataplane.server.jobs import Job, run_job
 from dataplane.wire import protocol as _protocol
 
 RELEASED_MEMORY = 65536  # take ids given back, remembered to refuse a request that arrives after them
 LEASE_HEAP_COMPACT = 65536  # lease deadlines queued before the acknowledged ones are swept out
-CONSUMED_SLICE = 16384  # keys ``consumed`` looks up per step
 
 
 def _fieldset(fields: list[str]) -> frozenset[str]:
@@ -272,23 +270,16 @@ class IndexStreaming(IndexRecords):
         return part.streams.counts(body.task, fields)
 
     def op_consumed(self, body: _protocol.Consumed) -> _protocol.ConsumedReply:
-        return run_job(self.job_consumed(body))
-
-    def job_consumed(self, body: _protocol.Consumed) -> Job[_protocol.ConsumedReply]:
-        """The keys ``task`` has taken from the partition, in key order (TransferQueue's per-row
-        consumption status): the keys as they were when asked, looked up ``CONSUMED_SLICE`` per
-        step, other requests answered between (each slice as the task stands when it is looked at)."""
-        part = self.partitions.get(body.partition)
-        task = None if part is None else part.streams.tasks.get(body.task)
-        if part is None or task is None:
+        """The keys ``task`` has taken among a page of the partition's keys, in key order, and the
+        next page's cursor (TransferQueue's per-row consumption status, asked for page by page: a
+        page costs ``limit`` lookups, however big the partition)."""
+        part, start = self.page_start(body.partition, body.cursor, "walk of consumed keys")
+        if part is None:
             return _protocol.ConsumedReply([])
-        names = part.keys.copy_names()
-        out: list[str] = []
-        for at in range(0, len(names), CONSUMED_SLICE):
-            out.extend(filter(task.consumed.__contains__, names[at : at + CONSUMED_SLICE]))  # type: ignore[arg-type]
-            if at + CONSUMED_SLICE < len(names):
-                yield None
-        return _protocol.ConsumedReply(out)
+        names, nxt = part.keys.names_from(start, body.limit)
+        task = part.streams.tasks.get(body.task)
+        keys = [] if task is None else list(filter(task.consumed.__contains__, names))
+        return _protocol.ConsumedReply(keys, None if nxt is None else f"{part.incarnation}.{nxt}")  # type: ignore[arg-type]
 
     def op_tasks(self, body: _protocol.Tasks) -> _protocol.TasksReply:
         """The consumer tasks of a partition with their counts (``PartitionStreams.overview``: taken,
@@ -305,4 +296,4 @@ class IndexStreaming(IndexRecords):
         )
 
 
-__all__ = ["CONSUMED_SLICE", "LEASE_HEAP_COMPACT", "RELEASED_MEMORY", "IndexStreaming"]
+__all__ = ["LEASE_HEAP_COMPACT", "RELEASED_MEMORY", "IndexStreaming"]
