@@ -26,6 +26,10 @@ Every move is a pull by the side that needs the bytes, from memory the other sid
   engine address (``origin``); the shard reads it (``take``), and the client releases it once its
   call set is answered (``release``).
 
+Every read has a deadline (the call's; a shard's ``take``: its ttl), which Mooncake's own API does
+not give: a read is submitted and polled, and the first from a peer runs on a thread of its own,
+as its handshake blocks the submitting thread (``_Reader``).
+
 Each process runs one engine in Mooncake's peer-to-peer mode (no metadata server: a peer's address
 is its host and the port of its engine's handshake listener), on the transport that
 ``DATAPLANE_MOONCAKE_PROTOCOL`` names ("tcp" by default; "rdma" on an RDMA NIC, with
@@ -53,6 +57,12 @@ from dataplane.errors import EngineUnavailableError, WireError
 from dataplane.transport.shm import mapping_of
 
 logger = logging.getLogger(__name__)
+
+MAX_FIRST_READS = 64  # first reads from Mooncake peers under way at once per process (``_Reader``)
+_FIRST_READS = threading.BoundedSemaphore(MAX_FIRST_READS)
+POLL_SPINS = 20  # a read's status looked at this often, yielding the interpreter between, before sleeps
+POLL_FIRST_S = 50e-6  # then sleeps, doubling from this
+POLL_MAX_S = 1e-3  # up to this
 
 
 def _new_engine(host_ip: str) -> tuple[Any, str]:
@@ -138,24 +148,118 @@ def _registered_copy(engine: Any, view: memoryview, who: str) -> tuple[int, Any]
     return addr, out
 
 
-def _pull(engine: Any, who: str, peer: str, ticket: int, size: int, max_bytes: int) -> memoryview:
-    """``size`` bytes read from ``peer``'s registered memory at ``ticket`` into a warm buffer."""
-    if max_bytes >= 0 and size > max_bytes:
-        raise WireError(f"{who}: a buffer of {size} bytes is declared (at most {max_bytes})")
-    out = _buffers.take_faulted(size).data  # (filled by the engine's own threads)
-    addr = _address_of(out)
-    if engine.register_memory(addr, size) != 0:
-        raise WireError(f"{who}: Mooncake's engine refused to register {size} bytes")
-    try:
-        rc = engine.transfer_sync_read(peer, addr, ticket, size)
-    finally:
-        engine.unregister_memory(addr)
-    if rc < 0:
-        raise WireError(
-            f"{who}: Mooncake's engine could not read {size} bytes from {peer} (code {rc}: released, "
-            "expired, or the peer is gone)"
+class _Reader:
+    """Reads from peers' registered memory into warm buffers, each by a deadline
+    (``time.monotonic()``) or ``TimeoutError``. Mooncake gives a read no deadline of its own: a peer
+    that accepts its connection and stays silent holds the submitting thread a minute in the
+    handshake, and a transfer times out after ``MC_TRANSFER_TIMEOUT`` (30 s by default).
+
+    So a read is submitted and its status polled up to the deadline; the first read from a peer
+    (its handshake) runs on a thread of its own, waited for up to the deadline (at most
+    ``MAX_FIRST_READS`` of those under way per process). A read given up keeps its buffer
+    registered and alive until the engine reports it ended (looked at before each later read)."""
+
+    def __init__(self, engine: Any, who: str, max_bytes: int) -> None:
+        self._engine = engine
+        self._who = who
+        self._max = max_bytes
+        self._met: set[str] = set()  # peers a read from which ended well: their handshake is done
+        self._lock = threading.Lock()
+        self._given_up: list[tuple[int, int, Any]] = []  # (batch id, address, buffer) still in flight
+
+    def read(self, peer: str, ticket: int, size: int, deadline: float) -> memoryview:
+        """``size`` bytes of ``peer``'s registered memory at ``ticket``."""
+        who = self._who
+        if self._max >= 0 and size > self._max:
+            raise WireError(f"{who}: a buffer of {size} bytes is declared (at most {self._max})")
+        self._reap()
+        out = _buffers.take_faulted(size).data  # (filled by the engine's own threads)
+        addr = _address_of(out)
+        if peer not in self._met:
+            return self._first(peer, ticket, size, deadline, out, addr)
+        if self._engine.register_memory(addr, size) != 0:
+            raise WireError(f"{who}: Mooncake's engine refused to register {size} bytes")
+        batch = self._engine.batch_transfer_async_read(peer, [addr], [ticket], [size])
+        status = -1 if batch == 0 else self._wait(batch, deadline)
+        if status == 0:
+            with self._lock:
+                self._given_up.append((batch, addr, out))
+            raise TimeoutError(self._late(peer, size))
+        self._engine.unregister_memory(addr)
+        if status < 0:
+            raise WireError(self._failed(peer, size, status))
+        return out
+
+    def _wait(self, batch: int, deadline: float) -> int:
+        """The batch's status once it ended (1: done, < 0: failed), or 0 at ``deadline``."""
+        check, pause = self._engine.transfer_check_status, POLL_FIRST_S
+        for _ in range(POLL_SPINS):  # (a small read ends within a few scheduler turns)
+            status = check(batch)
+            if status:
+                return int(status)
+            time.sleep(0)
+        while not (status := check(batch)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return 0
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, POLL_MAX_S)
+        return int(status)
+
+    def _first(
+        self, peer: str, ticket: int, size: int, deadline: float, out: memoryview, addr: int
+    ) -> memoryview:
+        """The first read from ``peer``, on a thread of its own (its handshake may block it)."""
+        if not _FIRST_READS.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(
+                f"{self._who}: {MAX_FIRST_READS} first reads from Mooncake peers are under way"
+            )
+        if self._engine.register_memory(addr, size) != 0:
+            _FIRST_READS.release()
+            raise WireError(f"{self._who}: Mooncake's engine refused to register {size} bytes")
+        ended = threading.Event()
+        rc: list[int] = []
+
+        def run() -> None:
+            try:
+                rc.append(self._engine.transfer_sync_read(peer, addr, ticket, size))
+            finally:  # (after the engine is done with ``out``, whether or not its caller still waits)
+                self._engine.unregister_memory(addr)
+                _FIRST_READS.release()
+                ended.set()
+
+        threading.Thread(target=run, name="dataplane-mooncake-first-read", daemon=True).start()
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(self._late(peer, size))
+        if not rc or rc[0] < 0:
+            raise WireError(self._failed(peer, size, rc[0] if rc else None))
+        self._met.add(peer)
+        return out
+
+    def _reap(self) -> None:
+        """Let go of the buffers of reads given up whose transfer has ended since."""
+        with self._lock:
+            pending, self._given_up = self._given_up, []
+        left = []
+        for batch, addr, buf in pending:
+            if self._engine.transfer_check_status(batch):
+                self._engine.unregister_memory(addr)
+            else:
+                left.append((batch, addr, buf))
+        with self._lock:
+            self._given_up.extend(left)
+
+    def _late(self, peer: str, size: int) -> str:
+        return (
+            f"{self._who}: Mooncake's engine did not read {size} bytes from {peer} in time (given up; "
+            "the read goes on in the engine until it ends, its buffer kept till then)"
         )
-    return out
+
+    def _failed(self, peer: str, size: int, code: int | None) -> str:
+        return (
+            f"{self._who}: Mooncake's engine could not read {size} bytes from {peer} (code {code}: "
+            "released, expired, or the peer is gone)"
+        )
 
 
 @dataclass
@@ -197,6 +301,7 @@ class MooncakeEngineServer:
     ) -> None:
         self._engine, self.address = _new_engine(host_ip)
         self._max = max_bytes
+        self._reader = _Reader(self._engine, name, max_bytes)
         self._budget = -1 if max_bytes < 0 else 2 * max_bytes
         self._ttl = ttl_s
         self.name = name
@@ -231,7 +336,7 @@ class MooncakeEngineServer:
     def take(self, ticket: int, size: int, origin: str) -> memoryview:
         if not origin:
             raise WireError(f"{self.name}: a request names a buffer to read but not where from")
-        return _pull(self._engine, self.name, origin, ticket, size, self._max)
+        return self._reader.read(origin, ticket, size, time.monotonic() + self._ttl)
 
     def release(self, tickets: Sequence[int]) -> None:
         """End the holds a client reports read (one it reports twice, or that ended, is skipped)."""
@@ -409,6 +514,7 @@ class MooncakeEngineClient:
         self._lock = threading.Lock()
         self._engine: Any = None
         self._lent: _Registry | None = None
+        self._reader: _Reader | None = None
         self.origin = ""
         self._done: dict[str, list[int]] = {}
 
@@ -425,6 +531,7 @@ class MooncakeEngineClient:
                     probe.close()
                 self._engine, self.origin = _new_engine(here)
                 self._lent = _Registry(self._engine, "the mooncake engine's client")
+                self._reader = _Reader(self._engine, "the mooncake engine's client", self._max)
             return self._engine
 
     def write(self, address: str, buf: memoryview, deadline: float) -> int:
@@ -437,9 +544,10 @@ class MooncakeEngineClient:
     def read(self, address: str, ticket: int, size: int, deadline: float, at: int = 0) -> memoryview:
         """The ``size`` bytes of hold ``ticket`` the server at ``address`` staged at ``at`` (0: at
         ``ticket``); the hold is reported read in the next request to it (``done``)."""
-        engine = self._start(address)
+        self._start(address)
         try:
-            return _pull(engine, "the mooncake engine's client", address, at or ticket, size, self._max)
+            assert self._reader is not None  # (made with the engine)
+            return self._reader.read(address, at or ticket, size, deadline)
         finally:
             with self._lock:
                 self._done.setdefault(address, []).append(ticket)

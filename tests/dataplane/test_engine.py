@@ -4,7 +4,11 @@ peer without the store's secret; and the store's large columns over tcp going th
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +18,8 @@ import pytest
 from dataplane.errors import WireError
 from dataplane.transport.tcp_engine import MIN_PART, TcpEngineClient, TcpEngineServer
 from dataplane.wire import bulk
+
+from .conftest import wait_for
 
 SECRET = "s3cret"
 
@@ -324,6 +330,69 @@ def test_mooncake_moves_buffers_both_ways_and_releases_what_was_read() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_a_mooncake_read_from_a_silent_peer_ends_at_its_deadline() -> None:
+    """A peer that accepts the engine's connection and never answers holds Mooncake's submitting
+    thread a minute in its handshake: the read is given up at the caller's deadline, a
+    ``TimeoutError`` (what the client turns into ``ShardUnavailableError``) naming the peer."""
+    mc = _mooncake()
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    silent = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"did not read 4096 bytes from {address} in time"):
+            client.read(address, 1, 4096, started + 1.0)
+        assert time.monotonic() - started < 30  # (its deadline, not the handshake's minute)
+    finally:
+        client.close()
+        silent.close()
+
+
+_STOPPED_PEER = """
+import sys, numpy as np
+from dataplane.transport import mooncake_engine as mc
+server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=300.0, name="peer")
+y = np.full(8 << 20, 7, dtype=np.uint8)
+holds = [server.stage(memoryview(y)) for _ in range(3)]
+print(server.address, *(f"{t}:{at}" for t, at in holds), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_mooncake_read_from_a_stopped_peer_is_given_up_at_its_deadline_and_let_go_later() -> None:
+    """A peer read from once, then stopped (SIGSTOP) mid-run: the next read is given up at its
+    deadline (``TimeoutError``), its buffer kept registered while the engine may still write it; once
+    the peer runs again, the read ends in the engine and a later read lets the buffer go."""
+    mc = _mooncake()
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        address, *holds = peer.stdout.readline().split()
+        (t1, at1), (t2, at2), (t3, at3) = (map(int, h.split(":")) for h in holds)
+        size = 8 << 20
+        assert set(bytes(client.read(address, t1, size, time.monotonic() + 60, at1))) == {7}
+        os.kill(peer.pid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match=f"did not read {size} bytes from {address} in time"):
+            client.read(address, t2, size, time.monotonic() + 0.5)
+        reader = client._reader
+        assert len(reader._given_up) == 1  # (registered and kept: the engine may still write it)
+        os.kill(peer.pid, signal.SIGCONT)
+
+        def let_go() -> bool:
+            reader._reap()  # (what each read does first)
+            return not reader._given_up
+
+        wait_for(let_go, 60, "the given-up read to end in the engine, and its buffer to be let go")
+        assert set(bytes(client.read(address, t3, size, time.monotonic() + 60, at3))) == {7}
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait()
+        client.close()
 
 
 def test_mooncake_staged_buffers_are_released_past_the_budget_oldest_first() -> None:

@@ -631,6 +631,8 @@ def test_next_batch_cost_does_not_grow_with_rows_of_other_partitions(attached, p
     t0 = time.perf_counter()
     dp.kv_batch_put([f"o-{i}" for i in range(50_000)], big, {"x": torch.zeros(50_000, dtype=torch.int8)})
     assert dp.next_batch(big, "t", 1, ["x"], timeout_s=5).size == 1  # a stream over the big partition too
+    # (the first call is answered from the stream's first slice; the rest: once it is gathered whole)
+    assert dp.next_batch(big, "t", 49_999, ["x"], timeout_s=30).size == 49_999
     setup = time.perf_counter() - t0
     try:
         beside = cpu_s("beside")
