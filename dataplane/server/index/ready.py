@@ -168,6 +168,7 @@ class ReadyKeys:
         self._order: list[str] = []
         self._head = 0
         self._stale: dict[str, int] = {}
+        self._stale_n = 0  # the stale occurrences in ``_order[_head:]``
         self.indexes: dict[tuple[str, int], GroupIndex] = {}
         self._append(keys)
 
@@ -209,6 +210,7 @@ class ReadyKeys:
         return got
 
     def _step_over(self, key: str) -> None:
+        self._stale_n -= 1
         left = self._stale[key] - 1
         if left:
             self._stale[key] = left
@@ -241,8 +243,15 @@ class ReadyKeys:
     def _remove(self, key: str) -> bool:
         if self.keys.pop(key, 0) is None:
             self._stale[key] = self._stale.get(key, 0) + 1  # (its place in ``_order`` stays, stale)
+            self._stale_n += 1
+            if self._stale_n > TRIM_MIN and 4 * self._stale_n > len(self._order) - self._head:
+                self._reorder()  # (a walk would step over too many: a big clear of ready keys)
             return True
         return self.front.pop(key, 0) is None
+
+    def _reorder(self) -> None:
+        """``_order`` made again from ``keys`` (one C-speed pass), with no stale occurrence."""
+        self._order, self._head, self._stale, self._stale_n = list(self.keys), 0, {}, 0
 
     def extend(self, keys: Iterable[str]) -> None:
         """``add`` of each of ``keys``, in order (keys here already keep their place)."""
@@ -283,7 +292,8 @@ class ReadyKeys:
 
     def replace(self, keys: Iterable[str]) -> None:
         """A new set of ready keys (a reset); group indexes are rebuilt when next asked for."""
-        self.front, self.keys, self._order, self._head, self._stale = {}, {}, [], 0, {}
+        self.front, self.keys = {}, {}
+        self._reorder()
         self._append(keys)
         self.indexes.clear()
 
@@ -295,8 +305,7 @@ class ReadyKeys:
         if cut:
             del self._order[len(self._order) - cut :]
         if not self._order:
-            self._head = 0
-            self._stale.clear()
+            self._reorder()
         return gone + cut
 
     def retag(self, key: str) -> None:
