@@ -19,6 +19,8 @@ import mmap
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,9 @@ class BufferPool:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        # Every mapping the pool made and that still lives, with its address (``pooled``).
+        self._address: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
+        self._drop_hooks: list[Callable[[int], None]] = []
         self._idle: dict[int, list[mmap.mmap]] = {}
         self._since: OrderedDict[int, tuple[int, mmap.mmap]] = OrderedDict()  # id -> idle, oldest first
         self._idle_bytes = 0
@@ -58,29 +63,65 @@ class BufferPool:
                 m.madvise(mmap.MADV_HUGEPAGE)
             except (AttributeError, OSError):  # no transparent huge pages here: plain pages
                 pass
+            with self._lock:
+                self._address[m] = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._give_back, m, size)
         return arr
 
     def _give_back(self, m: mmap.mmap, size: int) -> None:
         # Runs while the dying array still exports ``m``: never close it here, only keep or drop it.
+        dropped = []
         with self._lock:
             if size > self.max_bytes:
-                return
-            while self._idle_bytes + size > self.max_bytes:
-                old_size, old = self._since.popitem(last=False)[1]
-                self._idle[old_size].remove(old)
-                self._idle_bytes -= old_size
-            self._idle.setdefault(size, []).append(m)
-            self._since[id(m)] = (size, m)
-            self._idle_bytes += size
+                dropped.append(m)
+            else:
+                while self._idle_bytes + size > self.max_bytes:
+                    old_size, old = self._since.popitem(last=False)[1]
+                    self._idle[old_size].remove(old)
+                    self._idle_bytes -= old_size
+                    dropped.append(old)
+                self._idle.setdefault(size, []).append(m)
+                self._since[id(m)] = (size, m)
+                self._idle_bytes += size
+        self._dropped(dropped)
+
+    def _dropped(self, maps: list[mmap.mmap]) -> None:
+        """Tell the drop hooks the address of each mapping the pool let go of."""
+        hooks = list(self._drop_hooks)
+        for m in maps:
+            addr = self._address.pop(m, None)
+            if addr is not None:
+                for hook in hooks:
+                    hook(addr)
+
+    def pooled(self, view: memoryview) -> tuple[memoryview, int] | None:
+        """The whole pooled mapping ``view`` (or what it was built from: arrays, memoryviews) lies in,
+        as a uint8 view that keeps it mapped, and its address; None when it lies in none."""
+        obj: Any = view.obj
+        for _ in range(8):  # (an array of a memoryview of an array of the mapping, at most)
+            if isinstance(obj, mmap.mmap):
+                addr = self._address.get(obj)
+                return None if addr is None else (memoryview(obj).cast("B"), addr)
+            obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
+            if obj is None:
+                return None
+        return None
+
+    def on_drop(self, hook: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``hook(address)`` for every pooled mapping the pool lets go of (any thread, maybe in
+        a garbage collector's finalizer: it must only take note); returns what unhooks it."""
+        self._drop_hooks.append(hook)
+        return lambda: self._drop_hooks.remove(hook) if hook in self._drop_hooks else None
 
     def clear(self) -> None:
         """Drop every idle buffer (their memory goes back to the OS)."""
         with self._lock:
+            dropped = [m for maps in self._idle.values() for m in maps]
             self._idle.clear()
             self._since.clear()
             self._idle_bytes = 0
+        self._dropped(dropped)
 
 
 _pool = BufferPool(config.read_buffer_pool_bytes())
@@ -101,6 +142,16 @@ def take_faulted(nbytes: int) -> np.ndarray:
         except OSError:  # (an older kernel: the threads that fill it fault its pages)
             pass
     return arr
+
+
+def pooled(view: memoryview) -> tuple[memoryview, int] | None:
+    """The whole pooled mapping ``view`` lies in and its address (``BufferPool.pooled``)."""
+    return _pool.pooled(view)
+
+
+def on_drop(hook: Callable[[int], None]) -> Callable[[], None]:
+    """``hook(address)`` for every pooled mapping the pool lets go of (``BufferPool.on_drop``)."""
+    return _pool.on_drop(hook)
 
 
 def take(nbytes: int) -> np.ndarray:

@@ -18,10 +18,15 @@ Every move is a pull by the side that needs the bytes, from memory the other sid
   segments are bounded (``DATAPLANE_MOONCAKE_REGISTERED_BYTES``, idle ones unregistered oldest
   first to make room); a view that cannot be registered (past the bound, refused by Mooncake, not a
   segment's mapping) is staged as a copy and its rows given back at once;
-* any other reply buffer (rows of the shard's heap, rows it gathered) is registered as it is, or a
-  copy of it when its memory overlaps a region registered with another size; its registration ends
-  with its last hold, or earlier, oldest first, when such staged bytes pass twice the largest buffer
-  the shard takes;
+* rows in a pooled buffer (``codec.buffers``: where a put from another host lands) are staged
+  where they are too: the whole buffer is registered the first time a reply stages from it or a
+  request is read into it, and stays registered until the pool lets it go (``buffers.on_drop``),
+  within the same bound; a hold keeps its view, so the buffer is not pooled again while it is read;
+  a hold that expires unreported unregisters the buffer with its last hold;
+* any other reply buffer (rows the shard gathered, small ones) is registered as it is, or a copy of
+  it when its memory overlaps a region registered with another size; its registration ends with its
+  last hold, or earlier, oldest first, when such staged bytes pass twice the largest buffer the
+  shard takes;
 * a request's buffer: the client registers it (``write``) and the manifest names the client's
   engine address (``origin``); the shard reads it (``take``), and the client releases it once its
   call set is answered (``release``).
@@ -45,6 +50,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +63,8 @@ from dataplane.errors import EngineUnavailableError, WireError
 from dataplane.transport.shm import mapping_of
 
 logger = logging.getLogger(__name__)
+
+Pin = Callable[[], None]  # what lets go of memory registered for a read
 
 MAX_FIRST_READS = 64  # first reads from Mooncake peers under way at once per process (``_Reader``)
 _FIRST_READS = threading.BoundedSemaphore(MAX_FIRST_READS)
@@ -159,13 +167,23 @@ class _Reader:
     ``MAX_FIRST_READS`` of those under way per process). A read given up keeps its buffer
     registered and alive until the engine reports it ended (looked at before each later read)."""
 
-    def __init__(self, engine: Any, who: str, max_bytes: int) -> None:
+    def __init__(
+        self, engine: Any, who: str, max_bytes: int, pin: Callable[[memoryview], Pin | None] | None = None
+    ) -> None:
         self._engine = engine
         self._who = who
         self._max = max_bytes
+        self._pin = pin or self._register
         self._met: set[str] = set()  # peers a read from which ended well: their handshake is done
         self._lock = threading.Lock()
-        self._given_up: list[tuple[int, int, Any]] = []  # (batch id, address, buffer) still in flight
+        self._given_up: list[tuple[int, Pin, Any]] = []  # (batch id, its unpin, buffer) still in flight
+
+    def _register(self, out: memoryview) -> Pin | None:
+        """``out`` registered for one read; what unregisters it (None: refused)."""
+        addr = _address_of(out)
+        if self._engine.register_memory(addr, out.nbytes) != 0:
+            return None
+        return lambda: self._engine.unregister_memory(addr)
 
     def read(self, peer: str, ticket: int, size: int, deadline: float) -> memoryview:
         """``size`` bytes of ``peer``'s registered memory at ``ticket``."""
@@ -177,15 +195,16 @@ class _Reader:
         addr = _address_of(out)
         if peer not in self._met:
             return self._first(peer, ticket, size, deadline, out, addr)
-        if self._engine.register_memory(addr, size) != 0:
+        unpin = self._pin(out)
+        if unpin is None:
             raise WireError(f"{who}: Mooncake's engine refused to register {size} bytes")
         batch = self._engine.batch_transfer_async_read(peer, [addr], [ticket], [size])
         status = -1 if batch == 0 else self._wait(batch, deadline)
         if status == 0:
             with self._lock:
-                self._given_up.append((batch, addr, out))
+                self._given_up.append((batch, unpin, out))
             raise TimeoutError(self._late(peer, size))
-        self._engine.unregister_memory(addr)
+        unpin()
         if status < 0:
             raise WireError(self._failed(peer, size, status))
         return out
@@ -214,7 +233,8 @@ class _Reader:
             raise TimeoutError(
                 f"{self._who}: {MAX_FIRST_READS} first reads from Mooncake peers are under way"
             )
-        if self._engine.register_memory(addr, size) != 0:
+        unpin = self._pin(out)
+        if unpin is None:
             _FIRST_READS.release()
             raise WireError(f"{self._who}: Mooncake's engine refused to register {size} bytes")
         ended = threading.Event()
@@ -224,7 +244,7 @@ class _Reader:
             try:
                 rc.append(self._engine.transfer_sync_read(peer, addr, ticket, size))
             finally:  # (after the engine is done with ``out``, whether or not its caller still waits)
-                self._engine.unregister_memory(addr)
+                unpin()
                 _FIRST_READS.release()
                 ended.set()
 
@@ -241,11 +261,11 @@ class _Reader:
         with self._lock:
             pending, self._given_up = self._given_up, []
         left = []
-        for batch, addr, buf in pending:
+        for batch, unpin, buf in pending:
             if self._engine.transfer_check_status(batch):
-                self._engine.unregister_memory(addr)
+                unpin()
             else:
-                left.append((batch, addr, buf))
+                left.append((batch, unpin, buf))
         with self._lock:
             self._given_up.extend(left)
 
@@ -268,8 +288,10 @@ class _Held:
 
     buf: Any
     size: int
-    segment: bool  # a shard's segment mapping: registered until ``forget``, not with its last hold
+    segment: bool  # a whole mapping (a segment's, a pooled buffer's): not unregistered with its last hold
     holds: int = 0
+    pooled: bool = False  # a pooled buffer's: unregistered when the pool lets it go (``_forget_dropped``)
+    doomed: bool = False  # a hold of it expired: unregistered with its last hold, as a buffer's
     used: float = field(default_factory=time.monotonic)  # last staged from (idle segments go oldest first)
 
 
@@ -281,6 +303,7 @@ class _Hold:
     size: int
     on_done: Callable[[], None] | None
     born: float = field(default_factory=time.monotonic)
+    keep: Any = None  # what the hold keeps alive (a pooled buffer's view: not back in the pool while held)
 
 
 class MooncakeEngineServer:
@@ -301,7 +324,7 @@ class MooncakeEngineServer:
     ) -> None:
         self._engine, self.address = _new_engine(host_ip)
         self._max = max_bytes
-        self._reader = _Reader(self._engine, name, max_bytes)
+        self._reader = _Reader(self._engine, name, max_bytes, self._pin_read)
         self._budget = -1 if max_bytes < 0 else 2 * max_bytes
         self._ttl = ttl_s
         self.name = name
@@ -314,7 +337,9 @@ class MooncakeEngineServer:
         self._tainted: set[int] = set()  # segments a hold of which expired unreported (``forget``)
         self._graves: list[tuple[float, Any]] = []  # (until, mapping): kept mapped past unregistering
         self._segment_bytes = 0
-        self._counts = {"registrations": 0, "lent": 0, "copied": 0, "registration_failures": 0}
+        self._counts = {"registrations": 0, "lent": 0, "pooled": 0, "copied": 0, "registration_failures": 0}
+        self._dropped: deque[int] = deque()  # pooled buffers the pool let go of (``_forget_dropped``)
+        self._unhook = _buffers.on_drop(self._dropped.append)
 
     def stage(self, buf: memoryview, on_done: Callable[[], None] | None = None) -> tuple[int, int]:
         """Hold ``buf`` for a client to read: its ticket and address. With ``on_done`` (``buf`` a view
@@ -345,11 +370,13 @@ class MooncakeEngineServer:
         _call(ended)
 
     def sweep(self) -> None:
-        """End the holds past the ttl; let go of unregistered mappings kept past theirs."""
+        """End the holds past the ttl; let go of unregistered mappings kept past theirs; unregister
+        the pooled buffers the pool let go of."""
         now = time.monotonic()
         with self._lock:
             ended = self._expire(now, -1)
             self._graves = [g for g in self._graves if g[0] > now]
+            self._forget_dropped()
         _call(ended)
 
     def forget(self, mapping: memoryview) -> bool:
@@ -373,13 +400,15 @@ class MooncakeEngineServer:
         with self._lock:
             return {
                 "holds": len(self._holds),
-                "registered_segments": sum(1 for r in self._regions.values() if r.segment),
+                "registered_segments": sum(1 for r in self._regions.values() if r.segment and not r.pooled),
+                "registered_pooled": sum(1 for r in self._regions.values() if r.pooled),
                 "registered_segment_bytes": self._segment_bytes,
                 "registered_buffers": sum(1 for r in self._regions.values() if not r.segment),
                 **self._counts,
             }
 
     def close(self) -> None:
+        self._unhook()
         with self._lock:
             holds, self._holds = list(self._holds.values()), {}
             regions, self._regions = list(self._regions.items()), {}
@@ -445,9 +474,11 @@ class MooncakeEngineServer:
         r = self._regions.get(h.region)
         if r is not None:
             r.holds -= 1
-            if r.segment and expired:
+            if r.pooled and expired:  # (its reader may read late: not left registered for a later use)
+                r.doomed = True
+            elif r.segment and expired:
                 self._tainted.add(h.region)
-            if not r.segment and r.holds <= 0:
+            if (not r.segment or r.doomed) and r.holds <= 0:
                 self._unregister(h.region, r)
         return h.on_done
 
@@ -470,9 +501,16 @@ class MooncakeEngineServer:
 
     # ---- a buffer registered per reply -----------------------------------------------------------
     def _stage_buffer(self, view: memoryview, copy: bool) -> tuple[int, int]:
-        """A hold of ``view`` registered as it is (or a copy: ``copy``, or its memory overlaps a
-        region registered with another size)."""
+        """A hold of ``view``: where it lies in a pooled buffer (the whole buffer registered once,
+        while it lives), or registered as it is (or a copy: ``copy``, or its memory overlaps a region
+        registered with another size)."""
         if not copy:
+            pooled = _buffers.pooled(view)
+            if pooled is not None:
+                with self._lock:
+                    placed = self._hold_pooled(view, *pooled)
+                if placed is not None:
+                    return placed
             addr = _address_of(view)
             with self._lock:
                 r = self._regions.get(addr)
@@ -485,6 +523,65 @@ class MooncakeEngineServer:
             if copy:
                 self._counts["copied"] += 1
             return self._hold(addr, self._new(addr, out), out.nbytes)
+
+    def _hold_pooled(self, view: memoryview, mapping: memoryview, base: int) -> tuple[int, int] | None:
+        """A hold of ``view`` where it lies in the pooled buffer ``mapping`` (at ``base``): the hold
+        keeps ``view`` (so the buffer is not back in the pool while it is read). None when the buffer
+        cannot be registered."""
+        r = self._pooled_region(mapping, base)
+        if r is None:
+            return None
+        ticket = next(self._ids)
+        self._holds[ticket] = _Hold(base, view.nbytes, None, keep=view)
+        self._counts["pooled"] += 1
+        return ticket, _address_of(view)
+
+    def _pooled_region(self, mapping: memoryview, base: int) -> _Held | None:
+        """The pooled buffer ``mapping`` (at ``base``) registered whole, the first time and until the
+        pool lets it go, with one more hold on it (None: it cannot be registered)."""
+        self._forget_dropped()
+        r = self._regions.get(base)
+        if r is None or not r.pooled or r.doomed or r.size != mapping.nbytes:
+            if r is not None or not self._room(mapping.nbytes):
+                return None
+            if self._engine.register_memory(base, mapping.nbytes) != 0:
+                self._counts["registration_failures"] += 1
+                return None
+            r = self._regions[base] = _Held(mapping, mapping.nbytes, segment=True, pooled=True)
+            self._segment_bytes += r.size
+            self._counts["registrations"] += 1
+        r.holds += 1
+        r.used = time.monotonic()
+        return r
+
+    def _pin_read(self, out: memoryview) -> Pin | None:
+        """``out`` registered for a request buffer's read (``_Reader``): a pooled buffer's whole
+        registration, held for the read (it may be registered already, from a reply staged from it
+        before it was pooled again); any other, as it is. What lets it go (None: refused)."""
+        pooled = _buffers.pooled(out)
+        if pooled is not None:
+            with self._lock:
+                r = self._pooled_region(*pooled)
+            if r is not None:
+                base = pooled[1]
+                return lambda: self._unpin(base)
+        return self._reader._register(out)
+
+    def _unpin(self, base: int) -> None:
+        with self._lock:
+            r = self._regions.get(base)
+            if r is not None:
+                r.holds -= 1
+                if r.doomed and r.holds <= 0:
+                    self._unregister(base, r)
+
+    def _forget_dropped(self) -> None:
+        """Unregister the pooled buffers the pool let go of (none is held: a hold keeps its buffer)."""
+        while self._dropped:
+            addr = self._dropped.popleft()
+            r = self._regions.get(addr)
+            if r is not None and r.pooled and r.holds <= 0:
+                self._unregister(addr, r)
 
     def _new(self, addr: int, buf: Any) -> _Held:
         r = self._regions[addr] = _Held(buf, memoryview(buf).nbytes, segment=False)

@@ -85,3 +85,38 @@ def test_a_faulted_buffer_is_resident_before_anything_writes_it() -> None:
     grown = _resident_bytes() - before
     assert grown >= size * 0.9, f"only {grown >> 20} MiB of {size >> 20} MiB resident"
     del buf
+
+
+def test_a_view_names_its_pooled_mapping_and_the_pool_says_what_it_lets_go() -> None:
+    """``pooled`` finds the whole mapping under a slice, a cast, an array of a view (what a transfer
+    engine registers once); ``on_drop`` hears of each mapping the pool lets go of: evicted to make
+    room, too big to keep, cleared; never of one it keeps."""
+    pool = BufferPool(max_bytes=8 * MiB)
+    dropped: list[int] = []
+    unhook = pool.on_drop(dropped.append)
+    a, b = pool.take(4 * MiB), pool.take(4 * MiB)
+    base_a, base_b = a.ctypes.data, b.ctypes.data
+    for view in (memoryview(a.data)[100:200].cast("B"), memoryview(np.asarray(a[8:16])), memoryview(a)):
+        mapping, address = pool.pooled(view)
+        assert address == base_a and mapping.nbytes == 4 * MiB
+    assert pool.pooled(memoryview(bytearray(8))) is None and pool.pooled(memoryview(np.zeros(4))) is None
+    del view, mapping
+    del a  # (a comes back first: the oldest idle one)
+    del b
+    gc.collect()
+    assert pool.idle_bytes == 8 * MiB and dropped == []  # both kept
+    c = pool.take(2 * MiB)  # (another size: coming back, it makes room by dropping the oldest idle one)
+    del c
+    gc.collect()
+    assert dropped == [base_a]
+    big = pool.take(16 * MiB)  # more than the pool keeps: let go as it comes back
+    base_big = big.ctypes.data
+    del big
+    gc.collect()
+    assert dropped == [base_a, base_big]
+    pool.clear()
+    assert base_b in dropped[2:] and len(dropped) == 4  # (b and the 2 MiB one)
+    unhook()
+    pool.take(4 * MiB)
+    pool.clear()
+    assert len(dropped) == 4  # unhooked

@@ -409,6 +409,61 @@ def test_mooncake_staged_buffers_are_released_past_the_budget_oldest_first() -> 
         server.close()
 
 
+def test_mooncake_registers_a_pooled_buffer_once_and_lets_it_go_with_the_pool() -> None:
+    """Rows a shard holds in a pooled buffer (a put from another host lands in one): replies that
+    stage slices of it read from one registration of the whole buffer, none per reply and no copy;
+    a hold keeps the buffer out of the pool; the pool letting it go unregisters it; a hold that
+    expires unreported unregisters it with its last hold (a late reader reads nothing)."""
+    from dataplane.codec import buffers
+
+    mc = _mooncake()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=30.0, name="t-mooncake")
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        rows = buffers.take(8 << 20)
+        rows[:] = np.arange(8 << 20) % 251
+        deadline = time.monotonic() + 60
+        for a, b in ((0, 1 << 20), (1 << 20, 3 << 20), (512, 4096), (0, 8 << 20)):
+            t, at = server.stage(memoryview(rows.data)[a:b])
+            assert bytes(client.read(server.address, t, b - a, deadline, at)) == bytes(rows[a:b])
+            server.release(client.done(server.address))
+        st = server.stats()
+        assert (st["registrations"], st["registered_pooled"], st["pooled"], st["copied"]) == (1, 1, 4, 0), st
+        st_base = buffers.pooled(memoryview(rows.data))[1]
+        idle = buffers._pool.idle_bytes
+        t, at = server.stage(memoryview(rows.data)[:4096])
+        del rows  # (the shard frees them)
+        assert buffers._pool.idle_bytes == idle  # held: not back in the pool
+        server.release([t])
+        assert buffers._pool.idle_bytes == idle + (8 << 20)
+        assert server.stats()["registered_pooled"] == 1  # (kept registered while the pool has it)
+        x = _payload(8 << 20)  # a request's buffer, read into that pooled buffer, registered already
+        ticket = client.write(server.address, x, deadline)
+        got = server.take(ticket, x.nbytes, client.origin)
+        assert bytes(got) == bytes(x) and buffers.pooled(got)[1] == st_base
+        assert server.stats()["registrations"] == 1 and server._regions[st_base].holds == 0
+        client.release([ticket])
+        del got
+        buffers._pool.clear()
+        server.sweep()
+        assert server.stats()["registered_pooled"] == 0
+    finally:
+        client.close()
+        server.close()
+    server = mc.MooncakeEngineServer("127.0.0.1", max_bytes=64 << 20, ttl_s=0.0, name="t-mooncake")
+    client = mc.MooncakeEngineClient(max_bytes=64 << 20)
+    try:
+        rows = buffers.take(4 << 20)
+        t, at = server.stage(memoryview(rows.data)[: 1 << 20])
+        server.sweep()  # (its ttl of 0 is past: the hold expires unreported)
+        assert server.stats()["registered_pooled"] == 0
+        with pytest.raises(WireError, match="could not read"):
+            client.read(server.address, t, 1 << 20, time.monotonic() + 60, at)
+    finally:
+        client.close()
+        server.close()
+
+
 def _segment(nbytes: int, fill: int) -> memoryview:
     """A shared-memory mapping as a shard's segment is (``transport.shm.map_fd`` of a memfd)."""
     import os
