@@ -57,15 +57,17 @@ class BufferPool:
             if m is not None:
                 self._idle_bytes -= size
                 del self._since[id(m)]
+        new = m is None
         if m is None:
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
                 m.madvise(mmap.MADV_HUGEPAGE)
             except (AttributeError, OSError):  # no transparent huge pages here: plain pages
                 pass
-            with self._lock:
-                self._address[m] = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+        if new:
+            with self._lock:
+                self._address[m] = int(arr.ctypes.data)
         weakref.finalize(arr, self._give_back, m, size)
         return arr
 

@@ -156,6 +156,14 @@ def _registered_copy(engine: Any, view: memoryview, who: str) -> tuple[int, Any]
     return addr, out
 
 
+def _register_for_read(engine: Any, out: memoryview) -> Pin | None:
+    """``out`` registered with ``engine`` for one read; what unregisters it (None: refused)."""
+    addr = _address_of(out)
+    if engine.register_memory(addr, out.nbytes) != 0:
+        return None
+    return lambda: engine.unregister_memory(addr)
+
+
 class _Reader:
     """Reads from peers' registered memory into warm buffers, each by a deadline
     (``time.monotonic()``) or ``TimeoutError``. Mooncake gives a read no deadline of its own: a peer
@@ -173,17 +181,10 @@ class _Reader:
         self._engine = engine
         self._who = who
         self._max = max_bytes
-        self._pin = pin or self._register
+        self._pin = pin or (lambda out: _register_for_read(engine, out))
         self._met: set[str] = set()  # peers a read from which ended well: their handshake is done
         self._lock = threading.Lock()
         self._given_up: list[tuple[int, Pin, Any]] = []  # (batch id, its unpin, buffer) still in flight
-
-    def _register(self, out: memoryview) -> Pin | None:
-        """``out`` registered for one read; what unregisters it (None: refused)."""
-        addr = _address_of(out)
-        if self._engine.register_memory(addr, out.nbytes) != 0:
-            return None
-        return lambda: self._engine.unregister_memory(addr)
 
     def read(self, peer: str, ticket: int, size: int, deadline: float) -> memoryview:
         """``size`` bytes of ``peer``'s registered memory at ``ticket``."""
@@ -432,19 +433,27 @@ class MooncakeEngineServer:
             if r is not None or not self._room(mapping.nbytes):
                 self._counts["registration_failures"] += 1
                 return None
-            if self._engine.register_memory(base, mapping.nbytes) != 0:
-                self._counts["registration_failures"] += 1
-                logger.debug("%s: Mooncake refused a segment of %d bytes", self.name, mapping.nbytes)
+            r = self._register_whole(mapping, base, pooled=False)
+            if r is None:
                 return None
-            r = self._regions[base] = _Held(mapping, mapping.nbytes, segment=True)
-            self._segment_bytes += r.size
-            self._counts["registrations"] += 1
         ticket = next(self._ids)
         r.holds += 1
         r.used = time.monotonic()
         self._holds[ticket] = _Hold(base, view.nbytes, on_done)
         self._counts["lent"] += 1
         return ticket, _address_of(view)
+
+    def _register_whole(self, mapping: memoryview, base: int, pooled: bool) -> _Held | None:
+        """``mapping`` (at ``base``) registered whole, as a region that outlives its holds (a
+        segment's, or a pooled buffer's); None when Mooncake refuses it."""
+        if self._engine.register_memory(base, mapping.nbytes) != 0:
+            self._counts["registration_failures"] += 1
+            logger.debug("%s: Mooncake refused a mapping of %d bytes", self.name, mapping.nbytes)
+            return None
+        r = self._regions[base] = _Held(mapping, mapping.nbytes, segment=True, pooled=pooled)
+        self._segment_bytes += r.size
+        self._counts["registrations"] += 1
+        return r
 
     def _room(self, size: int) -> bool:
         """Whether a segment of ``size`` bytes fits the bound, idle segments unregistered (oldest
@@ -544,12 +553,9 @@ class MooncakeEngineServer:
         if r is None or not r.pooled or r.doomed or r.size != mapping.nbytes:
             if r is not None or not self._room(mapping.nbytes):
                 return None
-            if self._engine.register_memory(base, mapping.nbytes) != 0:
-                self._counts["registration_failures"] += 1
+            r = self._register_whole(mapping, base, pooled=True)
+            if r is None:
                 return None
-            r = self._regions[base] = _Held(mapping, mapping.nbytes, segment=True, pooled=True)
-            self._segment_bytes += r.size
-            self._counts["registrations"] += 1
         r.holds += 1
         r.used = time.monotonic()
         return r
@@ -565,7 +571,7 @@ class MooncakeEngineServer:
             if r is not None:
                 base = pooled[1]
                 return lambda: self._unpin(base)
-        return self._reader._register(out)
+        return _register_for_read(self._engine, out)
 
     def _unpin(self, base: int) -> None:
         with self._lock:
