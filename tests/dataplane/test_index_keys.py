@@ -65,6 +65,31 @@ def test_keys_cost_no_object_of_their_own_and_share_their_field_sets():
     assert table.tag(keys[5]) == {"i": 5} and table.tag(keys[500]) == {}  # tags only where given
 
 
+def test_what_a_task_takes_leaves_the_collector_nothing_to_walk_again():
+    """A consumer's bookkeeping over a big stream: each take it remembers (for retries and give-backs)
+    is in a container the garbage collector stops tracking at its first look; a list would be walked
+    by every collection until the heap's next freeze (a second of takes: half a million keys)."""
+    core = IndexCore()
+    _commit(core, "p", [f"k{i}" for i in range(2 * BUILD_SLICE)], ["x"])
+    assert core.op_next(_protocol.Next("p", "t", 1000, ["x"])) is None  # (a big stream: gathered first)
+    while core.building:
+        core.build_some()
+    takes = []
+    for _ in range(12):
+        take = uuid.uuid4().hex
+        got = core.op_next(_protocol.Next("p", "t", 1000, ["x"], take=take, lease_s=60.0)).keys
+        takes.append((take, got))
+    task = core.partitions["p"].streams.tasks["t"]
+    gc.collect()
+    assert len(task.consumed) == 12_000
+    assert [list(task.takes[take]) for take, _ in takes] == [got for _, got in takes]
+    assert not any(map(gc.is_tracked, task.takes.values()))
+    # A retry of a take still gets its keys, and a give-back puts them first in line again.
+    assert core.op_next(_protocol.Next("p", "t", 1000, ["x"], take=takes[0][0])).keys == takes[0][1]
+    core.op_release(_protocol.Release("p", "t", takes[1][0]))
+    assert core.op_next(_protocol.Next("p", "t", 1000, ["x"])).keys == takes[1][1]
+
+
 def test_a_listing_pages_in_put_order_and_its_cursor_survives_clears_and_compaction():
     core = IndexCore()
     n = 3 * COMPACT_MIN_HOLES

@@ -77,9 +77,11 @@ class Task:
     streams: dict[frozenset[str], Stream] = field(default_factory=dict)
     cache: OrderedDict[Slot, list[str]] = field(default_factory=OrderedDict)
     # The last TAKE_MEMORY takes (id -> keys): a call its consumer gave up on is given back by id, and
-    # a retry of a take gets the same keys. Leases (id -> Lease) are kept until acknowledged or due;
-    # ``leased`` maps each key under a lease to its take.
-    takes: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
+    # a retry of a take gets the same keys. Tuples: the collector stops tracking a tuple of strings at
+    # its first look, where a list would be walked by each collection until the heap is frozen (a
+    # second of takes of 1,000 held half a million keys in lists). Leases (id -> Lease) are kept until
+    # acknowledged or due; ``leased`` maps each key under a lease to its take.
+    takes: OrderedDict[str, tuple[str, ...]] = field(default_factory=OrderedDict)
     leases: dict[str, Lease] = field(default_factory=dict)
     leased: dict[str, str] = field(default_factory=dict)
     # When it last took or acknowledged rows here, or first asked for some (time.monotonic()).
@@ -300,7 +302,7 @@ class PartitionStreams:
         until ``lease_deadline``), or None to wait for more rows."""
         task, stream = self.stream(task_name, fields)
         if take is not None and take in task.takes:
-            return task.takes[take], take if take in task.leases else None  # a retry: the same keys
+            return list(task.takes[take]), take if take in task.leases else None  # a retry: the same keys
         slot = (fields, dp_rank, batch_index)
         if dp_rank is not None and batch_index is not None and slot in task.cache:
             keys = task.cache[slot]  # a peer of this DP rank (TP/PP) asked first: the same keys
@@ -349,7 +351,7 @@ class PartitionStreams:
         """Mark ``keys`` (chosen by a client-side sampler) consumed; all must be ready for the task."""
         task, stream = self.stream(task_name, fields)
         if take is not None and take in task.takes:
-            return task.takes[take], take if take in task.leases else None  # a retry of the same claim
+            return list(task.takes[take]), take if take in task.leases else None  # a retry of the same claim
         if stream.build is not None:
             self.build_all()
         self._check_ready(stream, keys, "the sampler")
@@ -364,7 +366,7 @@ class PartitionStreams:
         the keys are leased (None otherwise)."""
         if take is None:
             return None
-        task.takes[take] = keys
+        task.takes[take] = tuple(keys)
         while len(task.takes) > TAKE_MEMORY:
             old, _ = task.takes.popitem(last=False)
             lease = task.leases.get(old)
@@ -394,7 +396,8 @@ class PartitionStreams:
         task = self.tasks.get(task_name)
         if task is None:
             return None
-        keys = task.takes.pop(take, None)
+        took = task.takes.pop(take, None)
+        keys = None if took is None else list(took)
         lease = task.leases.pop(take, None)
         if lease is not None:
             keys = list(lease.keys)
@@ -589,7 +592,7 @@ class PartitionStreams:
             for fields, rank, index, keys in t["cache"]:
                 task.cache[(frozenset(fields), rank, index)] = list(keys)
             for take, keys in t.get("takes", ()):
-                task.takes[str(take)] = list(keys)
+                task.takes[str(take)] = tuple(keys)
             for take, keys, left in t.get("leases", ()):
                 bad = [k for k in keys if k not in task.consumed]
                 if bad:
