@@ -17,7 +17,7 @@ what ``msgspec.msgpack.encode`` would give for the same values):
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ class Big:
     parts: list[memoryview]
     counts: list[int] = field(default_factory=list)  # items per part
 
-    def extend(self, values: list[Any]) -> None:
+    def extend(self, values: Sequence[Any]) -> None:
         """Append ``values``' encodings (one C call)."""
         self.parts.append(memoryview(_ENCODER.encode(values))[len(array_header(len(values))) :])
         self.counts.append(len(values))
@@ -64,14 +64,19 @@ class Big:
         return [(n, len(part)) for n, part in zip(self.counts, self.parts, strict=True)]
 
 
-def encode_list(values: list[Any] | np.ndarray, slice_len: int) -> Generator[None, None, Big]:
-    """``values`` (a list, or a 1-d array: encoded as a list of numbers) encoded ``slice_len`` items
-    per step."""
+def encode_list(values: Sequence[Any] | np.ndarray, slice_len: int) -> Generator[None, None, Big]:
+    """``values`` (a list or a tuple, or a 1-d array: encoded as a list of numbers) encoded
+    ``slice_len`` items per step."""
+    return encode_parts(values[at : at + slice_len] for at in range(0, len(values), slice_len))
+
+
+def encode_parts(parts: Iterable[Sequence[Any] | np.ndarray]) -> Generator[None, None, Big]:
+    """One list made of ``parts``, in order, encoded a part per step."""
     out = Big(0, [])
-    for at in range(0, len(values), slice_len):
-        part = values[at : at + slice_len]
-        out.extend(part.tolist() if isinstance(part, np.ndarray) else part)
-        yield None
+    for part in parts:
+        if len(part):
+            out.extend(part.tolist() if isinstance(part, np.ndarray) else part)
+            yield None
     return out
 
 
@@ -100,4 +105,4 @@ def _lay_out(value: Any, out: list[bytes | memoryview]) -> None:
         out.append(_ENCODER.encode(value))
 
 
-__all__ = ["Big", "array_header", "encode_list", "map_header", "pieces"]
+__all__ = ["Big", "array_header", "encode_list", "encode_parts", "map_header", "pieces"]
