@@ -545,9 +545,11 @@ def test_a_save_looks_up_its_rows_a_slice_per_hold_of_the_lock(monkeypatch):
             lock.release()
 
     saver = shard_checkpoint.ShardCheckpoints(core, Counting(), "here", 1 << 20)  # type: ignore[arg-type]
-    wanted = {"p": ([f"k{i}" for i in range(8)], [["x"]] * 8)}  # (k7: never put)
+    # The keys in parts, as the checkpoint's index is decoded (k7: never put).
+    wanted = {"p": ([("k0", "k1", "k2"), ("k3", "k4", "k5", "k6", "k7")], [(["x"],) * 3, (["x"],) * 5])}
     plan, missing, pinned = saver._pin(wanted)
-    assert holds[0] == 4 and missing == {"p": ["k7"]} and plan[0][1] == [f"k{i}" for i in range(7)]
+    assert holds[0] == 5 and missing == {"p": ["k7"]}  # (slices of 2 within each part)
+    assert plan[0][1] == [("k0", "k1"), ("k2",), ("k3", "k4"), ("k5", "k6"), ()]  # a tuple per hold
     for seg in pinned:
         seg.pins -= 1
         core._unref(seg)
