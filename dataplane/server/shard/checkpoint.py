@@ -108,10 +108,11 @@ class ShardManifest(msgspec.Struct):
 
 
 # The keys of a partition a shard holds in a checkpoint, and the fields each holds, as parts of a few
-# thousand keys each (and so are a plan's keys): tuples, which the collector stops tracking at its
-# first look, each walked once while small. A list of a million keys was walked by every collection
-# until the heap's next freeze (a save's lists held the shard's loop up to 24 ms in one collection),
-# and one tuple of a million by the first (16 ms).
+# thousand keys each (and so are a plan's keys), in tuples: the collector stops tracking a tuple of
+# strings at its first look, so each key part is walked once, while small (a part of fields holds
+# the shared field lists, so stays tracked, but is walked a part at a time). A list of a million keys
+# was walked by every collection until the heap's next freeze (a save's lists held the shard's loop
+# up to 24 ms in one collection), and one tuple of a million by the first (16 ms).
 _Wanted = tuple[list[tuple[str, ...]], list[tuple[list[str], ...]]]
 # What a save writes of one partition: its pid, its keys, and per field per segment (by id) the
 # segment, its rows and each row's key position: arrays, a few per slice of keys, so a million rows
@@ -211,10 +212,10 @@ class ShardCheckpoints:
                 key_parts.append(tuple(compress(keys, ours)))
                 field_parts.append(tuple(compress(fields, ours)))
                 del keys, fields
-                # A young collection now (its few objects, about 0.2 ms): the slice's two tuples are
+                # A young collection now (its few objects, about 0.2 ms): the slice's key tuple is
                 # walked once and no longer tracked; else, as decoding makes few tracked objects,
-                # every slice's would wait in the youngest generation for one collection to walk them
-                # all (19.5 ms for a million keys).
+                # every slice's parts would wait in the youngest generation for one collection to
+                # walk them all (19.5 ms for a million keys).
                 gc.collect(0)
             out[p.pid] = (key_parts, field_parts)
         return out
