@@ -482,14 +482,19 @@ class MooncakeEngineServer:
             return None
         r = self._regions.get(h.region)
         if r is not None:
-            r.holds -= 1
             if r.pooled and expired:  # (its reader may read late: not left registered for a later use)
                 r.doomed = True
             elif r.segment and expired:
                 self._tainted.add(h.region)
-            if (not r.segment or r.doomed) and r.holds <= 0:
-                self._unregister(h.region, r)
+            self._let_go(h.region, r)
         return h.on_done
+
+    def _let_go(self, addr: int, r: _Held) -> None:
+        """One hold of region ``r`` (at ``addr``) gone: with its last, a buffer's registration goes,
+        and a whole mapping's once doomed (a segment's and a pooled buffer's otherwise stay)."""
+        r.holds -= 1
+        if (not r.segment or r.doomed) and r.holds <= 0:
+            self._unregister(addr, r)
 
     def _expire(self, now: float, room: int) -> list[Callable[[], None] | None]:
         """End the holds past the ttl, then the oldest holds of staged buffers (not segments) until
@@ -577,9 +582,7 @@ class MooncakeEngineServer:
         with self._lock:
             r = self._regions.get(base)
             if r is not None:
-                r.holds -= 1
-                if r.doomed and r.holds <= 0:
-                    self._unregister(base, r)
+                self._let_go(base, r)
 
     def _forget_dropped(self) -> None:
         """Unregister the pooled buffers the pool let go of (none is held: a hold keeps its buffer)."""

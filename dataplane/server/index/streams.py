@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -396,8 +396,7 @@ class PartitionStreams:
         task = self.tasks.get(task_name)
         if task is None:
             return None
-        took = task.takes.pop(take, None)
-        keys = None if took is None else list(took)
+        keys: Sequence[str] | None = task.takes.pop(take, None)
         lease = task.leases.pop(take, None)
         if lease is not None:
             keys = list(lease.keys)
@@ -478,7 +477,7 @@ class PartitionStreams:
                 for key in keys:
                     stream.build.late.pop(key, None)
 
-    def unconsume(self, task_name: str, keys: list[str]) -> int:
+    def unconsume(self, task_name: str, keys: Iterable[str]) -> int:
         """Give back keys whose batch never reached its consumer's code; how many went back.
 
         Keys a rank-aware call took stay with their ``(dp_rank, batch_index)`` slot instead: a TP/PP
