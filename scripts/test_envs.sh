@@ -52,8 +52,19 @@ user() {
         run "as $(id -un)"
         return
     fi
-    local who=nobody dir site status=0; dir=$(mktemp -d /tmp/rlt-user-XXXX)
+    local who=nobody dir site closed status=0
     site=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    # The user reads this tree and its venv where they are: a directory above them closed to other
+    # users (a checkout under `mktemp -d`, mode 700) would leave it without pytest; say which one.
+    closed=$(setpriv --reuid="$who" --regid="$(id -g "$who")" --clear-groups sh -c \
+        'p=$1; c=; while [ "$p" != / ]; do [ -r "$p" ] && [ -x "$p" ] || c=$p; p=$(dirname "$p"); done; echo "$c"' \
+        _ "$(realpath "$site")")
+    if [ -n "$closed" ]; then
+        echo "== as $who: cannot run: $closed is closed to other users, so $who cannot read this" \
+            "checkout's venv ($site); open it (chmod o+rx) or clone the tree under a readable directory"
+        return 1
+    fi
+    dir=$(mktemp -d /tmp/rlt-user-XXXX)
     /usr/bin/python3.11 -m venv --without-pip "$dir/venv"
     echo "import site; site.addsitedir('$site')" > "$dir/venv/lib/python3.11/site-packages/rlt.pth"
     mkdir -p "$dir/home"
